@@ -1,0 +1,1 @@
+"""Turns checkpoints into model and engine directories."""

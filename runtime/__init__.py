@@ -1,0 +1,1 @@
+"""The TokenSwift decoding runtime: model, caches, drafting, verification, sampling."""

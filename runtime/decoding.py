@@ -1,0 +1,393 @@
+"""TokenSwift decoding and its AR baseline, as named stages and a short loop.
+
+Terms (one iteration):
+- root token: the last sampled token; committed as output but not yet in the KV cache.
+- draft tokens: the trie's nodes below the root (static tree from the draft heads + n-grams).
+- accepted tokens: draft tokens the target itself produced at their position, walking from the
+  root; `accept_length` = how many.
+- bonus token: the target's sample after the last accepted node; it becomes the next root.
+Every iteration therefore commits accept_length + 1 tokens.
+
+Stages: propose (draft forward on the partial cache -> per-head candidates, n-gram branches)
+-> build trie -> verify (one forward over the trie on the full cache) -> accept -> commit
+(full cache, partial cache, n-gram table, token history).
+"""
+
+from __future__ import annotations
+
+import random as random_module
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import Engine
+from .kv_cache import KVCache, PartialKVCache
+from .model import ForwardOutput
+from .ngram import NgramTable
+from .sampling import PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, process_logits
+from .tree import StaticTree, Trie, build_static_tree, build_trie
+
+METHODS = ("tokenswift", "ar")
+NGRAM_LENGTH = 4
+
+
+class GenerationError(ValueError):
+    """A request that cannot run as given (the message says what to change)."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int
+    method: str = "tokenswift"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    tree: str = "1,3,3,3"
+    ngram_topk: int = 20
+    kv_budget: int = 4096
+    seed: int | None = None
+    ignore_eos: bool = False
+    max_length: int | None = None  # engine maximum (prompt + generated); default: the model's
+    prefill_chunk: int = 1024
+
+
+@dataclass
+class Stats:
+    method: str
+    seed: int
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    iterations: int = 0  # decode iterations (AR: steps)
+    drafted_tokens: int = 0  # tree depth per iteration
+    accepted_tokens: int = 0
+    ngram_accepted_tokens: int = 0  # accepted nodes that only an n-gram branch proposed
+    ngram_hit_iterations: int = 0
+    partial_selections: int = 0
+    prefill_s: float = 0.0
+    elapsed_s: float = 0.0
+    phase_s: dict[str, float] = field(default_factory=dict)
+    stop_reason: str = ""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α = accepted draft tokens / drafted tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def ngram_acceptance_rate(self) -> float:
+        """β = draft tokens accepted along an n-gram branch / drafted tokens."""
+        return self.ngram_accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens committed per iteration (accepted + 1)."""
+        return 1 + self.accepted_tokens / self.iterations if self.iterations else 0.0
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
+
+
+@dataclass
+class DecodeState:
+    """Everything one sequence carries between iterations."""
+
+    tokens: list[int]  # committed ids: prompt + generated; tokens[-1] is the root
+    history: torch.Tensor  # [capacity] int64 mirror of `tokens` for windows
+    prompt_length: int
+    limit: int  # stop when len(tokens) reaches this
+    full: KVCache
+    partial: PartialKVCache | None
+    table: NgramTable | None
+    random: RandomSource
+    sampling: SamplingConfig
+    stop_tokens: frozenset[int]
+    queries: list[torch.Tensor]  # per layer [heads, head_dim]: latest committed token's query
+
+    @property
+    def root_position(self) -> int:
+        return len(self.tokens) - 1
+
+    def window(self, path: Sequence[int] = ()) -> torch.Tensor:
+        """Last W tokens of committed + `path` (draft tokens after the root): what AR would see."""
+        size = self.sampling.penalty_window
+        if self.sampling.penalty == 1 or size == 0:
+            return self.history[:0]
+        end = len(self.tokens)
+        start = max(0, end + len(path) - size)
+        committed = self.history[start:end]
+        if not path:
+            return committed
+        tail = torch.tensor(list(path)[-size:], dtype=torch.long, device=self.history.device)
+        return torch.cat((committed, tail))
+
+    def append(self, tokens: Sequence[int]) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        self.history[start : start + len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
+
+
+@dataclass
+class Acceptance:
+    nodes: list[int]  # accepted trie nodes, root excluded, in path order
+    tokens: list[int]  # emitted tokens: accepted draft tokens, then the bonus token
+
+
+class NodeTargets:
+    """The target's processed distribution and sample at trie nodes, computed on demand.
+
+    The sample at node i (depth d) is the token for position root + d + 1, drawn with that
+    position's random number from the distribution AR would have used there.
+    """
+
+    def __init__(self, engine: Engine, state: DecodeState, trie: Trie, hidden: torch.Tensor) -> None:
+        self.engine, self.state, self.trie, self.hidden = engine, state, trie, hidden  # hidden [N, hidden]
+
+    def path(self, node: int) -> list[int]:
+        tokens = []
+        while node > 0:
+            tokens.append(self.trie.tokens[node])
+            node = self.trie.parents[node]
+        return tokens[::-1]
+
+    def scores(self, node: int) -> torch.Tensor:
+        logits = self.engine.model.logits(self.hidden[node])  # [V]
+        return process_logits(logits, self.state.window(self.path(node)), self.state.sampling)
+
+    def sample(self, node: int) -> int:
+        position = self.state.root_position + self.trie.depths[node] + 1
+        return choose_token(self.scores(node), self.state.sampling, self.state.random.uniform(position))
+
+
+Acceptor = Callable[[Trie, NodeTargets, int, frozenset], Acceptance]
+
+
+def accept_trie(trie: Trie, targets: NodeTargets, remaining: int, stop_tokens: frozenset[int]) -> Acceptance:
+    """One target sample per visited trie node; walk while the sample is a child. Lossless."""
+    node, nodes, tokens = 0, [], []
+    while True:
+        token = targets.sample(node)
+        tokens.append(token)
+        if len(tokens) >= remaining or token in stop_tokens:
+            break
+        child = trie.children[node].get(token)
+        if child is None:
+            break
+        nodes.append(child)
+        node = child
+    return Acceptance(nodes, tokens)
+
+
+# ---------------------------------------------------------------- stages
+
+
+def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: int) -> torch.Tensor:
+    """Run the prompt through the full cache; returns the last position's hidden [hidden]."""
+    device = engine.device
+    out: ForwardOutput | None = None
+    for start in range(0, len(prompt), chunk):
+        ids = torch.tensor(prompt[start : start + chunk], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + ids.numel(), device=device)
+        out = engine.model(ids, positions, state.full, keep_queries=True)
+        state.full.commit()
+    assert out is not None and out.queries is not None
+    state.queries = [q[-1] for q in out.queries]
+    return out.hidden[-1]
+
+
+def sample_next(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> int:
+    """AR step's choice for position len(tokens), from hidden [hidden] of the last committed token."""
+    scores = process_logits(engine.model.logits(hidden), state.window(), state.sampling)
+    return choose_token(scores, state.sampling, state.random.uniform(len(state.tokens)))
+
+
+def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[int]]:
+    """Draft forward of the root on the partial cache -> candidates per head [depth][branching]."""
+    device = engine.device
+    root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
+    position = torch.tensor([state.root_position], dtype=torch.long, device=device)
+    assert state.partial is not None
+    hidden = engine.model(root, position, state.partial).hidden  # [1, hidden]
+    head_states = [engine.model.model.norm(hidden)] + engine.draft_layers(hidden)
+    window = state.window()
+    candidates = []
+    for depth, width in enumerate(tree.branching):
+        logits = engine.model.lm_head(head_states[depth])[0]  # [V]
+        scores = process_logits(logits, window, state.sampling)
+        candidates.append(scores.topk(width).indices.tolist())
+    return candidates
+
+
+def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:
+    """Top-k committed 4-grams starting with each distinct first-depth candidate."""
+    if state.table is None or k <= 0:
+        return []
+    paths: list[tuple[int, ...]] = []
+    for token in dict.fromkeys(first_tokens):
+        paths.extend(state.table.top(token, k))
+    return paths
+
+
+def verify(engine: Engine, state: DecodeState, trie: Trie) -> ForwardOutput:
+    """One forward of every trie node on the full cache with the trie's ancestor mask."""
+    device = engine.device
+    tokens = torch.tensor(trie.tokens, dtype=torch.long, device=device)
+    positions = torch.tensor(trie.depths, dtype=torch.long, device=device) + state.root_position
+    return engine.model(tokens, positions, state.full, tree_mask=trie.mask().to(device), keep_queries=True)
+
+
+def commit(state: DecodeState, acceptance: Acceptance, verified: ForwardOutput, ngram_exclusion: int) -> None:
+    """Keep the root's and accepted nodes' K/V, extend history, partial cache and n-gram table."""
+    start = state.full.length
+    kept = [0] + acceptance.nodes
+    state.full.keep(kept)
+    assert verified.queries is not None
+    state.queries = [q[kept[-1]] for q in verified.queries]
+    state.append(acceptance.tokens)
+    if state.partial is not None:
+        state.partial.append_from(state.full, start, len(kept), state.queries)
+    if state.table is not None:
+        state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
+
+
+# ---------------------------------------------------------------- loop
+
+
+def _check_request(engine: Engine, prompt: Sequence[int], config: GenerationConfig) -> int:
+    config.sampling.validate()
+    if config.method not in METHODS:
+        raise GenerationError(f"method must be one of {', '.join(METHODS)}, got {config.method!r}")
+    if not prompt:
+        raise GenerationError("the prompt is empty: give at least one token")
+    if config.max_new_tokens <= 0:
+        raise GenerationError(f"max_new_tokens must be positive, got {config.max_new_tokens}")
+    vocab = engine.config.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise GenerationError(f"prompt token ids must be in [0, {vocab})")
+    max_length = config.max_length or engine.config.max_position_embeddings
+    if len(prompt) >= max_length:
+        raise GenerationError(
+            f"the prompt has {len(prompt)} tokens but the engine's maximum length is {max_length}: shorten the prompt"
+        )
+    if config.ngram_topk < 0:
+        raise GenerationError(f"ngram top-k must be >= 0, got {config.ngram_topk}")
+    if config.kv_budget < 32:
+        raise GenerationError(f"the partial KV budget must be at least 32, got {config.kv_budget}")
+    return max_length
+
+
+@torch.inference_mode()
+def generate(
+    engine: Engine,
+    prompt: Sequence[int],
+    config: GenerationConfig,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    random: RandomSource | None = None,
+    acceptor: Acceptor = accept_trie,
+) -> tuple[list[int], Stats]:
+    """Generate after `prompt`; returns the new token ids and `Stats`.
+
+    Stops at max_new_tokens, at an EOS token unless ignore_eos, or at the engine's maximum length
+    (stop_reason says which). `on_tokens` receives each batch of newly committed tokens.
+    """
+    max_length = _check_request(engine, prompt, config)
+    tree = build_static_tree(config.tree)
+    if config.method == "tokenswift" and tree.depth > 1 + len(engine.draft_layers):
+        raise GenerationError(
+            f"tree {config.tree!r} is {tree.depth} deep but the engine has {len(engine.draft_layers)} draft layers "
+            f"(at most {1 + len(engine.draft_layers)} levels)"
+        )
+    seed = config.seed if config.seed is not None else random_module.SystemRandom().randrange(2**63)
+    stats = Stats(method=config.method, seed=seed, prompt_tokens=len(prompt))
+    limit = min(len(prompt) + config.max_new_tokens, max_length)
+    max_trie = tree.num_nodes + config.ngram_topk * tree.branching[0] * NGRAM_LENGTH
+    cfg, dtype, device = engine.config, engine.dtype, engine.device
+    full = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limit + max_trie, dtype, device)
+    state = DecodeState(
+        tokens=list(prompt),
+        history=torch.zeros(limit + max_trie, dtype=torch.long, device=device),
+        prompt_length=len(prompt),
+        limit=limit,
+        full=full,
+        partial=None,
+        table=None,
+        random=random or PositionKeyedRandom(seed),
+        sampling=config.sampling,
+        stop_tokens=frozenset() if config.ignore_eos else frozenset(cfg.eos_token_ids),
+        queries=[],
+    )
+    state.history[: len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+
+    started = time.perf_counter()
+    hidden = prefill(engine, state, prompt, config.prefill_chunk)
+    first = sample_next(engine, state, hidden)
+    state.append([first])
+    stats.prefill_s = time.perf_counter() - started
+    if on_tokens:
+        on_tokens([first])
+    done = first in state.stop_tokens or len(state.tokens) >= limit
+
+    if config.method == "ar":
+        while not done:
+            tick = time.perf_counter()
+            root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
+            position = torch.tensor([state.root_position], dtype=torch.long, device=device)
+            hidden = engine.model(root, position, state.full).hidden[0]
+            state.full.commit()
+            token = sample_next(engine, state, hidden)
+            state.append([token])
+            stats.iterations += 1
+            stats.add_time("forward", time.perf_counter() - tick)
+            if on_tokens:
+                on_tokens([token])
+            done = token in state.stop_tokens or len(state.tokens) >= limit
+    else:
+        ngram_exclusion = config.sampling.penalty_window if config.sampling.penalty > 1 else 0
+        state.partial = PartialKVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_budget, dtype=dtype, device=device
+        )
+        state.partial.select(state.full, state.queries)
+        if config.ngram_topk > 0:
+            state.table = NgramTable(NGRAM_LENGTH)
+            state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
+        while not done:
+            tick = time.perf_counter()
+            candidates = propose(engine, state, tree)
+            t_draft = time.perf_counter()
+            trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, candidates[0], config.ngram_topk))
+            t_trie = time.perf_counter()
+            verified = verify(engine, state, trie)
+            t_verify = time.perf_counter()
+            acceptance = acceptor(trie, NodeTargets(engine, state, trie, verified.hidden), limit - len(state.tokens), state.stop_tokens)
+            t_accept = time.perf_counter()
+            commit(state, acceptance, verified, ngram_exclusion)
+            t_commit = time.perf_counter()
+            for phase, begin, end in (
+                ("draft", tick, t_draft), ("trie", t_draft, t_trie), ("verify", t_trie, t_verify),
+                ("accept", t_verify, t_accept), ("commit", t_accept, t_commit),
+            ):
+                stats.add_time(phase, end - begin)
+            stats.iterations += 1
+            stats.drafted_tokens += tree.depth
+            stats.accepted_tokens += len(acceptance.nodes)
+            ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
+            stats.ngram_accepted_tokens += ngram_accepted
+            stats.ngram_hit_iterations += ngram_accepted > 0
+            if on_tokens:
+                on_tokens(acceptance.tokens)
+            done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= limit
+        stats.partial_selections = state.partial.selections
+
+    stats.elapsed_s = time.perf_counter() - started
+    new_tokens = state.tokens[len(prompt) :]
+    stats.new_tokens = len(new_tokens)
+    if new_tokens[-1] in state.stop_tokens:
+        stats.stop_reason = "eos"
+    elif len(new_tokens) >= config.max_new_tokens:
+        stats.stop_reason = "max_new_tokens"
+    else:
+        stats.stop_reason = "max_length"
+    return new_tokens, stats

@@ -1,0 +1,157 @@
+"""One decoder for the Llama family (Llama 2 / 3.x, Qwen2; MHA and GQA), driven by `ModelConfig`.
+
+Every call takes explicit position ids and an optional tree mask among the new tokens, and
+attends to whatever cache it is given (full cache for prefill/verify/AR, partial cache for
+drafting). Parameter names equal Hugging Face's, so checkpoints load key for key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .rope import RotaryEmbedding, apply_rotary
+
+
+class AttentionCache(Protocol):
+    """What a forward needs of a cache: the committed length and a write-then-read per layer."""
+
+    @property
+    def prefix_length(self) -> int: ...
+
+    def attend_kv(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [T, hidden] last layer output before the final norm
+    queries: list[torch.Tensor] | None  # per layer [T, heads, head_dim] after rotary, when requested
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,
+        mask: torch.Tensor,  # [T, prefix + T] bool, True = may attend
+        cache: AttentionCache,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        count = x.shape[0]
+        q = self.q_proj(x).view(count, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, head_dim]
+        k = self.k_proj(x).view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        keys, values = cache.attend_kv(layer, k, v)  # [kv_heads, prefix + T, head_dim]
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )[0]  # [heads, T, head_dim]
+        out = self.o_proj(out.transpose(0, 1).reshape(count, self.num_heads * self.head_dim))
+        return out, q.transpose(0, 1)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def attention_mask(prefix: int, tree_mask: torch.Tensor | None, count: int, device: torch.device) -> torch.Tensor:
+    """[T, prefix + T] bool: all committed slots, then the tree mask (causal when None)."""
+    if tree_mask is None:
+        tree_mask = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+    visible_prefix = torch.ones(count, prefix, dtype=torch.bool, device=device)
+    return torch.cat((visible_prefix, tree_mask.to(device)), dim=1)
+
+
+class LlamaModel(nn.Module):
+    """Decoder + LM head. `forward` returns pre-norm hidden states; `logits` applies norm + head."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, device="cpu" if str(device) == "meta" else device)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64 absolute positions
+        cache: AttentionCache,
+        tree_mask: torch.Tensor | None = None,  # [T, T] bool, node i may see node j; None = causal
+        keep_queries: bool = False,
+    ) -> ForwardOutput:
+        x = self.model.embed_tokens(tokens)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        mask = attention_mask(cache.prefix_length, tree_mask, tokens.shape[0], x.device)
+        queries: list[torch.Tensor] | None = [] if keep_queries else None
+        for index, layer in enumerate(self.model.layers):
+            attended, q = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, cache, index)
+            x = x + attended
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if queries is not None:
+                queries.append(q)
+        return ForwardOutput(hidden=x, queries=queries)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] (pre-norm) -> logits [..., vocab]."""
+        return self.lm_head(self.model.norm(hidden))

@@ -1,0 +1,143 @@
+"""Draft trees: the static tree over draft-head candidates, and the per-iteration trie.
+
+Terms: the *root* is the last sampled token (not yet in the KV cache); node 0 of every tree is the
+root. A node at depth d proposes a token for position root + d. In the static tree a node at
+depth d takes the candidate of rank `rank` from head d-1 (head 0 is the base model's own head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class TreeSpecError(ValueError):
+    """A tree string such as `1,3,3,3` is malformed."""
+
+
+def parse_tree(spec: str | Sequence[int]) -> tuple[int, ...]:
+    """'1,3,3,3' -> (1, 3, 3, 3): candidates per node at each depth."""
+    if isinstance(spec, str):
+        parts = [p.strip() for p in spec.strip().strip("[]").split(",")]
+        try:
+            branching = tuple(int(p) for p in parts)
+        except ValueError:
+            raise TreeSpecError(f"tree {spec!r} must be comma-separated positive integers, e.g. 1,3,3,3") from None
+    else:
+        branching = tuple(int(b) for b in spec)
+    if not branching or any(b < 1 for b in branching):
+        raise TreeSpecError(f"tree {spec!r} must be comma-separated positive integers, e.g. 1,3,3,3")
+    if len(branching) > 8:
+        raise TreeSpecError(f"tree {spec!r} is deeper than 8")
+    return branching
+
+
+def ancestor_mask(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """parents [N] (root's parent = -1) -> mask [N, N] bool, node i sees itself and its ancestors."""
+    count = parents.numel()
+    mask = torch.eye(count, dtype=torch.bool)
+    rows = torch.arange(count)
+    ancestor = parents.clamp(min=0)
+    for _ in range(depth):
+        mask[rows, ancestor] = True
+        ancestor = parents.clamp(min=0)[ancestor]
+    return mask
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    branching: tuple[int, ...]
+    parents: torch.Tensor  # [N] int64, -1 for the root
+    depths: torch.Tensor  # [N] int64
+    ranks: torch.Tensor  # [N] int64, candidate rank in head depth-1; -1 for the root
+    mask: torch.Tensor  # [N, N] bool
+    paths: tuple[tuple[int, ...], ...]  # [N] candidate ranks from depth 1 to the node
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return len(self.branching)
+
+
+def build_static_tree(spec: str | Sequence[int]) -> StaticTree:
+    """Every node at depth d has branching[d] children (ranks 0..b-1), breadth first."""
+    branching = parse_tree(spec)
+    paths: list[tuple[int, ...]] = [()]
+    parents, frontier = [-1], [0]
+    for width in branching:
+        next_frontier = []
+        for parent in frontier:
+            for rank in range(width):
+                paths.append(paths[parent] + (rank,))
+                parents.append(parent)
+                next_frontier.append(len(paths) - 1)
+        frontier = next_frontier
+    parent_tensor = torch.tensor(parents, dtype=torch.long)
+    return StaticTree(
+        branching=branching,
+        parents=parent_tensor,
+        depths=torch.tensor([len(p) for p in paths], dtype=torch.long),
+        ranks=torch.tensor([p[-1] if p else -1 for p in paths], dtype=torch.long),
+        mask=ancestor_mask(parent_tensor, len(branching)),
+        paths=tuple(paths),
+    )
+
+
+class Trie:
+    """De-duplicated merge of candidate paths after the root; one verification forward covers it.
+
+    from_tree[i] is True when node i belongs to the static tree (else it came from an n-gram).
+    """
+
+    def __init__(self, root_token: int) -> None:
+        self.tokens: list[int] = [root_token]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self.children: list[dict[int, int]] = [{}]
+        self.from_tree: list[bool] = [True]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add_path(self, tokens: Iterable[int], from_tree: bool) -> int:
+        """Insert the path root -> tokens...; returns its last node."""
+        node = 0
+        for token in tokens:
+            child = self.children[node].get(token)
+            if child is None:
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                self.children.append({})
+                self.from_tree.append(from_tree)
+                self.children[node][token] = child
+            elif from_tree:
+                self.from_tree[child] = True
+            node = child
+        return node
+
+    def mask(self) -> torch.Tensor:
+        """[N, N] bool ancestor mask."""
+        return ancestor_mask(torch.tensor(self.parents, dtype=torch.long), max(self.depths))
+
+
+def build_trie(
+    root_token: int,
+    tree: StaticTree,
+    head_candidates: list[list[int]],  # [heads][candidates] token ids, best first
+    ngram_paths: Sequence[Sequence[int]] = (),
+) -> Trie:
+    """Static tree filled from each head's candidates, plus n-gram branches, merged into one trie."""
+    trie = Trie(root_token)
+    for path in tree.paths:
+        if len(path) == tree.depth:  # leaves; their ancestors come with them
+            trie.add_path((head_candidates[depth][rank] for depth, rank in enumerate(path)), from_tree=True)
+    for path in ngram_paths:
+        trie.add_path(path, from_tree=False)
+    return trie

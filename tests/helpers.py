@@ -1,0 +1,66 @@
+"""Tiny Hugging Face checkpoints for tests, written with transformers' own model classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    values = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def qwen2_config(**overrides):
+    from transformers import Qwen2Config
+
+    values = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    values.update(overrides)
+    return Qwen2Config(**values)
+
+
+def save_hf_model(config, directory: Path, seed: int = 0):
+    """Build a random transformers model for `config`, save it to `directory`, return it (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms and biases so that their loading is checked
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.eval()
+    model.save_pretrained(directory)
+    return model
