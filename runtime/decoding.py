@@ -50,6 +50,24 @@ class GenerationConfig:
     max_length: int | None = None  # engine maximum (prompt + generated); default: the model's
     prefill_chunk: int = 1024
 
+    def validate(self) -> None:
+        """Engine-independent checks; raise GenerationError naming the bad value."""
+        try:
+            self.sampling.validate()
+            build_static_tree(self.tree)
+        except ValueError as error:
+            raise GenerationError(str(error)) from None
+        if self.method not in METHODS:
+            raise GenerationError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.max_new_tokens <= 0:
+            raise GenerationError(f"max new tokens must be positive, got {self.max_new_tokens}")
+        if self.ngram_topk < 0:
+            raise GenerationError(f"n-gram top-k must be >= 0, got {self.ngram_topk}")
+        if self.kv_budget < 32:
+            raise GenerationError(f"the partial KV budget must be at least 32, got {self.kv_budget}")
+        if self.prefill_chunk < 1:
+            raise GenerationError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+
 
 @dataclass
 class Stats:
@@ -257,13 +275,9 @@ def commit(state: DecodeState, acceptance: Acceptance, verified: ForwardOutput, 
 
 
 def _check_request(engine: Engine, prompt: Sequence[int], config: GenerationConfig) -> int:
-    config.sampling.validate()
-    if config.method not in METHODS:
-        raise GenerationError(f"method must be one of {', '.join(METHODS)}, got {config.method!r}")
+    config.validate()
     if not prompt:
         raise GenerationError("the prompt is empty: give at least one token")
-    if config.max_new_tokens <= 0:
-        raise GenerationError(f"max_new_tokens must be positive, got {config.max_new_tokens}")
     vocab = engine.config.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise GenerationError(f"prompt token ids must be in [0, {vocab})")
@@ -272,10 +286,6 @@ def _check_request(engine: Engine, prompt: Sequence[int], config: GenerationConf
         raise GenerationError(
             f"the prompt has {len(prompt)} tokens but the engine's maximum length is {max_length}: shorten the prompt"
         )
-    if config.ngram_topk < 0:
-        raise GenerationError(f"ngram top-k must be >= 0, got {config.ngram_topk}")
-    if config.kv_budget < 32:
-        raise GenerationError(f"the partial KV budget must be at least 32, got {config.kv_budget}")
     return max_length
 
 

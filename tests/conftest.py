@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny Hugging Face checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from helpers import llama_config, qwen2_config, save_hf_model
+
+from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, load_engine
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """Llama 3-style GQA model with llama3 rope scaling; returns (dir, transformers model)."""
+    directory = tmp_path_factory.mktemp("llama")
+    config = llama_config(
+        rope_scaling=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+    )
+    return directory, save_hf_model(config, directory)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen2")
+    return directory, save_hf_model(qwen2_config(), directory)
+
+
+def quiet_load(directory, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntrainedDraftLayersWarning)
+        return load_engine(directory, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def llama_engine64(llama_dir):
+    """float64 engine: exact-equality tests are then free of fp32 near-ties."""
+    return quiet_load(llama_dir[0], dtype=torch.float64)

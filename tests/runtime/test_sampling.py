@@ -1,0 +1,132 @@
+"""Each logits processor against its written formula; position-keyed randomness; inverse CDF."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenswift_trt.runtime.sampling import (
+    SamplingConfig,
+    apply_penalty,
+    choose_token,
+    eta_filter,
+    inverse_cdf_sample,
+    min_p_filter,
+    position_uniform,
+    process_logits,
+    top_k_filter,
+    top_p_filter,
+)
+
+NEG = float("-inf")
+
+
+def _kept(scores: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(scores > NEG).flatten().tolist())
+
+
+def _random_logits(seed: int, size: int = 50) -> torch.Tensor:
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+
+
+def test_penalty_divides_positive_and_multiplies_negative_once_per_token():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    out = apply_penalty(logits, torch.tensor([0, 1, 1, 1]), 2.0)  # repeats penalise once
+    assert out.tolist() == [1.0, -2.0, 0.5, 3.0]
+    assert apply_penalty(logits, torch.tensor([0]), 1.0) is logits
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass(seed):
+    scores = _random_logits(seed)
+    probs = scores.softmax(-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    for top_p in (0.1, 0.5, 0.9):
+        want, mass = set(), 0.0
+        for index in order:  # formula: add most probable tokens until the mass reaches top_p
+            want.add(index)
+            mass += probs[index]
+            if mass >= top_p:
+                break
+        assert _kept(top_p_filter(scores, top_p)) == want
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_min_p_keeps_tokens_above_fraction_of_max_and_at_least_20(seed):
+    scores = _random_logits(seed, size=60)
+    probs = scores.softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    for min_p in (0.05, 0.3, 0.9):
+        above = {i for i in range(60) if probs[i] >= min_p * probs.max()}
+        want = above | set(order[:20])
+        assert _kept(min_p_filter(scores, min_p)) == want
+    small = _random_logits(seed, size=8)  # fewer than 20 tokens: all kept
+    assert _kept(min_p_filter(small, 0.9)) == set(range(8))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_eta_threshold_is_min_of_eta_and_sqrt_eta_times_exp_minus_entropy(seed):
+    scores = _random_logits(seed) * 2
+    probs = scores.softmax(-1).tolist()
+    entropy = -sum(p * math.log(p) for p in probs if p > 0)
+    for eta in (0.0009, 0.02, 0.3):
+        threshold = min(eta, math.sqrt(eta) * math.exp(-entropy))
+        want = {i for i, p in enumerate(probs) if p >= threshold} | {max(range(len(probs)), key=probs.__getitem__)}
+        assert _kept(eta_filter(scores, eta)) == want
+
+
+def test_top_k_keeps_k_largest():
+    scores = torch.tensor([0.1, 5.0, -2.0, 3.0, 4.0])
+    assert _kept(top_k_filter(scores, 2)) == {1, 4}
+    assert _kept(top_k_filter(scores, 0)) == set(range(5))
+
+
+def test_process_logits_order_penalty_then_temperature_then_truncation():
+    logits = torch.tensor([4.0, 3.9, 1.0, 0.0])
+    config = SamplingConfig(temperature=0.5, top_k=2, penalty=2.0, penalty_window=4)
+    out = process_logits(logits, torch.tensor([0]), config)
+    # token 0 penalised to 2.0 first, so top-2 after temperature are tokens 1 and 0
+    assert out[1] == pytest.approx(3.9 / 0.5) and out[0] == pytest.approx(2.0 / 0.5)
+    assert out[2] == NEG and out[3] == NEG
+    greedy = process_logits(logits, torch.tensor([0]), SamplingConfig(temperature=0, penalty=2.0))
+    assert choose_token(greedy, SamplingConfig(temperature=0), 0.5) == 1
+
+
+def test_position_uniform_is_a_pure_function_of_seed_and_position():
+    values = [position_uniform(7, p) for p in range(1000)]
+    assert values == [position_uniform(7, p) for p in range(1000)]
+    assert all(0 <= v < 1 for v in values)
+    assert values != [position_uniform(8, p) for p in range(1000)]
+    mean = sum(values) / len(values)
+    assert abs(mean - 0.5) < 0.05  # roughly uniform
+    assert len(set(values)) == len(values)
+
+
+def test_inverse_cdf_picks_the_interval_containing_u():
+    scores = torch.log(torch.tensor([0.2, 0.0, 0.5, 0.3], dtype=torch.float64))
+    assert inverse_cdf_sample(scores, 0.0) == 0
+    assert inverse_cdf_sample(scores, 0.19) == 0
+    assert inverse_cdf_sample(scores, 0.21) == 2  # zero-probability token 1 is never chosen
+    assert inverse_cdf_sample(scores, 0.69) == 2
+    assert inverse_cdf_sample(scores, 0.71) == 3
+    assert inverse_cdf_sample(scores, 0.999999999) == 3
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("temperature", -0.1, "temperature"),
+        ("top_p", 0.0, "top-p"),
+        ("top_p", 1.5, "top-p"),
+        ("min_p", 1.0, "min-p"),
+        ("min_p", -0.1, "min-p"),
+        ("penalty", 0.9, "penalty"),
+        ("top_k", -1, "top-k"),
+        ("eta", 1.0, "eta"),
+    ],
+)
+def test_out_of_range_values_are_refused(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**{field: value}).validate()

@@ -1,0 +1,240 @@
+"""`tokenswift-trt` command line: parses, calls the runtime/builder, prints. No algorithm here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import click
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+class CliError(click.ClickException):
+    exit_code = 2
+
+
+class OneLineErrors(click.Group):
+    """Every usage or input error becomes one line on stderr with exit code 2, never a traceback."""
+
+    def main(self, *args, **kwargs):  # type: ignore[override]
+        kwargs["standalone_mode"] = False
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.Abort:
+            click.echo("tokenswift-trt: aborted", err=True)
+            sys.exit(130)
+        except click.exceptions.Exit as done:
+            sys.exit(done.exit_code)
+        except click.ClickException as error:
+            message = error.format_message().replace("\n", " ")
+            click.echo(f"tokenswift-trt: error: {message}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=OneLineErrors)
+@click.version_option(package_name="tokenswift-trt")
+def main() -> None:
+    """Lossless TokenSwift acceleration of ultra-long generation."""
+
+
+def _fail(error: Exception) -> CliError:
+    return CliError(str(error).splitlines()[0] if str(error) else type(error).__name__)
+
+
+def _load(model_dir: Path, heads: Path | None, dtype: str, device: str, quiet: bool):
+    import torch
+
+    from tokenswift_trt.runtime.config import ConfigError
+    from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
+    from tokenswift_trt.runtime.text import TextCodec, TokenizerError
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UntrainedDraftLayersWarning)
+        try:
+            engine = load_engine(model_dir, heads, dtype=getattr(torch, dtype), device=device)
+            codec = TextCodec.from_dir(model_dir)
+        except (ConfigError, WeightsError, TokenizerError, OSError) as error:
+            raise _fail(error) from None
+    for warning in caught:
+        if issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet:
+            click.echo(f"warning: {warning.message}", err=True)
+    return engine, codec
+
+
+def sampling_options(function):
+    options = [
+        click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy"),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off"),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off"),
+        click.option("--min-p", type=float, default=0.0, show_default=True, help="0 = off; keeps >= 20 tokens"),
+        click.option("--eta", type=float, default=0.0, show_default=True, help="η-sampling; 0 = off"),
+        click.option("--penalty", type=float, default=1.0, show_default=True, help="contextual penalty θ; 1 = off"),
+        click.option("--penalty-window", type=int, default=1024, show_default=True, help="W: tokens the penalty looks back"),
+        click.option("--ngram-topk", type=int, default=20, show_default=True, help="n-gram branches per first token"),
+        click.option("--tree", default="1,3,3,3", show_default=True, help="candidates per depth"),
+        click.option("--kv-budget", type=int, default=4096, show_default=True, help="partial KV cache budget B"),
+        click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"),
+        click.option("--ignore-eos", is_flag=True, help="do not stop at EOS"),
+        click.option("--max-length", type=int, default=None, help="engine maximum length (default: model's)"),
+        click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
+        click.option("--device", default="cpu", show_default=True),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _generation_config(max_new_tokens: int, method: str, opts: dict):
+    from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError
+    from tokenswift_trt.runtime.sampling import SamplingConfig
+
+    sampling = SamplingConfig(
+        temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"], min_p=opts["min_p"],
+        eta=opts["eta"], penalty=opts["penalty"], penalty_window=opts["penalty_window"],
+    )
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, method=method, sampling=sampling, tree=opts["tree"],
+        ngram_topk=opts["ngram_topk"], kv_budget=opts["kv_budget"], seed=opts["seed"],
+        ignore_eos=opts["ignore_eos"], max_length=opts["max_length"],
+    )
+    try:
+        config.validate()
+    except GenerationError as error:
+        raise _fail(error) from None
+    return config
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise CliError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise CliError(f"cannot read prompt file {prompt_file}: {error}") from None
+    assert prompt is not None
+    if not prompt.strip():
+        raise CliError("the prompt is empty: give some text")
+    return prompt
+
+
+@main.command()
+@click.option("--model-dir", type=click.Path(path_type=Path), required=True, help="Hugging Face model directory")
+@click.option("--heads", type=click.Path(path_type=Path), default=None, help="draft-layer heads file (safetensors)")
+@click.option("--prompt", default=None, help="prompt text")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="file holding the prompt")
+@click.option("--max-new-tokens", type=int, required=True)
+@click.option("--method", type=click.Choice(["tokenswift", "ar"]), default="tokenswift", show_default=True)
+@click.option("--stream", is_flag=True, help="print text as it is accepted")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
+@sampling_options
+def generate(model_dir, heads, prompt, prompt_file, max_new_tokens, method, stream, as_json, **opts) -> None:
+    """Generate a continuation of a prompt with TokenSwift (or the AR baseline)."""
+    from tqdm import tqdm
+
+    from tokenswift_trt.runtime.decoding import GenerationError
+    from tokenswift_trt.runtime.decoding import generate as run_generate
+    from tokenswift_trt.runtime.text import StreamDecoder
+
+    text = _read_prompt(prompt, prompt_file)
+    config = _generation_config(max_new_tokens, method, opts)
+    if not model_dir.is_dir():
+        raise CliError(f"model directory {model_dir} does not exist: pass a Hugging Face model directory")
+    engine, codec = _load(model_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
+    prompt_ids = codec.encode(text)
+
+    stream_decoder = StreamDecoder(codec)
+    progress = tqdm(total=max_new_tokens, unit="tok", file=sys.stderr, disable=True if (as_json or stream) else None)
+
+    def on_tokens(ids: list[int]) -> None:
+        progress.update(len(ids))
+        if stream:
+            click.echo(stream_decoder.push(ids), nl=False)
+
+    try:
+        new_ids, stats = run_generate(engine, prompt_ids, config, on_tokens=on_tokens)
+    except GenerationError as error:
+        raise _fail(error) from None
+    finally:
+        progress.close()
+    output = codec.decode(new_ids)
+    if stream:
+        click.echo(stream_decoder.flush())
+    if stats.stop_reason == "max_length" and not as_json:
+        click.echo(f"note: stopped at the engine's maximum length after {stats.new_tokens} new tokens", err=True)
+    if as_json:
+        click.echo(json.dumps({
+            "text": output,
+            "token_ids": new_ids,
+            "new_tokens": stats.new_tokens,
+            "acceptance_rate": stats.acceptance_rate,
+            "ngram_acceptance_rate": stats.ngram_acceptance_rate,
+            "tokens_per_s": stats.tokens_per_s,
+            "elapsed_s": stats.elapsed_s,
+            "method": stats.method,
+            "seed": stats.seed,
+            "stop_reason": stats.stop_reason,
+        }))
+        return
+    if not stream:
+        click.echo(output)
+    click.echo(
+        f"[{stats.method}] {stats.new_tokens} tokens in {stats.elapsed_s:.2f}s ({stats.tokens_per_s:.1f} tok/s), "
+        f"α {stats.acceptance_rate:.3f}, β {stats.ngram_acceptance_rate:.3f}, seed {stats.seed}, stop: {stats.stop_reason}",
+        err=True,
+    )
+
+
+@main.command("random-model")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="directory to write")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--force", is_flag=True, help="overwrite an existing directory")
+def random_model(out: Path, seed: int, force: bool) -> None:
+    """Write a tiny random-weight Llama directory (with a byte-level tokenizer) for demos and tests."""
+    from tokenswift_trt.builder.random_model import write_random_model
+
+    if (out / "config.json").exists() and not force:
+        raise CliError(f"{out} already holds a model: pass --force to overwrite")
+    write_random_model(out, seed=seed)
+    click.echo(f"wrote a random-weight tiny Llama to {out}")
+
+
+@main.command()
+@click.option("--model-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--heads", type=click.Path(path_type=Path), default=None)
+@click.option("--prompt", default="It is a truth universally acknowledged, that", show_default=True)
+@click.option("--max-new-tokens", type=int, default=2048, show_default=True)
+@sampling_options
+def demo(model_dir, heads, prompt, max_new_tokens, **opts) -> None:
+    """Generate with AR and with TokenSwift on the same engine; print speedup, α, β and whether they agree."""
+    from tqdm import tqdm
+
+    from tokenswift_trt.runtime.decoding import generate as run_generate
+
+    if not model_dir.is_dir():
+        raise CliError(f"model directory {model_dir} does not exist")
+    if opts["seed"] is None:
+        opts["seed"] = 0
+    engine, codec = _load(model_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    if (model_dir / "README.md").is_file() and "Random weights" in (model_dir / "README.md").read_text():
+        click.echo("note: this model has RANDOM weights; its text is noise, only speed and exactness mean anything", err=True)
+    prompt_ids = codec.encode(_read_prompt(prompt, None))
+    results = {}
+    for method in ("ar", "tokenswift"):
+        config = _generation_config(max_new_tokens, method, opts)
+        with tqdm(total=max_new_tokens, unit="tok", desc=method, file=sys.stderr) as bar:
+            results[method] = run_generate(engine, prompt_ids, config, on_tokens=lambda ids: bar.update(len(ids)))
+    (ar_ids, ar), (ts_ids, ts) = results["ar"], results["tokenswift"]
+    click.echo(f"prompt: {prompt!r}")
+    click.echo(f"TokenSwift text (first 300 chars): {codec.decode(ts_ids)[:300]!r}")
+    click.echo(f"AR          {ar.new_tokens:6d} tokens  {ar.elapsed_s:7.2f}s  {ar.tokens_per_s:8.1f} tok/s")
+    click.echo(f"TokenSwift  {ts.new_tokens:6d} tokens  {ts.elapsed_s:7.2f}s  {ts.tokens_per_s:8.1f} tok/s")
+    click.echo(
+        f"speedup {ar.elapsed_s / ts.elapsed_s:.2f}x   α {ts.acceptance_rate:.3f}   β {ts.ngram_acceptance_rate:.3f}   "
+        f"tokens/iteration {ts.mean_accept_length:.2f}   same tokens as AR: {ar_ids == ts_ids}"
+    )
