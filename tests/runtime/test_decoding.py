@@ -1,0 +1,142 @@
+"""TokenSwift is lossless: greedy and seeded sampling equal AR token for token; stops; stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import quiet_load
+
+from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, generate
+from tokenswift_trt.runtime.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0)
+
+
+def _prompts(vocab: int, count: int, length: int = 48) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("ngram_topk", [0, 20])
+def test_greedy_tokenswift_equals_ar_equals_transformers(llama_dir, llama_engine64, ngram_topk):
+    _, hf_model = llama_dir
+    hf64 = hf_model.to(torch.float64)
+    try:
+        for prompt in _prompts(llama_engine64.config.vocab_size, 2):
+            base = dict(max_new_tokens=512, sampling=GREEDY, ignore_eos=True)
+            # budget 32 < context (48 + 512): drafting runs on a selected partial cache
+            swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, ngram_topk=ngram_topk, kv_budget=32))
+            ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+            with torch.no_grad():
+                reference = hf64.generate(
+                    torch.tensor([prompt]), max_new_tokens=512, min_new_tokens=512, do_sample=False,
+                    eos_token_id=None, pad_token_id=0,
+                )[0, len(prompt):].tolist()
+            assert swift == ar == reference
+            assert stats.partial_selections > 0
+            assert stats.iterations < 512 and stats.accepted_tokens > 0
+    finally:
+        hf_model.to(torch.float32)
+
+
+def test_greedy_with_repetitive_prompt_uses_ngram_branches(llama_engine64):
+    prompt = [5, 6, 7, 8, 9] * 20
+    config = GenerationConfig(max_new_tokens=300, sampling=GREEDY, ignore_eos=True, ngram_topk=20, kv_budget=64)
+    swift, stats = generate(llama_engine64, prompt, config)
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=300, sampling=GREEDY, ignore_eos=True, method="ar"))
+    assert swift == ar
+    assert stats.ngram_accepted_tokens > 0 and 0 < stats.ngram_acceptance_rate <= stats.acceptance_rate <= 1
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
+        SamplingConfig(temperature=0.8, top_p=0.9, penalty=1.2, penalty_window=8),
+        SamplingConfig(temperature=1.0, eta=0.02, top_k=30, penalty=1.5, penalty_window=4),
+    ],
+)
+def test_seeded_sampling_tokenswift_equals_ar_token_for_token(llama_engine64, sampling):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    for seed in (0, 1, 2):
+        base = dict(max_new_tokens=512, sampling=sampling, seed=seed, ignore_eos=True)
+        swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, kv_budget=40))
+        ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+        assert swift == ar
+        assert stats.seed == seed
+
+
+def test_different_seeds_give_different_samples(llama_engine64):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    outputs = {
+        tuple(generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=40, seed=s, ignore_eos=True))[0])
+        for s in range(3)
+    }
+    assert len(outputs) == 3
+
+
+def test_stops_at_eos_unless_ignored(llama_engine64):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=200, sampling=GREEDY, method="ar", ignore_eos=True))
+    eos = ar[57]  # pretend the 58th generated token is EOS
+    from dataclasses import replace
+
+    engine = replace(llama_engine64, config=replace(llama_engine64.config, eos_token_ids=(eos,)))
+    first = ar.index(eos)
+    for method in ("tokenswift", "ar"):
+        out, stats = generate(engine, prompt, GenerationConfig(max_new_tokens=200, sampling=GREEDY, method=method))
+        assert out == ar[: first + 1] and stats.stop_reason == "eos"
+        out, stats = generate(engine, prompt, GenerationConfig(max_new_tokens=200, sampling=GREEDY, method=method, ignore_eos=True))
+        assert out == ar and stats.stop_reason == "max_new_tokens"
+
+
+def test_stops_at_engine_maximum_length_keeping_tokens(llama_engine64):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    config = GenerationConfig(max_new_tokens=100, sampling=GREEDY, ignore_eos=True, max_length=len(prompt) + 30)
+    out, stats = generate(llama_engine64, prompt, config)
+    assert len(out) == 30 and stats.stop_reason == "max_length"
+    full, _ = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=100, sampling=GREEDY, ignore_eos=True))
+    assert out == full[:30]
+
+
+def test_streaming_callback_sees_every_token_in_order(llama_engine64):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    seen: list[int] = []
+    out, stats = generate(
+        llama_engine64, prompt, GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True), on_tokens=seen.extend
+    )
+    assert seen == out and stats.new_tokens == 100
+    assert set(stats.phase_s) == {"draft", "trie", "verify", "accept", "commit"}
+    assert stats.drafted_tokens == 4 * stats.iterations
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_new_tokens=0), "max new tokens"),
+        (dict(max_new_tokens=5, tree="1,x"), "tree"),
+        (dict(max_new_tokens=5, tree="1,1,1,1,1"), "draft layers"),
+        (dict(max_new_tokens=5, method="beam"), "method"),
+        (dict(max_new_tokens=5, sampling=SamplingConfig(top_p=2.0)), "top-p"),
+        (dict(max_new_tokens=5, max_length=48), "maximum length"),
+    ],
+)
+def test_bad_requests_raise_generation_error(llama_engine64, kwargs, match):
+    with pytest.raises(GenerationError, match=match):
+        generate(llama_engine64, _prompts(llama_engine64.config.vocab_size, 1)[0], GenerationConfig(**kwargs))
+
+
+def test_empty_and_out_of_vocabulary_prompts_are_refused(llama_engine64):
+    with pytest.raises(GenerationError, match="empty"):
+        generate(llama_engine64, [], GenerationConfig(max_new_tokens=5))
+    with pytest.raises(GenerationError, match="token ids"):
+        generate(llama_engine64, [1, 10_000], GenerationConfig(max_new_tokens=5))
+
+
+def test_qwen2_tied_embeddings_greedy_lossless(qwen2_dir):
+    engine = quiet_load(qwen2_dir[0], dtype=torch.float64)
+    prompt = _prompts(engine.config.vocab_size, 1)[0]
+    base = dict(max_new_tokens=200, sampling=GREEDY, ignore_eos=True)
+    swift, _ = generate(engine, prompt, GenerationConfig(**base, kv_budget=32))
+    ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
+    assert swift == ar

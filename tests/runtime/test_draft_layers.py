@@ -1,0 +1,78 @@
+"""Draft layers: chained formula, released TokenSwift checkpoint keys, heads files, untrained fallback."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import quiet_load
+from safetensors.torch import load_file, save_file
+
+from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
+
+
+def _random_draft_tensors(hidden: int, prefix: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(3):
+        tensors[f"{prefix}{i}.linear.weight"] = torch.randn(hidden, hidden, generator=generator) * 0.1
+        tensors[f"{prefix}{i}.input_layernorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+        tensors[f"{prefix}{i}.post_layernorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    return tensors
+
+
+def _rmsnorm(x, weight, eps):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_released_checkpoint_keys_load_and_layers_are_chained(llama_dir, tmp_path):
+    directory, _ = llama_dir
+    base = load_file(str(directory / "model.safetensors"))
+    draft = _random_draft_tensors(64, "model.medusa_layers.")
+    save_file({**base, **draft}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntrainedDraftLayersWarning)  # trained layers: no warning
+        engine = load_engine(tmp_path)
+    assert engine.trained_draft_layers and len(engine.draft_layers) == 3
+
+    hidden = torch.randn(5, 64)
+    eps = engine.config.rms_norm_eps
+    expected, h = [], hidden
+    for i in range(3):  # h_i = h_{i-1} + W_i rmsnorm_a_i(h_{i-1}); output rmsnorm_b_i(h_i)
+        h = h + _rmsnorm(h, draft[f"model.medusa_layers.{i}.input_layernorm.weight"], eps) @ draft[f"model.medusa_layers.{i}.linear.weight"].T
+        expected.append(_rmsnorm(h, draft[f"model.medusa_layers.{i}.post_layernorm.weight"], eps))
+    with torch.no_grad():
+        got = engine.draft_layers(hidden)
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() < 1e-5
+
+
+def test_heads_file_overrides_and_shape_mismatch_is_refused(llama_dir, tmp_path):
+    directory, _ = llama_dir
+    heads = _random_draft_tensors(64, "draft_layers.", seed=5)
+    save_file(heads, str(tmp_path / "heads.safetensors"))
+    engine = load_engine(directory, heads_file=tmp_path / "heads.safetensors")
+    assert engine.trained_draft_layers
+    assert torch.equal(engine.draft_layers.layers[2].linear.weight, heads["draft_layers.2.linear.weight"])
+
+    wrong = _random_draft_tensors(32, "draft_layers.")
+    save_file(wrong, str(tmp_path / "wrong.safetensors"))
+    with pytest.raises(WeightsError, match="draft layers.*shape"):
+        load_engine(directory, heads_file=tmp_path / "wrong.safetensors")
+    with pytest.raises(WeightsError, match="does not exist"):
+        load_engine(directory, heads_file=tmp_path / "absent.safetensors")
+
+
+def test_model_without_draft_layers_warns_and_uses_zero_layers(llama_dir):
+    with pytest.warns(UntrainedDraftLayersWarning, match="acceptance will be low"):
+        engine = load_engine(llama_dir[0])
+    assert not engine.trained_draft_layers
+    hidden = torch.randn(2, 64)
+    with torch.no_grad():
+        outputs = engine.draft_layers(hidden)
+    # W = 0: every layer's output is the plain normalised base state
+    for out in outputs:
+        assert torch.allclose(out, _rmsnorm(hidden, torch.ones(64), engine.config.rms_norm_eps), atol=1e-6)
+    assert quiet_load(llama_dir[0]).trained_draft_layers is False
