@@ -238,3 +238,7 @@ def demo(model_dir, heads, prompt, max_new_tokens, **opts) -> None:
         f"speedup {ar.elapsed_s / ts.elapsed_s:.2f}x   α {ts.acceptance_rate:.3f}   β {ts.ngram_acceptance_rate:.3f}   "
         f"tokens/iteration {ts.mean_accept_length:.2f}   same tokens as AR: {ar_ids == ts_ids}"
     )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The `tokenswift-trt` command: generation output, streaming, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from tokenswift_trt.builder.random_model import write_random_model
+from tokenswift_trt.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("random-tiny"), seed=1)
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_generate_json_reports_tokens_and_rates(model_dir):
+    result = _run(
+        "generate", "--model-dir", str(model_dir), "--prompt", "Hello there", "--max-new-tokens", "64",
+        "--temperature", "0", "--ignore-eos", "--json",
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(report) >= {"text", "token_ids", "new_tokens", "acceptance_rate", "ngram_acceptance_rate", "tokens_per_s", "elapsed_s", "method"}
+    assert report["new_tokens"] == len(report["token_ids"]) == 64
+    assert report["method"] == "tokenswift" and 0 <= report["acceptance_rate"] <= 1
+
+    ar = _run(
+        "generate", "--model-dir", str(model_dir), "--prompt", "Hello there", "--max-new-tokens", "64",
+        "--temperature", "0", "--ignore-eos", "--json", "--method", "ar",
+    )
+    assert json.loads(ar.stdout.strip().splitlines()[-1])["token_ids"] == report["token_ids"]
+
+
+def test_seeded_sampling_is_reproducible_and_streams_the_same_text(model_dir):
+    args = ["generate", "--model-dir", str(model_dir), "--prompt", "Once", "--max-new-tokens", "48",
+            "--seed", "5", "--min-p", "0.1", "--penalty", "1.2", "--penalty-window", "16", "--ignore-eos"]
+    first = json.loads(_run(*args, "--json").stdout.strip().splitlines()[-1])
+    second = json.loads(_run(*args, "--json").stdout.strip().splitlines()[-1])
+    assert first["token_ids"] == second["token_ids"] and first["seed"] == 5
+    streamed = _run(*args, "--stream")
+    assert streamed.exit_code == 0
+    assert streamed.stdout.rstrip("\n") == first["text"]
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--model-dir", "/nonexistent/model", "--prompt", "x", "--max-new-tokens", "5"], "does not exist"),
+        (["--prompt", "", "--max-new-tokens", "5"], "prompt is empty"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "max new tokens"),
+        (["--prompt", "x", "--max-new-tokens", "-3"], "max new tokens"),
+        (["--prompt", "x", "--max-new-tokens", "5", "--temperature", "-1"], "temperature"),
+        (["--prompt", "x", "--max-new-tokens", "5", "--top-p", "0"], "top-p"),
+        (["--prompt", "x", "--max-new-tokens", "5", "--top-p", "1.2"], "top-p"),
+        (["--prompt", "x", "--max-new-tokens", "5", "--min-p", "1"], "min-p"),
+        (["--prompt", "x", "--max-new-tokens", "5", "--penalty", "0.5"], "penalty"),
+        (["--prompt", "x", "--max-new-tokens", "5", "--tree", "1,,3"], "tree"),
+        (["--prompt", "x", "--max-new-tokens", "5", "--tree", "1,3,3,3,3"], "draft layers"),
+        (["--max-new-tokens", "5"], "exactly one of --prompt"),
+        (["--prompt", "x", "--max-new-tokens", "five"], "five"),
+        (["--prompt-file", "/nonexistent/prompt.txt", "--max-new-tokens", "5"], "cannot read prompt file"),
+    ],
+)
+def test_bad_input_gives_one_line_error_and_exit_code_2(model_dir, args, match):
+    if "--model-dir" not in args:
+        args = ["--model-dir", str(model_dir), *args]
+    result = _run("generate", *args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tokenswift-trt: error:"), result.stderr
+    assert match in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_prompt_longer_than_the_engine_is_refused(model_dir):
+    result = _run("generate", "--model-dir", str(model_dir), "--prompt", "x" * 100, "--max-new-tokens", "5", "--max-length", "50")
+    assert result.exit_code == 2 and "maximum length" in result.stderr
+
+
+def test_installed_console_script_prints_no_traceback(tmp_path):
+    script = [sys.executable, "-m", "tokenswift_trt.cli"]
+    result = subprocess.run(
+        [*script, "generate", "--model-dir", str(tmp_path / "absent"), "--prompt", "x", "--max-new-tokens", "3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "does not exist" in result.stderr
+
+
+def test_demo_compares_ar_and_tokenswift(model_dir):
+    result = _run("demo", "--model-dir", str(model_dir), "--max-new-tokens", "64", "--temperature", "0", "--ignore-eos")
+    assert result.exit_code == 0, result.output
+    assert "RANDOM weights" in result.stderr
+    assert "same tokens as AR: True" in result.stdout and "speedup" in result.stdout
+
+
+def test_random_model_refuses_to_overwrite(model_dir):
+    result = _run("random-model", "--out", str(model_dir))
+    assert result.exit_code == 2 and "--force" in result.stderr
