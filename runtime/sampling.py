@@ -12,6 +12,7 @@ both emit the same tokens.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Protocol
@@ -99,8 +100,8 @@ def eta_filter(scores: torch.Tensor, eta: float) -> torch.Tensor:
         return scores
     log_probs = scores.log_softmax(dim=-1)
     probs = log_probs.exp()
-    entropy = -(probs * log_probs.nan_to_num(neginf=0.0)).sum()
-    threshold = min(torch.tensor(eta, dtype=probs.dtype), eta**0.5 * torch.exp(-entropy))
+    entropy = float(-(probs * log_probs.nan_to_num(neginf=0.0)).sum())
+    threshold = min(eta, eta**0.5 * math.exp(-entropy))
     remove = probs < threshold
     remove[probs.argmax()] = False
     return scores.masked_fill(remove, float("-inf"))
@@ -123,7 +124,8 @@ def inverse_cdf_sample(scores: torch.Tensor, uniform: float) -> int:
     """Token whose CDF interval (token id order, float64) contains `uniform` * total mass."""
     probs = torch.softmax(scores.to(torch.float64), dim=-1)
     cdf = probs.cumsum(dim=-1)
-    index = int(torch.searchsorted(cdf, torch.tensor([uniform * float(cdf[-1])], dtype=torch.float64), right=True))
+    target = torch.tensor([uniform * float(cdf[-1])], dtype=torch.float64, device=cdf.device)
+    index = int(torch.searchsorted(cdf, target, right=True))
     if index >= probs.numel() or probs[index] == 0:  # u at the very top: last token with mass
         index = int(torch.nonzero(probs > 0)[-1])
     return index

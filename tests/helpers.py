@@ -7,48 +7,33 @@ from pathlib import Path
 import torch
 
 
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.2,
+)
+
+
 def llama_config(**overrides):
+    """Tiny GQA Llama, untied head."""
     from transformers import LlamaConfig
 
-    values = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
+    return LlamaConfig(**{**TINY, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **overrides})
 
 
 def qwen2_config(**overrides):
+    """Tiny GQA Qwen2: qkv bias and tied embeddings."""
     from transformers import Qwen2Config
 
-    values = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-    )
-    values.update(overrides)
-    return Qwen2Config(**values)
+    return Qwen2Config(**{**TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, **overrides})
 
 
 def save_hf_model(config, directory: Path, seed: int = 0):
