@@ -63,8 +63,8 @@ class GenerationConfig:
             raise GenerationError(f"max new tokens must be positive, got {self.max_new_tokens}")
         if self.ngram_topk < 0:
             raise GenerationError(f"n-gram top-k must be >= 0, got {self.ngram_topk}")
-        if self.kv_budget < 32:
-            raise GenerationError(f"the partial KV budget must be at least 32, got {self.kv_budget}")
+        if self.kv_budget < 4:
+            raise GenerationError(f"the partial KV budget must be at least 4, got {self.kv_budget}")
         if self.prefill_chunk < 1:
             raise GenerationError(f"prefill chunk must be positive, got {self.prefill_chunk}")
 

@@ -140,3 +140,12 @@ def test_qwen2_tied_embeddings_greedy_lossless(qwen2_dir):
     swift, _ = generate(engine, prompt, GenerationConfig(**base, kv_budget=32))
     ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar
+
+
+@pytest.mark.parametrize("budget", [4, 9])
+def test_tiny_partial_budgets_stay_lossless(llama_engine64, budget):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    base = dict(max_new_tokens=120, sampling=GREEDY, ignore_eos=True)
+    swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, kv_budget=budget))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert swift == ar and stats.partial_selections > 10
