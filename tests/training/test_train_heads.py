@@ -1,0 +1,114 @@
+"""Draft-layer training: the loss falls, checkpoint/resume is exact, outputs load as draft layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import quiet_load
+
+from tokenswift_trt.builder.random_model import write_random_model
+from tokenswift_trt.cli import main
+from tokenswift_trt.runtime.engine import load_engine
+from tokenswift_trt.training.train_heads import (
+    HEADS_FILE,
+    HeadsTrainer,
+    TrainHeadsConfig,
+    TrainingError,
+    draft_accuracy,
+    lr_at,
+    save_heads,
+    write_combined,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("random-tiny"), seed=2)
+
+
+def _periodic_ids(length: int = 4000) -> torch.Tensor:
+    pattern = torch.tensor([17, 40, 99, 3, 250, 61, 8])
+    return pattern.repeat(length // len(pattern) + 1)[:length]
+
+
+def test_loss_decreases_within_a_few_steps(model_dir, tmp_path):
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(steps=25, seq_len=48, batch=2, grad_accum=1, lr=5e-3, warmup_steps=3, checkpoint_every=100)
+    trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
+    losses = []
+    trainer.run(lambda step, loss: losses.append(loss))
+    assert len(losses) == 25
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
+    _, accuracy = draft_accuracy(engine, trainer.draft_layers, [_periodic_ids(200)])
+    assert min(accuracy) > 0.3  # chance is 1/258: a periodic sequence is learnable at every depth
+
+
+def test_checkpoint_resume_gives_identical_weights(model_dir, tmp_path):
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(steps=6, seq_len=32, batch=1, grad_accum=2, warmup_steps=2, checkpoint_every=3)
+    straight = HeadsTrainer(engine, _periodic_ids(), config, tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    straight.run()
+
+    (tmp_path / "b").mkdir()
+    first = HeadsTrainer(engine, _periodic_ids(), config, tmp_path / "b")
+    for _ in range(3):
+        first.train_step()
+    first.save_checkpoint()
+    resumed = HeadsTrainer(engine, _periodic_ids(), config, tmp_path / "b")
+    resumed.load_checkpoint()
+    assert resumed.step == 3
+    resumed.run()
+    for key, value in straight.draft_layers.state_dict().items():
+        assert torch.equal(value, resumed.draft_layers.state_dict()[key]), key
+
+    changed = TrainHeadsConfig(steps=6, seq_len=32, batch=1, grad_accum=2, warmup_steps=2, checkpoint_every=3, lr=1e-3)
+    with pytest.raises(TrainingError, match="lr"):
+        HeadsTrainer(engine, _periodic_ids(), changed, tmp_path / "b").load_checkpoint()
+
+
+def test_heads_file_and_combined_checkpoint_load_as_trained_draft_layers(model_dir, tmp_path):
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(steps=2, seq_len=32, grad_accum=1, warmup_steps=1)
+    trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
+    trainer.run()
+    save_heads(trainer.draft_layers, tmp_path / HEADS_FILE)
+    with_heads = load_engine(model_dir, heads_file=tmp_path / HEADS_FILE)
+    combined = load_engine(write_combined(model_dir, tmp_path / HEADS_FILE, tmp_path / "combined"))
+    for engine_with in (with_heads, combined):
+        assert engine_with.trained_draft_layers
+        for key, value in trainer.draft_layers.state_dict().items():
+            assert torch.equal(engine_with.draft_layers.state_dict()[key], value)
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    config = TrainHeadsConfig(steps=100, lr=1.0, warmup_steps=10)
+    assert lr_at(0, config) == pytest.approx(0.1)
+    assert lr_at(9, config) == pytest.approx(1.0)
+    assert lr_at(10, config) == pytest.approx(1.0)
+    assert lr_at(55, config) == pytest.approx(0.5)
+    assert lr_at(100, config) == pytest.approx(0.0)
+
+
+def test_cli_trains_resumes_and_refuses_bad_input(model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join('{"text": "the cat sat on the mat. the dog sat on the log."}' for _ in range(40)))
+    out = tmp_path / "run"
+    args = ["train-heads", "--model-dir", str(model_dir), "--data", str(data), "--out", str(out),
+            "--seq-len", "32", "--steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--grad-accum", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert (out / HEADS_FILE).is_file() and "layer 3 (+4)" in result.stdout
+
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 2 and "--resume" in again.stderr
+    resumed = CliRunner().invoke(main, [*args[:-8], "--seq-len", "32", "--steps", "6", "--warmup-steps", "1", "--checkpoint-every", "2", "--grad-accum", "1", "--resume"])
+    assert resumed.exit_code == 2 and "steps" in resumed.stderr  # settings differ from the checkpoint
+
+    missing = CliRunner().invoke(main, ["train-heads", "--model-dir", str(model_dir), "--data", str(tmp_path / "none.txt"), "--out", str(out)])
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"txt": 1}\n')
+    malformed = CliRunner().invoke(main, ["train-heads", "--model-dir", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "x")])
+    assert malformed.exit_code == 2 and "bad.jsonl:1" in malformed.stderr

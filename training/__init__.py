@@ -1,0 +1,1 @@
+"""Training of TokenSwift draft layers on a frozen base model."""
