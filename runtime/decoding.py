@@ -27,10 +27,14 @@ from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput
 from .ngram import NgramTable
 from .sampling import PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, process_logits
+from .autotune import AR_PLAN, PROBE_TOPK, PROBE_TREE, Plan, ProbeRecorder, choose_plan, time_verify
 from .tree import StaticTree, Trie, build_static_tree, build_trie
 
 METHODS = ("tokenswift", "ar")
 NGRAM_LENGTH = 4
+AUTO = "auto"
+PROBE_ITERATIONS = 24  # tree tuning: probe iterations with the largest tree
+RETUNE_EVERY = 4096  # tree tuning: probe again after this many new tokens
 
 
 class GenerationError(ValueError):
@@ -42,8 +46,8 @@ class GenerationConfig:
     max_new_tokens: int
     method: str = "tokenswift"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    tree: str = "1,3,3,3"
-    ngram_topk: int = 20
+    tree: str = "1,3,3,3"  # or "auto"
+    ngram_topk: int = 20  # ignored with tree="auto"
     kv_budget: int = 4096
     seed: int | None = None
     ignore_eos: bool = False
@@ -54,7 +58,8 @@ class GenerationConfig:
         """Engine-independent checks; raise GenerationError naming the bad value."""
         try:
             self.sampling.validate()
-            build_static_tree(self.tree)
+            if self.tree != AUTO:
+                build_static_tree(self.tree)
         except ValueError as error:
             raise GenerationError(str(error)) from None
         if self.method not in METHODS:
@@ -81,6 +86,7 @@ class Stats:
     ngram_accepted_tokens: int = 0  # accepted nodes that only an n-gram branch proposed
     ngram_hit_iterations: int = 0
     partial_selections: int = 0
+    plans: list[str] = field(default_factory=list)  # tree="auto": "TREE k=K from token N", in order
     prefill_s: float = 0.0
     elapsed_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -297,23 +303,27 @@ def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     random: RandomSource | None = None,
     acceptor: Acceptor = accept_trie,
+    observer: Callable[[Stats], None] | None = None,
 ) -> tuple[list[int], Stats]:
     """Generate after `prompt`; returns the new token ids and `Stats`.
 
     Stops at max_new_tokens, at an EOS token unless ignore_eos, or at the engine's maximum length
-    (stop_reason says which). `on_tokens` receives each batch of newly committed tokens.
+    (stop_reason says which). `on_tokens` receives each batch of newly committed tokens;
+    `observer` sees the live Stats after every iteration (new_tokens and elapsed_s current).
+    `config.tree == "auto"` tunes the tree and n-gram k while generating (runtime/autotune.py).
     """
     max_length = _check_request(engine, prompt, config)
-    tree = build_static_tree(config.tree)
+    tree = build_static_tree(PROBE_TREE if config.tree == AUTO else config.tree)
     if config.method == "tokenswift" and tree.depth > 1 + len(engine.draft_layers):
         raise GenerationError(
             f"tree {config.tree!r} is {tree.depth} deep but the engine has {len(engine.draft_layers)} draft layers "
             f"(at most {1 + len(engine.draft_layers)} levels)"
         )
+    ngram_topk = PROBE_TOPK if config.tree == AUTO else config.ngram_topk
     seed = config.seed if config.seed is not None else random_module.SystemRandom().randrange(2**63)
     stats = Stats(method=config.method, seed=seed, prompt_tokens=len(prompt))
     limit = min(len(prompt) + config.max_new_tokens, max_length)
-    max_trie = tree.num_nodes + config.ngram_topk * tree.branching[0] * NGRAM_LENGTH
+    max_trie = tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH
     cfg, dtype, device = engine.config, engine.dtype, engine.device
     full = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limit + max_trie, dtype, device)
     state = DecodeState(
@@ -351,45 +361,14 @@ def generate(
             state.append([token])
             stats.iterations += 1
             stats.add_time("forward", time.perf_counter() - tick)
+            stats.new_tokens, stats.elapsed_s = len(state.tokens) - len(prompt), time.perf_counter() - started
             if on_tokens:
                 on_tokens([token])
+            if observer:
+                observer(stats)
             done = token in state.stop_tokens or len(state.tokens) >= limit
     else:
-        ngram_exclusion = config.sampling.penalty_window if config.sampling.penalty > 1 else 0
-        state.partial = PartialKVCache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_budget, dtype=dtype, device=device
-        )
-        state.partial.select(state.full, state.queries)
-        if config.ngram_topk > 0:
-            state.table = NgramTable(NGRAM_LENGTH)
-            state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
-        while not done:
-            tick = time.perf_counter()
-            candidates = propose(engine, state, tree)
-            t_draft = time.perf_counter()
-            trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, candidates[0], config.ngram_topk))
-            t_trie = time.perf_counter()
-            verified = verify(engine, state, trie)
-            t_verify = time.perf_counter()
-            acceptance = acceptor(trie, NodeTargets(engine, state, trie, verified.hidden), limit - len(state.tokens), state.stop_tokens)
-            t_accept = time.perf_counter()
-            commit(state, acceptance, verified, ngram_exclusion)
-            t_commit = time.perf_counter()
-            for phase, begin, end in (
-                ("draft", tick, t_draft), ("trie", t_draft, t_trie), ("verify", t_trie, t_verify),
-                ("accept", t_verify, t_accept), ("commit", t_accept, t_commit),
-            ):
-                stats.add_time(phase, end - begin)
-            stats.iterations += 1
-            stats.drafted_tokens += tree.depth
-            stats.accepted_tokens += len(acceptance.nodes)
-            ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
-            stats.ngram_accepted_tokens += ngram_accepted
-            stats.ngram_hit_iterations += ngram_accepted > 0
-            if on_tokens:
-                on_tokens(acceptance.tokens)
-            done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= limit
-        stats.partial_selections = state.partial.selections
+        _tokenswift_loop(engine, state, config, stats, started, on_tokens, acceptor, observer)
 
     stats.elapsed_s = time.perf_counter() - started
     new_tokens = state.tokens[len(prompt) :]
@@ -401,3 +380,102 @@ def generate(
     else:
         stats.stop_reason = "max_length"
     return new_tokens, stats
+
+
+def _measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[int, float]:
+    """Seconds of one verify forward at the current context for several trie sizes."""
+    device = engine.device
+    root_position = state.root_position
+
+    def forward(size: int) -> None:
+        tokens = torch.full((size,), state.tokens[-1], dtype=torch.long, device=device)
+        positions = torch.arange(root_position, root_position + size, device=device)
+        engine.model(tokens, positions, state.full)
+        state.full.pending = 0  # timing only: nothing written is kept
+
+    sizes = sorted({s for s in (1, 8, 16, 32, 64, 96, 128) if s <= max_size} | {max_size})
+    return time_verify(forward, sizes)
+
+
+def _tokenswift_loop(
+    engine: Engine,
+    state: DecodeState,
+    config: GenerationConfig,
+    stats: Stats,
+    started: float,
+    on_tokens: Callable[[list[int]], None] | None,
+    acceptor: Acceptor,
+    observer: Callable[[Stats], None] | None,
+) -> None:
+    cfg, device = engine.config, engine.device
+    ngram_exclusion = config.sampling.penalty_window if config.sampling.penalty > 1 else 0
+    state.partial = PartialKVCache(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_budget, dtype=engine.dtype, device=device
+    )
+    state.partial.select(state.full, state.queries)
+    auto = config.tree == AUTO
+    plan_tree, ngram_topk = (PROBE_TREE, PROBE_TOPK) if auto else (config.tree, config.ngram_topk)
+    if ngram_topk > 0:
+        state.table = NgramTable(NGRAM_LENGTH)
+        state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
+    tree: StaticTree | None = build_static_tree(plan_tree)
+    probe = ProbeRecorder(max_depth=1 + len(engine.draft_layers)) if auto else None
+    probe_costs = {"draft": 0.0, "other": 0.0}
+    next_probe = len(state.tokens) + RETUNE_EVERY
+    max_trie = state.full.capacity - state.limit
+    if auto:
+        stats.plans.append(f"probe {PROBE_TREE} k={PROBE_TOPK} from token {stats.new_tokens if stats.new_tokens else 1}")
+    done = False
+    while not done:
+        tick = time.perf_counter()
+        if tree is None:  # plain AR step: a trie of the root alone, no draft
+            trie = Trie(state.tokens[-1])
+        else:
+            candidates = propose(engine, state, tree)
+        t_draft = time.perf_counter()
+        if tree is not None:
+            trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, candidates[0], ngram_topk))
+        t_trie = time.perf_counter()
+        verified = verify(engine, state, trie)
+        t_verify = time.perf_counter()
+        targets = NodeTargets(engine, state, trie, verified.hidden)
+        acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
+        t_accept = time.perf_counter()
+        commit(state, acceptance, verified, ngram_exclusion)
+        t_commit = time.perf_counter()
+        for phase, begin, end in (
+            ("draft", tick, t_draft), ("trie", t_draft, t_trie), ("verify", t_trie, t_verify),
+            ("accept", t_verify, t_accept), ("commit", t_accept, t_commit),
+        ):
+            stats.add_time(phase, end - begin)
+        stats.iterations += 1
+        stats.drafted_tokens += tree.depth if tree is not None else 0
+        stats.accepted_tokens += len(acceptance.nodes)
+        ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
+        stats.ngram_accepted_tokens += ngram_accepted
+        stats.ngram_hit_iterations += ngram_accepted > 0
+        stats.new_tokens, stats.elapsed_s = len(state.tokens) - state.prompt_length, time.perf_counter() - started
+        if on_tokens:
+            on_tokens(acceptance.tokens)
+        if observer:
+            observer(stats)
+        done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
+        if probe is not None:
+            probe.record(trie, acceptance.nodes)
+            probe_costs["draft"] += t_draft - tick
+            probe_costs["other"] += (t_trie - t_draft) + (t_commit - t_verify)
+            if probe.iterations >= PROBE_ITERATIONS and not done:
+                costs = _measure_verify(engine, state, max_trie)
+                plan, _ = choose_plan(
+                    probe, costs, probe_costs["draft"] / probe.iterations, probe_costs["other"] / probe.iterations
+                )
+                tree = None if plan.tree == AR_PLAN else build_static_tree(plan.tree)
+                ngram_topk = plan.ngram_topk
+                stats.plans.append(f"{plan.tree} k={plan.ngram_topk} from token {stats.new_tokens}")
+                probe, probe_costs = None, {"draft": 0.0, "other": 0.0}
+                next_probe = len(state.tokens) + RETUNE_EVERY
+        elif auto and len(state.tokens) >= next_probe:
+            probe = ProbeRecorder(max_depth=1 + len(engine.draft_layers))
+            tree, ngram_topk = build_static_tree(PROBE_TREE), PROBE_TOPK
+            stats.plans.append(f"probe {PROBE_TREE} k={PROBE_TOPK} from token {stats.new_tokens}")
+    stats.partial_selections = state.partial.selections

@@ -91,7 +91,10 @@ def build_static_tree(spec: str | Sequence[int]) -> StaticTree:
 class Trie:
     """De-duplicated merge of candidate paths after the root; one verification forward covers it.
 
-    from_tree[i] is True when node i belongs to the static tree (else it came from an n-gram).
+    from_tree[i] is True when node i belongs to the static tree (else it came from an n-gram);
+    tree_paths[i] is its candidate-rank path in the static tree (None if not in it) and
+    ngram_ranks[i] the best rank of an n-gram branch through it (None if none), which lets the
+    tree tuner tell which nodes a smaller tree or k would also have had.
     """
 
     def __init__(self, root_token: int) -> None:
@@ -100,25 +103,35 @@ class Trie:
         self.depths: list[int] = [0]
         self.children: list[dict[int, int]] = [{}]
         self.from_tree: list[bool] = [True]
+        self.tree_paths: list[tuple[int, ...] | None] = [()]
+        self.ngram_ranks: list[int | None] = [None]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add_path(self, tokens: Iterable[int], from_tree: bool) -> int:
+    def add_path(
+        self, tokens: Iterable[int], from_tree: bool, tree_path: tuple[int, ...] = (), ngram_rank: int | None = None
+    ) -> int:
         """Insert the path root -> tokens...; returns its last node."""
         node = 0
-        for token in tokens:
+        for depth, token in enumerate(tokens, start=1):
             child = self.children[node].get(token)
             if child is None:
                 child = len(self.tokens)
                 self.tokens.append(token)
                 self.parents.append(node)
-                self.depths.append(self.depths[node] + 1)
+                self.depths.append(depth)
                 self.children.append({})
-                self.from_tree.append(from_tree)
+                self.from_tree.append(False)
+                self.tree_paths.append(None)
+                self.ngram_ranks.append(None)
                 self.children[node][token] = child
-            elif from_tree:
+            if from_tree:
                 self.from_tree[child] = True
+                self.tree_paths[child] = tree_path[:depth] if tree_path else None
+            if ngram_rank is not None:
+                best = self.ngram_ranks[child]
+                self.ngram_ranks[child] = ngram_rank if best is None else min(best, ngram_rank)
             node = child
         return node
 
@@ -137,7 +150,11 @@ def build_trie(
     trie = Trie(root_token)
     for path in tree.paths:
         if len(path) == tree.depth:  # leaves; their ancestors come with them
-            trie.add_path((head_candidates[depth][rank] for depth, rank in enumerate(path)), from_tree=True)
-    for path in ngram_paths:
-        trie.add_path(path, from_tree=False)
+            tokens = [head_candidates[depth][rank] for depth, rank in enumerate(path)]
+            trie.add_path(tokens, from_tree=True, tree_path=path)
+    ranks: dict[int, int] = {}
+    for path in ngram_paths:  # rank = position among the grams of the same first token
+        rank = ranks.get(path[0], 0)
+        ranks[path[0]] = rank + 1
+        trie.add_path(path, from_tree=False, ngram_rank=rank)
     return trie

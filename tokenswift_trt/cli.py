@@ -283,6 +283,78 @@ def train_heads(model_dir, data, eval_data, out, steps, seq_len, batch, grad_acc
         f"layer {i} (+{i + 1}) {a:.3f}" for i, a in enumerate(accuracy, start=1)))
 
 
+def _int_list(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise CliError(f"{name} must be comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise CliError(f"{name} must be comma-separated positive integers, got {text!r}")
+    return values
+
+
+@main.command()
+@click.option("--model-dir", type=click.Path(path_type=Path), required=True)
+@click.option("--heads", type=click.Path(path_type=Path), default=None)
+@click.option("--prompt-file", type=click.Path(path_type=Path), required=True, help="text to cut prompts from")
+@click.option("--gen-len", default="2048,8192", show_default=True, help="generation lengths")
+@click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens")
+@click.option("--prompts", type=int, default=1, show_default=True, help="prompts per prefix length")
+@click.option("--repeats", type=int, default=1, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
+@sampling_options
+def bench(model_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, out, **opts) -> None:
+    """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG."""
+    import sys as _sys
+
+    from tqdm import tqdm
+
+    from tokenswift_trt.bench.run import BenchSpec, run_bench, write_results
+
+    gen_lens, prefix_lens = _int_list(gen_len, "--gen-len"), _int_list(prefix_len, "--prefix-len")
+    if prompts < 1 or repeats < 1:
+        raise CliError("--prompts and --repeats must be at least 1")
+    if opts["seed"] is None:
+        opts["seed"] = 0
+    config = _generation_config(max(gen_lens), "tokenswift", opts)
+    text = _read_prompt(None, prompt_file)
+    if not model_dir.is_dir():
+        raise CliError(f"model directory {model_dir} does not exist")
+    engine, codec = _load(model_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    text_ids = codec.encode(text)
+    longest = max(prefix_lens) + max(gen_lens)
+    limit = opts["max_length"] or engine.config.max_position_embeddings
+    if longest > limit:
+        raise CliError(f"prefix {max(prefix_lens)} + generation {max(gen_lens)} exceeds the maximum length {limit}")
+
+    def progress(label: str, total: int):
+        bar = tqdm(total=total, desc=label, unit="tok", file=_sys.stderr, leave=False)
+
+        def update(ids: list[int]) -> None:
+            bar.update(len(ids))
+            if bar.n >= total:
+                bar.close()
+        return update
+
+    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config)
+    try:
+        rows = run_bench(engine, text_ids, spec, progress)
+    except ValueError as error:
+        raise _fail(error) from None
+    meta = {"command": "tokenswift-trt bench " + " ".join(_sys.argv[2:]), "model_dir": str(model_dir),
+            "tree": config.tree, "ngram_topk": config.ngram_topk, "sampling": vars(config.sampling),
+            "kv_budget": config.kv_budget, "device": opts["device"], "dtype": opts["dtype"]}
+    written = write_results(rows, out, meta)
+    columns = ["prefix_len", "gen_len", "ar_tokens_per_s", "tokenswift_tokens_per_s", "speedup", "alpha", "beta",
+               "distinct4_penalty", "distinct4_no_penalty", "tokens_equal_ar"]
+    if "auto_vs_default_tree" in rows[0]:
+        columns.insert(5, "auto_vs_default_tree")
+    click.echo(" | ".join(columns))
+    for row in rows:
+        click.echo(" | ".join(str(row[c]) for c in columns))
+    click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
 @main.command("random-model")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="directory to write")
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -1,0 +1,1 @@
+"""Benchmarks: AR vs TokenSwift on one engine, with speed, acceptance and repetition metrics."""

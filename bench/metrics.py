@@ -1,0 +1,34 @@
+"""Metrics as the paper reports them.
+
+- acceptance rate α = accepted draft tokens / drafted tokens (drafted = tree depth per iteration),
+- n-gram acceptance β = draft tokens accepted along an n-gram branch / drafted tokens,
+- speedup = AR seconds per token / TokenSwift seconds per token,
+- Distinct-n = unique n-grams / total n-grams of the generated tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def distinct_n(tokens: Sequence[int], n: int) -> float:
+    """Unique n-grams / total n-grams (0 when the sequence is shorter than n)."""
+    total = len(tokens) - n + 1
+    if total <= 0:
+        return 0.0
+    return len({tuple(tokens[i : i + n]) for i in range(total)}) / total
+
+
+def acceptance_rate(accepted: int, drafted: int) -> float:
+    return accepted / drafted if drafted else 0.0
+
+
+def speedup(ar_seconds: float, ar_tokens: int, swift_seconds: float, swift_tokens: int) -> float:
+    """AR latency per token / TokenSwift latency per token."""
+    return (ar_seconds / ar_tokens) / (swift_seconds / swift_tokens)
+
+
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)

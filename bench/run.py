@@ -1,0 +1,167 @@
+"""`tokenswift-trt bench`: AR vs TokenSwift on the same engine, prompts and sampling settings.
+
+One generation per method, prompt and repeat runs to the longest requested length; the figures
+at shorter lengths are read at the moment each length is reached (what a separate run of that
+length would measure, since decoding is deterministic up to there).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tokenswift_trt.runtime.decoding import GenerationConfig, Stats, generate
+from tokenswift_trt.runtime.engine import Engine
+
+from .metrics import acceptance_rate, distinct_n, spread
+
+DEFAULT_TREE = "1,3,3,3"
+
+
+@dataclass
+class Snapshot:
+    """Cumulative figures of one run when it reached a generation length."""
+
+    new_tokens: int
+    elapsed_s: float
+    accepted: int
+    drafted: int
+    ngram_accepted: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    snapshots: dict[int, Snapshot]  # gen_len -> snapshot
+    plans: list[str] = field(default_factory=list)
+
+
+def run_to_lengths(engine: Engine, prompt: Sequence[int], config: GenerationConfig, lengths: Sequence[int],
+                   on_tokens: Callable[[list[int]], None] | None = None) -> Run:
+    targets = sorted(lengths)
+    snapshots: dict[int, Snapshot] = {}
+
+    def observe(stats: Stats) -> None:
+        while len(snapshots) < len(targets) and stats.new_tokens >= targets[len(snapshots)]:
+            snapshots[targets[len(snapshots)]] = Snapshot(
+                stats.new_tokens, stats.elapsed_s, stats.accepted_tokens, stats.drafted_tokens, stats.ngram_accepted_tokens
+            )
+
+    tokens, stats = generate(engine, prompt, replace(config, max_new_tokens=targets[-1], ignore_eos=True),
+                             on_tokens=on_tokens, observer=observe)
+    return Run(tokens, snapshots, stats.plans)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    gen_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    prompts: int
+    repeats: int
+    config: GenerationConfig  # sampling, tree, k, budget, seed of the TokenSwift runs
+
+
+def prompt_windows(text_ids: Sequence[int], prefix_len: int, count: int) -> list[list[int]]:
+    """`count` prompts of `prefix_len` tokens at evenly spaced offsets of a tokenised text."""
+    span = len(text_ids) - prefix_len
+    if span < 0:
+        raise ValueError(f"the prompt text has {len(text_ids)} tokens, fewer than --prefix-len {prefix_len}")
+    step = span // max(1, count)
+    return [list(text_ids[i * step : i * step + prefix_len]) for i in range(count)]
+
+
+def run_bench(engine: Engine, text_ids: Sequence[int], spec: BenchSpec,
+              progress: Callable[[str, int], Callable[[list[int]], None]]) -> list[dict]:
+    """Rows of figures, one per (prefix length, generation length)."""
+    rows = []
+    base = spec.config
+    no_penalty = replace(base, sampling=replace(base.sampling, penalty=1.0))
+    variants = {"ar": replace(base, method="ar"), "tokenswift": base, "no_penalty": no_penalty}
+    if base.tree == "auto":
+        variants["default_tree"] = replace(base, tree=DEFAULT_TREE)
+    for prefix_len in spec.prefix_lens:
+        prompts = prompt_windows(text_ids, prefix_len, spec.prompts)
+        runs: dict[str, list[Run]] = {name: [] for name in variants}
+        for repeat in range(spec.repeats):
+            for index, prompt in enumerate(prompts):
+                seed = (base.seed or 0) + repeat
+                for name, config in variants.items():
+                    label = f"prefix {prefix_len} prompt {index + 1}/{len(prompts)} run {repeat + 1}: {name}"
+                    runs[name].append(run_to_lengths(engine, prompt, replace(config, seed=seed), spec.gen_lens,
+                                                     progress(label, max(spec.gen_lens))))
+        for gen_len in sorted(spec.gen_lens):
+            rows.append(_row(prefix_len, gen_len, runs))
+    return rows
+
+
+def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
+    ar = [r.snapshots[gen_len] for r in runs["ar"]]
+    swift = [r.snapshots[gen_len] for r in runs["tokenswift"]]
+    speedups = [s.tokens_per_s / a.tokens_per_s for a, s in zip(ar, swift)]
+    median, low, high = spread(speedups)
+    row = {
+        "prefix_len": prefix_len,
+        "gen_len": gen_len,
+        "runs": len(speedups),
+        "ar_tokens_per_s": round(spread([a.tokens_per_s for a in ar])[0], 2),
+        "tokenswift_tokens_per_s": round(spread([s.tokens_per_s for s in swift])[0], 2),
+        "speedup": round(median, 3),
+        "speedup_min": round(low, 3),
+        "speedup_max": round(high, 3),
+        "alpha": round(acceptance_rate(sum(s.accepted for s in swift), sum(s.drafted for s in swift)), 4),
+        "beta": round(acceptance_rate(sum(s.ngram_accepted for s in swift), sum(s.drafted for s in swift)), 4),
+    }
+    if "default_tree" in runs:
+        default = [r.snapshots[gen_len] for r in runs["default_tree"]]
+        row["default_tree_tokens_per_s"] = round(spread([d.tokens_per_s for d in default])[0], 2)
+        row["auto_vs_default_tree"] = round(spread([s.tokens_per_s / d.tokens_per_s for s, d in zip(swift, default)])[0], 3)
+        row["auto_plans"] = " | ".join(runs["tokenswift"][0].plans)
+    for name, key in (("tokenswift", "penalty"), ("no_penalty", "no_penalty")):
+        for n in range(1, 5):
+            values = [distinct_n(r.tokens[:gen_len], n) for r in runs[name]]
+            row[f"distinct{n}_{key}"] = round(sum(values) / len(values), 4)
+    same = all(a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs["tokenswift"]))
+    row["tokens_equal_ar"] = same
+    return row
+
+
+def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
+    """bench.csv, bench.json and PNG plots of speedup and α against generation length."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "bench.csv", out_dir / "bench.json"]
+    with open(written[0], "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    meta = {**meta, "machine": f"{platform.machine()} {platform.processor() or ''} {platform.node()}".strip(),
+            "python": platform.python_version()}
+    written[1].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key, label, name in (("speedup", "speedup over AR (x)", "speedup.png"), ("alpha", "acceptance rate α", "alpha.png")):
+        figure, axis = plt.subplots(figsize=(5, 3.5))
+        for prefix_len in sorted({r["prefix_len"] for r in rows}):
+            points = [r for r in rows if r["prefix_len"] == prefix_len]
+            axis.plot([r["gen_len"] for r in points], [r[key] for r in points], marker="o", label=f"prefix {prefix_len}")
+        if key == "speedup":
+            axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        axis.set_xlabel("generated tokens")
+        axis.set_ylabel(label)
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(out_dir / name, dpi=120)
+        plt.close(figure)
+        written.append(out_dir / name)
+    return written

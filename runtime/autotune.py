@@ -1,0 +1,116 @@
+"""`--tree auto`: choose the draft tree and n-gram k that maximise tokens per second here.
+
+During a probe phase decoding runs with the largest tree (PROBE_TREE, k = PROBE_TOPK). For each
+probe iteration we know, for every trie node, whether a smaller tree or k would also have had it
+(its static-tree rank path and n-gram rank), so the acceptance length and trie size of every
+candidate plan follow exactly from the probe's accepted path: the target's samples along a path
+do not depend on which other nodes are in the trie. Then the verify forward is timed at the
+current context for several trie sizes, and the plan with the most expected tokens per second
+wins (plain AR steps are a candidate too). Every plan is lossless; only speed depends on it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .tree import Trie, parse_tree
+
+PROBE_TREE = "1,3,3,3"
+PROBE_TOPK = 20
+CANDIDATE_TREES = ("1", "1,1", "1,1,1", "1,1,1,1", "1,2,1,1", "1,2,2,1", "1,2,2,2", "1,3,2,2", "1,3,3,2", "1,3,3,3")
+CANDIDATE_TOPK = (0, 1, 2, 4, 8, 20)
+AR_PLAN = "ar"  # tree value of the plan that drafts nothing
+
+
+@dataclass(frozen=True)
+class Plan:
+    tree: str  # a tree string, or "ar"
+    ngram_topk: int
+    tokens_per_iteration: float
+    seconds_per_iteration: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_iteration / self.seconds_per_iteration if self.seconds_per_iteration else 0.0
+
+
+def _available(tree_path: tuple[int, ...] | None, ngram_rank: int | None, branching: tuple[int, ...], k: int) -> bool:
+    in_tree = tree_path is not None and len(tree_path) <= len(branching) and all(
+        rank < branching[depth] for depth, rank in enumerate(tree_path)
+    )
+    return in_tree or (ngram_rank is not None and ngram_rank < k)
+
+
+class ProbeRecorder:
+    """Accumulates, per candidate plan, accepted length and trie size over probe iterations."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.candidates = [
+            (tree, parse_tree(tree), k) for tree in CANDIDATE_TREES if len(parse_tree(tree)) <= max_depth for k in CANDIDATE_TOPK
+        ]
+        self.accepted = {(tree, k): 0 for tree, _, k in self.candidates}
+        self.nodes = {(tree, k): 0 for tree, _, k in self.candidates}
+        self.iterations = 0
+
+    def record(self, trie: Trie, accepted_nodes: Sequence[int]) -> None:
+        self.iterations += 1
+        features = list(zip(trie.tree_paths, trie.ngram_ranks))
+        for tree, branching, k in self.candidates:
+            size = 1 + sum(_available(p, r, branching, k) for p, r in features[1:])
+            length = 0
+            for node in accepted_nodes:
+                if not _available(trie.tree_paths[node], trie.ngram_ranks[node], branching, k):
+                    break
+                length += 1
+            self.accepted[(tree, k)] += length
+            self.nodes[(tree, k)] += size
+
+    def mean_nodes(self) -> dict[tuple[str, int], float]:
+        return {key: value / max(1, self.iterations) for key, value in self.nodes.items()}
+
+
+def interpolate(costs: dict[int, float], size: float) -> float:
+    """Piecewise-linear cost at `size` from measured {trie size: seconds}."""
+    points = sorted(costs.items())
+    if size <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if size <= x1:
+            return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (size - x1) / (x1 - x0)
+
+
+def time_verify(forward, sizes: Sequence[int], repeats: int = 3) -> dict[int, float]:
+    """Median seconds of `forward(size)` for each size (forward runs one masked verify pass)."""
+    costs = {}
+    for size in sizes:
+        forward(size)  # warm
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            forward(size)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+        costs[size] = statistics.median(samples)
+    return costs
+
+
+def choose_plan(
+    recorder: ProbeRecorder, verify_costs: dict[int, float], draft_s: float, overhead_s: float
+) -> tuple[Plan, list[Plan]]:
+    """Best plan (and all, best first) from probe acceptance, verify costs and per-iteration costs."""
+    plans = [Plan(AR_PLAN, 0, 1.0, interpolate(verify_costs, 1) + overhead_s / 2)]
+    iterations = max(1, recorder.iterations)
+    for (tree, k), nodes in recorder.mean_nodes().items():
+        tokens = 1 + recorder.accepted[(tree, k)] / iterations
+        seconds = draft_s + overhead_s + interpolate(verify_costs, nodes)
+        plans.append(Plan(tree, k, tokens, seconds))
+    plans.sort(key=lambda plan: -plan.tokens_per_s)
+    return plans[0], plans

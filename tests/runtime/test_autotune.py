@@ -1,0 +1,85 @@
+"""`--tree auto`: exact per-candidate acceptance from a probe trie, cost model, and a lossless run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenswift_trt.runtime.autotune import AR_PLAN, CANDIDATE_TREES, ProbeRecorder, choose_plan, interpolate
+from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.runtime.tree import build_static_tree, build_trie, parse_tree
+
+
+def _probe_trie():
+    tree = build_static_tree("1,3,3,3")
+    heads = [[10], [20, 21, 22], [30, 31, 32], [40, 41, 42]]
+    ngrams = [(10, 50, 51, 52), (10, 20, 60, 61)]  # ranks 0 and 1 among grams starting with 10
+    return build_trie(5, tree, heads, ngrams)
+
+
+def _path(trie, tokens):
+    node, nodes = 0, []
+    for token in tokens:
+        node = trie.children[node][token]
+        nodes.append(node)
+    return nodes
+
+
+def test_candidate_acceptance_follows_from_the_probe_path():
+    trie = _probe_trie()
+    recorder = ProbeRecorder(max_depth=4)
+    recorder.record(trie, _path(trie, [10, 21, 30, 41]))  # ranks 0,1,0,1 in the static tree
+    assert recorder.accepted[("1,1,1,1", 0)] == 1  # rank 1 at depth 2 is missing
+    assert recorder.accepted[("1,2,1,1", 0)] == 3  # rank 1 at depth 4 is missing
+    assert recorder.accepted[("1,2,2,2", 0)] == 4
+    assert recorder.accepted[("1", 0)] == 1
+
+    second = ProbeRecorder(max_depth=4)
+    second.record(trie, _path(trie, [10, 20, 60, 61]))  # along n-gram rank 1 after the tree's 10 -> 20
+    assert second.accepted[("1,1,1,1", 0)] == 2
+    assert second.accepted[("1,1,1,1", 1)] == 2  # k=1 has only the rank-0 gram
+    assert second.accepted[("1,1,1,1", 2)] == 4
+
+
+def test_candidate_trie_sizes_count_only_available_nodes():
+    trie = _probe_trie()
+    recorder = ProbeRecorder(max_depth=4)
+    recorder.record(trie, [])
+    sizes = recorder.mean_nodes()
+    assert sizes[("1,3,3,3", 0)] == 1 + 40
+    assert sizes[("1,1,1,1", 0)] == 1 + 4
+    # gram 0 adds 50,51,52 below 10; gram 1 adds 60,61 below 10 -> 20 (20 is shared)
+    assert sizes[("1,1,1,1", 1)] == 1 + 4 + 3
+    assert sizes[("1,1,1,1", 2)] == 1 + 4 + 3 + 2
+    assert sizes[("1,3,3,3", 20)] == len(trie)
+
+
+def test_interpolation_and_plan_choice():
+    costs = {1: 1.0, 8: 1.0, 64: 8.0}
+    assert interpolate(costs, 1) == 1.0
+    assert interpolate(costs, 36) == pytest.approx(4.5)
+    assert interpolate(costs, 120) == pytest.approx(15.0)  # extrapolated from the last segment
+    recorder = ProbeRecorder(max_depth=4)
+    trie = _probe_trie()
+    for _ in range(4):
+        recorder.record(trie, _path(trie, [10, 20, 30, 40]))  # all rank 0: 1,1,1,1 accepts 4
+    best, plans = choose_plan(recorder, costs, draft_s=1.0, overhead_s=0.0)
+    assert best.tree == "1,1,1,1" and best.ngram_topk == 0  # 5 tokens for 1 + 1 s
+    assert best.tokens_per_s == pytest.approx(2.5)
+    assert {p.tree for p in plans} >= set(CANDIDATE_TREES) | {AR_PLAN}
+    slow_verify = {1: 1.0, 2: 100.0}
+    best, _ = choose_plan(recorder, slow_verify, draft_s=1.0, overhead_s=0.0)
+    assert best.tree == AR_PLAN  # drafting cannot pay off: plain AR steps
+    assert all(len(parse_tree(p.tree)) <= 4 for p in plans if p.tree != AR_PLAN)
+
+
+def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):
+    prompt = list(range(3, 60))
+    base = dict(max_new_tokens=160, sampling=SamplingConfig(temperature=0.9, min_p=0.05, penalty=1.2, penalty_window=16),
+                seed=4, ignore_eos=True)
+    auto, stats = generate(llama_engine64, prompt, GenerationConfig(**base, tree="auto"))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert auto == ar
+    assert stats.plans[0].startswith("probe 1,3,3,3") and len(stats.plans) >= 2
+    chosen = stats.plans[1].split(" k=")[0]
+    assert chosen == AR_PLAN or parse_tree(chosen)
