@@ -1,0 +1,53 @@
+"""`tokenswift-trt bench` end to end on a tiny model: rows per length, equal tokens, CSV and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tokenswift_trt.bench.run import prompt_windows
+from tokenswift_trt.builder.random_model import write_random_model
+from tokenswift_trt.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("random-tiny"), seed=3)
+
+
+def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 40)
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(main, [
+        "bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "24,48",
+        "--prefix-len", "32,64", "--prompts", "2", "--tree", "auto", "--temperature", "0",
+        "--penalty", "1.2", "--penalty-window", "16", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(open(out / "bench.csv")))
+    assert [(r["prefix_len"], r["gen_len"]) for r in rows] == [("32", "24"), ("32", "48"), ("64", "24"), ("64", "48")]
+    for row in rows:
+        assert row["tokens_equal_ar"] == "True" and row["runs"] == "2"
+        assert float(row["speedup_min"]) <= float(row["speedup"]) <= float(row["speedup_max"])
+        assert 0 <= float(row["beta"]) <= float(row["alpha"]) <= 1
+        assert 0 < float(row["distinct4_penalty"]) <= 1 and float(row["auto_vs_default_tree"]) > 0
+        assert row["auto_plans"].startswith("probe 1,3,3,3")
+    meta = json.loads((out / "bench.json").read_text())["meta"]
+    assert meta["tree"] == "auto" and "bench" in meta["command"]
+    assert (out / "speedup.png").stat().st_size > 1000 and (out / "alpha.png").stat().st_size > 1000
+
+
+def test_prompt_windows_and_bad_lengths(model_dir, tmp_path):
+    assert prompt_windows(list(range(100)), 10, 3) == [list(range(0, 10)), list(range(30, 40)), list(range(60, 70))]
+    with pytest.raises(ValueError, match="fewer than --prefix-len"):
+        prompt_windows(list(range(5)), 10, 1)
+    text = tmp_path / "short.txt"
+    text.write_text("tiny")
+    result = CliRunner().invoke(main, ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "8", "--prefix-len", "64"])
+    assert result.exit_code == 2 and "fewer than --prefix-len" in result.stderr
+    bad = CliRunner().invoke(main, ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "8,x"])
+    assert bad.exit_code == 2 and "--gen-len" in bad.stderr
