@@ -38,6 +38,7 @@ class Engine:
     device: torch.device
 
 
+DEFAULT_HEADS_FILE = "heads.safetensors"  # picked up from the model directory when present
 _IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
 
 
@@ -87,7 +88,11 @@ def load_engine(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> Engine:
-    """Load base weights and draft layers; zero-initialised draft layers (with a warning) when none exist."""
+    """Load base weights and draft layers; zero-initialised draft layers (with a warning) when none exist.
+
+    Draft layers come from `heads_file`, else from the checkpoint's released-format keys, else
+    from `heads.safetensors` in the model directory.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise WeightsError(f"model directory {model_dir} does not exist")
@@ -102,6 +107,8 @@ def load_engine(
         base.pop("lm_head.weight", None)
     _check_and_assign_base(model, base, config, dtype, device)
 
+    if heads_file is None and not draft and (model_dir / DEFAULT_HEADS_FILE).is_file():
+        heads_file = model_dir / DEFAULT_HEADS_FILE
     if heads_file is not None:
         heads_path = Path(heads_file)
         if not heads_path.is_file():

@@ -372,14 +372,23 @@ def random_model(out: Path, seed: int, force: bool) -> None:
 @main.command()
 @click.option("--model-dir", type=click.Path(path_type=Path), required=True)
 @click.option("--heads", type=click.Path(path_type=Path), default=None)
-@click.option("--prompt", default="It is a truth universally acknowledged, that", show_default=True)
+@click.option("--prompt", default=None, help="prompt text (default: the model dir's prompt.txt, else a fixed line)")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None)
 @click.option("--max-new-tokens", type=int, default=2048, show_default=True)
 @sampling_options
-def demo(model_dir, heads, prompt, max_new_tokens, **opts) -> None:
-    """Generate with AR and with TokenSwift on the same engine; print speedup, α, β and whether they agree."""
+def demo(model_dir, heads, prompt, prompt_file, max_new_tokens, **opts) -> None:
+    """Generate with AR and with TokenSwift on the same engine; print speedup, α, β, Distinct-n and agreement."""
     from tqdm import tqdm
 
+    from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.runtime.decoding import generate as run_generate
+
+    if prompt is None and prompt_file is None:
+        default_file = model_dir / "prompt.txt"
+        if default_file.is_file():
+            prompt_file = default_file
+        else:
+            prompt = "It is a truth universally acknowledged, that"
 
     if not model_dir.is_dir():
         raise CliError(f"model directory {model_dir} does not exist")
@@ -388,21 +397,23 @@ def demo(model_dir, heads, prompt, max_new_tokens, **opts) -> None:
     engine, codec = _load(model_dir, heads, opts["dtype"], opts["device"], quiet=False)
     if (model_dir / "README.md").is_file() and "Random weights" in (model_dir / "README.md").read_text():
         click.echo("note: this model has RANDOM weights; its text is noise, only speed and exactness mean anything", err=True)
-    prompt_ids = codec.encode(_read_prompt(prompt, None))
+    prompt_text = _read_prompt(prompt, prompt_file)
+    prompt_ids = codec.encode(prompt_text)
     results = {}
     for method in ("ar", "tokenswift"):
         config = _generation_config(max_new_tokens, method, opts)
         with tqdm(total=max_new_tokens, unit="tok", desc=method, file=sys.stderr) as bar:
             results[method] = run_generate(engine, prompt_ids, config, on_tokens=lambda ids: bar.update(len(ids)))
     (ar_ids, ar), (ts_ids, ts) = results["ar"], results["tokenswift"]
-    click.echo(f"prompt: {prompt!r}")
-    click.echo(f"TokenSwift text (first 300 chars): {codec.decode(ts_ids)[:300]!r}")
+    click.echo(f"prompt ({len(prompt_ids)} tokens, last 200 chars): {prompt_text[-200:]!r}")
+    click.echo(f"TokenSwift text (first 400 chars): {codec.decode(ts_ids)[:400]!r}")
     click.echo(f"AR          {ar.new_tokens:6d} tokens  {ar.elapsed_s:7.2f}s  {ar.tokens_per_s:8.1f} tok/s")
     click.echo(f"TokenSwift  {ts.new_tokens:6d} tokens  {ts.elapsed_s:7.2f}s  {ts.tokens_per_s:8.1f} tok/s")
     click.echo(
         f"speedup {ar.elapsed_s / ts.elapsed_s:.2f}x   α {ts.acceptance_rate:.3f}   β {ts.ngram_acceptance_rate:.3f}   "
         f"tokens/iteration {ts.mean_accept_length:.2f}   same tokens as AR: {ar_ids == ts_ids}"
     )
+    click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
 
 
 if __name__ == "__main__":

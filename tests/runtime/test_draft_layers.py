@@ -76,3 +76,14 @@ def test_model_without_draft_layers_warns_and_uses_zero_layers(llama_dir):
     for out in outputs:
         assert torch.allclose(out, _rmsnorm(hidden, torch.ones(64), engine.config.rms_norm_eps), atol=1e-6)
     assert quiet_load(llama_dir[0]).trained_draft_layers is False
+
+
+def test_heads_file_inside_the_model_dir_is_picked_up(llama_dir, tmp_path):
+    directory, _ = llama_dir
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((directory / name).read_bytes())
+    heads = _random_draft_tensors(64, "draft_layers.", seed=8)
+    save_file(heads, str(tmp_path / "heads.safetensors"))
+    engine = load_engine(tmp_path)
+    assert engine.trained_draft_layers
+    assert torch.equal(engine.draft_layers.layers[0].linear.weight, heads["draft_layers.0.linear.weight"])

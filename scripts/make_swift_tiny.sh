@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Rebuild models/swift-tiny from the public-domain corpus: tokenizer + base model, then draft layers.
+# Usage: scripts/make_swift_tiny.sh [CORPUS_DIR]   (MINUTES=35 by default for the base model on CPU)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+corpus=${1:-../shared/corpus}
+py=.venv/bin/python
+cli=.venv/bin/tokenswift-trt
+$py scripts/train_swift_tiny.py --corpus "$corpus" --out models/swift-tiny --minutes "${MINUTES:-35}"
+$cli train-heads --model-dir models/swift-tiny --out runs/swift-tiny-heads --force \
+    --data "$corpus/iliad.txt" --data "$corpus/moby_dick.txt" --data "$corpus/war_and_peace.txt" \
+    --eval-data "$corpus/pride_and_prejudice.txt" \
+    --steps 400 --seq-len 1024 --batch 2 --grad-accum 4 --lr 5e-3 --warmup-steps 50
+cp runs/swift-tiny-heads/heads.safetensors models/swift-tiny/heads.safetensors
+cp runs/swift-tiny-heads/train_heads.json models/swift-tiny/train_heads.json
