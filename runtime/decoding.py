@@ -234,13 +234,11 @@ def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[i
     root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
     position = torch.tensor([state.root_position], dtype=torch.long, device=device)
     assert state.partial is not None
-    hidden = engine.model(root, position, state.partial).hidden  # [1, hidden]
-    head_states = [engine.model.model.norm(hidden)] + engine.draft_layers(hidden)
+    logits = engine.model.draft(root, position, state.partial, engine.draft_layers)  # [1 + n, V]
     window = state.window()
     candidates = []
     for depth, width in enumerate(tree.branching):
-        logits = engine.model.lm_head(head_states[depth])[0]  # [V]
-        scores = process_logits(logits, window, state.sampling)
+        scores = process_logits(logits[depth], window, state.sampling)
         candidates.append(scores.topk(width).indices.tolist())
     return candidates
 

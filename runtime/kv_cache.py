@@ -55,6 +55,10 @@ class KVCache:
         self.pending = count
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
+    def committed_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the committed K/V [layers, kv_heads, length, head_dim] (for engines that take K/V as inputs)."""
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
     def commit(self, count: int | None = None) -> None:
         """Make the first `count` pending slots (default all) committed."""
         count = self.pending if count is None else count
@@ -149,6 +153,10 @@ class PartialKVCache:
         self.keys[layer, :, self.length : end] = keys
         self.values[layer, :, self.length : end] = values
         return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def committed_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the held K/V [layers, kv_heads, length, head_dim]."""
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def select(self, full: KVCache, queries: Sequence[torch.Tensor]) -> None:
         """Rebuild from the full cache; queries: per layer, the latest query [heads, head_dim]."""

@@ -139,6 +139,17 @@ class LlamaModel(nn.Module):
         tree_mask: torch.Tensor | None = None,  # [T, T] bool, node i may see node j; None = causal
         keep_queries: bool = False,
     ) -> ForwardOutput:
+        return self.decode(tokens, positions, cache, tree_mask, keep_queries)
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: AttentionCache,
+        tree_mask: torch.Tensor | None = None,
+        keep_queries: bool = False,
+    ) -> ForwardOutput:
+        """`forward` without the inference-mode wrapper (for export and training)."""
         x = self.model.embed_tokens(tokens)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         mask = attention_mask(cache.prefix_length, tree_mask, tokens.shape[0], x.device)
@@ -155,3 +166,14 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] (pre-norm) -> logits [..., vocab]."""
         return self.lm_head(self.model.norm(hidden))
+
+    @torch.inference_mode()
+    def draft(self, tokens: torch.Tensor, positions: torch.Tensor, cache: AttentionCache, draft_layers: nn.Module) -> torch.Tensor:
+        """The draft pass: tokens [1] on `cache` -> logits of every head for the last token [1 + n, vocab]."""
+        hidden = self.decode(tokens, positions, cache).hidden
+        return self.head_logits(hidden[-1:], draft_layers)[:, 0]
+
+    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module) -> torch.Tensor:
+        """hidden [T, hidden] (pre-norm) -> logits of the base head and each draft layer [1 + n, T, vocab]."""
+        states = [self.model.norm(hidden)] + list(draft_layers(hidden))
+        return torch.stack([self.lm_head(state) for state in states])

@@ -44,44 +44,78 @@ def _fail(error: Exception) -> CliError:
     return CliError(str(error).splitlines()[0] if str(error) else type(error).__name__)
 
 
-def _load(model_dir: Path, heads: Path | None, dtype: str, device: str, quiet: bool):
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "eta": 0.0, "penalty": 1.0,
+    "penalty_window": 1024, "ngram_topk": 20, "tree": "1,3,3,3", "kv_budget": 4096, "dtype": None,
+}
+
+
+def _load(model_dir: Path | None, engine_dir: Path | None, heads: Path | None, dtype: str | None, device: str, quiet: bool):
+    """(engine, codec, defaults): from a Hugging Face dir, or from a built engine dir and its manifest."""
     import torch
 
     from tokenswift_trt.runtime.config import ConfigError
     from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
+    from tokenswift_trt.runtime.engine_dir import EngineDirError, load_engine_dir
     from tokenswift_trt.runtime.text import TextCodec, TokenizerError
 
+    if (model_dir is None) == (engine_dir is None):
+        raise CliError("give exactly one of --model-dir DIR or --engine DIR")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
+    source = model_dir if model_dir is not None else engine_dir
+    assert source is not None
+    if not source.is_dir():
+        raise CliError(f"{'model' if model_dir else 'engine'} directory {source} does not exist")
+    defaults = dict(SAMPLING_DEFAULTS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntrainedDraftLayersWarning)
         try:
-            engine = load_engine(model_dir, heads, dtype=getattr(torch, dtype), device=device)
-            codec = TextCodec.from_dir(model_dir)
-        except (ConfigError, WeightsError, TokenizerError, OSError) as error:
+            if engine_dir is not None:
+                if heads is not None:
+                    raise CliError("--heads applies to --model-dir; an engine carries its draft layers")
+                engine, manifest = load_engine_dir(engine_dir, device=device, dtype=getattr(torch, dtype) if dtype else None)
+                defaults.update(manifest.sampling, tree=manifest.tree)
+                codec = TextCodec.from_dir(engine_dir / "model")
+            else:
+                engine = load_engine(model_dir, heads, dtype=getattr(torch, dtype or "float32"), device=device)
+                codec = TextCodec.from_dir(model_dir)
+        except (ConfigError, WeightsError, TokenizerError, EngineDirError, OSError, RuntimeError) as error:
             raise _fail(error) from None
     for warning in caught:
         if issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet:
             click.echo(f"warning: {warning.message}", err=True)
-    return engine, codec
+    return engine, codec, defaults
+
+
+def source_options(function):
+    options = [
+        click.option("--model-dir", type=click.Path(path_type=Path), default=None, help="Hugging Face model directory"),
+        click.option("--engine", "engine_dir", type=click.Path(path_type=Path), default=None, help="engine directory from `build`"),
+        click.option("--heads", type=click.Path(path_type=Path), default=None, help="draft-layer heads file (safetensors)"),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
 
 
 def sampling_options(function):
+    """Sampling/decoding options; unset ones take the engine's defaults (--engine) or the global ones."""
     options = [
-        click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy"),
-        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off"),
-        click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off"),
-        click.option("--min-p", type=float, default=0.0, show_default=True, help="0 = off; keeps >= 20 tokens"),
-        click.option("--eta", type=float, default=0.0, show_default=True, help="η-sampling; 0 = off"),
-        click.option("--penalty", type=float, default=1.0, show_default=True, help="contextual penalty θ; 1 = off"),
-        click.option("--penalty-window", type=int, default=1024, show_default=True, help="W: tokens the penalty looks back"),
-        click.option("--ngram-topk", type=int, default=20, show_default=True, help="n-gram branches per first token"),
-        click.option("--tree", default="1,3,3,3", show_default=True, help="candidates per depth"),
-        click.option("--kv-budget", type=int, default=4096, show_default=True, help="partial KV cache budget B"),
+        click.option("--temperature", type=float, default=None, help="0 = greedy [default: 1.0 or the engine's]"),
+        click.option("--top-k", type=int, default=None, help="0 = off"),
+        click.option("--top-p", type=float, default=None, help="1 = off"),
+        click.option("--min-p", type=float, default=None, help="0 = off; keeps >= 20 tokens"),
+        click.option("--eta", type=float, default=None, help="η-sampling; 0 = off"),
+        click.option("--penalty", type=float, default=None, help="contextual penalty θ; 1 = off"),
+        click.option("--penalty-window", type=int, default=None, help="W: tokens the penalty looks back [1024]"),
+        click.option("--ngram-topk", type=int, default=None, help="n-gram branches per first token [20]"),
+        click.option("--tree", default=None, help="candidates per depth, or auto [1,3,3,3]"),
+        click.option("--kv-budget", type=int, default=None, help="partial KV cache budget B [4096]"),
         click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"),
         click.option("--ignore-eos", is_flag=True, help="do not stop at EOS"),
         click.option("--max-length", type=int, default=None, help="engine maximum length (default: model's)"),
-        click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True),
+        click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32, or the engine's"),
         click.option("--device", default="cpu", show_default=True),
     ]
     for option in reversed(options):
@@ -89,18 +123,20 @@ def sampling_options(function):
     return function
 
 
-def _generation_config(max_new_tokens: int, method: str, opts: dict):
+def _generation_config(max_new_tokens: int, method: str, opts: dict, defaults: dict | None = None):
     from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError
     from tokenswift_trt.runtime.sampling import SamplingConfig
 
+    merged = dict(defaults or SAMPLING_DEFAULTS)
+    merged.update({k: v for k, v in opts.items() if v is not None})
     sampling = SamplingConfig(
-        temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"], min_p=opts["min_p"],
-        eta=opts["eta"], penalty=opts["penalty"], penalty_window=opts["penalty_window"],
+        temperature=merged["temperature"], top_k=merged["top_k"], top_p=merged["top_p"], min_p=merged["min_p"],
+        eta=merged["eta"], penalty=merged["penalty"], penalty_window=merged["penalty_window"],
     )
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, method=method, sampling=sampling, tree=opts["tree"],
-        ngram_topk=opts["ngram_topk"], kv_budget=opts["kv_budget"], seed=opts["seed"],
-        ignore_eos=opts["ignore_eos"], max_length=opts["max_length"],
+        max_new_tokens=max_new_tokens, method=method, sampling=sampling, tree=merged["tree"],
+        ngram_topk=merged["ngram_topk"], kv_budget=merged["kv_budget"], seed=merged.get("seed"),
+        ignore_eos=merged.get("ignore_eos", False), max_length=merged.get("max_length"),
     )
     try:
         config.validate()
@@ -124,8 +160,7 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 
 
 @main.command()
-@click.option("--model-dir", type=click.Path(path_type=Path), required=True, help="Hugging Face model directory")
-@click.option("--heads", type=click.Path(path_type=Path), default=None, help="draft-layer heads file (safetensors)")
+@source_options
 @click.option("--prompt", default=None, help="prompt text")
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="file holding the prompt")
 @click.option("--max-new-tokens", type=int, required=True)
@@ -133,7 +168,7 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 @click.option("--stream", is_flag=True, help="print text as it is accepted")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
 @sampling_options
-def generate(model_dir, heads, prompt, prompt_file, max_new_tokens, method, stream, as_json, **opts) -> None:
+def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, method, stream, as_json, **opts) -> None:
     """Generate a continuation of a prompt with TokenSwift (or the AR baseline)."""
     from tqdm import tqdm
 
@@ -142,10 +177,9 @@ def generate(model_dir, heads, prompt, prompt_file, max_new_tokens, method, stre
     from tokenswift_trt.runtime.text import StreamDecoder
 
     text = _read_prompt(prompt, prompt_file)
-    config = _generation_config(max_new_tokens, method, opts)
-    if not model_dir.is_dir():
-        raise CliError(f"model directory {model_dir} does not exist: pass a Hugging Face model directory")
-    engine, codec = _load(model_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
+    _generation_config(max_new_tokens, method, opts)  # bad values fail before any loading
+    engine, codec, defaults = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
+    config = _generation_config(max_new_tokens, method, opts, defaults)
     prompt_ids = codec.encode(text)
 
     stream_decoder = StreamDecoder(codec)
@@ -233,7 +267,7 @@ def train_heads(model_dir, data, eval_data, out, steps, seq_len, batch, grad_acc
         raise CliError(f"model directory {model_dir} does not exist")
     if (out / CHECKPOINT).exists() and not (resume or force):
         raise CliError(f"{out} holds a checkpoint: pass --resume to continue it or --force to start over")
-    engine, codec = _load(model_dir, None, dtype, device, quiet=True)
+    engine, codec, _ = _load(model_dir, None, None, dtype, device, quiet=True)
     eos = engine.config.eos_token_ids[:1]
 
     def tokens_of(items: list[str]) -> torch.Tensor:
@@ -294,8 +328,7 @@ def _int_list(text: str, name: str) -> tuple[int, ...]:
 
 
 @main.command()
-@click.option("--model-dir", type=click.Path(path_type=Path), required=True)
-@click.option("--heads", type=click.Path(path_type=Path), default=None)
+@source_options
 @click.option("--prompt-file", type=click.Path(path_type=Path), required=True, help="text to cut prompts from")
 @click.option("--gen-len", default="2048,8192", show_default=True, help="generation lengths")
 @click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens")
@@ -303,7 +336,7 @@ def _int_list(text: str, name: str) -> tuple[int, ...]:
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @sampling_options
-def bench(model_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, out, **opts) -> None:
+def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, out, **opts) -> None:
     """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG."""
     import sys as _sys
 
@@ -316,11 +349,10 @@ def bench(model_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, 
         raise CliError("--prompts and --repeats must be at least 1")
     if opts["seed"] is None:
         opts["seed"] = 0
-    config = _generation_config(max(gen_lens), "tokenswift", opts)
+    _generation_config(max(gen_lens), "tokenswift", opts)
     text = _read_prompt(None, prompt_file)
-    if not model_dir.is_dir():
-        raise CliError(f"model directory {model_dir} does not exist")
-    engine, codec = _load(model_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    engine, codec, defaults = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    config = _generation_config(max(gen_lens), "tokenswift", opts, defaults)
     text_ids = codec.encode(text)
     longest = max(prefix_lens) + max(gen_lens)
     limit = opts["max_length"] or engine.config.max_position_embeddings
@@ -341,9 +373,9 @@ def bench(model_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, 
         rows = run_bench(engine, text_ids, spec, progress)
     except ValueError as error:
         raise _fail(error) from None
-    meta = {"command": "tokenswift-trt bench " + " ".join(_sys.argv[2:]), "model_dir": str(model_dir),
+    meta = {"command": "tokenswift-trt bench " + " ".join(_sys.argv[2:]), "source": str(model_dir or engine_dir),
             "tree": config.tree, "ngram_topk": config.ngram_topk, "sampling": vars(config.sampling),
-            "kv_budget": config.kv_budget, "device": opts["device"], "dtype": opts["dtype"]}
+            "kv_budget": config.kv_budget, "device": opts["device"], "dtype": str(engine.dtype)}
     written = write_results(rows, out, meta)
     columns = ["prefix_len", "gen_len", "ar_tokens_per_s", "tokenswift_tokens_per_s", "speedup", "alpha", "beta",
                "distinct4_penalty", "distinct4_no_penalty", "tokens_equal_ar"]
@@ -353,6 +385,55 @@ def bench(model_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, 
     for row in rows:
         click.echo(" | ".join(str(row[c]) for c in columns))
     click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+@main.command()
+@click.option("--model", required=True, help="preset name (see --list) or a Hugging Face model directory")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="engine directory to write")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="checkpoint dir (default: $TOKENSWIFT_HOME/<preset>)")
+@click.option("--heads", type=click.Path(path_type=Path), default=None, help="draft layers: heads file or released checkpoint")
+@click.option("--backend", type=click.Choice(["torch", "onnx", "tensorrt"]), default="torch", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: the preset's (bfloat16), else float32")
+@click.option("--random-weights", is_flag=True, help="correctly shaped random weights (performance work)")
+@click.option("--max-length", type=int, default=None, help="maximum sequence length (default: the model's)")
+@click.option("--force", is_flag=True, help="replace an existing engine directory")
+def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force) -> None:
+    """Build an engine directory from a preset or checkpoint (torch, onnx or tensorrt backend)."""
+    from tqdm import tqdm
+
+    from tokenswift_trt.builder.build import BuildError, BuildRequest, build_engine
+
+    bars: dict[str, tqdm] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False)
+        bar.n = done
+        bar.refresh()
+        if done >= total:
+            bar.close()
+
+    request = BuildRequest(model=model, out=out, checkpoint=checkpoint, heads=heads, backend=backend, dtype=dtype,
+                           random_weights=random_weights, force=force, max_sequence_length=max_length)
+    try:
+        path = build_engine(request, progress, log=lambda message: click.echo(message, err=True))
+    except (BuildError, RuntimeError, OSError) as error:
+        raise _fail(error) from None
+    finally:
+        for bar in bars.values():
+            bar.close()
+    click.echo(f"engine: {path}")
+
+
+@main.command("presets")
+def presets() -> None:
+    """List the model presets with their shapes and sampling defaults."""
+    from tokenswift_trt.builder.presets import PRESETS
+
+    for preset in PRESETS.values():
+        click.echo(f"{preset.name:22s} {preset.parameter_count() / 1e9:6.2f}B  {preset.dtype:9s} {preset.hf_name}  "
+                   f"sampling: {vars(preset.sampling)}")
 
 
 @main.command("random-model")
@@ -370,38 +451,36 @@ def random_model(out: Path, seed: int, force: bool) -> None:
 
 
 @main.command()
-@click.option("--model-dir", type=click.Path(path_type=Path), required=True)
-@click.option("--heads", type=click.Path(path_type=Path), default=None)
+@source_options
 @click.option("--prompt", default=None, help="prompt text (default: the model dir's prompt.txt, else a fixed line)")
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None)
 @click.option("--max-new-tokens", type=int, default=2048, show_default=True)
 @sampling_options
-def demo(model_dir, heads, prompt, prompt_file, max_new_tokens, **opts) -> None:
+def demo(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, **opts) -> None:
     """Generate with AR and with TokenSwift on the same engine; print speedup, α, β, Distinct-n and agreement."""
     from tqdm import tqdm
 
     from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.runtime.decoding import generate as run_generate
 
-    if prompt is None and prompt_file is None:
-        default_file = model_dir / "prompt.txt"
+    source = model_dir or engine_dir
+    if prompt is None and prompt_file is None and source is not None:
+        default_file = source / "prompt.txt"
         if default_file.is_file():
             prompt_file = default_file
         else:
             prompt = "It is a truth universally acknowledged, that"
 
-    if not model_dir.is_dir():
-        raise CliError(f"model directory {model_dir} does not exist")
     if opts["seed"] is None:
         opts["seed"] = 0
-    engine, codec = _load(model_dir, heads, opts["dtype"], opts["device"], quiet=False)
-    if (model_dir / "README.md").is_file() and "Random weights" in (model_dir / "README.md").read_text():
+    engine, codec, defaults = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    if source is not None and (source / "README.md").is_file() and "Random weights" in (source / "README.md").read_text():
         click.echo("note: this model has RANDOM weights; its text is noise, only speed and exactness mean anything", err=True)
     prompt_text = _read_prompt(prompt, prompt_file)
     prompt_ids = codec.encode(prompt_text)
     results = {}
     for method in ("ar", "tokenswift"):
-        config = _generation_config(max_new_tokens, method, opts)
+        config = _generation_config(max_new_tokens, method, opts, defaults)
         with tqdm(total=max_new_tokens, unit="tok", desc=method, file=sys.stderr) as bar:
             results[method] = run_generate(engine, prompt_ids, config, on_tokens=lambda ids: bar.update(len(ids)))
     (ar_ids, ar), (ts_ids, ts) = results["ar"], results["tokenswift"]

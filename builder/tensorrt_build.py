@@ -1,0 +1,47 @@
+"""ONNX -> TensorRT plans with the `tensorrt` (>= 10) builder API: parser, precision flags and one
+optimisation profile per graph covering tree sizes (tokens) and context lengths (past)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenswift_trt.runtime.config import ModelConfig
+from tokenswift_trt.runtime.tensorrt_backend import import_tensorrt
+
+PLUGIN_LIBRARY = Path(__file__).resolve().parent.parent / "plugins_cuda" / "build" / "libtokenswift_plugins.so"
+
+
+def build_plan(onnx_path: Path, plan_path: Path, config: ModelConfig, dtype: str, max_tokens: int, max_context: int,
+               with_tree_mask: bool, workspace_bytes: int = 8 << 30) -> Path:
+    trt = import_tensorrt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    if PLUGIN_LIBRARY.is_file():
+        trt.get_plugin_registry().load_library(str(PLUGIN_LIBRARY))
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    builder_config = builder.create_builder_config()
+    builder_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    if dtype == "bfloat16":
+        builder_config.set_flag(trt.BuilderFlag.BF16)
+    elif dtype == "float16":
+        builder_config.set_flag(trt.BuilderFlag.FP16)
+    kv = (config.num_layers, config.num_kv_heads)
+    opt_tokens, opt_context = min(64, max_tokens), min(32768, max_context)
+    profile = builder.create_optimization_profile()
+    profile.set_shape("tokens", (1,), (opt_tokens,), (max_tokens,))
+    profile.set_shape("positions", (1,), (opt_tokens,), (max_tokens,))
+    for name in ("past_keys", "past_values"):
+        profile.set_shape(name, (*kv, 1, config.head_dim), (*kv, opt_context, config.head_dim), (*kv, max_context, config.head_dim))
+    if with_tree_mask:
+        profile.set_shape("tree_mask", (1, 1), (opt_tokens, opt_tokens), (max_tokens, max_tokens))
+    builder_config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, builder_config)
+    if plan is None:
+        raise RuntimeError(f"TensorRT failed to build a plan from {onnx_path} (see the log above)")
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    plan_path.write_bytes(bytes(plan))
+    return plan_path
