@@ -33,6 +33,8 @@ from .tree import StaticTree, Trie, build_static_tree, build_trie
 METHODS = ("tokenswift", "ar")
 NGRAM_LENGTH = 4
 AUTO = "auto"
+DRAFT_SOURCES = ("partial", "verify")
+VERIFY_PROBE_TREE = "3,3,3"  # drafting from the verify pass: depth d uses draft layer d
 PROBE_ITERATIONS = 24  # tree tuning: probe iterations with the largest tree
 RETUNE_EVERY = 4096  # tree tuning: probe again after this many new tokens
 
@@ -49,6 +51,10 @@ class GenerationConfig:
     tree: str = "1,3,3,3"  # or "auto"
     ngram_topk: int = 20  # ignored with tree="auto"
     kv_budget: int = 4096
+    # "partial": the paper's separate draft forward of the root on the partial KV cache;
+    # "verify": draft layers read the verify pass's hidden state of the last accepted token
+    # (no draft forward, no partial cache; depth d of the tree uses draft layer d)
+    draft_source: str = "partial"
     seed: int | None = None
     ignore_eos: bool = False
     max_length: int | None = None  # engine maximum (prompt + generated); default: the model's
@@ -64,6 +70,8 @@ class GenerationConfig:
             raise GenerationError(str(error)) from None
         if self.method not in METHODS:
             raise GenerationError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.draft_source not in DRAFT_SOURCES:
+            raise GenerationError(f"draft source must be one of {', '.join(DRAFT_SOURCES)}, got {self.draft_source!r}")
         if self.max_new_tokens <= 0:
             raise GenerationError(f"max new tokens must be positive, got {self.max_new_tokens}")
         if self.ngram_topk < 0:
@@ -243,6 +251,14 @@ def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[i
     return candidates
 
 
+def candidates_from_hidden(engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree) -> list[list[int]]:
+    """Draft from the last committed token's hidden state [hidden]: draft layer d proposes depth d."""
+    heads = engine.model.head_logits(hidden[None], engine.draft_layers)[1:, 0]  # [n, V]: tokens 2.. after it
+    window = state.window()
+    return [process_logits(heads[depth], window, state.sampling).topk(width).indices.tolist()
+            for depth, width in enumerate(tree.branching)]
+
+
 def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:
     """Top-k committed 4-grams starting with each distinct first-depth candidate."""
     if state.table is None or k <= 0:
@@ -311,11 +327,13 @@ def generate(
     `config.tree == "auto"` tunes the tree and n-gram k while generating (runtime/autotune.py).
     """
     max_length = _check_request(engine, prompt, config)
-    tree = build_static_tree(PROBE_TREE if config.tree == AUTO else config.tree)
-    if config.method == "tokenswift" and tree.depth > 1 + len(engine.draft_layers):
+    from_verify = config.draft_source == "verify"
+    tree = build_static_tree((VERIFY_PROBE_TREE if from_verify else PROBE_TREE) if config.tree == AUTO else config.tree)
+    max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
+    if config.method == "tokenswift" and tree.depth > max_depth:
         raise GenerationError(
             f"tree {config.tree!r} is {tree.depth} deep but the engine has {len(engine.draft_layers)} draft layers "
-            f"(at most {1 + len(engine.draft_layers)} levels)"
+            f"(at most {max_depth} levels when drafting from the {config.draft_source} pass)"
         )
     ngram_topk = PROBE_TOPK if config.tree == AUTO else config.ngram_topk
     seed = config.seed if config.seed is not None else random_module.SystemRandom().randrange(2**63)
@@ -366,7 +384,7 @@ def generate(
                 observer(stats)
             done = token in state.stop_tokens or len(state.tokens) >= limit
     else:
-        _tokenswift_loop(engine, state, config, stats, started, on_tokens, acceptor, observer)
+        _tokenswift_loop(engine, state, config, stats, started, hidden, on_tokens, acceptor, observer)
 
     stats.elapsed_s = time.perf_counter() - started
     new_tokens = state.tokens[len(prompt) :]
@@ -401,35 +419,40 @@ def _tokenswift_loop(
     config: GenerationConfig,
     stats: Stats,
     started: float,
+    last_hidden: torch.Tensor,  # [hidden] of the last committed token (drafting from the verify pass)
     on_tokens: Callable[[list[int]], None] | None,
     acceptor: Acceptor,
     observer: Callable[[Stats], None] | None,
 ) -> None:
     cfg, device = engine.config, engine.device
     ngram_exclusion = config.sampling.penalty_window if config.sampling.penalty > 1 else 0
-    state.partial = PartialKVCache(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_budget, dtype=engine.dtype, device=device
-    )
-    state.partial.select(state.full, state.queries)
+    from_verify = config.draft_source == "verify"
+    if not from_verify:
+        state.partial = PartialKVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_budget, dtype=engine.dtype, device=device
+        )
+        state.partial.select(state.full, state.queries)
     auto = config.tree == AUTO
-    plan_tree, ngram_topk = (PROBE_TREE, PROBE_TOPK) if auto else (config.tree, config.ngram_topk)
+    probe_tree = VERIFY_PROBE_TREE if from_verify else PROBE_TREE
+    max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
+    plan_tree, ngram_topk = (probe_tree, PROBE_TOPK) if auto else (config.tree, config.ngram_topk)
     if ngram_topk > 0:
         state.table = NgramTable(NGRAM_LENGTH)
         state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
     tree: StaticTree | None = build_static_tree(plan_tree)
-    probe = ProbeRecorder(max_depth=1 + len(engine.draft_layers)) if auto else None
+    probe = ProbeRecorder(max_depth=max_depth) if auto else None
     probe_costs = {"draft": 0.0, "other": 0.0}
     next_probe = len(state.tokens) + RETUNE_EVERY
     max_trie = state.full.capacity - state.limit
     if auto:
-        stats.plans.append(f"probe {PROBE_TREE} k={PROBE_TOPK} from token {stats.new_tokens if stats.new_tokens else 1}")
+        stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens if stats.new_tokens else 1}")
     done = False
     while not done:
         tick = time.perf_counter()
         if tree is None:  # plain AR step: a trie of the root alone, no draft
             trie = Trie(state.tokens[-1])
         else:
-            candidates = propose(engine, state, tree)
+            candidates = candidates_from_hidden(engine, state, last_hidden, tree) if from_verify else propose(engine, state, tree)
         t_draft = time.perf_counter()
         if tree is not None:
             trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, candidates[0], ngram_topk))
@@ -440,6 +463,7 @@ def _tokenswift_loop(
         acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
         t_accept = time.perf_counter()
         commit(state, acceptance, verified, ngram_exclusion)
+        last_hidden = verified.hidden[acceptance.nodes[-1] if acceptance.nodes else 0]
         t_commit = time.perf_counter()
         for phase, begin, end in (
             ("draft", tick, t_draft), ("trie", t_draft, t_trie), ("verify", t_trie, t_verify),
@@ -473,7 +497,7 @@ def _tokenswift_loop(
                 probe, probe_costs = None, {"draft": 0.0, "other": 0.0}
                 next_probe = len(state.tokens) + RETUNE_EVERY
         elif auto and len(state.tokens) >= next_probe:
-            probe = ProbeRecorder(max_depth=1 + len(engine.draft_layers))
-            tree, ngram_topk = build_static_tree(PROBE_TREE), PROBE_TOPK
-            stats.plans.append(f"probe {PROBE_TREE} k={PROBE_TOPK} from token {stats.new_tokens}")
-    stats.partial_selections = state.partial.selections
+            probe = ProbeRecorder(max_depth=max_depth)
+            tree, ngram_topk = build_static_tree(probe_tree), PROBE_TOPK
+            stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens}")
+    stats.partial_selections = state.partial.selections if state.partial is not None else 0

@@ -82,3 +82,6 @@ class OnnxDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.torch_model.logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module) -> torch.Tensor:
+        return self.torch_model.head_logits(hidden, draft_layers)

@@ -10,6 +10,6 @@ $py scripts/train_swift_tiny.py --corpus "$corpus" --out models/swift-tiny --min
 $cli train-heads --model-dir models/swift-tiny --out runs/swift-tiny-heads --force \
     --data "$corpus/iliad.txt" --data "$corpus/moby_dick.txt" --data "$corpus/war_and_peace.txt" \
     --eval-data "$corpus/pride_and_prejudice.txt" \
-    --steps 400 --seq-len 1024 --batch 2 --grad-accum 4 --lr 5e-3 --warmup-steps 50
+    --steps 300 --seq-len 512 --batch 4 --grad-accum 2 --lr 5e-3 --warmup-steps 50
 cp runs/swift-tiny-heads/heads.safetensors models/swift-tiny/heads.safetensors
 cp runs/swift-tiny-heads/train_heads.json models/swift-tiny/train_heads.json

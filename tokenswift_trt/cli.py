@@ -46,7 +46,8 @@ def _fail(error: Exception) -> CliError:
 
 SAMPLING_DEFAULTS = {
     "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "eta": 0.0, "penalty": 1.0,
-    "penalty_window": 1024, "ngram_topk": 20, "tree": "1,3,3,3", "kv_budget": 4096, "dtype": None,
+    "penalty_window": 1024, "ngram_topk": 20, "tree": "1,3,3,3", "kv_budget": 4096, "draft_source": "partial",
+    "dtype": None,
 }
 
 
@@ -112,6 +113,8 @@ def sampling_options(function):
         click.option("--ngram-topk", type=int, default=None, help="n-gram branches per first token [20]"),
         click.option("--tree", default=None, help="candidates per depth, or auto [1,3,3,3]"),
         click.option("--kv-budget", type=int, default=None, help="partial KV cache budget B [4096]"),
+        click.option("--draft-source", type=click.Choice(["partial", "verify"]), default=None,
+                     help="partial: separate draft pass on the partial KV cache (paper); verify: draft layers read the verify pass [partial]"),
         click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"),
         click.option("--ignore-eos", is_flag=True, help="do not stop at EOS"),
         click.option("--max-length", type=int, default=None, help="engine maximum length (default: model's)"),
@@ -135,7 +138,7 @@ def _generation_config(max_new_tokens: int, method: str, opts: dict, defaults: d
     )
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, method=method, sampling=sampling, tree=merged["tree"],
-        ngram_topk=merged["ngram_topk"], kv_budget=merged["kv_budget"], seed=merged.get("seed"),
+        ngram_topk=merged["ngram_topk"], kv_budget=merged["kv_budget"], draft_source=merged["draft_source"], seed=merged.get("seed"),
         ignore_eos=merged.get("ignore_eos", False), max_length=merged.get("max_length"),
     )
     try:
@@ -374,7 +377,8 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
     except ValueError as error:
         raise _fail(error) from None
     meta = {"command": "tokenswift-trt bench " + " ".join(_sys.argv[2:]), "source": str(model_dir or engine_dir),
-            "tree": config.tree, "ngram_topk": config.ngram_topk, "sampling": vars(config.sampling),
+            "tree": config.tree, "ngram_topk": config.ngram_topk, "draft_source": config.draft_source,
+            "sampling": vars(config.sampling),
             "kv_budget": config.kv_budget, "device": opts["device"], "dtype": str(engine.dtype)}
     written = write_results(rows, out, meta)
     columns = ["prefix_len", "gen_len", "ar_tokens_per_s", "tokenswift_tokens_per_s", "speedup", "alpha", "beta",

@@ -149,3 +149,19 @@ def test_tiny_partial_budgets_stay_lossless(llama_engine64, budget):
     swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, kv_budget=budget))
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar and stats.partial_selections > 10
+
+
+@pytest.mark.parametrize("tree", ["3,3,3", "1,1", "auto"])
+def test_drafting_from_the_verify_pass_is_lossless(llama_engine64, tree):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    base = dict(max_new_tokens=200, sampling=SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
+                seed=2, ignore_eos=True)
+    swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, tree=tree, draft_source="verify"))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert swift == ar
+    assert stats.partial_selections == 0 and "draft" in stats.phase_s
+
+
+def test_verify_drafting_refuses_trees_deeper_than_the_draft_layers(llama_engine64):
+    with pytest.raises(GenerationError, match="at most 3 levels"):
+        generate(llama_engine64, [5, 6, 7], GenerationConfig(max_new_tokens=5, tree="1,3,3,3", draft_source="verify"))
