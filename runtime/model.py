@@ -175,5 +175,5 @@ class LlamaModel(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module) -> torch.Tensor:
         """hidden [T, hidden] (pre-norm) -> logits of the base head and each draft layer [1 + n, T, vocab]."""
-        states = [self.model.norm(hidden)] + list(draft_layers(hidden))
-        return torch.stack([self.lm_head(state) for state in states])
+        states = torch.stack([self.model.norm(hidden)] + list(draft_layers(hidden)))  # [1 + n, T, hidden]
+        return self.lm_head(states)  # one pass over the head's weights for all heads
