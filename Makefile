@@ -4,9 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CLI := $(VENV)/bin/tokenswift-trt
 STAMP := $(VENV)/.installed
-DEMO_MODEL := demo/random-tiny
+DEMO_MODEL := models/swift-tiny
+RANDOM_MODEL := demo/random-tiny
+# the paper's sampling settings (min-p 0.1, θ 1.2) with W, B and the tree scaled to a tiny model on a CPU
+DEMO_ARGS := --min-p 0.1 --penalty 1.2 --penalty-window 256 --kv-budget 1024 --tree auto --ignore-eos --max-new-tokens 4096 --seed 1
 
-.PHONY: install test demo clean
+.PHONY: install test demo demo-random clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,11 +24,16 @@ install: $(STAMP)
 test: install
 	$(PY) -m pytest -q
 
-$(DEMO_MODEL)/config.json: | install
-	$(CLI) random-model --out $(DEMO_MODEL)
+# swift-tiny: a trained ~9M-parameter Llama (docs/swift-tiny.md); a held-out Pride and Prejudice prompt
+demo: install
+	$(CLI) demo --model-dir $(DEMO_MODEL) $(DEMO_ARGS)
 
-demo: install $(DEMO_MODEL)/config.json
-	$(CLI) demo --model-dir $(DEMO_MODEL) --temperature 0 --ignore-eos --max-new-tokens 2048
+$(RANDOM_MODEL)/config.json: | install
+	$(CLI) random-model --out $(RANDOM_MODEL)
+
+# the same comparison on random weights (no training needed; text is noise)
+demo-random: install $(RANDOM_MODEL)/config.json
+	$(CLI) demo --model-dir $(RANDOM_MODEL) --temperature 0 --ignore-eos --max-new-tokens 2048
 
 clean:
 	rm -rf $(VENV) demo build *.egg-info .pytest_cache
