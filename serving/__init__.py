@@ -1,0 +1,1 @@
+"""Serving: the Triton request handler, the tritonserver process manager and the client."""

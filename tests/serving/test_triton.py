@@ -1,0 +1,152 @@
+"""A real tritonserver on loopback serving swift-tiny: HTTP/gRPC, streaming, errors, load, cancel, metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tokenswift_trt.cli import main
+
+pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[all]")
+from tokenswift_trt.serving.client import ClientError, generate_endpoint, grpc_generate  # noqa: E402
+from tokenswift_trt.serving.server import ServerConfig, ServerError, TritonServer, _bundled  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
+PROMPT = "It is a truth universally acknowledged, that a single man"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if _bundled() is None:
+        pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
+    http, grpc, metrics = _free_ports(3)
+    config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    with TritonServer(config, log_path=tmp_path_factory.mktemp("triton") / "server.log") as running:
+        yield running
+
+
+def _cli_text(seed: int, max_tokens: int) -> str:
+    result = CliRunner().invoke(main, ["generate", "--model-dir", str(MODEL), "--prompt", PROMPT, "--max-new-tokens",
+                                       str(max_tokens), "--seed", str(seed), "--min-p", "0.1", "--ignore-eos", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.splitlines()[-1])["text"]
+
+
+def _params(seed: int, max_tokens: int = 40, **extra) -> dict:
+    return {"text_input": PROMPT, "max_tokens": max_tokens, "seed": seed, "min_p": 0.1, "ignore_eos": True, **extra}
+
+
+def test_every_endpoint_returns_the_cli_output_for_a_fixed_seed(server):
+    expected = _cli_text(seed=7, max_tokens=40)
+    streamed = grpc_generate(server.grpc_url, _params(7, stream=True))
+    assert streamed.text == expected and streamed.chunks > 2
+    whole = grpc_generate(server.grpc_url, _params(7, stream=False))
+    assert whole.text == expected and whole.chunks == 1
+    assert generate_endpoint(server.http_url, _params(7), stream=False).text == expected
+    sse = generate_endpoint(server.http_url, _params(7), stream=True)
+    assert sse.text == expected and sse.chunks > 2
+    stats = whole.stats
+    assert 0 <= stats["acceptance_rate"] <= 1 and stats["total_draft_tokens"] > 0 and stats["tokens_per_second"] > 0
+    assert stats["acceptance_rate"] == pytest.approx(stats["total_accepted_draft_tokens"] / stats["total_draft_tokens"])
+    ar = grpc_generate(server.grpc_url, _params(7, method="ar"))
+    assert ar.text == expected and ar.stats["total_draft_tokens"] == 0
+
+
+BAD_REQUESTS = [
+    ({"max_tokens": 8}, "text_input"),
+    ({"text_input": "   ", "max_tokens": 8}, "empty"),
+    ({"text_input": PROMPT, "max_tokens": 0}, "max_tokens must be positive"),
+    ({"text_input": PROMPT, "max_tokens": -5}, "max_tokens must be positive"),
+    ({"text_input": PROMPT, "max_tokens": 40000}, "maximum length"),
+    ({"text_input": PROMPT, "max_tokens": 8, "temperature": -1.0}, "temperature"),
+    ({"text_input": PROMPT, "max_tokens": 8, "top_p": 1.5}, "top-p"),
+    ({"text_input": PROMPT, "max_tokens": 8, "repetition_penalty": 0.5}, "penalty"),
+    ({"text_input": PROMPT, "max_tokens": 8, "method": "beam"}, "method"),
+]
+
+
+@pytest.mark.parametrize("params,match", BAD_REQUESTS)
+def test_bad_requests_get_errors_and_the_server_stays_healthy(server, params, match):
+    with pytest.raises(ClientError, match=match):
+        grpc_generate(server.grpc_url, params)
+    with pytest.raises(ClientError, match=match):
+        generate_endpoint(server.http_url, params, stream=False)
+    assert grpc_generate(server.grpc_url, _params(1, max_tokens=8)).text
+
+
+def test_wrong_dtypes_and_non_utf8_bytes_are_refused(server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses = []
+    client.start_stream(callback=lambda result, error: responses.append(error))
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"\xff\xfe not utf-8"], dtype=np.object_))
+    wrong = grpcclient.InferInput("max_tokens", [1], "FP32")  # declared INT32
+    wrong.set_data_from_numpy(np.array([8.0], dtype=np.float32))
+    client.async_stream_infer("tokenswift", [text, wrong])
+    good_tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
+    good_tokens.set_data_from_numpy(np.array([8], dtype=np.int32))
+    client.async_stream_infer("tokenswift", [text, good_tokens])
+    for _ in range(200):
+        if len(responses) >= 2:
+            break
+        threading.Event().wait(0.05)
+    client.stop_stream()
+    client.close()
+    messages = [str(error) for error in responses[:2]]
+    assert "FP32" in messages[0] or "data type" in messages[0].lower()
+    assert "UTF-8" in messages[1]
+    assert grpc_generate(server.grpc_url, _params(2, max_tokens=8)).text
+
+
+def test_four_concurrent_streams_complete_with_correct_outputs(server):
+    seeds = [11, 12, 13, 14]
+    expected = {seed: _cli_text(seed, 32) for seed in seeds}
+    results: dict[int, str] = {}
+    failures: list[BaseException] = []
+
+    def run(seed: int) -> None:
+        try:
+            results[seed] = grpc_generate(server.grpc_url, _params(seed, max_tokens=32, stream=True), timeout_s=300).text
+        except BaseException as error:  # reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not failures and results == expected
+
+
+def test_cancel_mid_stream_then_serve_the_next_request(server):
+    partial = grpc_generate(server.grpc_url, _params(5, max_tokens=3000, stream=True), cancel_after_chunks=3)
+    assert partial.chunks == 3
+    assert grpc_generate(server.grpc_url, _params(6, max_tokens=16)).text
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'tokenswift_requests_total{model="tokenswift",outcome="cancelled"} 1' in metrics
+    assert "tokenswift_generated_tokens_total" in metrics and "tokenswift_acceptance_rate" in metrics
+
+
+def test_missing_engine_is_a_clear_error(tmp_path):
+    with pytest.raises(ServerError, match="does not exist"):
+        TritonServer(ServerConfig(engine=tmp_path / "absent")).start()
