@@ -9,7 +9,7 @@ RANDOM_MODEL := demo/random-tiny
 # the paper's sampling settings (min-p 0.1, θ 1.2) with W, B and the tree scaled to a tiny model on a CPU
 DEMO_ARGS := --min-p 0.1 --penalty 1.2 --penalty-window 256 --kv-budget 1024 --tree auto --ignore-eos --max-new-tokens 4096 --seed 1
 
-.PHONY: install test demo demo-random clean
+.PHONY: install test demo demo-random deploy clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ $(RANDOM_MODEL)/config.json: | install
 # the same comparison on random weights (no training needed; text is noise)
 demo-random: install $(RANDOM_MODEL)/config.json
 	$(CLI) demo --model-dir $(RANDOM_MODEL) --temperature 0 --ignore-eos --max-new-tokens 2048
+
+# on a GPU node: build the engine for PRESET and serve it from Triton's NGC container (docs/deploy.md)
+deploy: install
+	deploy/deploy.sh
 
 clean:
 	rm -rf $(VENV) demo build *.egg-info .pytest_cache
