@@ -10,7 +10,9 @@ Every iteration therefore commits accept_length + 1 tokens.
 
 Stages: propose (draft forward on the partial cache -> per-head candidates, n-gram branches)
 -> build trie -> verify (one forward over the trie on the full cache) -> accept -> commit
-(full cache, partial cache, n-gram table, token history).
+(full cache, partial cache, n-gram table, token history). With draft_source="verify" the
+candidates come from the last verify pass instead of a separate draft forward; with
+tree="auto" the tree and n-gram k are tuned while generating (autotune.py).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .autotune import AR_PLAN, PROBE_TOPK, PROBE_TREE, ProbeRecorder, choose_plan, time_verify
 from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput
 from .ngram import NgramTable
 from .sampling import PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, process_logits
-from .autotune import AR_PLAN, PROBE_TOPK, PROBE_TREE, Plan, ProbeRecorder, choose_plan, time_verify
 from .tree import StaticTree, Trie, build_static_tree, build_trie
 
 METHODS = ("tokenswift", "ar")

@@ -8,7 +8,6 @@ the same test.
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
