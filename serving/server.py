@@ -158,7 +158,8 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=timeout_s)
-        shutil.rmtree(self.workdir, ignore_errors=True) if self.log_path.parent != self.workdir else None
+        for staged in ("model_repo", "backends"):  # the log stays for inspection
+            shutil.rmtree(self.workdir / staged, ignore_errors=True)
 
     def __enter__(self) -> "TritonServer":
         return self.start()
