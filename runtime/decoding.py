@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .admission import AdmissionError, admit, available_bytes, plan_memory
 from .autotune import AR_PLAN, PROBE_TOPK, PROBE_TREE, ProbeRecorder, choose_plan, time_verify
 from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
@@ -61,6 +62,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     max_length: int | None = None  # engine maximum (prompt + generated); default: the model's
     prefill_chunk: int = 1024
+    memory_budget: int | None = None  # bytes the caches may use; default: what is free now
 
     def validate(self) -> None:
         """Engine-independent checks; raise GenerationError naming the bad value."""
@@ -343,6 +345,11 @@ def generate(
     limit = min(len(prompt) + config.max_new_tokens, max_length)
     max_trie = tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH
     cfg, dtype, device = engine.config, engine.dtype, engine.device
+    plan = plan_memory(engine, limit + max_trie, config.kv_budget if config.method == "tokenswift" else 0, max_trie)
+    try:
+        admit(plan, config.memory_budget if config.memory_budget is not None else available_bytes(device))
+    except AdmissionError as error:
+        raise GenerationError(str(error)) from None
     full = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limit + max_trie, dtype, device)
     state = DecodeState(
         tokens=list(prompt),

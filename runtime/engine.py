@@ -37,6 +37,11 @@ class Engine:
     dtype: torch.dtype
     device: torch.device
 
+    def model_parameters(self) -> list[torch.nn.Parameter]:
+        """Base and draft-layer parameters (for memory accounting; onnx/TensorRT keep the torch copy too)."""
+        model = getattr(self.model, "torch_model", self.model)
+        return list(model.parameters()) + list(self.draft_layers.parameters())
+
 
 DEFAULT_HEADS_FILE = "heads.safetensors"  # picked up from the model directory when present
 _IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")

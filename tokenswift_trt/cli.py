@@ -166,65 +166,125 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 @source_options
 @click.option("--prompt", default=None, help="prompt text")
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="file holding the prompt")
-@click.option("--max-new-tokens", type=int, required=True)
+@click.option("--max-new-tokens", type=int, default=None, help="tokens to generate (required unless --resume)")
 @click.option("--method", type=click.Choice(["tokenswift", "ar"]), default="tokenswift", show_default=True)
 @click.option("--stream", is_flag=True, help="print text as it is accepted")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
+@click.option("--journal", type=click.Path(path_type=Path), default=None, help="append committed tokens to this journal (crash-safe)")
+@click.option("--journal-every", type=click.IntRange(1), default=64, show_default=True, help="tokens per journal record")
+@click.option("--resume", type=click.Path(path_type=Path), default=None, help="continue the generation recorded in this journal")
+@click.option("--memory-budget", type=float, default=None, help="GiB the caches may use (default: the memory free now)")
 @sampling_options
-def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, method, stream, as_json, **opts) -> None:
-    """Generate a continuation of a prompt with TokenSwift (or the AR baseline)."""
+def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, method, stream, as_json, journal,
+             journal_every, resume, memory_budget, **opts) -> None:
+    """Generate a continuation of a prompt with TokenSwift (or the AR baseline); journal and resume long runs."""
+    import dataclasses
+    import random
+
     from tqdm import tqdm
 
-    from tokenswift_trt.runtime.decoding import GenerationError
+    from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError
     from tokenswift_trt.runtime.decoding import generate as run_generate
+    from tokenswift_trt.runtime.journal import JournalError, JournalWriter, read_journal, truncate_to_valid
+    from tokenswift_trt.runtime.sampling import SamplingConfig
     from tokenswift_trt.runtime.text import StreamDecoder
 
-    text = _read_prompt(prompt, prompt_file)
-    _generation_config(max_new_tokens, method, opts)  # bad values fail before any loading
-    engine, codec, defaults = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
-    config = _generation_config(max_new_tokens, method, opts, defaults)
-    prompt_ids = codec.encode(text)
+    done_ids: list[int] = []
+    if resume is not None:
+        if journal is not None or prompt is not None or prompt_file is not None:
+            raise CliError("--resume continues a journal: it takes no --prompt, --prompt-file or --journal")
+        try:
+            state = read_journal(resume)
+        except JournalError as error:
+            raise _fail(error) from None
+        header = state.header
+        if model_dir is None and engine_dir is None:
+            model_dir = Path(header["source"]["model_dir"]) if header["source"].get("model_dir") else None
+            engine_dir = Path(header["source"]["engine_dir"]) if header["source"].get("engine_dir") else None
+            heads = Path(header["source"]["heads"]) if header["source"].get("heads") else None
+        settings = dict(header["settings"])
+        config = GenerationConfig(**{**settings, "sampling": SamplingConfig(**settings["sampling"])})
+        prompt_ids, done_ids = list(header["prompt_ids"]), list(state.tokens)
+        engine, codec, _ = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
+        if state.dropped_records and not as_json:
+            click.echo(f"note: ignored {state.dropped_records} torn record(s) at the end of {resume}", err=True)
+        stop = set(engine.config.eos_token_ids) if not config.ignore_eos else set()
+        finished = state.finished or len(done_ids) >= config.max_new_tokens or bool(done_ids and done_ids[-1] in stop)
+        truncate_to_valid(resume)
+        writer = JournalWriter(resume, every=journal_every)
+        run_config = dataclasses.replace(config, max_new_tokens=max(1, config.max_new_tokens - len(done_ids)))
+    else:
+        if max_new_tokens is None:
+            raise CliError("--max-new-tokens is required (unless --resume)")
+        text = _read_prompt(prompt, prompt_file)
+        _generation_config(max_new_tokens, method, opts)  # bad values fail before any loading
+        engine, codec, defaults = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
+        config = _generation_config(max_new_tokens, method, opts, defaults)
+        prompt_ids = codec.encode(text)
+        finished = False
+        writer = None
+        if journal is not None:
+            if config.seed is None:  # the journal must know the seed to resume the same tokens
+                config = dataclasses.replace(config, seed=random.SystemRandom().randrange(2**63))
+            source = {"model_dir": str(model_dir) if model_dir else None, "engine_dir": str(engine_dir) if engine_dir else None,
+                      "heads": str(heads) if heads else None}
+            header = {"prompt_ids": prompt_ids, "settings": dataclasses.asdict(config), "source": source}
+            writer = JournalWriter(journal, header, every=journal_every)
+        run_config = config
+    if memory_budget is not None:
+        run_config = dataclasses.replace(run_config, memory_budget=int(memory_budget * (1 << 30)))
 
     stream_decoder = StreamDecoder(codec)
-    progress = tqdm(total=max_new_tokens, unit="tok", file=sys.stderr, disable=True if (as_json or stream) else None)
+    if stream and done_ids:
+        click.echo(stream_decoder.push(done_ids), nl=False)
+    progress = tqdm(total=config.max_new_tokens, initial=len(done_ids), unit="tok", file=sys.stderr,
+                    disable=True if (as_json or stream) else None)
 
     def on_tokens(ids: list[int]) -> None:
         progress.update(len(ids))
+        if writer is not None:
+            writer.add(ids)
         if stream:
             click.echo(stream_decoder.push(ids), nl=False)
 
+    stats = None
     try:
-        new_ids, stats = run_generate(engine, prompt_ids, config, on_tokens=on_tokens)
+        if not finished:
+            new_ids, stats = run_generate(engine, prompt_ids + done_ids, run_config, on_tokens=on_tokens)
+            done_ids = done_ids + new_ids
     except GenerationError as error:
         raise _fail(error) from None
     finally:
         progress.close()
-    output = codec.decode(new_ids)
+        if writer is not None:
+            writer.close(finished=stats is not None or finished)
+    output = codec.decode(done_ids)
     if stream:
         click.echo(stream_decoder.flush())
-    if stats.stop_reason == "max_length" and not as_json:
-        click.echo(f"note: stopped at the engine's maximum length after {stats.new_tokens} new tokens", err=True)
+    if stats is not None and stats.stop_reason == "max_length" and not as_json:
+        click.echo(f"note: stopped at the engine's maximum length after {len(done_ids)} new tokens", err=True)
     if as_json:
         click.echo(json.dumps({
             "text": output,
-            "token_ids": new_ids,
-            "new_tokens": stats.new_tokens,
-            "acceptance_rate": stats.acceptance_rate,
-            "ngram_acceptance_rate": stats.ngram_acceptance_rate,
-            "tokens_per_s": stats.tokens_per_s,
-            "elapsed_s": stats.elapsed_s,
-            "method": stats.method,
-            "seed": stats.seed,
-            "stop_reason": stats.stop_reason,
+            "token_ids": done_ids,
+            "new_tokens": len(done_ids),
+            "acceptance_rate": stats.acceptance_rate if stats else 0.0,
+            "ngram_acceptance_rate": stats.ngram_acceptance_rate if stats else 0.0,
+            "tokens_per_s": stats.tokens_per_s if stats else 0.0,
+            "elapsed_s": stats.elapsed_s if stats else 0.0,
+            "method": config.method,
+            "seed": stats.seed if stats else config.seed,
+            "stop_reason": stats.stop_reason if stats else "finished",
         }))
         return
     if not stream:
         click.echo(output)
-    click.echo(
-        f"[{stats.method}] {stats.new_tokens} tokens in {stats.elapsed_s:.2f}s ({stats.tokens_per_s:.1f} tok/s), "
-        f"α {stats.acceptance_rate:.3f}, β {stats.ngram_acceptance_rate:.3f}, seed {stats.seed}, stop: {stats.stop_reason}",
-        err=True,
-    )
+    if stats is not None:
+        click.echo(
+            f"[{stats.method}] {stats.new_tokens} tokens in {stats.elapsed_s:.2f}s ({stats.tokens_per_s:.1f} tok/s), "
+            f"α {stats.acceptance_rate:.3f}, β {stats.ngram_acceptance_rate:.3f}, seed {stats.seed}, stop: {stats.stop_reason}",
+            err=True,
+        )
 
 
 @main.command("train-heads")

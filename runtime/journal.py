@@ -1,0 +1,119 @@
+"""Crash-safe journals of long generations, for resuming them token for token.
+
+A journal is a text file of records, one per line: JSON, a tab, then the CRC32 of the JSON
+(hex). The first record is the header (prompt ids and every setting that decides the output,
+seed included); each later record holds token ids committed since the previous one. Every
+append is written and fsync'd before it counts. A torn or corrupt last record (a crash mid-write)
+fails its CRC and is ignored, with everything before it intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "tokenswift-journal/1"
+
+
+class JournalError(ValueError):
+    """The journal cannot be used (missing, foreign, or its header is damaged)."""
+
+
+@dataclass
+class JournalState:
+    header: dict[str, Any]  # {"format", "prompt_ids", "settings": {...}}
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    finished: bool = False
+    dropped_records: int = 0  # torn/corrupt records ignored at the end
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    payload = json.dumps(record, separators=(",", ":"))
+    return f"{payload}\t{zlib.crc32(payload.encode()):08x}\n".encode()
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        payload, crc = line.rstrip(b"\n").rsplit(b"\t", 1)
+        if int(crc, 16) != zlib.crc32(payload) or not line.endswith(b"\n"):
+            return None
+        return json.loads(payload)
+    except (ValueError, json.JSONDecodeError):
+        return None
+
+
+class JournalWriter:
+    """Appends records with write + fsync; `every` tokens are buffered between records."""
+
+    def __init__(self, path: Path, header: dict[str, Any] | None = None, every: int = 64) -> None:
+        self.path = Path(path)
+        self.every = every
+        self.pending: list[int] = []
+        if header is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_suffix(self.path.suffix + ".tmp")
+            with open(temporary, "wb") as handle:
+                handle.write(_line({"format": FORMAT, **header}))
+                handle.flush()
+                os.fsync(handle.fileno())
+            temporary.replace(self.path)  # a journal exists only with a complete header
+        self.handle = open(self.path, "ab")
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self.handle.write(_line(record))
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+
+    def add(self, tokens: list[int]) -> None:
+        self.pending.extend(tokens)
+        if len(self.pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self._append({"tokens": self.pending})
+            self.pending = []
+
+    def close(self, finished: bool) -> None:
+        self.flush()
+        if finished:
+            self._append({"finished": True})
+        self.handle.close()
+
+
+def read_journal(path: Path) -> JournalState:
+    path = Path(path)
+    if not path.is_file():
+        raise JournalError(f"journal {path} does not exist")
+    lines = path.read_bytes().splitlines(keepends=True)
+    header = _parse(lines[0]) if lines else None
+    if header is None or header.get("format") != FORMAT:
+        raise JournalError(f"{path} is not a tokenswift journal (or its header is damaged)")
+    state = JournalState(header=header)
+    for index, line in enumerate(lines[1:], start=1):
+        record = _parse(line)
+        if record is None:
+            state.dropped_records = len(lines) - index
+            break
+        state.tokens.extend(record.get("tokens", []))
+        state.finished = state.finished or bool(record.get("finished"))
+    return state
+
+
+def truncate_to_valid(path: Path) -> None:
+    """Cut a torn tail so that new records follow the last valid one."""
+    data = Path(path).read_bytes()
+    keep = 0
+    for line in data.splitlines(keepends=True):
+        if _parse(line) is None:
+            break
+        keep += len(line)
+    if keep != len(data):
+        with open(path, "r+b") as handle:
+            handle.truncate(keep)
+            handle.flush()
+            os.fsync(handle.fileno())
