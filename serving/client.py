@@ -18,7 +18,7 @@ TYPES = {  # input name -> (numpy dtype, Triton datatype)
     "temperature": (np.float32, "FP32"), "top_k": (np.int32, "INT32"), "top_p": (np.float32, "FP32"),
     "min_p": (np.float32, "FP32"), "repetition_penalty": (np.float32, "FP32"), "penalty_window": (np.int32, "INT32"),
     "ngram_topk": (np.int32, "INT32"), "seed": (np.uint64, "UINT64"), "method": (np.object_, "BYTES"),
-    "ignore_eos": (np.bool_, "BOOL"),
+    "ignore_eos": (np.bool_, "BOOL"), "request_id": (np.object_, "BYTES"), "resume": (np.bool_, "BOOL"),
 }
 STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "tokens_per_second")
 

@@ -7,7 +7,10 @@ a message for the client); `Session.run` generates and streams text increments.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+import random
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import numpy as np
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats, generate
 from tokenswift_trt.runtime.engine import Engine, load_engine
 from tokenswift_trt.runtime.engine_dir import MANIFEST, load_engine_dir
+from tokenswift_trt.runtime.journal import JournalError, JournalWriter, read_journal, truncate_to_valid
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.text import StreamDecoder, TextCodec
 
@@ -33,6 +37,9 @@ class Request:
     prompt_ids: list[int]
     config: GenerationConfig
     stream: bool
+    journal: Path | None = None  # journal of this request id (journaling enabled)
+    done_ids: list[int] = field(default_factory=list)  # tokens generated before a resume
+    finished: bool = False  # a resumed journal that had already finished
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, kind: type, default: Any) -> Any:
@@ -55,8 +62,11 @@ def _scalar(inputs: dict[str, np.ndarray], name: str, kind: type, default: Any) 
 class Session:
     """A loaded engine and tokenizer, with the engine's sampling defaults."""
 
-    def __init__(self, source: str | Path, device: str = "cpu") -> None:
+    def __init__(self, source: str | Path, device: str = "cpu", journal_dir: str | Path | None = None) -> None:
         source = Path(source)
+        self.journal_dir = Path(journal_dir) if journal_dir else None
+        if self.journal_dir is not None:
+            self.journal_dir.mkdir(parents=True, exist_ok=True)
         if (source / MANIFEST).is_file():
             self.engine, manifest = load_engine_dir(source, device=device)
             self.codec = TextCodec.from_dir(source / "model")
@@ -68,7 +78,35 @@ class Session:
             self.defaults = {}
             self.max_length = self.engine.config.max_position_embeddings
 
+    def _journal_path(self, inputs: dict[str, np.ndarray]) -> Path | None:
+        request_id = _scalar(inputs, "request_id", str, None)
+        if request_id is None:
+            return None
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", request_id):
+            raise RequestError("request_id must be 1-128 characters of A-Z a-z 0-9 . _ -")
+        if self.journal_dir is None:
+            raise RequestError("this server keeps no journals: start it with --journal-dir to use request_id")
+        return self.journal_dir / f"{request_id}.journal"
+
+    def _resume(self, path: Path, stream: bool) -> Request:
+        try:
+            state = read_journal(path)
+        except JournalError:
+            raise RequestError(f"no journal for this request_id to resume ({path.name})") from None
+        settings = dict(state.header["settings"])
+        config = GenerationConfig(**{**settings, "sampling": SamplingConfig(**settings["sampling"])})
+        stop = set() if config.ignore_eos else set(self.engine.config.eos_token_ids)
+        done = list(state.tokens)
+        finished = state.finished or len(done) >= config.max_new_tokens or bool(done and done[-1] in stop)
+        truncate_to_valid(path)
+        return Request(list(state.header["prompt_ids"]), config, stream, path, done, finished)
+
     def parse(self, inputs: dict[str, np.ndarray]) -> Request:
+        journal = self._journal_path(inputs)
+        if _scalar(inputs, "resume", bool, False):
+            if journal is None:
+                raise RequestError("resume needs the request_id of the interrupted request")
+            return self._resume(journal, _scalar(inputs, "stream", bool, False))
         if "text_input" not in inputs:
             raise RequestError("text_input is required")
         text = _scalar(inputs, "text_input", str, "")
@@ -108,24 +146,50 @@ class Session:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's maximum length {self.max_length}"
             )
-        return Request(prompt_ids, config, _scalar(inputs, "stream", bool, False))
+        if journal is not None and config.seed is None:  # a journal must know the seed to resume
+            config = dataclasses.replace(config, seed=random.SystemRandom().randrange(2**63))
+        return Request(prompt_ids, config, _scalar(inputs, "stream", bool, False), journal)
 
     def run(self, request: Request, on_text: Callable[[str], None], cancelled: Callable[[], bool]) -> tuple[str, Stats]:
-        """Generate; `on_text` gets text increments (streaming), `cancelled` is polled every iteration."""
+        """Generate; `on_text` gets text increments (streaming), `cancelled` is polled every iteration.
+
+        A resumed request first streams the text generated before the interruption.
+        """
         decoder = StreamDecoder(self.codec)
+        writer = None
+        if request.journal is not None:
+            header = None if request.done_ids or request.finished else {
+                "prompt_ids": request.prompt_ids, "settings": dataclasses.asdict(request.config), "source": {}}
+            writer = JournalWriter(request.journal, header, every=16)
 
         def on_tokens(ids: list[int]) -> None:
             if cancelled():
                 raise Cancelled()
+            if writer is not None:
+                writer.add(ids)
             piece = decoder.push(ids)
             if piece:
                 on_text(piece)
 
+        if request.done_ids:
+            piece = decoder.push(request.done_ids)
+            if piece:
+                on_text(piece)
+        stats = Stats(method=request.config.method, seed=request.config.seed or 0)
+        completed = False
         try:
-            ids, stats = generate(self.engine, request.prompt_ids, request.config, on_tokens=on_tokens)
+            ids: list[int] = []
+            if not request.finished:
+                remaining = request.config.max_new_tokens - len(request.done_ids)
+                config = dataclasses.replace(request.config, max_new_tokens=max(1, remaining))
+                ids, stats = generate(self.engine, request.prompt_ids + request.done_ids, config, on_tokens=on_tokens)
+            completed = True
         except GenerationError as error:
             raise RequestError(str(error)) from None
+        finally:
+            if writer is not None:
+                writer.close(finished=completed)
         rest = decoder.flush()
         if rest:
             on_text(rest)
-        return self.codec.decode(ids), stats
+        return self.codec.decode(request.done_ids + ids), stats

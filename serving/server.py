@@ -35,6 +35,7 @@ class ServerConfig:
     metrics_port: int = 8002
     instances: int = 1
     device: str = "cpu"
+    journal_dir: Path | None = None  # request journals (request_id / resume); None = no journals
 
 
 def _bundled() -> tuple[Path, Path] | None:
@@ -70,6 +71,8 @@ def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
     text = pbtxt.read_text().replace("ENGINE_DIR", str(config.engine.resolve()))
     text = re.sub(r'(key: "device" value: \{ string_value: )"[^"]*"', rf'\1"{config.device}"', text)
     text = re.sub(r"count: \d+", f"count: {config.instances}", text)
+    journal = str(config.journal_dir.resolve()) if config.journal_dir else ""
+    text = re.sub(r'(key: "journal_dir" value: \{ string_value: )"[^"]*"', rf'\1"{journal}"', text)
     pbtxt.write_text(text)
     return repo
 
@@ -149,6 +152,12 @@ class TritonServer:
             return "(no log)"
         errors = [line for line in lines if line.startswith("E") or "error" in line.lower()]
         return " | ".join((errors or lines)[-3:])
+
+    def kill(self) -> None:
+        """SIGKILL the server (crash simulation); nothing is flushed."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.process is not None and self.process.poll() is None:

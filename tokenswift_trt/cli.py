@@ -508,7 +508,9 @@ def presets() -> None:
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
 @click.option("--instances", type=click.IntRange(1, 64), default=1, show_default=True, help="model instances (each holds the weights)")
 @click.option("--device", default="cpu", show_default=True)
-def serve(engine_dir, host, http_port, grpc_port, metrics_port, instances, device) -> None:
+@click.option("--journal-dir", type=click.Path(path_type=Path), default=None,
+              help="keep a journal per request_id here, so that resume=true continues after a crash")
+def serve(engine_dir, host, http_port, grpc_port, metrics_port, instances, device, journal_dir) -> None:
     """Serve an engine from a real tritonserver (HTTP, gRPC, metrics) until Ctrl-C or SIGTERM."""
     import signal
     import time
@@ -516,7 +518,7 @@ def serve(engine_dir, host, http_port, grpc_port, metrics_port, instances, devic
     from tokenswift_trt.serving.server import ServerConfig, ServerError, TritonServer
 
     config = ServerConfig(engine=engine_dir, host=host, http_port=http_port, grpc_port=grpc_port,
-                          metrics_port=metrics_port, instances=instances, device=device)
+                          metrics_port=metrics_port, instances=instances, device=device, journal_dir=journal_dir)
     server = TritonServer(config)
     click.echo(f"starting tritonserver (log: {server.log_path})", err=True)
     try:

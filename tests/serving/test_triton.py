@@ -150,3 +150,43 @@ def test_cancel_mid_stream_then_serve_the_next_request(server):
 def test_missing_engine_is_a_clear_error(tmp_path):
     with pytest.raises(ServerError, match="does not exist"):
         TritonServer(ServerConfig(engine=tmp_path / "absent")).start()
+
+
+def test_kill_9_the_server_then_resume_by_request_id(tmp_path):
+    if _bundled() is None:
+        pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
+    from tokenswift_trt.runtime.journal import read_journal
+
+    expected = _cli_text(seed=21, max_tokens=500)
+    journals = tmp_path / "journals"
+    http, grpc, metrics = _free_ports(3)
+    config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics, journal_dir=journals)
+    first = TritonServer(config, log_path=tmp_path / "first.log").start()
+    done = threading.Event()
+
+    def long_request() -> None:
+        try:
+            grpc_generate(first.grpc_url, _params(21, max_tokens=500, stream=True, request_id="job-1"), timeout_s=120)
+        except BaseException:  # the server dies under it
+            pass
+        done.set()
+
+    threading.Thread(target=long_request, daemon=True).start()
+    journal = journals / "job-1.journal"
+    for _ in range(1200):
+        if journal.is_file() and len(read_journal(journal).tokens) >= 100:
+            break
+        threading.Event().wait(0.05)
+    first.kill()
+    first.stop()
+    interrupted = read_journal(journal)
+    assert 100 <= len(interrupted.tokens) < 500 and not interrupted.finished
+
+    with TritonServer(config, log_path=tmp_path / "second.log") as second:
+        resumed = grpc_generate(second.grpc_url, {"request_id": "job-1", "resume": True, "stream": True})
+        assert resumed.text == expected
+        assert read_journal(journal).finished
+        with pytest.raises(ClientError, match="no journal"):
+            grpc_generate(second.grpc_url, {"request_id": "unknown", "resume": True})
+        with pytest.raises(ClientError, match="request_id"):
+            grpc_generate(second.grpc_url, {**_params(1, max_tokens=4), "request_id": "../etc/passwd"})

@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 from tokenswift_trt.serving.handler import Cancelled, RequestError, Session
 
 INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-          "penalty_window", "ngram_topk", "seed", "method", "ignore_eos")
+          "penalty_window", "ngram_topk", "seed", "method", "ignore_eos", "request_id", "resume")
 
 
 def _inputs(request) -> dict:
@@ -32,7 +32,8 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
-        self.session = Session(parameters["engine_dir"], device=parameters.get("device", "cpu"))
+        self.session = Session(parameters["engine_dir"], device=parameters.get("device", "cpu"),
+                               journal_dir=parameters.get("journal_dir") or None)
         # the families must outlive their metrics, so both are kept
         self.tokens_family = pb_utils.MetricFamily(
             name="tokenswift_generated_tokens_total", description="Tokens generated", kind=pb_utils.MetricFamily.COUNTER
