@@ -62,8 +62,10 @@ def _scalar(inputs: dict[str, np.ndarray], name: str, kind: type, default: Any) 
 class Session:
     """A loaded engine and tokenizer, with the engine's sampling defaults."""
 
-    def __init__(self, source: str | Path, device: str = "cpu", journal_dir: str | Path | None = None) -> None:
+    def __init__(self, source: str | Path, device: str = "cpu", journal_dir: str | Path | None = None,
+                 memory_budget: int | None = None) -> None:
         source = Path(source)
+        self.memory_budget = memory_budget  # bytes the caches of one request may use; None = free memory
         self.journal_dir = Path(journal_dir) if journal_dir else None
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +183,7 @@ class Session:
             ids: list[int] = []
             if not request.finished:
                 remaining = request.config.max_new_tokens - len(request.done_ids)
-                config = dataclasses.replace(request.config, max_new_tokens=max(1, remaining))
+                config = dataclasses.replace(request.config, max_new_tokens=max(1, remaining), memory_budget=self.memory_budget)
                 ids, stats = generate(self.engine, request.prompt_ids + request.done_ids, config, on_tokens=on_tokens)
             completed = True
         except GenerationError as error:

@@ -36,6 +36,7 @@ class ServerConfig:
     instances: int = 1
     device: str = "cpu"
     journal_dir: Path | None = None  # request journals (request_id / resume); None = no journals
+    memory_budget_gib: float | None = None  # per-request cache memory cap; None = the free memory
 
 
 def _bundled() -> tuple[Path, Path] | None:
@@ -73,6 +74,8 @@ def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
     text = re.sub(r"count: \d+", f"count: {config.instances}", text)
     journal = str(config.journal_dir.resolve()) if config.journal_dir else ""
     text = re.sub(r'(key: "journal_dir" value: \{ string_value: )"[^"]*"', rf'\1"{journal}"', text)
+    budget = "" if config.memory_budget_gib is None else str(config.memory_budget_gib)
+    text = re.sub(r'(key: "memory_budget_gib" value: \{ string_value: )"[^"]*"', rf'\1"{budget}"', text)
     pbtxt.write_text(text)
     return repo
 

@@ -510,7 +510,8 @@ def presets() -> None:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--journal-dir", type=click.Path(path_type=Path), default=None,
               help="keep a journal per request_id here, so that resume=true continues after a crash")
-def serve(engine_dir, host, http_port, grpc_port, metrics_port, instances, device, journal_dir) -> None:
+@click.option("--memory-budget", type=float, default=None, help="GiB one request's caches may use (default: free memory)")
+def serve(engine_dir, host, http_port, grpc_port, metrics_port, instances, device, journal_dir, memory_budget) -> None:
     """Serve an engine from a real tritonserver (HTTP, gRPC, metrics) until Ctrl-C or SIGTERM."""
     import signal
     import time
@@ -518,7 +519,8 @@ def serve(engine_dir, host, http_port, grpc_port, metrics_port, instances, devic
     from tokenswift_trt.serving.server import ServerConfig, ServerError, TritonServer
 
     config = ServerConfig(engine=engine_dir, host=host, http_port=http_port, grpc_port=grpc_port,
-                          metrics_port=metrics_port, instances=instances, device=device, journal_dir=journal_dir)
+                          metrics_port=metrics_port, instances=instances, device=device, journal_dir=journal_dir,
+                          memory_budget_gib=memory_budget)
     server = TritonServer(config)
     click.echo(f"starting tritonserver (log: {server.log_path})", err=True)
     try:

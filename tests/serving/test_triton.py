@@ -160,7 +160,8 @@ def test_kill_9_the_server_then_resume_by_request_id(tmp_path):
     expected = _cli_text(seed=21, max_tokens=500)
     journals = tmp_path / "journals"
     http, grpc, metrics = _free_ports(3)
-    config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics, journal_dir=journals)
+    config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics, journal_dir=journals,
+                          memory_budget_gib=0.05)
     first = TritonServer(config, log_path=tmp_path / "first.log").start()
     done = threading.Event()
 
@@ -190,3 +191,6 @@ def test_kill_9_the_server_then_resume_by_request_id(tmp_path):
             grpc_generate(second.grpc_url, {"request_id": "unknown", "resume": True})
         with pytest.raises(ClientError, match="request_id"):
             grpc_generate(second.grpc_url, {**_params(1, max_tokens=4), "request_id": "../etc/passwd"})
+        with pytest.raises(ClientError, match=r"not enough memory: .* GiB .*positions"):
+            grpc_generate(second.grpc_url, _params(1, max_tokens=30000))  # over the 0.05 GiB budget
+        assert grpc_generate(second.grpc_url, _params(1, max_tokens=8)).text  # and it keeps serving

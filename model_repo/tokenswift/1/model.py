@@ -32,8 +32,10 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        budget = parameters.get("memory_budget_gib")
         self.session = Session(parameters["engine_dir"], device=parameters.get("device", "cpu"),
-                               journal_dir=parameters.get("journal_dir") or None)
+                               journal_dir=parameters.get("journal_dir") or None,
+                               memory_budget=int(float(budget) * (1 << 30)) if budget else None)
         # the families must outlive their metrics, so both are kept
         self.tokens_family = pb_utils.MetricFamily(
             name="tokenswift_generated_tokens_total", description="Tokens generated", kind=pb_utils.MetricFamily.COUNTER
