@@ -46,13 +46,13 @@ def _run(*args: str) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("seed", ["3"])
-def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path, seed):
+@pytest.mark.parametrize("mode", [["--seed", "3"], ["--temperature", "0"]], ids=["sampling", "greedy"])
+def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path, mode):
     if not (MODEL / "model.safetensors").is_file():
         pytest.skip("models/swift-tiny is not in this checkout")
-    whole = _run(*ARGS, "--seed", seed)
+    whole = _run(*ARGS, *mode)
     journal = tmp_path / "run.journal"
-    process = subprocess.Popen([*CLI, "generate", *ARGS, "--seed", seed, "--journal", str(journal), "--journal-every", "16"],
+    process = subprocess.Popen([*CLI, "generate", *ARGS, *mode, "--journal", str(journal), "--journal-every", "16"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
