@@ -9,12 +9,17 @@ fails its CRC and is ignored, with everything before it intact.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .decoding import GenerationConfig
+from .sampling import SamplingConfig
 
 FORMAT = "tokenswift-journal/1"
 
@@ -29,6 +34,24 @@ class JournalState:
     tokens: list[int] = field(default_factory=list)  # generated so far
     finished: bool = False
     dropped_records: int = 0  # torn/corrupt records ignored at the end
+
+    def config(self) -> GenerationConfig:
+        """The generation settings recorded in the header."""
+        settings = dict(self.header["settings"])
+        return GenerationConfig(**{**settings, "sampling": SamplingConfig(**settings["sampling"])})
+
+    def complete(self, eos_token_ids: Sequence[int]) -> bool:
+        """True when nothing is left to generate (finished record, max tokens reached, or EOS)."""
+        config = self.config()
+        stop = set() if config.ignore_eos else set(eos_token_ids)
+        return self.finished or len(self.tokens) >= config.max_new_tokens or bool(self.tokens and self.tokens[-1] in stop)
+
+
+def journal_header(prompt_ids: Sequence[int], config: GenerationConfig, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The header of a new journal: everything that decides the output (the seed must be set)."""
+    if config.seed is None:
+        raise JournalError("a journal needs a fixed seed to be resumable")
+    return {"prompt_ids": list(prompt_ids), "settings": dataclasses.asdict(config), "source": source or {}}
 
 
 def _line(record: dict[str, Any]) -> bytes:

@@ -19,7 +19,7 @@ import numpy as np
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats, generate
 from tokenswift_trt.runtime.engine import Engine, load_engine
 from tokenswift_trt.runtime.engine_dir import MANIFEST, load_engine_dir
-from tokenswift_trt.runtime.journal import JournalError, JournalWriter, read_journal, truncate_to_valid
+from tokenswift_trt.runtime.journal import JournalError, JournalWriter, journal_header, read_journal, truncate_to_valid
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.text import StreamDecoder, TextCodec
 
@@ -95,13 +95,9 @@ class Session:
             state = read_journal(path)
         except JournalError:
             raise RequestError(f"no journal for this request_id to resume ({path.name})") from None
-        settings = dict(state.header["settings"])
-        config = GenerationConfig(**{**settings, "sampling": SamplingConfig(**settings["sampling"])})
-        stop = set() if config.ignore_eos else set(self.engine.config.eos_token_ids)
-        done = list(state.tokens)
-        finished = state.finished or len(done) >= config.max_new_tokens or bool(done and done[-1] in stop)
+        finished = state.complete(self.engine.config.eos_token_ids)
         truncate_to_valid(path)
-        return Request(list(state.header["prompt_ids"]), config, stream, path, done, finished)
+        return Request(list(state.header["prompt_ids"]), state.config(), stream, path, list(state.tokens), finished)
 
     def parse(self, inputs: dict[str, np.ndarray]) -> Request:
         journal = self._journal_path(inputs)
@@ -160,8 +156,7 @@ class Session:
         decoder = StreamDecoder(self.codec)
         writer = None
         if request.journal is not None:
-            header = None if request.done_ids or request.finished else {
-                "prompt_ids": request.prompt_ids, "settings": dataclasses.asdict(request.config), "source": {}}
+            header = None if request.done_ids or request.finished else journal_header(request.prompt_ids, request.config)
             writer = JournalWriter(request.journal, header, every=16)
 
         def on_tokens(ids: list[int]) -> None:

@@ -183,10 +183,9 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
 
     from tqdm import tqdm
 
-    from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError
+    from tokenswift_trt.runtime.decoding import GenerationError
     from tokenswift_trt.runtime.decoding import generate as run_generate
-    from tokenswift_trt.runtime.journal import JournalError, JournalWriter, read_journal, truncate_to_valid
-    from tokenswift_trt.runtime.sampling import SamplingConfig
+    from tokenswift_trt.runtime.journal import JournalError, JournalWriter, journal_header, read_journal, truncate_to_valid
     from tokenswift_trt.runtime.text import StreamDecoder
 
     done_ids: list[int] = []
@@ -202,14 +201,12 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
             model_dir = Path(header["source"]["model_dir"]) if header["source"].get("model_dir") else None
             engine_dir = Path(header["source"]["engine_dir"]) if header["source"].get("engine_dir") else None
             heads = Path(header["source"]["heads"]) if header["source"].get("heads") else None
-        settings = dict(header["settings"])
-        config = GenerationConfig(**{**settings, "sampling": SamplingConfig(**settings["sampling"])})
+        config = state.config()
         prompt_ids, done_ids = list(header["prompt_ids"]), list(state.tokens)
         engine, codec, _ = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
         if state.dropped_records and not as_json:
             click.echo(f"note: ignored {state.dropped_records} torn record(s) at the end of {resume}", err=True)
-        stop = set(engine.config.eos_token_ids) if not config.ignore_eos else set()
-        finished = state.finished or len(done_ids) >= config.max_new_tokens or bool(done_ids and done_ids[-1] in stop)
+        finished = state.complete(engine.config.eos_token_ids)
         truncate_to_valid(resume)
         writer = JournalWriter(resume, every=journal_every)
         run_config = dataclasses.replace(config, max_new_tokens=max(1, config.max_new_tokens - len(done_ids)))
@@ -228,8 +225,7 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
                 config = dataclasses.replace(config, seed=random.SystemRandom().randrange(2**63))
             source = {"model_dir": str(model_dir) if model_dir else None, "engine_dir": str(engine_dir) if engine_dir else None,
                       "heads": str(heads) if heads else None}
-            header = {"prompt_ids": prompt_ids, "settings": dataclasses.asdict(config), "source": source}
-            writer = JournalWriter(journal, header, every=journal_every)
+            writer = JournalWriter(journal, journal_header(prompt_ids, config, source), every=journal_every)
         run_config = config
     if memory_budget is not None:
         run_config = dataclasses.replace(run_config, memory_budget=int(memory_budget * (1 << 30)))
