@@ -116,6 +116,28 @@ def attention_mask(prefix: int, tree_mask: torch.Tensor | None, count: int, devi
     return torch.cat((visible_prefix, tree_mask.to(device)), dim=1)
 
 
+class GraphDecoder:
+    """Base of the decoders that run exported graphs (onnxruntime, TensorRT) behind `LlamaModel`'s
+    interface: the runtime keeps its caches, the graph's new K/V are written into their pending
+    slots, and norm, LM head and draft heads reuse the torch model's weights."""
+
+    def __init__(self, torch_model: "LlamaModel") -> None:
+        self.torch_model = torch_model
+        self.config = torch_model.config
+
+    @staticmethod
+    def write_back(cache: AttentionCache, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        """new K/V [layers, kv_heads, T, head_dim] -> the cache's pending slots."""
+        for layer in range(new_keys.shape[0]):
+            cache.attend_kv(layer, new_keys[layer], new_values[layer])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.torch_model.logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module) -> torch.Tensor:
+        return self.torch_model.head_logits(hidden, draft_layers)
+
+
 class LlamaModel(nn.Module):
     """Decoder + LM head. `forward` returns pre-norm hidden states; `logits` applies norm + head."""
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .model import AttentionCache, ForwardOutput, LlamaModel
+from .model import AttentionCache, ForwardOutput, GraphDecoder, LlamaModel
 
 
 class OnnxBackendError(RuntimeError):
@@ -32,12 +32,11 @@ def _session(path: Path, providers: list[str] | None):
     return onnxruntime.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
 
 
-class OnnxDecoder:
+class OnnxDecoder(GraphDecoder):
     """Drop-in for `LlamaModel` in decoding: forward/draft run in onnxruntime, logits in torch."""
 
     def __init__(self, torch_model: LlamaModel, onnx_dir: Path, providers: list[str] | None = None) -> None:
-        self.torch_model = torch_model
-        self.config = torch_model.config
+        super().__init__(torch_model)
         self.verify_session = _session(onnx_dir / "verify.onnx", providers)
         self.draft_session = _session(onnx_dir / "draft.onnx", providers)
 
@@ -45,11 +44,6 @@ class OnnxDecoder:
     def _kv_inputs(cache: AttentionCache) -> dict[str, np.ndarray]:
         keys, values = cache.committed_kv()  # type: ignore[attr-defined]
         return {"past_keys": np.ascontiguousarray(keys.cpu().numpy()), "past_values": np.ascontiguousarray(values.cpu().numpy())}
-
-    @staticmethod
-    def _write_back(cache: AttentionCache, new_keys: np.ndarray, new_values: np.ndarray, device: torch.device) -> None:
-        for layer in range(new_keys.shape[0]):
-            cache.attend_kv(layer, torch.from_numpy(new_keys[layer]).to(device), torch.from_numpy(new_values[layer]).to(device))
 
     def __call__(
         self,
@@ -70,18 +64,12 @@ class OnnxDecoder:
         }
         hidden, new_keys, new_values, queries = self.verify_session.run(None, feeds)
         device = tokens.device
-        self._write_back(cache, new_keys, new_values, device)
+        self.write_back(cache, torch.from_numpy(new_keys).to(device), torch.from_numpy(new_values).to(device))
         query_list = [torch.from_numpy(q).to(device) for q in queries] if keep_queries else None
         return ForwardOutput(hidden=torch.from_numpy(hidden).to(device), queries=query_list)
 
     def draft(self, tokens: torch.Tensor, positions: torch.Tensor, cache: AttentionCache, draft_layers: nn.Module) -> torch.Tensor:
         feeds = {"tokens": tokens.cpu().numpy(), "positions": positions.cpu().numpy(), **self._kv_inputs(cache)}
         head_logits, new_keys, new_values = self.draft_session.run(None, feeds)
-        self._write_back(cache, new_keys, new_values, tokens.device)
+        self.write_back(cache, torch.from_numpy(new_keys).to(tokens.device), torch.from_numpy(new_values).to(tokens.device))
         return torch.from_numpy(head_logits[:, -1]).to(tokens.device)  # [1 + n, vocab]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.torch_model.logits(hidden)
-
-    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module) -> torch.Tensor:
-        return self.torch_model.head_logits(hidden, draft_layers)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .model import AttentionCache, ForwardOutput, LlamaModel
+from .model import AttentionCache, ForwardOutput, GraphDecoder, LlamaModel
 
 
 class TensorRTBackendError(RuntimeError):
@@ -67,7 +67,7 @@ class _PlanRunner:
         return results
 
 
-class TensorRTDecoder:
+class TensorRTDecoder(GraphDecoder):
     """Drop-in for `LlamaModel` in decoding, running verify.plan and draft.plan."""
 
     def __init__(self, torch_model: LlamaModel, plan_dir: Path, plugin_library: Path | None = None) -> None:
@@ -78,15 +78,9 @@ class TensorRTDecoder:
         if plugin_library is not None and plugin_library.is_file():
             trt.get_plugin_registry().load_library(str(plugin_library))
         runtime = trt.Runtime(logger)
-        self.torch_model = torch_model
-        self.config = torch_model.config
+        super().__init__(torch_model)
         self.verify_plan = _PlanRunner(trt, runtime, plan_dir / "verify.plan")
         self.draft_plan = _PlanRunner(trt, runtime, plan_dir / "draft.plan")
-
-    @staticmethod
-    def _write_back(cache: AttentionCache, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
-        for layer in range(new_keys.shape[0]):
-            cache.attend_kv(layer, new_keys[layer], new_values[layer])
 
     def __call__(self, tokens, positions, cache, tree_mask=None, keep_queries=False) -> ForwardOutput:
         count = tokens.shape[0]
@@ -95,18 +89,12 @@ class TensorRTDecoder:
         keys, values = cache.committed_kv()
         out = self.verify_plan.run({"tokens": tokens, "positions": positions, "past_keys": keys,
                                     "past_values": values, "tree_mask": tree_mask})
-        self._write_back(cache, out["new_keys"], out["new_values"])
+        self.write_back(cache, out["new_keys"], out["new_values"])
         queries = list(out["queries"]) if keep_queries else None
         return ForwardOutput(hidden=out["hidden"], queries=queries)
 
     def draft(self, tokens: torch.Tensor, positions: torch.Tensor, cache: AttentionCache, draft_layers: nn.Module) -> torch.Tensor:
         keys, values = cache.committed_kv()
         out = self.draft_plan.run({"tokens": tokens, "positions": positions, "past_keys": keys, "past_values": values})
-        self._write_back(cache, out["new_keys"], out["new_values"])
+        self.write_back(cache, out["new_keys"], out["new_values"])
         return out["head_logits"][:, -1]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.torch_model.logits(hidden)
-
-    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module) -> torch.Tensor:
-        return self.torch_model.head_logits(hidden, draft_layers)
