@@ -9,7 +9,7 @@ RANDOM_MODEL := demo/random-tiny
 # the paper's sampling settings (min-p 0.1, θ 1.2) with W, B and the tree scaled to a tiny model on a CPU
 DEMO_ARGS := --min-p 0.1 --penalty 1.2 --penalty-window 256 --kv-budget 1024 --tree auto --ignore-eos --max-new-tokens 4096 --seed 1
 
-.PHONY: install test demo demo-random deploy clean
+.PHONY: install test demo demo-random deploy plugins clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ demo-random: install $(RANDOM_MODEL)/config.json
 # on a GPU node: build the engine for PRESET and serve it from Triton's NGC container (docs/deploy.md)
 deploy: install
 	deploy/deploy.sh
+
+# CUDA kernels for sm_80 + sm_90, and the TensorRT plugin library where TensorRT is installed
+# (TENSORRT_ROOT=/path/to/TensorRT); docs/kernels.md
+NVCC ?= $(shell command -v nvcc || echo /usr/local/bin/nvcc)
+plugins:
+	cmake -S plugins_cuda -B build/plugins -DCMAKE_CUDA_COMPILER=$(NVCC)
+	cmake --build build/plugins -j
 
 clean:
 	rm -rf $(VENV) demo build *.egg-info .pytest_cache

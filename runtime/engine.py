@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import kernels
 from .config import ModelConfig, load_config
 from .draft_layers import DraftLayers, draft_key
 from .model import LlamaModel
@@ -26,6 +27,10 @@ class WeightsError(ValueError):
 
 class UntrainedDraftLayersWarning(UserWarning):
     """The engine runs with zero-initialised draft layers: lossless, but acceptance will be low."""
+
+
+class KernelFallbackWarning(UserWarning):
+    """On CUDA, the tree-attention kernel could not be used; attention runs through SDPA (same results)."""
 
 
 @dataclass
@@ -134,7 +139,24 @@ def load_engine(
     model.rotary.to(device)
     model.eval()
     draft_layers.eval()
+    _choose_attention_kernel(model, config, dtype, device)
     return Engine(config, model, draft_layers, bool(draft), dtype, device)
+
+
+def _choose_attention_kernel(model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """On CUDA with fp16/bf16 and a supported head size, verify through the tree-attention kernel."""
+    if device.type != "cuda":
+        return
+    if not kernels.kernel_supports(dtype, config.head_dim):
+        reason = f"the kernel covers float16/bfloat16 and head_dim {kernels.SUPPORTED_HEAD_DIMS}"
+    else:
+        status = kernels.load_cuda_kernels()
+        if status.loaded:
+            model.use_attention_kernel("tree_attention")
+            return
+        reason = status.reason
+    warnings.warn(f"tree-attention kernel not used ({reason}); attention runs through SDPA", KernelFallbackWarning,
+                  stacklevel=3)
 
 
 def _check_and_assign_base(model: LlamaModel, tensors: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .kernels import kv_importance_select
+
 
 class CacheFullError(RuntimeError):
     """A forward would write past the cache's preallocated capacity."""
@@ -85,25 +87,6 @@ class KVCache:
             raise ValueError(f"cannot roll back {count} slots of {self.length}")
         self.length -= count
         self.pending = 0
-
-
-def kv_importance_select(
-    keys: torch.Tensor, query: torch.Tensor, keep: int, sinks: int
-) -> torch.Tensor:
-    """Choose which cached positions a partial cache keeps, per KV head.
-
-    keys [kv_heads, L, head_dim] (after rotary), query [heads, head_dim] (the latest query).
-    Score = query·key summed over the query heads of each KV group; the first `sinks` positions
-    are always kept, then the highest-scoring others. Returns ascending indices [kv_heads, keep].
-    """
-    kv_heads, length, head_dim = keys.shape
-    if keep >= length:
-        return torch.arange(length, device=keys.device).expand(kv_heads, length)
-    grouped = query.reshape(kv_heads, -1, head_dim).sum(dim=1)  # [kv_heads, head_dim]
-    scores = torch.einsum("hd,hld->hl", grouped.float(), keys.float())  # [kv_heads, L]
-    scores[:, : min(sinks, keep)] = float("inf")
-    chosen = scores.topk(keep, dim=1).indices  # [kv_heads, keep]
-    return chosen.sort(dim=1).values
 
 
 class PartialKVCache:

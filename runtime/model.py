@@ -14,8 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
+
+# How attention runs: "sdpa" (torch's scaled_dot_product_attention with a boolean mask; CPU and any
+# device) or "tree_attention" (torch.ops.tokenswift.tree_attention with a packed tree mask; the
+# CUDA kernel where loaded, the PyTorch reference elsewhere). Both compute the same function.
+ATTENTION_KERNELS = ("sdpa", "tree_attention")
 
 
 class AttentionCache(Protocol):
@@ -62,9 +68,10 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, head_dim]
         sin: torch.Tensor,
-        mask: torch.Tensor,  # [T, prefix + T] bool, True = may attend
+        mask: torch.Tensor,  # sdpa: [T, prefix + T] bool, True = may attend; tree_attention: [T, ceil(T/32)] int32
         cache: AttentionCache,
         layer: int,
+        kernel: str = "sdpa",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         count = x.shape[0]
         q = self.q_proj(x).view(count, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, head_dim]
@@ -73,9 +80,14 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         keys, values = cache.attend_kv(layer, k, v)  # [kv_heads, prefix + T, head_dim]
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )[0]  # [heads, T, head_dim]
+        if kernel == "tree_attention":
+            out = kernels.tree_attention(
+                q.contiguous(), keys, values, mask, kernels.default_scale(self.head_dim)
+            )  # [heads, T, head_dim]
+        else:
+            out = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            )[0]  # [heads, T, head_dim]
         out = self.o_proj(out.transpose(0, 1).reshape(count, self.num_heads * self.head_dim))
         return out, q.transpose(0, 1)
 
@@ -147,6 +159,12 @@ class LlamaModel(nn.Module):
         self.model = DecoderStack(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, device="cpu" if str(device) == "meta" else device)
+        self.attention_kernel = "sdpa"  # see ATTENTION_KERNELS; `use_attention_kernel` switches it
+
+    def use_attention_kernel(self, kernel: str) -> None:
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+        self.attention_kernel = kernel
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -174,10 +192,19 @@ class LlamaModel(nn.Module):
         """`forward` without the inference-mode wrapper (for export and training)."""
         x = self.model.embed_tokens(tokens)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        mask = attention_mask(cache.prefix_length, tree_mask, tokens.shape[0], x.device)
+        count = tokens.shape[0]
+        # the kernel is for trees (T <= 256); long prefill chunks take SDPA
+        kernel = self.attention_kernel if count <= kernels.MAX_TREE_TOKENS else "sdpa"
+        if kernel == "tree_attention":
+            causal = torch.ones(count, count, dtype=torch.bool, device=x.device).tril()
+            mask = kernels.pack_tree_mask(causal if tree_mask is None else tree_mask.to(x.device))
+        else:
+            mask = attention_mask(cache.prefix_length, tree_mask, count, x.device)
         queries: list[torch.Tensor] | None = [] if keep_queries else None
         for index, layer in enumerate(self.model.layers):
-            attended, q = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, cache, index)
+            attended, q = layer.self_attn(
+                layer.input_layernorm(x), cos, sin, mask, cache, index, kernel
+            )
             x = x + attended
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if queries is not None:

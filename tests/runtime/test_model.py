@@ -45,10 +45,12 @@ def test_prefill_and_single_step_match_transformers(fixture, request):
         assert (engine.model.logits(out.hidden[0]) - reference[position]).abs().max() <= TOLERANCE
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "tree_attention"])
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])
-def test_tree_verify_equals_causal_logits_of_every_branch(fixture, request):
+def test_tree_verify_equals_causal_logits_of_every_branch(fixture, kernel, request):
     directory, hf_model = request.getfixturevalue(fixture)
     engine = quiet_load(directory)
+    engine.model.use_attention_kernel(kernel)  # tree_attention: the op the CUDA path runs (reference on CPU)
     vocab = engine.config.vocab_size
     prefix = list(range(5, 25))
     trie = Trie(root_token=7)

@@ -1,0 +1,77 @@
+// C++ interface of the TokenSwift CUDA kernels, shared by the torch ops and the TensorRT plugins.
+//
+// Both kernels work on one sequence and one layer; every tensor is in device memory.
+// Element types: fp16 or bf16 for activations and caches, fp32 accumulation inside.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace tokenswift {
+
+enum class DataType : int32_t { kFloat16 = 0, kBFloat16 = 1 };
+
+// Attention of T tree tokens over a cache: the first `prefix = key_length - num_tree` keys are
+// visible to every tree token; the last num_tree keys are the tree's own, visible per tree_mask.
+struct TreeAttentionParams {
+    DataType dtype = DataType::kBFloat16;
+    const void* query = nullptr;     // [num_heads, num_tree, head_dim], contiguous (rotary applied)
+    const void* keys = nullptr;      // [num_kv_heads, key_length, head_dim]; rows contiguous, heads kv_head_stride apart
+    const void* values = nullptr;    // same layout as keys
+    const uint32_t* tree_mask = nullptr;  // [num_tree, mask_words]: bit j % 32 of word j / 32 in row i
+                                          // is set when tree node i may attend to tree node j
+    void* output = nullptr;          // [num_heads, num_tree, head_dim], contiguous, dtype
+    int64_t kv_head_stride = 0;      // elements between consecutive KV heads (a cache's capacity * head_dim)
+    int32_t num_heads = 0;           // query heads; a multiple of num_kv_heads (GQA)
+    int32_t num_kv_heads = 0;
+    int32_t head_dim = 0;            // 64 or 128
+    int32_t num_tree = 0;            // 1 .. 256
+    int32_t key_length = 0;          // prefix + num_tree
+    float scale = 0.0f;              // softmax scale, usually 1 / sqrt(head_dim)
+    int32_t num_splits = 0;          // blocks along the key dimension; 0 = tree_attention_splits()
+};
+
+inline int32_t tree_mask_words(int32_t num_tree) { return (num_tree + 31) / 32; }
+
+// Split count used when params.num_splits == 0: enough blocks to fill `num_sms` multiprocessors.
+// It never decreases as key_length grows, so a workspace sized for the longest context suffices.
+int32_t tree_attention_splits(const TreeAttentionParams& params, int32_t num_sms);
+
+// Bytes of scratch (fp32 partial outputs and softmax statistics) for `splits` splits.
+size_t tree_attention_workspace_size(const TreeAttentionParams& params, int32_t splits);
+
+// Checks the parameters, then launches on `stream`. The workspace must hold
+// tree_attention_workspace_size(params, splits) bytes for the split count actually used.
+cudaError_t tree_attention(const TreeAttentionParams& params, void* workspace, size_t workspace_bytes,
+                           int32_t num_sms, cudaStream_t stream);
+
+// Scores every cached key against the latest query (summed over the query heads of its KV group),
+// keeps positions [0, sinks) and the (keep - sinks) best-scoring others (ties: lower position
+// first), in ascending order, and gathers those K/V rows.
+struct KvSelectParams {
+    DataType dtype = DataType::kBFloat16;
+    const void* keys = nullptr;      // [num_kv_heads, length, head_dim]; rows contiguous, heads kv_head_stride apart
+    const void* values = nullptr;    // same layout; may be null (then nothing is gathered)
+    const void* query = nullptr;     // [num_heads, head_dim], contiguous
+    int64_t kv_head_stride = 0;
+    int32_t num_heads = 0;
+    int32_t num_kv_heads = 0;
+    int32_t head_dim = 0;            // 64 or 128
+    int32_t length = 0;              // cached positions to choose from
+    int32_t keep = 0;                // 1 .. length
+    int32_t sinks = 0;               // always-kept leading positions (clamped to keep)
+    int32_t* indices = nullptr;      // out [num_kv_heads, keep], ascending
+    void* out_keys = nullptr;        // out [num_kv_heads, keep, head_dim] rows, heads out_head_stride apart (may be null)
+    void* out_values = nullptr;      // as out_keys (may be null)
+    int64_t out_head_stride = 0;
+};
+
+// Bytes of scratch (fp32 scores) needed for `length` positions.
+size_t kv_select_workspace_size(const KvSelectParams& params);
+
+cudaError_t kv_importance_select(const KvSelectParams& params, void* workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
+
+}  // namespace tokenswift

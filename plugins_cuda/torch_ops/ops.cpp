@@ -1,0 +1,157 @@
+// Torch bindings of the CUDA kernels. runtime/kernels.py compiles this file with
+// torch.utils.cpp_extension and registers the functions as the CUDA implementations of
+// torch.ops.tokenswift.tree_attention and torch.ops.tokenswift.kv_importance_select.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "tokenswift_kernels.h"
+
+namespace {
+
+tokenswift::DataType element_type(const at::Tensor& tensor) {
+    TORCH_CHECK(tensor.scalar_type() == at::kHalf || tensor.scalar_type() == at::kBFloat16,
+                "tokenswift kernels take float16 or bfloat16 tensors, got ", tensor.scalar_type());
+    return tensor.scalar_type() == at::kHalf ? tokenswift::DataType::kFloat16 : tokenswift::DataType::kBFloat16;
+}
+
+// A cache view [kv_heads, length, head_dim]: rows contiguous, heads any (equal) stride apart.
+void check_cache(const at::Tensor& cache, const char* name) {
+    TORCH_CHECK(cache.is_cuda() && cache.dim() == 3, name, " must be a CUDA tensor [kv_heads, length, head_dim]");
+    TORCH_CHECK(cache.stride(2) == 1 && cache.stride(1) == cache.size(2), name,
+                " rows must be contiguous ([kv_heads, length, head_dim] with unit stride inside a head)");
+}
+
+int multiprocessors() {
+    int device = 0;
+    int count = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    return count;
+}
+
+void tree_attention_into(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                         const at::Tensor& tree_mask, double scale, at::Tensor& output) {
+    check_cache(keys, "keys");
+    check_cache(values, "values");
+    TORCH_CHECK(query.is_cuda() && query.dim() == 3 && query.is_contiguous(),
+                "query must be a contiguous CUDA tensor [heads, T, head_dim]");
+    TORCH_CHECK(keys.strides() == values.strides() && keys.sizes() == values.sizes(), "keys and values must match");
+    TORCH_CHECK(query.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+                "query, keys and values must share a dtype");
+    TORCH_CHECK(output.sizes() == query.sizes() && output.is_contiguous() &&
+                    output.scalar_type() == query.scalar_type(),
+                "output must be contiguous and shaped like query");
+    const int64_t num_tree = query.size(1);
+    TORCH_CHECK(tree_mask.is_cuda() && tree_mask.scalar_type() == at::kInt && tree_mask.is_contiguous() &&
+                    tree_mask.dim() == 2 && tree_mask.size(0) == num_tree &&
+                    tree_mask.size(1) == tokenswift::tree_mask_words(static_cast<int32_t>(num_tree)),
+                "tree_mask must be a contiguous int32 CUDA tensor [T, ceil(T / 32)]");
+    const c10::cuda::CUDAGuard guard(query.device());
+    tokenswift::TreeAttentionParams params;
+    params.dtype = element_type(query);
+    params.query = query.data_ptr();
+    params.keys = keys.data_ptr();
+    params.values = values.data_ptr();
+    params.tree_mask = reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>());
+    params.output = output.data_ptr();
+    params.kv_head_stride = keys.stride(0);
+    params.num_heads = static_cast<int32_t>(query.size(0));
+    params.num_kv_heads = static_cast<int32_t>(keys.size(0));
+    params.head_dim = static_cast<int32_t>(query.size(2));
+    params.num_tree = static_cast<int32_t>(num_tree);
+    params.key_length = static_cast<int32_t>(keys.size(1));
+    params.scale = static_cast<float>(scale);
+    const int sms = multiprocessors();
+    params.num_splits = tokenswift::tree_attention_splits(params, sms);
+    const size_t bytes = tokenswift::tree_attention_workspace_size(params, params.num_splits);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, query.options().dtype(at::kByte));
+    const cudaError_t status = tokenswift::tree_attention(params, workspace.data_ptr(), bytes, sms,
+                                                          c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(status == cudaSuccess, "tokenswift tree_attention failed: ", cudaGetErrorString(status),
+                " (head_dim must be 64 or 128, T at most 256, heads a multiple of kv_heads)");
+}
+
+at::Tensor tree_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                          const at::Tensor& tree_mask, double scale) {
+    at::Tensor output = at::empty_like(query);
+    tree_attention_into(query, keys, values, tree_mask, scale, output);
+    return output;
+}
+
+at::Tensor kv_importance_select(const at::Tensor& keys, const at::Tensor& query, int64_t keep, int64_t sinks) {
+    check_cache(keys, "keys");
+    TORCH_CHECK(query.is_cuda() && query.dim() == 2 && query.is_contiguous() &&
+                    query.scalar_type() == keys.scalar_type(),
+                "query must be a contiguous CUDA tensor [heads, head_dim] of the keys' dtype");
+    const int64_t length = keys.size(1);
+    if (keep >= length) {
+        return at::arange(length, keys.options().dtype(at::kLong)).repeat({keys.size(0), 1});
+    }
+    const c10::cuda::CUDAGuard guard(keys.device());
+    at::Tensor indices = at::empty({keys.size(0), keep}, keys.options().dtype(at::kInt));
+    tokenswift::KvSelectParams params;
+    params.dtype = element_type(keys);
+    params.keys = keys.data_ptr();
+    params.query = query.data_ptr();
+    params.kv_head_stride = keys.stride(0);
+    params.num_heads = static_cast<int32_t>(query.size(0));
+    params.num_kv_heads = static_cast<int32_t>(keys.size(0));
+    params.head_dim = static_cast<int32_t>(keys.size(2));
+    params.length = static_cast<int32_t>(length);
+    params.keep = static_cast<int32_t>(keep);
+    params.sinks = static_cast<int32_t>(sinks);
+    params.indices = indices.data_ptr<int32_t>();
+    const size_t bytes = tokenswift::kv_select_workspace_size(params);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, keys.options().dtype(at::kByte));
+    const cudaError_t status =
+        tokenswift::kv_importance_select(params, workspace.data_ptr(), bytes, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(status == cudaSuccess, "tokenswift kv_importance_select failed: ", cudaGetErrorString(status));
+    return indices.to(at::kLong);
+}
+
+// Fused select + gather into preallocated partial-cache views (what the TensorRT plugin does).
+at::Tensor kv_importance_select_gather(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& query,
+                                       int64_t keep, int64_t sinks, at::Tensor& out_keys, at::Tensor& out_values) {
+    check_cache(keys, "keys");
+    check_cache(values, "values");
+    check_cache(out_keys, "out_keys");
+    check_cache(out_values, "out_values");
+    TORCH_CHECK(keep <= keys.size(1), "keep must not exceed the cached length");
+    TORCH_CHECK(out_keys.size(1) >= keep && out_keys.strides() == out_values.strides(),
+                "out_keys/out_values must hold keep rows per head and share strides");
+    TORCH_CHECK(keys.strides() == values.strides(), "keys and values must share strides");
+    const c10::cuda::CUDAGuard guard(keys.device());
+    at::Tensor indices = at::empty({keys.size(0), keep}, keys.options().dtype(at::kInt));
+    tokenswift::KvSelectParams params;
+    params.dtype = element_type(keys);
+    params.keys = keys.data_ptr();
+    params.values = values.data_ptr();
+    params.query = query.data_ptr();
+    params.kv_head_stride = keys.stride(0);
+    params.num_heads = static_cast<int32_t>(query.size(0));
+    params.num_kv_heads = static_cast<int32_t>(keys.size(0));
+    params.head_dim = static_cast<int32_t>(keys.size(2));
+    params.length = static_cast<int32_t>(keys.size(1));
+    params.keep = static_cast<int32_t>(keep);
+    params.sinks = static_cast<int32_t>(sinks);
+    params.indices = indices.data_ptr<int32_t>();
+    params.out_keys = out_keys.data_ptr();
+    params.out_values = out_values.data_ptr();
+    params.out_head_stride = out_keys.stride(0);
+    const size_t bytes = tokenswift::kv_select_workspace_size(params);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, keys.options().dtype(at::kByte));
+    const cudaError_t status =
+        tokenswift::kv_importance_select(params, workspace.data_ptr(), bytes, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(status == cudaSuccess, "tokenswift kv_importance_select failed: ", cudaGetErrorString(status));
+    return indices.to(at::kLong);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+    module.def("tree_attention", &tree_attention, "tree-verify attention (see runtime/kernels.py)");
+    module.def("tree_attention_into", &tree_attention_into, "tree_attention writing into a given output");
+    module.def("kv_importance_select", &kv_importance_select, "partial-cache position selection");
+    module.def("kv_importance_select_gather", &kv_importance_select_gather, "selection + K/V gather");
+}

@@ -1,0 +1,168 @@
+"""The two TokenSwift kernels, one semantics with three faces.
+
+- `tree_attention`: T tree tokens attend to every committed cache slot and, among themselves,
+  through a packed tree mask: bit j % 32 of word j // 32 in row i is set when node i may see
+  node j (the layout TensorRT-LLM's attention uses for speculative decoding).
+- `kv_importance_select`: which cached positions the partial (draft) cache keeps, per KV head.
+
+Faces: the pure-PyTorch references below (what the CPU path runs and what tests compare
+against); torch custom ops `torch.ops.tokenswift.*` whose CPU implementation is the reference and
+whose CUDA implementation comes from `plugins_cuda/` once `load_cuda_kernels()` has compiled it;
+and TensorRT plugins of the same names built from the same CUDA sources (`make plugins`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+LOGGER = logging.getLogger(__name__)
+TREE_ATTENTION_OP = "tokenswift::tree_attention"
+KV_SELECT_OP = "tokenswift::kv_importance_select"
+SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_TREE_TOKENS = 256
+
+
+def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
+    """mask [T, T] bool -> [T, ceil(T / 32)] int32 words (bit j % 32 of word j // 32 = node j visible)."""
+    count = mask.shape[-1]
+    words = (count + 31) // 32
+    padded = torch.zeros(mask.shape[0], words * 32, dtype=torch.int64, device=mask.device)
+    padded[:, :count] = mask.to(torch.int64)
+    weights = torch.pow(2, torch.arange(32, dtype=torch.int64, device=mask.device))  # [32]
+    unsigned = (padded.view(mask.shape[0], words, 32) * weights).sum(dim=-1)  # [T, words], 0 .. 2^32 - 1
+    signed = unsigned - (unsigned >= 2**31).to(torch.int64) * 2**32  # same 32 bits as int32
+    return signed.to(torch.int32)
+
+
+def unpack_tree_mask(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """[T, words] int32 -> [T, count] bool (inverse of `pack_tree_mask`)."""
+    bits = torch.arange(32, dtype=torch.int64, device=packed.device)
+    unsigned = packed.to(torch.int64) & 0xFFFFFFFF  # [T, words]
+    expanded = (unsigned[:, :, None] >> bits) & 1  # [T, words, 32]
+    return expanded.reshape(packed.shape[0], -1)[:, :count].bool()
+
+
+def tree_attention_reference(
+    query: torch.Tensor,  # [heads, T, head_dim]
+    keys: torch.Tensor,  # [kv_heads, prefix + T, head_dim]
+    values: torch.Tensor,  # [kv_heads, prefix + T, head_dim]
+    tree_mask: torch.Tensor,  # [T, ceil(T / 32)] int32, packed
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention in fp32; returns [heads, T, head_dim] in the query's dtype."""
+    heads, count, _ = query.shape
+    kv_heads, key_length, _ = keys.shape
+    prefix = key_length - count
+    visible = torch.cat(
+        (torch.ones(count, prefix, dtype=torch.bool, device=query.device), unpack_tree_mask(tree_mask, count)), dim=1
+    )  # [T, prefix + T]
+    group = heads // kv_heads
+    k = keys.float().repeat_interleave(group, dim=0)  # [heads, L, head_dim]
+    v = values.float().repeat_interleave(group, dim=0)
+    scores = torch.einsum("htd,hld->htl", query.float(), k) * scale  # [heads, T, L]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees nothing gives 0
+    return torch.einsum("htl,hld->htd", weights, v).to(query.dtype)
+
+
+def kv_importance_select_reference(keys: torch.Tensor, query: torch.Tensor, keep: int, sinks: int) -> torch.Tensor:
+    """Choose which cached positions a partial cache keeps, per KV head.
+
+    keys [kv_heads, L, head_dim] (after rotary), query [heads, head_dim] (the latest query).
+    Score = query·key summed over the query heads of each KV group; positions [0, sinks) are always
+    kept, then the highest-scoring others (equal scores: lower position first). Returns ascending
+    int64 indices [kv_heads, min(keep, L)].
+    """
+    kv_heads, length, head_dim = keys.shape
+    if keep >= length:
+        return torch.arange(length, device=keys.device).repeat(kv_heads, 1)
+    sinks = min(sinks, keep)
+    grouped = query.float().reshape(kv_heads, -1, head_dim).sum(dim=1)  # [kv_heads, head_dim]
+    scores = torch.einsum("hd,hld->hl", grouped, keys.float())  # [kv_heads, L]
+    order = scores[:, sinks:].sort(dim=1, descending=True, stable=True).indices[:, : keep - sinks] + sinks
+    sink_index = torch.arange(sinks, device=keys.device).expand(kv_heads, sinks)
+    return torch.cat((sink_index, order), dim=1).sort(dim=1).values
+
+
+@torch.library.custom_op(TREE_ATTENTION_OP, mutates_args=())
+def tree_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """[heads, T, head_dim] attention of the tree tokens; see the module docstring."""
+    return tree_attention_reference(query, keys, values, tree_mask, scale)
+
+
+@tree_attention.register_fake
+def _tree_attention_shape(query, keys, values, tree_mask, scale):
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op(KV_SELECT_OP, mutates_args=())
+def kv_importance_select(keys: torch.Tensor, query: torch.Tensor, keep: int, sinks: int) -> torch.Tensor:
+    """Ascending kept positions [kv_heads, min(keep, L)]; see `kv_importance_select_reference`."""
+    return kv_importance_select_reference(keys, query, keep, sinks)
+
+
+@kv_importance_select.register_fake
+def _kv_importance_select_shape(keys, query, keep, sinks):
+    return keys.new_empty((keys.shape[0], min(keep, keys.shape[1])), dtype=torch.int64)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def source_dir() -> Path:
+    """Where the CUDA sources live (the repository's or the installed package's plugins_cuda/)."""
+    from importlib import resources
+
+    return Path(str(resources.files("tokenswift_trt.plugins_cuda")))
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    loaded: bool
+    reason: str  # why not, when not loaded
+    module: object | None = None  # the compiled extension (also has the *_into / *_gather entry points)
+
+
+@functools.cache
+def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
+    """Compile (once per process; torch also caches the build on disk) and register the CUDA
+    implementations of both ops.
+
+    Needs a CUDA build of torch, a GPU and nvcc. Returns why not instead of raising, so callers
+    can fall back to the reference / SDPA path.
+    """
+    if not torch.cuda.is_available():
+        return KernelStatus(False, "no CUDA device visible to torch (CPU build of torch or no GPU)")
+    try:
+        from torch.utils import cpp_extension
+
+        root = source_dir()
+        module = cpp_extension.load(
+            name="tokenswift_cuda_kernels",
+            sources=[str(root / "torch_ops" / "ops.cpp"), str(root / "src" / "tree_attention.cu"),
+                     str(root / "src" / "kv_importance_select.cu")],
+            extra_include_paths=[str(root / "include")],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"],
+            verbose=verbose,
+        )
+    except (OSError, RuntimeError, ImportError) as error:  # no nvcc, compiler error, ABI mismatch
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return KernelStatus(False, f"building the CUDA kernels failed: {first_line}")
+    tree_attention.register_kernel("cuda")(module.tree_attention)
+    kv_importance_select.register_kernel("cuda")(module.kv_importance_select)
+    return KernelStatus(True, "", module)
+
+
+def kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the CUDA kernels cover this element type and head size (else use SDPA)."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim in SUPPORTED_HEAD_DIMS

@@ -1,0 +1,79 @@
+"""The CUDA kernels against the PyTorch references on fresh random inputs (GPU machines only)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenswift_trt.runtime import kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
+
+
+@pytest.fixture(scope="module")
+def cuda_module():
+    status = kernels.load_cuda_kernels()
+    if not status.loaded:
+        pytest.fail(f"a GPU is present but the kernels did not build: {status.reason}")
+    return status.module
+
+
+def _random_tree_mask(count: int, generator: torch.Generator) -> torch.Tensor:
+    parents = [-1] + [int(torch.randint(0, node, (1,), generator=generator)) for node in range(1, count)]
+    mask = torch.zeros(count, count, dtype=torch.bool)
+    for node in range(count):
+        walk = node
+        while walk >= 0:
+            mask[node, walk] = True
+            walk = parents[walk]
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads,count,prefix", [(32, 8, 1, 4000), (32, 8, 64, 9000), (8, 8, 128, 777),
+                                                         (28, 4, 256, 33000), (4, 2, 37, 0)])
+def test_tree_attention_matches_reference(cuda_module, dtype, head_dim, heads, kv_heads, count, prefix):
+    generator = torch.Generator().manual_seed(count + prefix + head_dim)
+    capacity = prefix + count + 100  # strided cache view, as the runtime passes it
+    cache_k = torch.randn(kv_heads, capacity, head_dim, generator=generator).to("cuda", dtype)
+    cache_v = torch.randn(kv_heads, capacity, head_dim, generator=generator).to("cuda", dtype)
+    keys, values = cache_k[:, : prefix + count], cache_v[:, : prefix + count]
+    query = torch.randn(heads, count, head_dim, generator=generator).to("cuda", dtype)
+    packed = kernels.pack_tree_mask(_random_tree_mask(count, generator)).cuda()
+    scale = 1 / math.sqrt(head_dim)
+    output = torch.full_like(query, float("nan"))
+    cuda_module.tree_attention_into(query, keys, values, packed, scale, output)
+    assert not output.isnan().any(), "every output element is written"
+    reference = kernels.tree_attention_reference(query, keys, values, packed, scale).float()
+    error = (output.float() - reference).norm() / reference.norm()
+    assert error <= 1e-2
+    assert torch.equal(torch.ops.tokenswift.tree_attention(query, keys, values, packed, scale), output)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("length,keep,sinks", [(5000, 1024, 16), (131072, 4096, 16), (300, 300, 4), (1000, 10, 16)])
+def test_kv_importance_select_matches_reference(cuda_module, dtype, length, keep, sinks):
+    generator = torch.Generator().manual_seed(length + keep)
+    head_dim, kv_heads, heads = 128, 8, 32
+    cache_k = torch.randn(kv_heads, length + 64, head_dim, generator=generator).to("cuda", dtype)
+    cache_v = torch.randn(kv_heads, length + 64, head_dim, generator=generator).to("cuda", dtype)
+    keys, values = cache_k[:, :length], cache_v[:, :length]
+    query = torch.randn(heads, head_dim, generator=generator).to("cuda", dtype)
+    chosen = kernels.kv_importance_select(keys, query, keep, sinks)
+    # scores tie rarely in fp32; compare with the reference computed from the same rounded inputs
+    expected = kernels.kv_importance_select_reference(keys, query, keep, sinks)
+    assert chosen.shape == expected.shape
+    overlap = (chosen[:, :, None] == expected[:, None, :]).any(dim=2).float().mean()
+    assert overlap >= 0.999 and torch.all(chosen[:, 1:] > chosen[:, :-1])
+    assert torch.equal(chosen[:, : min(sinks, keep)].cpu(), torch.arange(min(sinks, keep)).expand(kv_heads, -1))
+    if keep < length:
+        out_k = torch.full((kv_heads, keep + 8, head_dim), float("nan"), device="cuda", dtype=dtype)
+        out_v = torch.full_like(out_k, float("nan"))
+        gathered = cuda_module.kv_importance_select_gather(keys, values, query, keep, sinks, out_k, out_v)
+        assert torch.equal(gathered, chosen)
+        index = chosen[:, :, None].expand(-1, -1, head_dim)
+        assert torch.equal(out_k[:, :keep], torch.gather(keys, 1, index))
+        assert torch.equal(out_v[:, :keep], torch.gather(values, 1, index))
