@@ -283,6 +283,58 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
         )
 
 
+@main.command("bench-kernels")
+@click.option("--device", default="cuda", show_default=True, help="cuda: the CUDA kernel; cpu: the reference (smoke run)")
+@click.option("--tree-sizes", default="1,64,128", show_default=True, help="tree tokens T")
+@click.option("--contexts", default="4096,32768,131072", show_default=True, help="cached positions L")
+@click.option("--heads", type=int, default=32, show_default=True)
+@click.option("--kv-heads", type=int, default=8, show_default=True)
+@click.option("--head-dim", type=click.Choice(["64", "128"]), default="128", show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default="bfloat16", show_default=True)
+@click.option("--repeats", type=int, default=20, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/kernels"), show_default=True)
+def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype, repeats, out) -> None:
+    """Tree attention vs masked SDPA and vs the memory-bandwidth time; CSV + JSON (docs/kernels.md)."""
+    import torch
+    from tqdm import tqdm
+
+    from tokenswift_trt.bench.kernels import bench_tree_attention, device_description, write_kernel_report
+    from tokenswift_trt.runtime import kernels
+
+    sizes, lengths = _int_list(tree_sizes, "--tree-sizes"), _int_list(contexts, "--contexts")
+    if max(sizes) > kernels.MAX_TREE_TOKENS:
+        raise CliError(f"--tree-sizes: the kernel takes at most {kernels.MAX_TREE_TOKENS} tree tokens")
+    if heads < 1 or kv_heads < 1 or heads % kv_heads or repeats < 1:
+        raise CliError("--heads must be a positive multiple of --kv-heads, and --repeats at least 1")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise CliError("bench-kernels --device cuda needs a CUDA GPU and a CUDA build of torch "
+                           "(use --device cpu for a smoke run of the reference)")
+        status = kernels.load_cuda_kernels()
+        if not status.loaded:
+            raise CliError(status.reason)
+    target = torch.device(device)
+    bar = tqdm(total=len(sizes) * len(lengths), desc="kernels", unit="case", file=sys.stderr, leave=False)
+    try:
+        rows, bandwidth = bench_tree_attention(
+            target, sizes, lengths, heads, kv_heads, int(head_dim), getattr(torch, dtype), repeats,
+            on_row=lambda _: bar.update(1),
+        )
+    except torch.OutOfMemoryError:
+        raise CliError("out of device memory: lower --contexts") from None
+    finally:
+        bar.close()
+    meta = {"command": "tokenswift-trt bench-kernels " + " ".join(sys.argv[2:]), "device": device_description(target),
+            "heads": heads, "kv_heads": kv_heads, "head_dim": int(head_dim), "dtype": dtype, "repeats": repeats}
+    written = write_kernel_report(rows, bandwidth, out, meta)
+    click.echo(f"{meta['device']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    click.echo("T | L | kernel ms | SDPA ms | speedup vs SDPA | bandwidth ms | kernel / bandwidth")
+    for row in rows:
+        click.echo(f"{row.tree_tokens} | {row.context} | {row.kernel_ms:.3f} | {row.sdpa_ms:.3f} | "
+                   f"{row.speedup_vs_sdpa:.2f} | {row.bandwidth_ms:.3f} | {row.kernel_over_bandwidth:.2f}")
+    click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
 @main.command("train-heads")
 @click.option("--model-dir", type=click.Path(path_type=Path), required=True, help="base Hugging Face model directory")
 @click.option("--data", "data", type=click.Path(path_type=Path), multiple=True, required=True, help=".txt/.jsonl file or folder (repeatable)")
