@@ -1,0 +1,92 @@
+"""Host overhead of a TokenSwift iteration: wall time not spent inside model calls.
+
+Model calls (forward, draft, logits, head logits) are timed by a transparent proxy around the
+engine's model; with a GPU each call is bracketed by a device synchronisation so that queued
+kernels are charged to the model, not to the host. What remains per iteration is the n-gram
+lookup, trie build, sampling, acceptance and cache bookkeeping (issue goal: <= 1 ms).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+from tokenswift_trt.runtime.engine import Engine
+
+TIMED_CALLS = ("forward", "draft", "logits", "head_logits")
+
+
+class TimedModel:
+    """Forwards every attribute to `model`; accumulates seconds spent in TIMED_CALLS."""
+
+    def __init__(self, model: object, device: torch.device) -> None:
+        self._model = model
+        self._device = device
+        self.seconds = 0.0
+        self.calls = 0
+
+    def _timed(self, name: str):
+        method = getattr(self._model, name)
+
+        def call(*args, **kwargs):
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            start = time.perf_counter()
+            result = method(*args, **kwargs)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            return result
+
+        return call
+
+    def __call__(self, *args, **kwargs):
+        return self._timed("forward")(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name in TIMED_CALLS:
+            return self._timed(name)
+        return getattr(self._model, name)
+
+
+@dataclass
+class HostOverhead:
+    iterations: int
+    new_tokens: int
+    decode_s: float  # generation time after prefill
+    model_s: float  # inside model calls during decoding
+    phase_s: dict[str, float]
+
+    @property
+    def host_ms_per_iteration(self) -> float:
+        return (self.decode_s - self.model_s) / self.iterations * 1e3 if self.iterations else 0.0
+
+    @property
+    def model_ms_per_iteration(self) -> float:
+        return self.model_s / self.iterations * 1e3 if self.iterations else 0.0
+
+
+def measure_host_overhead(engine: Engine, prompt: Sequence[int], config: GenerationConfig) -> HostOverhead:
+    """Generate once with `config` (TokenSwift) and split decode time into model and host.
+
+    Counted from the end of the first iteration to the end of the last, so prefill and the first
+    iteration's warm-up are excluded exactly.
+    """
+    timed = TimedModel(engine.model, engine.device)
+    timed_engine = replace(engine, model=timed)  # same weights and caches; only timing added
+    marks: list[tuple[int, float, float]] = []  # (iteration, elapsed_s, model_s) after each iteration
+
+    def observe(stats) -> None:
+        marks.append((stats.iterations, stats.elapsed_s, timed.seconds))
+
+    _, stats = generate(timed_engine, prompt, replace(config, method="tokenswift"), observer=observe)
+    if len(marks) < 2:
+        raise ValueError("host overhead needs at least two decoding iterations: raise max_new_tokens")
+    (first_iteration, first_elapsed, first_model), (last_iteration, last_elapsed, last_model) = marks[0], marks[-1]
+    return HostOverhead(last_iteration - first_iteration, stats.new_tokens, last_elapsed - first_elapsed,
+                        last_model - first_model, dict(stats.phase_s))

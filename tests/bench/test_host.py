@@ -1,0 +1,38 @@
+"""Host-overhead measurement: the timing proxy changes nothing and the split adds up."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tokenswift_trt.bench.host import TimedModel, measure_host_overhead
+from tokenswift_trt.builder.random_model import write_random_model
+from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+from tokenswift_trt.runtime.sampling import SamplingConfig
+from conftest import quiet_load
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return quiet_load(write_random_model(tmp_path_factory.mktemp("random-tiny"), seed=4))
+
+
+def test_timed_engine_generates_the_same_tokens(engine):
+    config = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16),
+                              seed=3, ignore_eos=True)
+    prompt = list(range(5, 40))
+    plain, _ = generate(engine, prompt, config)
+    timed = TimedModel(engine.model, engine.device)
+    again, _ = generate(replace(engine, model=timed), prompt, config)
+    assert again == plain
+    assert timed.calls > 0 and timed.seconds > 0
+
+
+def test_host_overhead_splits_decode_time(engine):
+    config = GenerationConfig(max_new_tokens=60, seed=1, ignore_eos=True)
+    result = measure_host_overhead(engine, list(range(5, 40)), config)
+    assert result.iterations >= 2 and result.new_tokens == 60
+    assert 0 < result.model_s < result.decode_s
+    assert result.host_ms_per_iteration == pytest.approx((result.decode_s - result.model_s) / result.iterations * 1e3)
+    assert set(result.phase_s) >= {"draft", "trie", "verify", "accept", "commit"}
