@@ -81,6 +81,27 @@ def _tree_mask(count: int) -> torch.Tensor:
     return mask
 
 
+def _time_case(device: torch.device, count: int, context: int, heads: int, kv_heads: int, head_dim: int,
+               dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+    """(kernel seconds, masked-SDPA seconds) for T = count tree tokens over `context` cached keys."""
+    length = context + count
+    keys = torch.randn(kv_heads, length, head_dim, device=device, dtype=dtype)
+    values = torch.randn(kv_heads, length, head_dim, device=device, dtype=dtype)
+    query = torch.randn(heads, count, head_dim, device=device, dtype=dtype)
+    tree = _tree_mask(count).to(device)
+    packed = kernels.pack_tree_mask(tree)
+    full_mask = torch.cat((torch.ones(count, context, dtype=torch.bool, device=device), tree), dim=1)
+    scale = 1 / math.sqrt(head_dim)
+    kernel_s = time_call(lambda: kernels.tree_attention(query, keys, values, packed, scale), device, repeats)
+    sdpa_s = time_call(
+        lambda: F.scaled_dot_product_attention(
+            query[None], keys[None], values[None], attn_mask=full_mask, enable_gqa=heads != kv_heads
+        ),
+        device, repeats,
+    )
+    return kernel_s, sdpa_s
+
+
 def bench_tree_attention(
     device: torch.device,
     tree_sizes: Sequence[int],
@@ -95,30 +116,15 @@ def bench_tree_attention(
     """One row per (T, L); returns (rows, copy bandwidth in bytes/s)."""
     bandwidth = measure_copy_bandwidth(device, 1024 if device.type == "cuda" else 128)
     element = torch.tensor([], dtype=dtype).element_size()
-    scale = 1 / math.sqrt(head_dim)
     rows = []
     for context in contexts:
         for count in tree_sizes:
-            length = context + count
-            keys = torch.randn(kv_heads, length, head_dim, device=device, dtype=dtype)
-            values = torch.randn(kv_heads, length, head_dim, device=device, dtype=dtype)
-            query = torch.randn(heads, count, head_dim, device=device, dtype=dtype)
-            tree = _tree_mask(count).to(device)
-            packed = kernels.pack_tree_mask(tree)
-            full_mask = torch.cat((torch.ones(count, context, dtype=torch.bool, device=device), tree), dim=1)
-            kernel_s = time_call(lambda: kernels.tree_attention(query, keys, values, packed, scale), device, repeats)
-            sdpa_s = time_call(
-                lambda: F.scaled_dot_product_attention(
-                    query[None], keys[None], values[None], attn_mask=full_mask, enable_gqa=heads != kv_heads
-                ),
-                device, repeats,
-            )
-            moved = (2 * kv_heads * length + 2 * heads * count) * head_dim * element
+            kernel_s, sdpa_s = _time_case(device, count, context, heads, kv_heads, head_dim, dtype, repeats)
+            moved = (2 * kv_heads * (context + count) + 2 * heads * count) * head_dim * element
             row = KernelTiming(count, context, kernel_s * 1e3, sdpa_s * 1e3, moved / bandwidth * 1e3)
             rows.append(row)
             if on_row:
                 on_row(row)
-            del keys, values, query
     return rows, bandwidth
 
 

@@ -139,11 +139,11 @@ def load_engine(
     model.rotary.to(device)
     model.eval()
     draft_layers.eval()
-    _choose_attention_kernel(model, config, dtype, device)
+    choose_attention_kernel(model, config, dtype, device)
     return Engine(config, model, draft_layers, bool(draft), dtype, device)
 
 
-def _choose_attention_kernel(model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+def choose_attention_kernel(model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
     """On CUDA with fp16/bf16 and a supported head size, verify through the tree-attention kernel."""
     if device.type != "cuda":
         return

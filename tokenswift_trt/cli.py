@@ -440,21 +440,42 @@ def _int_list(text: str, name: str) -> tuple[int, ...]:
 
 @main.command()
 @source_options
-@click.option("--prompt-file", type=click.Path(path_type=Path), required=True, help="text to cut prompts from")
-@click.option("--gen-len", default="2048,8192", show_default=True, help="generation lengths")
-@click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="text to cut prompts from (required unless --random-weights)")
+@click.option("--gen-len", default="2048,8192", show_default=True, help="generation lengths [--random-weights: 20480,40960,61440,81920,102400]")
+@click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens [--random-weights: 4096]")
 @click.option("--prompts", type=int, default=1, show_default=True, help="prompts per prefix length")
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
+@click.option("--model", default=None, help="--random-weights: preset name or model directory whose shape is timed")
+@click.option("--random-weights", is_flag=True, help="step-cost mode: time the ar/draft/verify steps of --model with random weights and model the speedup")
+@click.option("--contexts", default="4096,32768,65536,102400", show_default=True, help="--random-weights: cached positions L")
+@click.option("--tree-sizes", default="1,41,121", show_default=True, help="--random-weights: tokens T per verify pass")
+@click.option("--accept-length", type=float, default=4.36, show_default=True, help="--random-weights: τ, tokens per iteration (4α+1; paper α 0.84)")
+@click.option("--verify-accept-length", type=float, default=None, help="--random-weights: τ when drafting from the verify pass [--accept-length]")
+@click.option("--verify-tree-size", type=int, default=None, help="--random-weights: T of the modeled verify pass [largest --tree-sizes]")
+@click.option("--host-overhead-ms", type=float, default=0.0, show_default=True, help="--random-weights: host time per iteration")
+@click.option("--step-repeats", type=int, default=20, show_default=True, help="--random-weights: timed runs per step (median)")
 @sampling_options
-def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, out, **opts) -> None:
-    """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG."""
+def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, out, model, random_weights,
+          contexts, tree_sizes, accept_length, verify_accept_length, verify_tree_size, host_overhead_ms, step_repeats,
+          **opts) -> None:
+    """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG.
+
+    With --model PRESET_OR_DIR --random-weights: the cost of one AR, draft and verify step per
+    context, against the memory-bandwidth floor, and the speedup those costs imply."""
     import sys as _sys
 
     from tqdm import tqdm
 
     from tokenswift_trt.bench.run import BenchSpec, run_bench, write_results
 
+    if random_weights or model is not None:
+        _bench_steps(model, random_weights, model_dir or engine_dir or prompt_file, gen_len, prefix_len, out,
+                     contexts, tree_sizes, accept_length, verify_accept_length, verify_tree_size, host_overhead_ms,
+                     step_repeats, opts)
+        return
+    if prompt_file is None:
+        raise CliError("bench needs --prompt-file FILE (or --model PRESET_OR_DIR --random-weights for step costs)")
     gen_lens, prefix_lens = _int_list(gen_len, "--gen-len"), _int_list(prefix_len, "--prefix-len")
     if prompts < 1 or repeats < 1:
         raise CliError("--prompts and --repeats must be at least 1")
@@ -496,6 +517,100 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
     click.echo(" | ".join(columns))
     for row in rows:
         click.echo(" | ".join(str(row[c]) for c in columns))
+    click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, out, contexts, tree_sizes, accept_length,
+                 verify_accept_length, verify_tree_size, host_overhead_ms, step_repeats, opts) -> None:
+    """`bench --model PRESET_OR_DIR --random-weights`: step costs and the speedup they imply (bench/steps.py)."""
+    import torch
+    from click.core import ParameterSource
+    from tqdm import tqdm
+
+    from tokenswift_trt.bench.kernels import device_description
+    from tokenswift_trt.bench.steps import (
+        DEFAULT_GEN_LENGTHS, DEFAULT_PROMPT_LENGTH, PAPER_A100_LLAMA31_8B, check_step_request, measure_copy_bandwidth,
+        measure_step_costs, modeled_speedup, random_engine, verify_step, write_step_report,
+    )
+    from tokenswift_trt.runtime.engine import KernelFallbackWarning
+
+    if not random_weights or model is None:
+        raise CliError("the step-cost mode needs both --model PRESET_OR_DIR and --random-weights")
+    if generation_input is not None:
+        raise CliError("--random-weights times a model shape: it takes --model, not --model-dir, --engine or --prompt-file")
+    device = opts["device"]
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        reason = "this torch is CPU-only" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise CliError(f"bench: --device cuda needs a CUDA GPU and a CUDA build of torch ({reason})")
+    ctx = click.get_current_context()
+    source = ctx.get_parameter_source
+    context_list, sizes = _int_list(contexts, "--contexts"), _int_list(tree_sizes, "--tree-sizes")
+    gen_lens = DEFAULT_GEN_LENGTHS if source("gen_len") == ParameterSource.DEFAULT else _int_list(gen_len, "--gen-len")
+    prompt_lens = (DEFAULT_PROMPT_LENGTH,) if source("prefix_len") == ParameterSource.DEFAULT else _int_list(prefix_len, "--prefix-len")
+    if len(prompt_lens) != 1:
+        raise CliError("--prefix-len takes one prompt length with --random-weights")
+    tree_size = verify_tree_size or max(sizes)
+    if tree_size not in sizes:
+        raise CliError(f"--verify-tree-size {tree_size} is not among --tree-sizes {tree_sizes}")
+    verify_tau = accept_length if verify_accept_length is None else verify_accept_length
+    if min(accept_length, verify_tau) < 1 or step_repeats < 1 or host_overhead_ms < 0:
+        raise CliError("--accept-length and --verify-accept-length must be >= 1, --step-repeats >= 1, --host-overhead-ms >= 0")
+    kv_budget = opts["kv_budget"] or SAMPLING_DEFAULTS["kv_budget"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KernelFallbackWarning)
+        try:
+            engine, dtype_name = random_engine(model, getattr(torch, opts["dtype"]) if opts["dtype"] else None, device)
+        except (ValueError, RuntimeError) as error:
+            raise _fail(error) from None
+    for warning in caught:
+        click.echo(f"warning: {warning.message}", err=True)
+    try:
+        check_step_request(engine, context_list, sizes, kv_budget, step_repeats)
+    except ValueError as error:
+        raise _fail(error) from None
+    bandwidth = measure_copy_bandwidth(engine.device)
+    bar = tqdm(total=len(context_list) * (3 + len(sizes)), desc="step costs", unit="step", file=sys.stderr, leave=False)
+
+    def on_step(cost) -> None:
+        bar.set_postfix_str(f"L={cost.context} {cost.step}")
+        bar.update(1)
+
+    try:
+        costs = measure_step_costs(engine, context_list, sizes, kv_budget, step_repeats, bandwidth, on_step)
+        speedups = modeled_speedup(costs, prompt_lens[0], gen_lens, accept_length, verify_tau, tree_size,
+                                   host_overhead_ms / 1e3)
+    except ValueError as error:
+        raise _fail(error) from None
+    finally:
+        bar.close()
+    given = [(param.opts[0], ctx.params[param.name]) for param in ctx.command.params
+             if param.name and source(param.name) != ParameterSource.DEFAULT]
+    command = " ".join(["tokenswift-trt bench"] + [flag if value is True else f"{flag} {value}" for flag, value in given])
+    meta = {"command": command, "model": model, "random_weights": True,
+            "device": device_description(engine.device), "dtype": dtype_name, "torch": torch.__version__,
+            "attention_kernel": engine.model.attention_kernel, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+            "kv_budget": kv_budget, "step_repeats": step_repeats, "prompt_length": prompt_lens[0],
+            "accept_length": accept_length, "verify_accept_length": verify_tau, "verify_tree_size": tree_size,
+            "host_overhead_ms": host_overhead_ms}
+    written = write_step_report(costs, speedups, out, meta)
+    click.echo(f"{model} ({dtype_name}, random weights) on {meta['device']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    steps = ["ar", "draft", "heads"] + [verify_step(size) for size in sizes]
+    click.echo("context | " + " | ".join(f"{step} ms (floor)" for step in steps))
+    by_key = {(cost.context, cost.step): cost for cost in costs}
+    for context in sorted(context_list):
+        cells = [by_key[context, step] for step in steps]
+        click.echo(f"{context} | " + " | ".join(f"{c.seconds * 1e3:.3f} ({c.bandwidth_seconds * 1e3:.3f})" for c in cells))
+    click.echo(f"modeled: prompt {prompt_lens[0]}, T {tree_size}, τ partial {accept_length:g} / verify {verify_tau:g}, "
+               f"host {host_overhead_ms:g} ms")
+    if prompt_lens[0] + max(gen_lens) > 1.25 * max(context_list):
+        click.echo(f"note: the model extrapolates step costs measured up to context {max(context_list)} to "
+                   f"{prompt_lens[0] + max(gen_lens)}: measure larger --contexts for figures to trust", err=True)
+    click.echo("gen_len | AR s | partial s | speedup partial | verify s | speedup verify | paper A100 8B")
+    for gen_length in gen_lens:
+        partial, verify = (next(s for s in speedups if s.gen_length == gen_length and s.mode == mode)
+                           for mode in ("partial", "verify"))
+        click.echo(f"{gen_length} | {partial.ar_seconds:.1f} | {partial.tokenswift_seconds:.1f} | {partial.speedup:.2f} | "
+                   f"{verify.tokenswift_seconds:.1f} | {verify.speedup:.2f} | {PAPER_A100_LLAMA31_8B.get(gen_length, '-')}")
     click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
