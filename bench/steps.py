@@ -43,6 +43,7 @@ from tokenswift_trt.runtime.draft_layers import DraftLayers
 from tokenswift_trt.runtime.engine import Engine, choose_attention_kernel
 from tokenswift_trt.runtime.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.runtime.model import LlamaModel
+from tokenswift_trt.runtime.static_step import StaticForward, bucket_for
 
 from . import kernels
 
@@ -204,29 +205,45 @@ Record = Callable[[str, int, Callable[[], object], int], None]  # (step, tokens,
 
 
 def _measure_context(engine: Engine, context: int, capacity: int, budget: int, tree_sizes: Sequence[int],
-                     sizes: StepBytes, record: Record) -> None:
-    """Fill the caches for one context and time every step on them; they are freed on return."""
+                     sizes: StepBytes, record: Record, static: bool) -> None:
+    """Fill the caches for one context and time every step on them; they are freed on return.
+
+    static: run the forwards as generate() does with static_steps (fixed shapes; CUDA graphs on a GPU).
+    """
     config, device, model, draft_layers = engine.config, engine.device, engine.model, engine.draft_layers
     full, partial = _filled_caches(engine, context, capacity, budget)
     token = torch.randint(config.vocab_size, (1,), device=device)
     position = torch.tensor([context], device=device)
     hidden_row = torch.randn(1, config.hidden_size, dtype=engine.dtype, device=device)
+    full_runner = StaticForward(model, full, capture=device.type == "cuda") if static else None
+    partial_runner = StaticForward(model, partial, capture=device.type == "cuda") if static else None
+
+    def forward_full(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if full_runner is not None:
+            return full_runner.run(tokens, positions, mask).hidden
+        return model(tokens, positions, full, tree_mask=None if mask is None else mask.to(device)).hidden
 
     def ar() -> None:
-        model.logits(model(token, position, full).hidden[-1:])
+        model.logits(forward_full(token, position, None)[-1:])
         full.rollback(0)  # drops the pending slot
 
+    def draft() -> None:
+        if partial_runner is not None:
+            model.head_logits(partial_runner.run(token, position).hidden, draft_layers)
+        else:
+            model.draft(token, position, partial, draft_layers)
+
     record("ar", 1, ar, sizes.decoder + sizes.embedding_row + sizes.kv_per_position * context)
-    record("draft", 1, lambda: model.draft(token, position, partial, draft_layers),
+    record("draft", 1, draft,
            sizes.decoder + sizes.embedding_row + sizes.draft_layers + sizes.kv_per_position * budget)
     record("heads", 1, lambda: model.head_logits(hidden_row, draft_layers), sizes.draft_layers + sizes.head)
     for size in tree_sizes:
         tokens = torch.randint(config.vocab_size, (size,), device=device)
         positions = torch.arange(context, context + size, device=device)
-        mask = torch.ones(size, size, dtype=torch.bool, device=device).tril()  # a chain is a valid tree
+        mask = torch.ones(size, size, dtype=torch.bool).tril()  # a chain is a valid tree (host, as tries are)
 
         def verify(tokens=tokens, positions=positions, mask=mask) -> None:
-            model.logits(model(tokens, positions, full, tree_mask=mask).hidden)
+            model.logits(forward_full(tokens, positions, mask))
             full.rollback(0)
 
         record(verify_step(size), size, verify, sizes.decoder + size * sizes.embedding_row + sizes.kv_per_position * context)
@@ -240,11 +257,13 @@ def measure_step_costs(
     repeats: int,
     bandwidth: float | None = None,  # bytes/s; measured with `measure_copy_bandwidth` when None
     on_step: Callable[[StepCost], None] | None = None,
+    static_steps: bool | None = None,  # fixed-shape / CUDA-graph steps; None = on for CUDA
 ) -> list[StepCost]:
     """Median seconds (after 2 warm-ups) of the ar, draft, heads and verify_T steps at each context."""
     check_step_request(engine, contexts, tree_sizes, kv_budget, repeats)
     device = engine.device
-    longest_tree = max(tree_sizes)
+    static = device.type == "cuda" if static_steps is None else static_steps
+    longest_tree = bucket_for(max(tree_sizes)) if static else max(tree_sizes)
     bandwidth = bandwidth or measure_copy_bandwidth(device)
     sizes = StepBytes.of(engine)
     costs: list[StepCost] = []
@@ -266,7 +285,8 @@ def measure_step_costs(
                                  f"{free / GIB:.2f} GiB is free on {device}: measure smaller contexts")
         try:
             with torch.inference_mode():
-                _measure_context(engine, context, capacity, budget, tree_sizes, sizes, functools.partial(record, context))
+                _measure_context(engine, context, capacity, budget, tree_sizes, sizes, functools.partial(record, context),
+                                 static)
         except torch.OutOfMemoryError:
             raise StepBenchError(f"context {context}: out of memory on {device} (caches of "
                                  f"{plan.needed_bytes / GIB:.2f} GiB): measure smaller contexts") from None

@@ -30,7 +30,9 @@ from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput
 from .ngram import NgramTable
+from .model import LlamaModel
 from .sampling import PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, process_logits
+from .static_step import StaticForward, bucket_for
 from .tree import StaticTree, Trie, build_static_tree, build_trie
 
 METHODS = ("tokenswift", "ar")
@@ -63,6 +65,9 @@ class GenerationConfig:
     max_length: int | None = None  # engine maximum (prompt + generated); default: the model's
     prefill_chunk: int = 1024
     memory_budget: int | None = None  # bytes the caches may use; default: what is free now
+    # fixed-shape steps over the whole cache (static_step.py), CUDA-graph captured on a GPU;
+    # None = on for CUDA torch engines, off elsewhere
+    static_steps: bool | None = None
 
     def validate(self) -> None:
         """Engine-independent checks; raise GenerationError naming the bad value."""
@@ -98,6 +103,9 @@ class Stats:
     ngram_accepted_tokens: int = 0  # accepted nodes that only an n-gram branch proposed
     ngram_hit_iterations: int = 0
     partial_selections: int = 0
+    fixed_shape_steps: int = 0  # forwards run by StaticForward (static_steps), eager or replayed
+    graph_replays: int = 0  # of those, CUDA-graph replays
+    graph_captures: int = 0
     plans: list[str] = field(default_factory=list)  # tree="auto": "TREE k=K from token N", in order
     prefill_s: float = 0.0
     elapsed_s: float = 0.0
@@ -142,6 +150,8 @@ class DecodeState:
     sampling: SamplingConfig
     stop_tokens: frozenset[int]
     queries: list[torch.Tensor]  # per layer [heads, head_dim]: latest committed token's query
+    static_full: StaticForward | None = None  # fixed-shape forwards on `full` (and `partial`)
+    static_partial: StaticForward | None = None
 
     @property
     def root_position(self) -> int:
@@ -220,6 +230,18 @@ def accept_trie(trie: Trie, targets: NodeTargets, remaining: int, stop_tokens: f
 # ---------------------------------------------------------------- stages
 
 
+def forward_full(engine: Engine, state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor,
+                 tree_mask: torch.Tensor | None = None) -> ForwardOutput:
+    """One forward of new tokens [T] on the full cache (fixed-shape when enabled); T slots left pending.
+
+    tree_mask [T, T] bool on the host, None = causal.
+    """
+    if state.static_full is not None and state.static_full.fits(tokens.shape[0]):
+        return state.static_full.run(tokens, positions, tree_mask)
+    mask = None if tree_mask is None else tree_mask.to(engine.device)
+    return engine.model(tokens, positions, state.full, tree_mask=mask, keep_queries=True)
+
+
 def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: int) -> torch.Tensor:
     """Run the prompt through the full cache; returns the last position's hidden [hidden]."""
     device = engine.device
@@ -246,7 +268,11 @@ def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[i
     root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
     position = torch.tensor([state.root_position], dtype=torch.long, device=device)
     assert state.partial is not None
-    logits = engine.model.draft(root, position, state.partial, engine.draft_layers)  # [1 + n, V]
+    if state.static_partial is not None:
+        hidden = state.static_partial.run(root, position).hidden  # [1, hidden]
+        logits = engine.model.head_logits(hidden, engine.draft_layers)[:, 0]  # [1 + n, V]
+    else:
+        logits = engine.model.draft(root, position, state.partial, engine.draft_layers)  # [1 + n, V]
     window = state.window()
     candidates = []
     for depth, width in enumerate(tree.branching):
@@ -278,7 +304,7 @@ def verify(engine: Engine, state: DecodeState, trie: Trie) -> ForwardOutput:
     device = engine.device
     tokens = torch.tensor(trie.tokens, dtype=torch.long, device=device)
     positions = torch.tensor(trie.depths, dtype=torch.long, device=device) + state.root_position
-    return engine.model(tokens, positions, state.full, tree_mask=trie.mask().to(device), keep_queries=True)
+    return forward_full(engine, state, tokens, positions, trie.mask())
 
 
 def commit(state: DecodeState, acceptance: Acceptance, verified: ForwardOutput, ngram_exclusion: int) -> None:
@@ -345,6 +371,9 @@ def generate(
     limit = min(len(prompt) + config.max_new_tokens, max_length)
     max_trie = tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH
     cfg, dtype, device = engine.config, engine.dtype, engine.device
+    static = config.static_steps if config.static_steps is not None else device.type == "cuda"
+    static = static and isinstance(engine.model, LlamaModel)  # exported graphs (onnx, TensorRT) have their own
+    max_trie = bucket_for(max_trie) if static else max_trie  # slots a padded forward writes
     plan = plan_memory(engine, limit + max_trie, config.kv_budget if config.method == "tokenswift" else 0, max_trie)
     try:
         admit(plan, config.memory_budget if config.memory_budget is not None else available_bytes(device))
@@ -365,6 +394,8 @@ def generate(
         queries=[],
     )
     state.history[: len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+    if static:
+        state.static_full = StaticForward(engine.model, full, capture=device.type == "cuda")
 
     started = time.perf_counter()
     hidden = prefill(engine, state, prompt, config.prefill_chunk)
@@ -380,7 +411,7 @@ def generate(
             tick = time.perf_counter()
             root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
             position = torch.tensor([state.root_position], dtype=torch.long, device=device)
-            hidden = engine.model(root, position, state.full).hidden[0]
+            hidden = forward_full(engine, state, root, position).hidden[0]
             state.full.commit()
             token = sample_next(engine, state, hidden)
             state.append([token])
@@ -396,6 +427,11 @@ def generate(
         _tokenswift_loop(engine, state, config, stats, started, hidden, on_tokens, acceptor, observer)
 
     stats.elapsed_s = time.perf_counter() - started
+    for runner in (state.static_full, state.static_partial):
+        if runner is not None:
+            stats.fixed_shape_steps += runner.counters.eager_runs + runner.counters.graph_replays
+            stats.graph_replays += runner.counters.graph_replays
+            stats.graph_captures += runner.counters.captures
     new_tokens = state.tokens[len(prompt) :]
     stats.new_tokens = len(new_tokens)
     if new_tokens[-1] in state.stop_tokens:
@@ -415,7 +451,7 @@ def _measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[i
     def forward(size: int) -> None:
         tokens = torch.full((size,), state.tokens[-1], dtype=torch.long, device=device)
         positions = torch.arange(root_position, root_position + size, device=device)
-        engine.model(tokens, positions, state.full)
+        forward_full(engine, state, tokens, positions)
         state.full.pending = 0  # timing only: nothing written is kept
 
     sizes = sorted({s for s in (1, 16, 48) if s <= max_size} | {max_size})
@@ -441,6 +477,8 @@ def _tokenswift_loop(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_budget, dtype=engine.dtype, device=device
         )
         state.partial.select(state.full, state.queries)
+        if state.static_full is not None:
+            state.static_partial = StaticForward(engine.model, state.partial, capture=state.static_full.capture)
     auto = config.tree == AUTO
     probe_tree = VERIFY_PROBE_TREE if from_verify else PROBE_TREE
     max_depth = len(engine.draft_layers) + (0 if from_verify else 1)

@@ -188,14 +188,21 @@ class LlamaModel(nn.Module):
         cache: AttentionCache,
         tree_mask: torch.Tensor | None = None,
         keep_queries: bool = False,
+        full_mask: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        """`forward` without the inference-mode wrapper (for export and training)."""
+        """`forward` without the inference-mode wrapper (for export and training).
+
+        full_mask [T, slots] bool, when given, replaces the mask built from the cache's prefix
+        and `tree_mask`: the fixed-shape forward (static_step.py) attends over the whole capacity.
+        """
         x = self.model.embed_tokens(tokens)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         count = tokens.shape[0]
         # the kernel is for trees (T <= 256); long prefill chunks take SDPA
         kernel = self.attention_kernel if count <= kernels.MAX_TREE_TOKENS else "sdpa"
-        if kernel == "tree_attention":
+        if full_mask is not None:
+            kernel, mask = "sdpa", full_mask
+        elif kernel == "tree_attention":
             causal = torch.ones(count, count, dtype=torch.bool, device=x.device).tril()
             mask = kernels.pack_tree_mask(causal if tree_mask is None else tree_mask.to(x.device))
         else:

@@ -54,6 +54,13 @@ def test_measured_steps_are_positive_and_bandwidth_grows_with_context(engine):
     assert by_key[64, "ar"].bandwidth_seconds == pytest.approx(by_key[64, "ar"].bytes_read / BANDWIDTH)
 
 
+def test_fixed_shape_steps_are_measured_too(engine):
+    """static_steps=True times the forwards generate() runs with static_steps (CUDA graphs on a GPU)."""
+    costs = measure_step_costs(engine, [64], [1, 20], kv_budget=32, repeats=2, bandwidth=BANDWIDTH, static_steps=True)
+    assert {c.step for c in costs} == {"ar", "draft", "heads", "verify_T1", "verify_T20"}
+    assert all(c.seconds > 0 for c in costs)
+
+
 def test_bad_contexts_are_one_line_errors(engine):
     with pytest.raises(StepBenchError, match="maximum length"):
         measure_step_costs(engine, [engine.config.max_position_embeddings], [8], 128, 1, bandwidth=BANDWIDTH)
