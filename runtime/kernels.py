@@ -103,6 +103,26 @@ def _tree_attention_shape(query, keys, values, tree_mask, scale):
     return torch.empty_like(query)
 
 
+@torch.library.custom_op("tokenswift::tree_attention_static", mutates_args=())
+def tree_attention_static(
+    query: torch.Tensor,  # [heads, T, head_dim]
+    keys: torch.Tensor,  # [kv_heads, capacity, head_dim]: the tree's K/V at [prefix, prefix + T)
+    values: torch.Tensor,
+    tree_mask: torch.Tensor,  # [T, ceil(T / 32)] int32
+    prefix_length: torch.Tensor,  # 0-d int32 on the cache's device
+    scale: float,
+) -> torch.Tensor:
+    """`tree_attention` over a whole-capacity cache whose prefix length lives on the device, so a
+    captured CUDA graph serves every context length."""
+    end = int(prefix_length) + query.shape[1]
+    return tree_attention_reference(query, keys[:, :end], values[:, :end], tree_mask, scale)
+
+
+@tree_attention_static.register_fake
+def _tree_attention_static_shape(query, keys, values, tree_mask, prefix_length, scale):
+    return torch.empty_like(query)
+
+
 @torch.library.custom_op(KV_SELECT_OP, mutates_args=())
 def kv_importance_select(keys: torch.Tensor, query: torch.Tensor, keep: int, sinks: int) -> torch.Tensor:
     """Ascending kept positions [kv_heads, min(keep, L)]; see `kv_importance_select_reference`."""
@@ -159,6 +179,7 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return KernelStatus(False, f"building the CUDA kernels failed: {first_line}")
     tree_attention.register_kernel("cuda")(module.tree_attention)
+    tree_attention_static.register_kernel("cuda")(module.tree_attention_static)
     kv_importance_select.register_kernel("cuda")(module.kv_importance_select)
     return KernelStatus(True, "", module)
 

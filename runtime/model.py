@@ -39,6 +39,29 @@ class ForwardOutput:
     queries: list[torch.Tensor] | None  # per layer [T, heads, head_dim] after rotary, when requested
 
 
+@dataclass
+class AttentionMask:
+    """What attention needs besides Q/K/V, by kernel:
+    - "sdpa": `mask` [T, keys] bool, True = may attend (keys = what attend_kv returned);
+    - "tree_attention": `mask` [T, ceil(T/32)] int32 packed tree mask, the cache prefix all visible;
+    - "tree_attention_static": the same packed mask, keys span a whole-capacity cache and
+      `prefix_length` (0-d int32, on the device) says where the tree's own K/V start.
+    """
+
+    kernel: str
+    mask: torch.Tensor
+    prefix_length: torch.Tensor | None = None
+
+
+@dataclass
+class StaticAttention:
+    """Inputs of a fixed-shape forward over a whole-capacity cache (static_step.py)."""
+
+    full_mask: torch.Tensor  # [T, capacity] bool: committed slots + the tree among the new slots
+    tree_mask: torch.Tensor  # [T, T] bool on the device
+    prefix_length: torch.Tensor  # 0-d int64 on the device: committed slots
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -68,10 +91,9 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, head_dim]
         sin: torch.Tensor,
-        mask: torch.Tensor,  # sdpa: [T, prefix + T] bool, True = may attend; tree_attention: [T, ceil(T/32)] int32
+        mask: AttentionMask,
         cache: AttentionCache,
         layer: int,
-        kernel: str = "sdpa",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         count = x.shape[0]
         q = self.q_proj(x).view(count, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, head_dim]
@@ -80,13 +102,15 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         keys, values = cache.attend_kv(layer, k, v)  # [kv_heads, prefix + T, head_dim]
-        if kernel == "tree_attention":
-            out = kernels.tree_attention(
-                q.contiguous(), keys, values, mask, kernels.default_scale(self.head_dim)
-            )  # [heads, T, head_dim]
+        scale = kernels.default_scale(self.head_dim)
+        if mask.kernel == "tree_attention":
+            out = kernels.tree_attention(q.contiguous(), keys, values, mask.mask, scale)  # [heads, T, head_dim]
+        elif mask.kernel == "tree_attention_static":
+            assert mask.prefix_length is not None
+            out = kernels.tree_attention_static(q.contiguous(), keys, values, mask.mask, mask.prefix_length, scale)
         else:
             out = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+                q[None], keys[None], values[None], attn_mask=mask.mask, enable_gqa=self.num_heads != self.num_kv_heads
             )[0]  # [heads, T, head_dim]
         out = self.o_proj(out.transpose(0, 1).reshape(count, self.num_heads * self.head_dim))
         return out, q.transpose(0, 1)
@@ -188,35 +212,38 @@ class LlamaModel(nn.Module):
         cache: AttentionCache,
         tree_mask: torch.Tensor | None = None,
         keep_queries: bool = False,
-        full_mask: torch.Tensor | None = None,
+        static: StaticAttention | None = None,
     ) -> ForwardOutput:
         """`forward` without the inference-mode wrapper (for export and training).
 
-        full_mask [T, slots] bool, when given, replaces the mask built from the cache's prefix
-        and `tree_mask`: the fixed-shape forward (static_step.py) attends over the whole capacity.
+        `static`, when given, replaces the mask built from the cache's prefix and `tree_mask`: the
+        fixed-shape forward (static_step.py) attends over the whole capacity.
         """
         x = self.model.embed_tokens(tokens)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        count = tokens.shape[0]
-        # the kernel is for trees (T <= 256); long prefill chunks take SDPA
-        kernel = self.attention_kernel if count <= kernels.MAX_TREE_TOKENS else "sdpa"
-        if full_mask is not None:
-            kernel, mask = "sdpa", full_mask
-        elif kernel == "tree_attention":
-            causal = torch.ones(count, count, dtype=torch.bool, device=x.device).tril()
-            mask = kernels.pack_tree_mask(causal if tree_mask is None else tree_mask.to(x.device))
-        else:
-            mask = attention_mask(cache.prefix_length, tree_mask, count, x.device)
+        mask = self._attention_mask(tokens.shape[0], cache, tree_mask, static, x.device)
         queries: list[torch.Tensor] | None = [] if keep_queries else None
         for index, layer in enumerate(self.model.layers):
-            attended, q = layer.self_attn(
-                layer.input_layernorm(x), cos, sin, mask, cache, index, kernel
-            )
+            attended, q = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, cache, index)
             x = x + attended
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if queries is not None:
                 queries.append(q)
         return ForwardOutput(hidden=x, queries=queries)
+
+    def _attention_mask(self, count: int, cache: AttentionCache, tree_mask: torch.Tensor | None,
+                        static: StaticAttention | None, device: torch.device) -> AttentionMask:
+        # the kernel is for trees (T <= 256); long prefill chunks take SDPA
+        use_kernel = self.attention_kernel == "tree_attention" and count <= kernels.MAX_TREE_TOKENS
+        if static is not None:
+            if use_kernel:
+                return AttentionMask("tree_attention_static", kernels.pack_tree_mask(static.tree_mask),
+                                     static.prefix_length.to(torch.int32))
+            return AttentionMask("sdpa", static.full_mask)
+        if use_kernel:
+            causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+            return AttentionMask("tree_attention", kernels.pack_tree_mask(causal if tree_mask is None else tree_mask.to(device)))
+        return AttentionMask("sdpa", attention_mask(cache.prefix_length, tree_mask, count, device))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

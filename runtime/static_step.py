@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import KVCache, PartialKVCache
-from .model import ForwardOutput, LlamaModel
+from .model import ForwardOutput, LlamaModel, StaticAttention
 
 BUCKETS = (1, 16, 32, 64, 128, 256)
 
@@ -131,8 +131,9 @@ class StaticForward:
         slots = self.length + torch.arange(size, device=self.columns.device)  # [Tb]
         mask = (self.columns[None, :] < self.length).expand(size, -1).clone()  # [Tb, capacity]: committed
         mask[:, slots] = bucket.tree_mask  # the new tokens among themselves
+        static = StaticAttention(full_mask=mask, tree_mask=bucket.tree_mask, prefix_length=self.length)
         return self.model.decode(bucket.tokens, bucket.positions, _SlotWriter(self.cache, slots),
-                                 keep_queries=True, full_mask=mask)
+                                 keep_queries=True, static=static)
 
     def _capture(self, bucket: _Bucket) -> None:
         side = torch.cuda.Stream()

@@ -31,6 +31,10 @@ struct TreeAttentionParams {
     int32_t key_length = 0;          // prefix + num_tree
     float scale = 0.0f;              // softmax scale, usually 1 / sqrt(head_dim)
     int32_t num_splits = 0;          // blocks along the key dimension; 0 = tree_attention_splits()
+    // When set (CUDA-graph replays), the prefix length is read on the device at launch: the keys
+    // used are [0, *prefix_length_device + num_tree) and key_length is only the capacity bound
+    // (splits and workspace are sized for it).
+    const int32_t* prefix_length_device = nullptr;
 };
 
 inline int32_t tree_mask_words(int32_t num_tree) { return (num_tree + 31) / 32; }

@@ -61,8 +61,9 @@ struct SplitArgs {
     int group_rows;        // G * T
     int num_tree;
     int mask_words;
-    int key_length;
+    int key_length;        // capacity bound when prefix_length_device is set
     int keys_per_split;
+    const int32_t* prefix_length_device;
     int total_rows;        // num_heads * T
     float scale_log2;
 };
@@ -85,9 +86,16 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
     const int split = blockIdx.y;
     const int kv_head = blockIdx.z;
     const int rows_here = min(kRows, args.group_rows - row0);
-    const int prefix = args.key_length - args.num_tree;
-    const int key_begin = split * args.keys_per_split;
-    const int key_end = min(args.key_length, key_begin + args.keys_per_split);
+    int key_length = args.key_length;
+    int keys_per_split = args.keys_per_split;
+    if (args.prefix_length_device != nullptr) {  // graph replay: the length lives on the device
+        key_length = min(args.key_length, *args.prefix_length_device + args.num_tree);
+        const int per_split = (key_length + gridDim.y - 1) / gridDim.y;
+        keys_per_split = (per_split + kKeys - 1) / kKeys * kKeys;
+    }
+    const int prefix = key_length - args.num_tree;
+    const int key_begin = split * keys_per_split;
+    const int key_end = min(key_length, key_begin + keys_per_split);
 
     const T* query = static_cast<const T*>(args.query) + (int64_t(kv_head) * args.group_rows + row0) * D;
     const T* keys = static_cast<const T*>(args.keys) + kv_head * args.kv_head_stride;
@@ -263,6 +271,7 @@ cudaError_t launch(const TreeAttentionParams& p, float* workspace, int splits, c
     args.keys_per_split = ceil_div(ceil_div(p.key_length, splits), kKeys) * kKeys;
     args.total_rows = total_rows;
     args.scale_log2 = p.scale * kLog2e;
+    args.prefix_length_device = p.prefix_length_device;
 
     const size_t smem = Layout<D>::total;
     cudaError_t status = cudaFuncSetAttribute(tree_attention_split_kernel<T, D>,

@@ -30,8 +30,9 @@ int multiprocessors() {
     return count;
 }
 
-void tree_attention_into(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                         const at::Tensor& tree_mask, double scale, at::Tensor& output) {
+void run_tree_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                        const at::Tensor& tree_mask, double scale, at::Tensor& output,
+                        const int32_t* prefix_length_device) {
     check_cache(keys, "keys");
     check_cache(values, "values");
     TORCH_CHECK(query.is_cuda() && query.dim() == 3 && query.is_contiguous(),
@@ -62,6 +63,7 @@ void tree_attention_into(const at::Tensor& query, const at::Tensor& keys, const 
     params.num_tree = static_cast<int32_t>(num_tree);
     params.key_length = static_cast<int32_t>(keys.size(1));
     params.scale = static_cast<float>(scale);
+    params.prefix_length_device = prefix_length_device;
     const int sms = multiprocessors();
     params.num_splits = tokenswift::tree_attention_splits(params, sms);
     const size_t bytes = tokenswift::tree_attention_workspace_size(params, params.num_splits);
@@ -72,10 +74,26 @@ void tree_attention_into(const at::Tensor& query, const at::Tensor& keys, const 
                 " (head_dim must be 64 or 128, T at most 256, heads a multiple of kv_heads)");
 }
 
+void tree_attention_into(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                         const at::Tensor& tree_mask, double scale, at::Tensor& output) {
+    run_tree_attention(query, keys, values, tree_mask, scale, output, nullptr);
+}
+
 at::Tensor tree_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                           const at::Tensor& tree_mask, double scale) {
     at::Tensor output = at::empty_like(query);
-    tree_attention_into(query, keys, values, tree_mask, scale, output);
+    run_tree_attention(query, keys, values, tree_mask, scale, output, nullptr);
+    return output;
+}
+
+// keys/values span a cache's whole capacity; the tree's K/V sit at [prefix, prefix + T) with
+// prefix read on the device (an int32 CUDA scalar), so one CUDA graph serves every context length.
+at::Tensor tree_attention_static(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                                 const at::Tensor& tree_mask, const at::Tensor& prefix_length, double scale) {
+    TORCH_CHECK(prefix_length.is_cuda() && prefix_length.scalar_type() == at::kInt && prefix_length.numel() == 1,
+                "prefix_length must be an int32 CUDA scalar");
+    at::Tensor output = at::empty_like(query);
+    run_tree_attention(query, keys, values, tree_mask, scale, output, prefix_length.data_ptr<int32_t>());
     return output;
 }
 
@@ -152,6 +170,7 @@ at::Tensor kv_importance_select_gather(const at::Tensor& keys, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("tree_attention", &tree_attention, "tree-verify attention (see runtime/kernels.py)");
     module.def("tree_attention_into", &tree_attention_into, "tree_attention writing into a given output");
+    module.def("tree_attention_static", &tree_attention_static, "tree_attention with a device-side prefix length");
     module.def("kv_importance_select", &kv_importance_select, "partial-cache position selection");
     module.def("kv_importance_select_gather", &kv_importance_select_gather, "selection + K/V gather");
 }

@@ -77,3 +77,20 @@ def test_kv_importance_select_matches_reference(cuda_module, dtype, length, keep
         index = chosen[:, :, None].expand(-1, -1, head_dim)
         assert torch.equal(out_k[:, :keep], torch.gather(keys, 1, index))
         assert torch.equal(out_v[:, :keep], torch.gather(values, 1, index))
+
+
+@pytest.mark.parametrize("prefix", [0, 700, 20000])
+def test_static_tree_attention_reads_the_prefix_length_on_the_device(cuda_module, prefix):
+    generator = torch.Generator().manual_seed(prefix)
+    heads, kv_heads, count, head_dim, capacity = 32, 8, 16, 128, 24000
+    keys = torch.randn(kv_heads, capacity, head_dim, generator=generator).to("cuda", torch.bfloat16)
+    values = torch.randn(kv_heads, capacity, head_dim, generator=generator).to("cuda", torch.bfloat16)
+    query = torch.randn(heads, count, head_dim, generator=generator).to("cuda", torch.bfloat16)
+    packed = kernels.pack_tree_mask(_random_tree_mask(count, generator)).cuda()
+    length = torch.tensor(prefix, dtype=torch.int32, device="cuda")
+    static = kernels.tree_attention_static(query, keys, values, packed, length, 0.088)
+    sliced = kernels.tree_attention(query, keys[:, : prefix + count], values[:, : prefix + count], packed, 0.088)
+    reference = kernels.tree_attention_reference(query, keys[:, : prefix + count], values[:, : prefix + count],
+                                                 packed, 0.088).float()
+    assert (static.float() - reference).norm() / reference.norm() <= 1e-2
+    assert (static.float() - sliced.float()).abs().max() <= 2e-2  # split counts differ (capacity vs length)

@@ -19,9 +19,11 @@ def test_buckets():
     assert [bucket_for(n) for n in (1, 2, 16, 17, 120, 256, 300)] == [1, 16, 16, 32, 128, 256, 300]
 
 
-def test_fixed_shape_verify_equals_dynamic_verify(llama_dir):
+@pytest.mark.parametrize("kernel", ["sdpa", "tree_attention"])
+def test_fixed_shape_verify_equals_dynamic_verify(llama_dir, kernel):
     directory, _ = llama_dir
     engine = quiet_load(directory)
+    engine.model.use_attention_kernel(kernel)  # tree_attention: the static op with a device-side prefix
     c = engine.config
     caches = [KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 200) for _ in range(2)]
     prefix = torch.arange(5, 45)
@@ -48,10 +50,12 @@ def test_fixed_shape_verify_equals_dynamic_verify(llama_dir):
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(min_p=0.1, penalty=1.2,
                                                                                      penalty_window=16)])
-@pytest.mark.parametrize("method,tree", [("tokenswift", "1,3,3,3"), ("tokenswift", "auto"), ("ar", "1,3,3,3")])
-def test_generate_runs_every_step_through_the_fixed_shape_path(llama_dir, sampling, method, tree):
+@pytest.mark.parametrize("method,tree,kernel", [("tokenswift", "1,3,3,3", "sdpa"), ("tokenswift", "auto", "sdpa"),
+                                                ("ar", "1,3,3,3", "sdpa"), ("tokenswift", "1,3,3,3", "tree_attention")])
+def test_generate_runs_every_step_through_the_fixed_shape_path(llama_dir, sampling, method, tree, kernel):
     directory, _ = llama_dir
     engine = quiet_load(directory)
+    engine.model.use_attention_kernel(kernel)
     config = GenerationConfig(max_new_tokens=60, method=method, sampling=sampling, tree=tree, seed=5,
                               ignore_eos=True, kv_budget=24)
     dynamic, _ = generate(engine, list(range(5, 40)), replace(config, static_steps=False))
