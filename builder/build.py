@@ -208,21 +208,33 @@ def build_engine(request: BuildRequest, progress: Progress | None = None, log: C
         for warning in caught:
             note(f"warning: {str(warning.message).replace(str(staging), str(out))}")
         note(f"weights checked: {len(engine.draft_layers)} draft layers, trained={engine.trained_draft_layers}")
+        plugin_library = None
+        if request.backend == "tensorrt":
+            from .tensorrt_build import find_plugin_library
+
+            plugin_library = find_plugin_library()
+            note(f"attention through the TokenSwift plugins in {plugin_library}" if plugin_library else
+                 "no plugin library (make plugins with TENSORRT_ROOT set): attention through TensorRT's own layers")
         if request.backend in ("onnx", "tensorrt"):
             from .onnx_export import export_onnx
 
             note("exporting verify.onnx and draft.onnx")
             progress("export onnx", 0, 1)
-            export_onnx(engine.model, engine.draft_layers, staging / "onnx")
+            export_onnx(engine.model, engine.draft_layers, staging / "onnx", plugins=plugin_library is not None)
             progress("export onnx", 1, 1)
         max_len = request.max_sequence_length or engine.config.max_position_embeddings
         if request.backend == "tensorrt":
+            from tokenswift_trt.runtime.tensorrt_backend import MAX_PLAN_TOKENS, PLUGIN_LIBRARY_NAME
+
             from .tensorrt_build import build_plan
 
-            for name, with_mask, max_tokens in (("verify", True, 256), ("draft", False, 1)):
+            if plugin_library is not None:  # the engine dir carries the plugins its plans need
+                (staging / "tensorrt").mkdir(parents=True, exist_ok=True)
+                shutil.copy2(plugin_library, staging / "tensorrt" / PLUGIN_LIBRARY_NAME)
+            for name, with_mask, max_tokens in (("verify", True, MAX_PLAN_TOKENS), ("draft", False, 1)):
                 note(f"building tensorrt/{name}.plan")
                 build_plan(staging / "onnx" / f"{name}.onnx", staging / "tensorrt" / f"{name}.plan", engine.config,
-                           dtype_name, max_tokens, max_len, with_mask)
+                           dtype_name, max_tokens, max_len, with_mask, plugin_library)
         manifest = Manifest(
             name=preset.name if preset else Path(request.model).name,
             architecture=engine.config.architecture,

@@ -9,6 +9,11 @@ a cache object that concatenates past K/V with the new tokens' K/V and hands the
 - draft.onnx: tokens [T], positions [T], past_keys/past_values (the partial cache) ->
   head_logits [1 + draft layers, T, vocab], new_keys, new_values.
 T and P are dynamic.
+
+With `plugins=True` (TensorRT engines) attention is exported as one `TokenSwiftTreeAttention`
+node per layer (domain and plugin namespace `tokenswift`, plugin_version "1"; INT attributes
+num_heads, num_kv_heads, head_dim and FLOAT scale), which TensorRT's ONNX parser maps to the
+plugin in plugins_cuda/tensorrt once the plugin library is loaded; T is then at most 256.
 """
 
 from __future__ import annotations
@@ -22,8 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenswift_trt.runtime import kernels
+from tokenswift_trt.runtime.config import ModelConfig
 from tokenswift_trt.runtime.draft_layers import DraftLayers
 from tokenswift_trt.runtime.model import LlamaModel
+
+PLUGIN_DOMAIN = "tokenswift"
+TREE_ATTENTION_PLUGIN = "TokenSwiftTreeAttention"
 
 
 class ConcatCache:
@@ -98,16 +108,52 @@ def _quiet_exporter() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def export_onnx(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path) -> list[Path]:
-    """Write verify.onnx and draft.onnx (weights inside each file; fp32/fp16/bf16 as the model is)."""
+def plugin_translation_table(config: ModelConfig) -> dict:
+    """Exporter translation: torch.ops.tokenswift.tree_attention -> a TokenSwiftTreeAttention node."""
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    tensor, attribute = OpSchema.FormalParameter, OpSchema.Attribute
+    schema = OpSchema(
+        TREE_ATTENTION_PLUGIN, PLUGIN_DOMAIN, 1,
+        inputs=[tensor("query", "T"), tensor("keys", "T"), tensor("values", "T"), tensor("tree_mask", "M")],
+        outputs=[tensor("output", "T")],
+        type_constraints=[("T", ["tensor(float16)", "tensor(bfloat16)", "tensor(float)"], "activations"),
+                          ("M", ["tensor(int32)"], "packed tree mask")],
+        attributes=[attribute(name, kind, "") for name, kind in (
+            ("num_heads", OpSchema.AttrType.INT), ("num_kv_heads", OpSchema.AttrType.INT),
+            ("head_dim", OpSchema.AttrType.INT), ("scale", OpSchema.AttrType.FLOAT),
+            ("plugin_version", OpSchema.AttrType.STRING), ("plugin_namespace", OpSchema.AttrType.STRING))],
+    )
+    node = onnxscript.values.Op(onnxscript.values.Opset(PLUGIN_DOMAIN, 1), TREE_ATTENTION_PLUGIN, op_schema=schema)
+
+    def tree_attention(query, keys, values, tree_mask, scale: float):
+        return node(query, keys, values, tree_mask, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim, scale=scale, plugin_version="1", plugin_namespace=PLUGIN_DOMAIN)
+
+    return {torch.ops.tokenswift.tree_attention.default: tree_attention}
+
+
+def export_onnx(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path, plugins: bool = False) -> list[Path]:
+    """Write verify.onnx and draft.onnx (weights inside each file; fp32/fp16/bf16 as the model is).
+
+    plugins: attention as TensorRT plugin nodes (see the module docstring) instead of ONNX ops.
+    """
+    previous = model.attention_kernel
     with _quiet_exporter():
-        return _export(model, draft_layers, out_dir)
+        try:
+            if plugins:
+                model.use_attention_kernel("tree_attention")
+            return _export(model, draft_layers, out_dir, plugins)
+        finally:
+            model.use_attention_kernel(previous)
 
 
-def _export(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path) -> list[Path]:
+def _export(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path, plugins: bool) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = next(model.parameters()).dtype
-    tokens = torch.export.Dim("tokens", min=1, max=4096)
+    translations = plugin_translation_table(model.config) if plugins else None
+    tokens = torch.export.Dim("tokens", min=1, max=kernels.MAX_TREE_TOKENS if plugins else 4096)
     past = torch.export.Dim("past", min=1, max=1 << 20)
     kv_shape = {2: past}
     written = []
@@ -119,6 +165,7 @@ def _export(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path) -> list
         torch.onnx.export(
             VerifyGraph(model).eval(), verify_args, str(path), input_names=VERIFY_INPUTS, output_names=VERIFY_OUTPUTS,
             dynamic_shapes=verify_shapes, dynamo=True, external_data=False, verbose=False,
+            custom_translation_table=translations,
         )
         written.append(path)
         draft_shapes = ({0: tokens}, {0: tokens}, kv_shape, kv_shape)
@@ -126,6 +173,7 @@ def _export(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path) -> list
         torch.onnx.export(
             DraftGraph(model, draft_layers).eval(), examples, str(path), input_names=DRAFT_INPUTS,
             output_names=DRAFT_OUTPUTS, dynamic_shapes=draft_shapes, dynamo=True, external_data=False, verbose=False,
+            custom_translation_table=translations,
         )
         written.append(path)
     return written

@@ -3,20 +3,30 @@ optimisation profile per graph covering tree sizes (tokens) and context lengths 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tokenswift_trt.runtime.config import ModelConfig
-from tokenswift_trt.runtime.tensorrt_backend import import_tensorrt
+from tokenswift_trt.runtime.tensorrt_backend import PLUGIN_LIBRARY_NAME, import_tensorrt
 
-PLUGIN_LIBRARY = Path(__file__).resolve().parent.parent / "plugins_cuda" / "build" / "libtokenswift_plugins.so"
+PLUGIN_LIBRARY_ENV = "TOKENSWIFT_TRT_PLUGINS"
+
+
+def find_plugin_library() -> Path | None:
+    """The TensorRT plugin library: $TOKENSWIFT_TRT_PLUGINS, else `make plugins`' output in this checkout."""
+    configured = os.environ.get(PLUGIN_LIBRARY_ENV)
+    candidates = [Path(configured)] if configured else []
+    candidates.append(Path(__file__).resolve().parent.parent / "build" / "plugins" / PLUGIN_LIBRARY_NAME)
+    return next((path for path in candidates if path.is_file()), None)
 
 
 def build_plan(onnx_path: Path, plan_path: Path, config: ModelConfig, dtype: str, max_tokens: int, max_context: int,
-               with_tree_mask: bool, workspace_bytes: int = 8 << 30) -> Path:
+               with_tree_mask: bool, plugin_library: Path | None = None, workspace_bytes: int = 8 << 30) -> Path:
+    """plugin_library: loaded before parsing, so the ONNX parser maps TokenSwift nodes to our plugins."""
     trt = import_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
-    if PLUGIN_LIBRARY.is_file():
-        trt.get_plugin_registry().load_library(str(PLUGIN_LIBRARY))
+    if plugin_library is not None:
+        trt.get_plugin_registry().load_library(str(plugin_library))
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)

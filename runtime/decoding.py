@@ -245,6 +245,7 @@ def forward_full(engine: Engine, state: DecodeState, tokens: torch.Tensor, posit
 def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: int) -> torch.Tensor:
     """Run the prompt through the full cache; returns the last position's hidden [hidden]."""
     device = engine.device
+    chunk = min(chunk, getattr(engine.model, "max_tokens", chunk))  # exported plans bound T
     out: ForwardOutput | None = None
     for start in range(0, len(prompt), chunk):
         ids = torch.tensor(prompt[start : start + chunk], dtype=torch.long, device=device)

@@ -67,15 +67,26 @@ class _PlanRunner:
         return results
 
 
-class TensorRTDecoder(GraphDecoder):
-    """Drop-in for `LlamaModel` in decoding, running verify.plan and draft.plan."""
+PLUGIN_LIBRARY_NAME = "libtokenswift_trt_plugins.so"  # built by `make plugins`; copied into engine dirs
+MAX_PLAN_TOKENS = 256  # the verify plan's profile (and the tree-attention plugin's) largest T
 
-    def __init__(self, torch_model: LlamaModel, plan_dir: Path, plugin_library: Path | None = None) -> None:
+
+class TensorRTDecoder(GraphDecoder):
+    """Drop-in for `LlamaModel` in decoding, running verify.plan and draft.plan.
+
+    The plugin library (when the plans use our plugins) is loaded from `plan_dir` before the plans
+    are deserialised; forwards take at most MAX_PLAN_TOKENS tokens (prefill runs in such chunks).
+    """
+
+    max_tokens = MAX_PLAN_TOKENS
+
+    def __init__(self, torch_model: LlamaModel, plan_dir: Path) -> None:
         trt = import_tensorrt()
         if not torch.cuda.is_available():
             raise TensorRTBackendError("the tensorrt backend needs a CUDA GPU; none is visible")
         logger = trt.Logger(trt.Logger.WARNING)
-        if plugin_library is not None and plugin_library.is_file():
+        plugin_library = plan_dir / PLUGIN_LIBRARY_NAME
+        if plugin_library.is_file():
             trt.get_plugin_registry().load_library(str(plugin_library))
         runtime = trt.Runtime(logger)
         super().__init__(torch_model)
