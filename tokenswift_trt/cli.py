@@ -453,7 +453,8 @@ def _int_list(text: str, name: str) -> tuple[int, ...]:
 @click.option("--accept-length", type=float, default=4.36, show_default=True, help="--random-weights: τ, tokens per iteration (4α+1; paper α 0.84)")
 @click.option("--verify-accept-length", type=float, default=None, help="--random-weights: τ when drafting from the verify pass [--accept-length]")
 @click.option("--verify-tree-size", type=int, default=None, help="--random-weights: T of the modeled verify pass [largest --tree-sizes]")
-@click.option("--host-overhead-ms", type=float, default=0.0, show_default=True, help="--random-weights: host time per iteration")
+@click.option("--host-overhead-ms", type=float, default=None,
+              help="--random-weights: host time per iteration (default: measured by a short generation, tree 1,3,3,3, k=20)")
 @click.option("--step-repeats", type=int, default=20, show_default=True, help="--random-weights: timed runs per step (median)")
 @sampling_options
 def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, out, model, random_weights,
@@ -520,6 +521,21 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
     click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
+def _measure_host_ms(engine, kv_budget: int) -> float:
+    """Host time per TokenSwift iteration (outside model calls) on this engine: bench/host.py."""
+    import torch
+
+    from tokenswift_trt.bench.host import measure_host_overhead
+    from tokenswift_trt.runtime.decoding import GenerationConfig
+    from tokenswift_trt.runtime.sampling import SamplingConfig
+
+    prompt = torch.randint(3, engine.config.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    config = GenerationConfig(max_new_tokens=256, tree="1,3,3,3", ngram_topk=20, kv_budget=min(kv_budget, 512),
+                              sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=1024), seed=0,
+                              ignore_eos=True)
+    return measure_host_overhead(engine, prompt, config).host_ms_per_iteration
+
+
 def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, out, contexts, tree_sizes, accept_length,
                  verify_accept_length, verify_tree_size, host_overhead_ms, step_repeats, opts) -> None:
     """`bench --model PRESET_OR_DIR --random-weights`: step costs and the speedup they imply (bench/steps.py)."""
@@ -553,7 +569,7 @@ def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, o
     if tree_size not in sizes:
         raise CliError(f"--verify-tree-size {tree_size} is not among --tree-sizes {tree_sizes}")
     verify_tau = accept_length if verify_accept_length is None else verify_accept_length
-    if min(accept_length, verify_tau) < 1 or step_repeats < 1 or host_overhead_ms < 0:
+    if min(accept_length, verify_tau) < 1 or step_repeats < 1 or (host_overhead_ms or 0) < 0:
         raise CliError("--accept-length and --verify-accept-length must be >= 1, --step-repeats >= 1, --host-overhead-ms >= 0")
     kv_budget = opts["kv_budget"] or SAMPLING_DEFAULTS["kv_budget"]
     with warnings.catch_warnings(record=True) as caught:
@@ -575,6 +591,11 @@ def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, o
         bar.set_postfix_str(f"L={cost.context} {cost.step}")
         bar.update(1)
 
+    host_measured = host_overhead_ms is None
+    if host_measured:
+        host_overhead_ms = _measure_host_ms(engine, kv_budget)
+        click.echo(f"host overhead: {host_overhead_ms:.3f} ms per iteration (measured: 256 tokens, tree 1,3,3,3, "
+                   "k=20, min-p 0.1, θ 1.2)", err=True)
     try:
         costs = measure_step_costs(engine, context_list, sizes, kv_budget, step_repeats, bandwidth, on_step)
         speedups = modeled_speedup(costs, prompt_lens[0], gen_lens, accept_length, verify_tau, tree_size,
@@ -591,7 +612,7 @@ def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, o
             "attention_kernel": engine.model.attention_kernel, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "kv_budget": kv_budget, "step_repeats": step_repeats, "prompt_length": prompt_lens[0],
             "accept_length": accept_length, "verify_accept_length": verify_tau, "verify_tree_size": tree_size,
-            "host_overhead_ms": host_overhead_ms}
+            "host_overhead_ms": round(host_overhead_ms, 4), "host_overhead_measured": host_measured}
     written = write_step_report(costs, speedups, out, meta)
     click.echo(f"{model} ({dtype_name}, random weights) on {meta['device']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     steps = ["ar", "draft", "heads"] + [verify_step(size) for size in sizes]
@@ -601,7 +622,7 @@ def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, o
         cells = [by_key[context, step] for step in steps]
         click.echo(f"{context} | " + " | ".join(f"{c.seconds * 1e3:.3f} ({c.bandwidth_seconds * 1e3:.3f})" for c in cells))
     click.echo(f"modeled: prompt {prompt_lens[0]}, T {tree_size}, τ partial {accept_length:g} / verify {verify_tau:g}, "
-               f"host {host_overhead_ms:g} ms")
+               f"host {host_overhead_ms:.3f} ms")
     if prompt_lens[0] + max(gen_lens) > 1.25 * max(context_list):
         click.echo(f"note: the model extrapolates step costs measured up to context {max(context_list)} to "
                    f"{prompt_lens[0] + max(gen_lens)}: measure larger --contexts for figures to trust", err=True)

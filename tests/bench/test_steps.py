@@ -155,6 +155,7 @@ def test_cli_writes_the_step_report(model_dir, tmp_path):
     meta = report["meta"]
     assert meta["dtype"] == "float32" and meta["torch"] == torch.__version__ and "CPU" in meta["device"]
     assert "--random-weights" in meta["command"] and meta["model"] == str(model_dir)
+    assert meta["host_overhead_measured"] and meta["host_overhead_ms"] > 0  # measured by a short generation
     assert len(report["steps"]) == 10 and len(report["speedup"]) == 4
     assert report["paper_a100_llama3.1_8b"] == {str(k): v for k, v in PAPER_A100_LLAMA31_8B.items()}
     assert (out / "steps.png").stat().st_size > 1000
