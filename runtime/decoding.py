@@ -274,20 +274,24 @@ def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[i
         logits = engine.model.head_logits(hidden, engine.draft_layers)[:, 0]  # [1 + n, V]
     else:
         logits = engine.model.draft(root, position, state.partial, engine.draft_layers)  # [1 + n, V]
+    return _top_candidates(logits, state, tree)
+
+
+def _top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) -> list[list[int]]:
+    """logits [depth, V] -> per depth the top `branching[depth]` ids after the sampling transforms;
+    one device-to-host copy for all depths."""
     window = state.window()
-    candidates = []
-    for depth, width in enumerate(tree.branching):
-        scores = process_logits(logits[depth], window, state.sampling)
-        candidates.append(scores.topk(width).indices.tolist())
-    return candidates
+    tops = [process_logits(logits[depth], window, state.sampling).topk(width).indices
+            for depth, width in enumerate(tree.branching)]
+    flat = torch.cat(tops).tolist()
+    bounds = [sum(tree.branching[:depth]) for depth in range(len(tree.branching) + 1)]
+    return [flat[bounds[depth] : bounds[depth + 1]] for depth in range(len(tree.branching))]
 
 
 def candidates_from_hidden(engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree) -> list[list[int]]:
     """Draft from the last committed token's hidden state [hidden]: draft layer d proposes depth d."""
     heads = engine.model.head_logits(hidden[None], engine.draft_layers)[1:, 0]  # [n, V]: tokens 2.. after it
-    window = state.window()
-    return [process_logits(heads[depth], window, state.sampling).topk(width).indices.tolist()
-            for depth, width in enumerate(tree.branching)]
+    return _top_candidates(heads, state, tree)
 
 
 def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:
