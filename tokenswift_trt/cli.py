@@ -283,6 +283,36 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
         )
 
 
+@main.command("bench-host")
+@source_options
+@click.option("--prompt-file", type=click.Path(path_type=Path), required=True, help="text the prompt is cut from")
+@click.option("--prefix-len", type=int, default=512, show_default=True, help="prompt tokens")
+@click.option("--max-new-tokens", type=int, default=1024, show_default=True)
+@sampling_options
+def bench_host(model_dir, engine_dir, heads, prompt_file, prefix_len, max_new_tokens, **opts) -> None:
+    """Host overhead per TokenSwift iteration: decode time outside model calls (docs/gpu.md)."""
+    from tokenswift_trt.bench.host import measure_host_overhead
+
+    if prefix_len < 1 or max_new_tokens < 2:
+        raise CliError("--prefix-len must be >= 1 and --max-new-tokens >= 2")
+    if opts["seed"] is None:
+        opts["seed"] = 0
+    _generation_config(max_new_tokens, "tokenswift", opts)
+    text = _read_prompt(None, prompt_file)
+    engine, codec, defaults = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    config = _generation_config(max_new_tokens, "tokenswift", opts, defaults)
+    prompt = codec.encode(text)[:prefix_len]
+    try:
+        result = measure_host_overhead(engine, prompt, config)
+    except ValueError as error:
+        raise _fail(error) from None
+    click.echo(f"tree {config.tree}, k={config.ngram_topk}, {result.iterations} iterations, {result.new_tokens} tokens")
+    click.echo(f"host ms/iteration: {result.host_ms_per_iteration:.3f}  model ms/iteration: "
+               f"{result.model_ms_per_iteration:.3f}")
+    phases = ", ".join(f"{name} {seconds / result.iterations * 1e3:.3f}" for name, seconds in result.phase_s.items())
+    click.echo(f"phases (ms/iteration, model calls included): {phases}")
+
+
 @main.command("bench-kernels")
 @click.option("--device", default="cuda", show_default=True, help="cuda: the CUDA kernel; cpu: the reference (smoke run)")
 @click.option("--tree-sizes", default="1,64,128", show_default=True, help="tree tokens T")

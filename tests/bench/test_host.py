@@ -36,3 +36,20 @@ def test_host_overhead_splits_decode_time(engine):
     assert 0 < result.model_s < result.decode_s
     assert result.host_ms_per_iteration == pytest.approx((result.decode_s - result.model_s) / result.iterations * 1e3)
     assert set(result.phase_s) >= {"draft", "trie", "verify", "accept", "commit"}
+
+
+def test_bench_host_command(tmp_path):
+    from click.testing import CliRunner
+
+    from tokenswift_trt.cli import main
+
+    model = write_random_model(tmp_path / "model", seed=2)
+    text = tmp_path / "prompt.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    result = CliRunner().invoke(main, ["bench-host", "--model-dir", str(model), "--prompt-file", str(text),
+                                       "--prefix-len", "32", "--max-new-tokens", "40", "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    assert "host ms/iteration:" in result.output and "verify" in result.output
+    result = CliRunner().invoke(main, ["bench-host", "--model-dir", str(model), "--prompt-file", str(text),
+                                       "--max-new-tokens", "1"])
+    assert result.exit_code == 2 and "--max-new-tokens >= 2" in result.output
