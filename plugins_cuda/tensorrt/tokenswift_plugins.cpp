@@ -266,6 +266,7 @@ private:
 template <typename Derived>
 class PluginBase : public IPluginV3, public IPluginV3OneCore, public IPluginV3OneBuild, public IPluginV3OneRuntime {
 public:
+    // Derived provides kName, kNbInputs, kNbOutputs, shapeProblem(in, out) and appendFields(fields).
     // IPluginV3
     IPluginCapability* getCapabilityInterface(PluginCapabilityType type) noexcept override {
         switch (type) {
@@ -290,6 +291,19 @@ public:
             copy->mErrorRecorder = context != nullptr ? context->getErrorRecorder() : nullptr;
         }
         return copy;
+    }
+
+    int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out,
+                          int32_t nbOutputs) noexcept override {
+        if (in == nullptr || out == nullptr || nbInputs != Derived::kNbInputs || nbOutputs != Derived::kNbOutputs) {
+            return -1;
+        }
+        char const* problem = static_cast<Derived const*>(this)->shapeProblem(in, out);
+        if (problem != nullptr) {
+            logError(Derived::kName, problem);
+            return -1;
+        }
+        return 0;
     }
 
     PluginFieldCollection const* getFieldsToSerialize() noexcept override {
@@ -343,6 +357,7 @@ struct TreeAttentionFields {
 
 class TreeAttentionPlugin final : public PluginBase<TreeAttentionPlugin> {
 public:
+    friend class PluginBase<TreeAttentionPlugin>;  // onShapeChange calls shapeProblem
     static constexpr char const* kName = "TokenSwiftTreeAttention";
     static constexpr int32_t kNbInputs = 4;
     static constexpr int32_t kNbOutputs = 1;
@@ -447,19 +462,6 @@ public:
     }
 
     // IPluginV3OneRuntime
-    int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out,
-                          int32_t nbOutputs) noexcept override {
-        if (in == nullptr || out == nullptr || nbInputs != kNbInputs || nbOutputs != kNbOutputs) {
-            return -1;
-        }
-        char const* problem = shapeProblem(in, out);
-        if (problem != nullptr) {
-            logError(kName, problem);
-            return -1;
-        }
-        return 0;
-    }
-
     int32_t enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, void const* const* inputs,
                     void* const* outputs, void* workspace, cudaStream_t stream) noexcept override {
         if (inputDesc == nullptr || outputDesc == nullptr || inputs == nullptr || outputs == nullptr) {
@@ -552,6 +554,7 @@ struct KvSelectFields {
 
 class KvSelectPlugin final : public PluginBase<KvSelectPlugin> {
 public:
+    friend class PluginBase<KvSelectPlugin>;  // onShapeChange calls shapeProblem
     static constexpr char const* kName = "TokenSwiftKvSelect";
     static constexpr int32_t kNbInputs = 3;
     static constexpr int32_t kNbOutputs = 3;
@@ -654,19 +657,6 @@ public:
     }
 
     // IPluginV3OneRuntime
-    int32_t onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out,
-                          int32_t nbOutputs) noexcept override {
-        if (in == nullptr || out == nullptr || nbInputs != kNbInputs || nbOutputs != kNbOutputs) {
-            return -1;
-        }
-        char const* problem = shapeProblem(in, out);
-        if (problem != nullptr) {
-            logError(kName, problem);
-            return -1;
-        }
-        return 0;
-    }
-
     int32_t enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc, void const* const* inputs,
                     void* const* outputs, void* workspace, cudaStream_t stream) noexcept override {
         if (inputDesc == nullptr || outputDesc == nullptr || inputs == nullptr || outputs == nullptr) {

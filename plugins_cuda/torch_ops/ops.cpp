@@ -97,54 +97,19 @@ at::Tensor tree_attention_static(const at::Tensor& query, const at::Tensor& keys
     return output;
 }
 
-at::Tensor kv_importance_select(const at::Tensor& keys, const at::Tensor& query, int64_t keep, int64_t sinks) {
+// Selection, plus the K/V gather when out_keys/out_values are given (both or neither).
+at::Tensor run_kv_select(const at::Tensor& keys, const at::Tensor* values, const at::Tensor& query, int64_t keep,
+                         int64_t sinks, at::Tensor* out_keys, at::Tensor* out_values) {
     check_cache(keys, "keys");
     TORCH_CHECK(query.is_cuda() && query.dim() == 2 && query.is_contiguous() &&
                     query.scalar_type() == keys.scalar_type(),
                 "query must be a contiguous CUDA tensor [heads, head_dim] of the keys' dtype");
-    const int64_t length = keys.size(1);
-    if (keep >= length) {
-        return at::arange(length, keys.options().dtype(at::kLong)).repeat({keys.size(0), 1});
-    }
-    const c10::cuda::CUDAGuard guard(keys.device());
-    at::Tensor indices = at::empty({keys.size(0), keep}, keys.options().dtype(at::kInt));
-    tokenswift::KvSelectParams params;
-    params.dtype = element_type(keys);
-    params.keys = keys.data_ptr();
-    params.query = query.data_ptr();
-    params.kv_head_stride = keys.stride(0);
-    params.num_heads = static_cast<int32_t>(query.size(0));
-    params.num_kv_heads = static_cast<int32_t>(keys.size(0));
-    params.head_dim = static_cast<int32_t>(keys.size(2));
-    params.length = static_cast<int32_t>(length);
-    params.keep = static_cast<int32_t>(keep);
-    params.sinks = static_cast<int32_t>(sinks);
-    params.indices = indices.data_ptr<int32_t>();
-    const size_t bytes = tokenswift::kv_select_workspace_size(params);
-    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, keys.options().dtype(at::kByte));
-    const cudaError_t status =
-        tokenswift::kv_importance_select(params, workspace.data_ptr(), bytes, c10::cuda::getCurrentCUDAStream().stream());
-    TORCH_CHECK(status == cudaSuccess, "tokenswift kv_importance_select failed: ", cudaGetErrorString(status));
-    return indices.to(at::kLong);
-}
-
-// Fused select + gather into preallocated partial-cache views (what the TensorRT plugin does).
-at::Tensor kv_importance_select_gather(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& query,
-                                       int64_t keep, int64_t sinks, at::Tensor& out_keys, at::Tensor& out_values) {
-    check_cache(keys, "keys");
-    check_cache(values, "values");
-    check_cache(out_keys, "out_keys");
-    check_cache(out_values, "out_values");
     TORCH_CHECK(keep <= keys.size(1), "keep must not exceed the cached length");
-    TORCH_CHECK(out_keys.size(1) >= keep && out_keys.strides() == out_values.strides(),
-                "out_keys/out_values must hold keep rows per head and share strides");
-    TORCH_CHECK(keys.strides() == values.strides(), "keys and values must share strides");
     const c10::cuda::CUDAGuard guard(keys.device());
     at::Tensor indices = at::empty({keys.size(0), keep}, keys.options().dtype(at::kInt));
     tokenswift::KvSelectParams params;
     params.dtype = element_type(keys);
     params.keys = keys.data_ptr();
-    params.values = values.data_ptr();
     params.query = query.data_ptr();
     params.kv_head_stride = keys.stride(0);
     params.num_heads = static_cast<int32_t>(query.size(0));
@@ -154,15 +119,37 @@ at::Tensor kv_importance_select_gather(const at::Tensor& keys, const at::Tensor&
     params.keep = static_cast<int32_t>(keep);
     params.sinks = static_cast<int32_t>(sinks);
     params.indices = indices.data_ptr<int32_t>();
-    params.out_keys = out_keys.data_ptr();
-    params.out_values = out_values.data_ptr();
-    params.out_head_stride = out_keys.stride(0);
+    if (out_keys != nullptr) {
+        check_cache(*values, "values");
+        check_cache(*out_keys, "out_keys");
+        check_cache(*out_values, "out_values");
+        TORCH_CHECK(keys.strides() == values->strides(), "keys and values must share strides");
+        TORCH_CHECK(out_keys->size(1) >= keep && out_keys->strides() == out_values->strides(),
+                    "out_keys/out_values must hold keep rows per head and share strides");
+        params.values = values->data_ptr();
+        params.out_keys = out_keys->data_ptr();
+        params.out_values = out_values->data_ptr();
+        params.out_head_stride = out_keys->stride(0);
+    }
     const size_t bytes = tokenswift::kv_select_workspace_size(params);
     at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, keys.options().dtype(at::kByte));
     const cudaError_t status =
         tokenswift::kv_importance_select(params, workspace.data_ptr(), bytes, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(status == cudaSuccess, "tokenswift kv_importance_select failed: ", cudaGetErrorString(status));
     return indices.to(at::kLong);
+}
+
+at::Tensor kv_importance_select(const at::Tensor& keys, const at::Tensor& query, int64_t keep, int64_t sinks) {
+    if (keep >= keys.size(1)) {
+        return at::arange(keys.size(1), keys.options().dtype(at::kLong)).repeat({keys.size(0), 1});
+    }
+    return run_kv_select(keys, nullptr, query, keep, sinks, nullptr, nullptr);
+}
+
+// Fused select + gather into preallocated partial-cache views (what the TensorRT plugin does).
+at::Tensor kv_importance_select_gather(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& query,
+                                       int64_t keep, int64_t sinks, at::Tensor& out_keys, at::Tensor& out_values) {
+    return run_kv_select(keys, &values, query, keep, sinks, &out_keys, &out_values);
 }
 
 }  // namespace
