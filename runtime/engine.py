@@ -151,10 +151,11 @@ def choose_attention_kernel(model: LlamaModel, config: ModelConfig, dtype: torch
         reason = f"the kernel covers float16/bfloat16 and head_dim {kernels.SUPPORTED_HEAD_DIMS}"
     else:
         status = kernels.load_cuda_kernels()
-        if status.loaded:
+        problem = kernels.shared_memory_problem(status, config.head_dim, device) if status.loaded else status.reason
+        if problem is None:
             model.use_attention_kernel("tree_attention")
             return
-        reason = status.reason
+        reason = problem
     warnings.warn(f"tree-attention kernel not used ({reason}); attention runs through SDPA", KernelFallbackWarning,
                   stacklevel=3)
 

@@ -162,6 +162,10 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
     """
     if not torch.cuda.is_available():
         return KernelStatus(False, "no CUDA device visible to torch (CPU build of torch or no GPU)")
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 0):
+        return KernelStatus(False, f"the kernels need compute capability 8.0+ (bf16 tensor cores), this GPU has "
+                                   f"{capability[0]}.{capability[1]}")
     try:
         from torch.utils import cpp_extension
 
@@ -187,3 +191,12 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
 def kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the CUDA kernels cover this element type and head size (else use SDPA)."""
     return dtype in (torch.float16, torch.bfloat16) and head_dim in SUPPORTED_HEAD_DIMS
+
+
+def shared_memory_problem(status: KernelStatus, head_dim: int, device: torch.device) -> str | None:
+    """Why the loaded kernel cannot run `head_dim` on `device` (too little shared memory per block), or None."""
+    needed = status.module.tree_attention_shared_bytes(head_dim)  # type: ignore[union-attr]
+    allowed = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    if needed > allowed:
+        return f"head_dim {head_dim} needs {needed} bytes of shared memory per block, this GPU allows {allowed}"
+    return None

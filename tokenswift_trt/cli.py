@@ -341,8 +341,9 @@ def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype
             raise CliError("bench-kernels --device cuda needs a CUDA GPU and a CUDA build of torch "
                            "(use --device cpu for a smoke run of the reference)")
         status = kernels.load_cuda_kernels()
-        if not status.loaded:
-            raise CliError(status.reason)
+        problem = kernels.shared_memory_problem(status, int(head_dim), torch.device(device)) if status.loaded else status.reason
+        if problem is not None:
+            raise CliError(problem)
     target = torch.device(device)
     bar = tqdm(total=len(sizes) * len(lengths), desc="kernels", unit="case", file=sys.stderr, leave=False)
     try:

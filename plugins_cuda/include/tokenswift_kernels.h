@@ -43,6 +43,10 @@ inline int32_t tree_mask_words(int32_t num_tree) { return (num_tree + 31) / 32; 
 // It never decreases as key_length grows, so a workspace sized for the longest context suffices.
 int32_t tree_attention_splits(const TreeAttentionParams& params, int32_t num_sms);
 
+// Dynamic shared memory one block needs for `head_dim` (0 when unsupported); the device must
+// allow this much per block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+size_t tree_attention_shared_bytes(int32_t head_dim);
+
 // Bytes of scratch (fp32 partial outputs and softmax statistics) for `splits` splits.
 size_t tree_attention_workspace_size(const TreeAttentionParams& params, int32_t splits);
 

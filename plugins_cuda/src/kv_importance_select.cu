@@ -44,9 +44,9 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const T* keys, con
     }
 }
 
-// Monotone map float -> uint32 (larger float, larger image).
+// Monotone map float -> uint32 (larger float, larger image); -0 and +0 map alike (they tie).
 __device__ __forceinline__ uint32_t order_bits(float value) {
-    const uint32_t bits = __float_as_uint(value);
+    const uint32_t bits = __float_as_uint(value + 0.0f);
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

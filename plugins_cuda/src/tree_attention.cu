@@ -33,20 +33,21 @@ constexpr int kMinKeysPerSplit = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared-memory row strides (elements), padded against bank conflicts; every WMMA tile start stays
-// 32-byte aligned.
+// 32-byte aligned. head_dim 128 takes 104,192 bytes: A100/H100 (163/227 KB per block) run it;
+// GPUs with 99 KB per block run head_dim 64 only (runtime/kernels.py checks before use).
 template <int D>
 struct Layout {
     static constexpr int kQ = D + 8;        // Q, K, V tiles (16-bit)
     static constexpr int kS = kKeys + 4;    // scores (fp32)
-    static constexpr int kP = kKeys + 8;    // probabilities (16-bit)
+    static constexpr int kP = kKeys + 8;    // probabilities (16-bit), written over the warp's scores
     static constexpr int kO = D + 4;        // output accumulator (fp32)
     static constexpr size_t q_bytes = size_t(kRows) * kQ * 2;
     static constexpr size_t kv_bytes = size_t(kKeys) * kQ * 2;
     static constexpr size_t s_bytes = size_t(kRows) * kS * 4;
-    static constexpr size_t p_bytes = size_t(kRows) * kP * 2;
     static constexpr size_t o_bytes = size_t(kRows) * kO * 4;
     static constexpr size_t stats_bytes = size_t(kRows) * 3 * 4;
-    static constexpr size_t total = q_bytes + 2 * kv_bytes + s_bytes + p_bytes + o_bytes + stats_bytes;
+    static constexpr size_t total = q_bytes + 2 * kv_bytes + s_bytes + o_bytes + stats_bytes;
+    static_assert(16 * kP * 2 <= 16 * kS * 4, "a warp's probabilities fit in its score rows");
 };
 
 struct SplitArgs {
@@ -76,9 +77,8 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
     T* k_s = reinterpret_cast<T*>(smem + L::q_bytes);
     T* v_s = reinterpret_cast<T*>(smem + L::q_bytes + L::kv_bytes);
     float* s_s = reinterpret_cast<float*>(smem + L::q_bytes + 2 * L::kv_bytes);
-    T* p_s = reinterpret_cast<T*>(smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes);
-    float* o_s = reinterpret_cast<float*>(smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes + L::p_bytes);
-    float* max_s = reinterpret_cast<float*>(smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes + L::p_bytes + L::o_bytes);
+    float* o_s = reinterpret_cast<float*>(smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes);
+    float* max_s = reinterpret_cast<float*>(smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes + L::o_bytes);
     float* sum_s = max_s + kRows;
     float* correction_s = sum_s + kRows;
 
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
     const bool warp_has_rows = warp * 16 < rows_here;
     const T* q_w = q_s + warp * 16 * L::kQ;
     float* s_w = s_s + warp * 16 * L::kS;
-    T* p_w = p_s + warp * 16 * L::kP;
+    T* p_w = reinterpret_cast<T*>(s_w);  // P overwrites S once every lane has read its scores
     float* o_w = o_s + warp * 16 * L::kO;
 
     // This lane's softmax row (two lanes per row, 32 columns each) and its tree node.
@@ -160,6 +160,7 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
                 logits[c] = visible ? s_w[softmax_row * L::kS + column] * args.scale_log2 : -INFINITY;
                 tile_max = fmaxf(tile_max, logits[c]);
             }
+            __syncwarp();  // all scores are in registers before P is written over them
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
             const float old_max = max_s[block_row];
             const float new_max = fmaxf(old_max, tile_max);
@@ -285,6 +286,10 @@ cudaError_t launch(const TreeAttentionParams& p, float* workspace, int splits, c
 }
 
 }  // namespace
+
+size_t tree_attention_shared_bytes(int32_t head_dim) {
+    return head_dim == 64 ? Layout<64>::total : head_dim == 128 ? Layout<128>::total : 0;
+}
 
 int32_t tree_attention_splits(const TreeAttentionParams& params, int32_t num_sms) {
     const int group_rows = params.num_heads / std::max(1, params.num_kv_heads) * params.num_tree;

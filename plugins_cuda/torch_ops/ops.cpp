@@ -22,6 +22,14 @@ void check_cache(const at::Tensor& cache, const char* name) {
                 " rows must be contiguous ([kv_heads, length, head_dim] with unit stride inside a head)");
 }
 
+// Same device, dtype and head_dim as `reference`; equal shapes when `same_shape`.
+void check_like(const at::Tensor& tensor, const at::Tensor& reference, const char* name, bool same_shape) {
+    TORCH_CHECK(tensor.device() == reference.device(), name, " must be on ", reference.device());
+    TORCH_CHECK(tensor.scalar_type() == reference.scalar_type(), name, " must be ", reference.scalar_type());
+    TORCH_CHECK(tensor.size(-1) == reference.size(-1), name, " must have head_dim ", reference.size(-1));
+    TORCH_CHECK(!same_shape || tensor.sizes() == reference.sizes(), name, " must be shaped like ", reference.sizes());
+}
+
 int multiprocessors() {
     int device = 0;
     int count = 0;
@@ -37,14 +45,16 @@ void run_tree_attention(const at::Tensor& query, const at::Tensor& keys, const a
     check_cache(values, "values");
     TORCH_CHECK(query.is_cuda() && query.dim() == 3 && query.is_contiguous(),
                 "query must be a contiguous CUDA tensor [heads, T, head_dim]");
-    TORCH_CHECK(keys.strides() == values.strides() && keys.sizes() == values.sizes(), "keys and values must match");
-    TORCH_CHECK(query.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
-                "query, keys and values must share a dtype");
+    TORCH_CHECK(keys.strides() == values.strides(), "keys and values must share strides");
+    check_like(keys, query, "keys", false);
+    check_like(values, keys, "values", true);
+    TORCH_CHECK(query.size(0) % keys.size(0) == 0, "query heads must be a multiple of KV heads");
+    TORCH_CHECK(keys.size(1) >= query.size(1), "keys must include the tree's own T positions");
     TORCH_CHECK(output.sizes() == query.sizes() && output.is_contiguous() &&
                     output.scalar_type() == query.scalar_type(),
                 "output must be contiguous and shaped like query");
     const int64_t num_tree = query.size(1);
-    TORCH_CHECK(tree_mask.is_cuda() && tree_mask.scalar_type() == at::kInt && tree_mask.is_contiguous() &&
+    TORCH_CHECK(tree_mask.device() == query.device() && tree_mask.scalar_type() == at::kInt && tree_mask.is_contiguous() &&
                     tree_mask.dim() == 2 && tree_mask.size(0) == num_tree &&
                     tree_mask.size(1) == tokenswift::tree_mask_words(static_cast<int32_t>(num_tree)),
                 "tree_mask must be a contiguous int32 CUDA tensor [T, ceil(T / 32)]");
@@ -71,7 +81,8 @@ void run_tree_attention(const at::Tensor& query, const at::Tensor& keys, const a
     const cudaError_t status = tokenswift::tree_attention(params, workspace.data_ptr(), bytes, sms,
                                                           c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(status == cudaSuccess, "tokenswift tree_attention failed: ", cudaGetErrorString(status),
-                " (head_dim must be 64 or 128, T at most 256, heads a multiple of kv_heads)");
+                " (head_dim must be 64 or 128, T at most 256, heads a multiple of kv_heads, and the GPU must allow ",
+                tokenswift::tree_attention_shared_bytes(params.head_dim), " bytes of shared memory per block)");
 }
 
 void tree_attention_into(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
@@ -104,7 +115,9 @@ at::Tensor run_kv_select(const at::Tensor& keys, const at::Tensor* values, const
     TORCH_CHECK(query.is_cuda() && query.dim() == 2 && query.is_contiguous() &&
                     query.scalar_type() == keys.scalar_type(),
                 "query must be a contiguous CUDA tensor [heads, head_dim] of the keys' dtype");
-    TORCH_CHECK(keep <= keys.size(1), "keep must not exceed the cached length");
+    check_like(query, keys, "query", false);
+    TORCH_CHECK(query.size(0) % keys.size(0) == 0, "query heads must be a multiple of KV heads");
+    TORCH_CHECK(keep >= 1 && keep <= keys.size(1), "keep must be in [1, cached length]");
     const c10::cuda::CUDAGuard guard(keys.device());
     at::Tensor indices = at::empty({keys.size(0), keep}, keys.options().dtype(at::kInt));
     tokenswift::KvSelectParams params;
@@ -124,8 +137,14 @@ at::Tensor run_kv_select(const at::Tensor& keys, const at::Tensor* values, const
         check_cache(*out_keys, "out_keys");
         check_cache(*out_values, "out_values");
         TORCH_CHECK(keys.strides() == values->strides(), "keys and values must share strides");
-        TORCH_CHECK(out_keys->size(1) >= keep && out_keys->strides() == out_values->strides(),
-                    "out_keys/out_values must hold keep rows per head and share strides");
+        check_like(*values, keys, "values", true);
+        check_like(*out_keys, keys, "out_keys", false);
+        check_like(*out_values, *out_keys, "out_values", true);
+        TORCH_CHECK(out_keys->size(0) == keys.size(0) && out_keys->size(1) >= keep &&
+                        out_keys->strides() == out_values->strides(),
+                    "out_keys/out_values must be [kv_heads, >= keep, head_dim] and share strides");
+        TORCH_CHECK(out_keys->data_ptr() != keys.data_ptr() && out_values->data_ptr() != values->data_ptr(),
+                    "the gather target must not be the source cache");
         params.values = values->data_ptr();
         params.out_keys = out_keys->data_ptr();
         params.out_values = out_values->data_ptr();
@@ -158,6 +177,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("tree_attention", &tree_attention, "tree-verify attention (see runtime/kernels.py)");
     module.def("tree_attention_into", &tree_attention_into, "tree_attention writing into a given output");
     module.def("tree_attention_static", &tree_attention_static, "tree_attention with a device-side prefix length");
+    module.def("tree_attention_shared_bytes", &tokenswift::tree_attention_shared_bytes,
+               "dynamic shared memory per block the tree-attention kernel needs for a head_dim");
     module.def("kv_importance_select", &kv_importance_select, "partial-cache position selection");
     module.def("kv_importance_select_gather", &kv_importance_select_gather, "selection + K/V gather");
 }

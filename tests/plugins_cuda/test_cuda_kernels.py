@@ -54,7 +54,8 @@ def test_tree_attention_matches_reference(cuda_module, dtype, head_dim, heads, k
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("length,keep,sinks", [(5000, 1024, 16), (131072, 4096, 16), (300, 300, 4), (1000, 10, 16)])
+@pytest.mark.parametrize("length,keep,sinks", [(5000, 1024, 16), (131072, 4096, 16), (300, 200, 4), (300, 300, 4),
+                                                (1000, 10, 16), (64, 16, 16)])
 def test_kv_importance_select_matches_reference(cuda_module, dtype, length, keep, sinks):
     generator = torch.Generator().manual_seed(length + keep)
     head_dim, kv_heads, heads = 128, 8, 32
@@ -94,3 +95,17 @@ def test_static_tree_attention_reads_the_prefix_length_on_the_device(cuda_module
                                                  packed, 0.088).float()
     assert (static.float() - reference).norm() / reference.norm() <= 1e-2
     assert (static.float() - sliced.float()).abs().max() <= 2e-2  # split counts differ (capacity vs length)
+
+
+def test_kv_importance_select_ties_and_signed_zeros_match_exactly(cuda_module):
+    """Small-integer keys make the fp32 scores exact: many ties (and -0 vs +0) must resolve by position."""
+    generator = torch.Generator().manual_seed(11)
+    keys = torch.randint(-2, 3, (4, 3000, 64), generator=generator).float()
+    keys[:, ::7] = 0.0
+    keys[:, 3::11] = -0.0
+    query = torch.randint(-1, 2, (8, 64), generator=generator).float()
+    for dtype in (torch.bfloat16, torch.float16):
+        k, q = keys.to("cuda", dtype), query.to("cuda", dtype)
+        for keep, sinks in ((500, 16), (2999, 4), (17, 16)):
+            chosen = kernels.kv_importance_select(k, q, keep, sinks)
+            assert torch.equal(chosen.cpu(), kernels.kv_importance_select_reference(k.cpu(), q.cpu(), keep, sinks))
