@@ -121,14 +121,19 @@ def process_logits(logits: torch.Tensor, window: torch.Tensor, config: SamplingC
 
 
 def inverse_cdf_sample(scores: torch.Tensor, uniform: float) -> int:
-    """Token whose CDF interval (token id order, float64) contains `uniform` * total mass."""
+    """Token whose CDF interval (token id order, float64) contains `uniform` * total mass.
+
+    Computed on the scores' device with a single read of the result (one host sync on a GPU).
+    """
     probs = torch.softmax(scores.to(torch.float64), dim=-1)
     cdf = probs.cumsum(dim=-1)
-    target = torch.tensor([uniform * float(cdf[-1])], dtype=torch.float64, device=cdf.device)
-    index = int(torch.searchsorted(cdf, target, right=True))
-    if index >= probs.numel() or probs[index] == 0:  # u at the very top: last token with mass
-        index = int(torch.nonzero(probs > 0)[-1])
-    return index
+    target = cdf[-1:] * uniform  # [1]
+    found = torch.searchsorted(cdf, target, right=True)  # [1]
+    index = found.clamp(max=probs.numel() - 1)
+    has_mass = probs > 0
+    last_with_mass = probs.numel() - 1 - has_mass.flip(0).to(torch.int8).argmax()  # u at the very top
+    beyond = (found >= probs.numel()) | ~has_mass[index]
+    return int(torch.where(beyond, last_with_mass, index))
 
 
 def choose_token(scores: torch.Tensor, config: SamplingConfig, uniform: float) -> int:

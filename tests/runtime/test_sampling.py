@@ -112,6 +112,9 @@ def test_inverse_cdf_picks_the_interval_containing_u():
     assert inverse_cdf_sample(scores, 0.69) == 2
     assert inverse_cdf_sample(scores, 0.71) == 3
     assert inverse_cdf_sample(scores, 0.999999999) == 3
+    trailing_zero = torch.log(torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64))
+    assert inverse_cdf_sample(trailing_zero, 1.0) == 1  # past the top: the last token with mass
+    assert inverse_cdf_sample(trailing_zero, 0.5) == 1 and inverse_cdf_sample(trailing_zero, 0.49) == 0
 
 
 @pytest.mark.parametrize(
