@@ -191,6 +191,10 @@ class NodeTargets:
 
     def __init__(self, engine: Engine, state: DecodeState, trie: Trie, hidden: torch.Tensor) -> None:
         self.engine, self.state, self.trie, self.hidden = engine, state, trie, hidden  # hidden [N, hidden]
+        # On a GPU one LM-head pass over all nodes costs about what one row does (the head's
+        # weights are read once), so logits are computed for every node at the first visit.
+        self.batched = engine.device.type == "cuda"
+        self.all_logits: torch.Tensor | None = None  # [N, V] when batched
 
     def path(self, node: int) -> list[int]:
         tokens = []
@@ -200,7 +204,12 @@ class NodeTargets:
         return tokens[::-1]
 
     def scores(self, node: int) -> torch.Tensor:
-        logits = self.engine.model.logits(self.hidden[node])  # [V]
+        if self.batched:
+            if self.all_logits is None:
+                self.all_logits = self.engine.model.logits(self.hidden)
+            logits = self.all_logits[node]  # [V]
+        else:
+            logits = self.engine.model.logits(self.hidden[node])  # [V]
         return process_logits(logits, self.state.window(self.path(node)), self.state.sampling)
 
     def sample(self, node: int) -> int:
