@@ -483,14 +483,16 @@ def _int_list(text: str, name: str) -> tuple[int, ...]:
 @click.option("--tree-sizes", default="1,41,121", show_default=True, help="--random-weights: tokens T per verify pass")
 @click.option("--accept-length", type=float, default=4.36, show_default=True, help="--random-weights: τ, tokens per iteration (4α+1; paper α 0.84)")
 @click.option("--verify-accept-length", type=float, default=None, help="--random-weights: τ when drafting from the verify pass [--accept-length]")
+@click.option("--acceptance-from", type=click.Path(path_type=Path), default=None,
+              help="--random-weights: trained model dir whose measured τ replaces --accept-length (2,048 sampled tokens)")
 @click.option("--verify-tree-size", type=int, default=None, help="--random-weights: T of the modeled verify pass [largest --tree-sizes]")
 @click.option("--host-overhead-ms", type=float, default=None,
               help="--random-weights: host time per iteration (default: measured by a short generation, tree 1,3,3,3, k=20)")
 @click.option("--step-repeats", type=int, default=20, show_default=True, help="--random-weights: timed runs per step (median)")
 @sampling_options
 def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, out, model, random_weights,
-          contexts, tree_sizes, accept_length, verify_accept_length, verify_tree_size, host_overhead_ms, step_repeats,
-          **opts) -> None:
+          contexts, tree_sizes, accept_length, verify_accept_length, acceptance_from, verify_tree_size, host_overhead_ms,
+          step_repeats, **opts) -> None:
     """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG.
 
     With --model PRESET_OR_DIR --random-weights: the cost of one AR, draft and verify step per
@@ -504,7 +506,7 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
     if random_weights or model is not None:
         _bench_steps(model, random_weights, model_dir or engine_dir or prompt_file, gen_len, prefix_len, out,
                      contexts, tree_sizes, accept_length, verify_accept_length, verify_tree_size, host_overhead_ms,
-                     step_repeats, opts)
+                     step_repeats, opts, acceptance_from)
         return
     if prompt_file is None:
         raise CliError("bench needs --prompt-file FILE (or --model PRESET_OR_DIR --random-weights for step costs)")
@@ -568,7 +570,8 @@ def _measure_host_ms(engine, kv_budget: int) -> float:
 
 
 def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, out, contexts, tree_sizes, accept_length,
-                 verify_accept_length, verify_tree_size, host_overhead_ms, step_repeats, opts) -> None:
+                 verify_accept_length, verify_tree_size, host_overhead_ms, step_repeats, opts,
+                 acceptance_from: Path | None = None) -> None:
     """`bench --model PRESET_OR_DIR --random-weights`: step costs and the speedup they imply (bench/steps.py)."""
     import torch
     from click.core import ParameterSource
@@ -600,6 +603,17 @@ def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, o
     if tree_size not in sizes:
         raise CliError(f"--verify-tree-size {tree_size} is not among --tree-sizes {tree_sizes}")
     verify_tau = accept_length if verify_accept_length is None else verify_accept_length
+    if acceptance_from is not None:
+        from tokenswift_trt.bench.steps import measure_accept_lengths
+
+        if not acceptance_from.is_dir():
+            raise CliError(f"--acceptance-from: model directory {acceptance_from} does not exist")
+        try:
+            accept_length, verify_tau = measure_accept_lengths(acceptance_from)
+        except ValueError as error:
+            raise _fail(error) from None
+        click.echo(f"measured on {acceptance_from}: τ {accept_length:.3f} (partial-cache drafting, tree 1,3,3,3), "
+                   f"{verify_tau:.3f} (verify-pass drafting, tree 3,3,3)", err=True)
     if min(accept_length, verify_tau) < 1 or step_repeats < 1 or (host_overhead_ms or 0) < 0:
         raise CliError("--accept-length and --verify-accept-length must be >= 1, --step-repeats >= 1, --host-overhead-ms >= 0")
     kv_budget = opts["kv_budget"] or SAMPLING_DEFAULTS["kv_budget"]
@@ -642,7 +656,8 @@ def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, o
             "device": device_description(engine.device), "dtype": dtype_name, "torch": torch.__version__,
             "attention_kernel": engine.model.attention_kernel, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
             "kv_budget": kv_budget, "step_repeats": step_repeats, "prompt_length": prompt_lens[0],
-            "accept_length": accept_length, "verify_accept_length": verify_tau, "verify_tree_size": tree_size,
+            "accept_length": round(accept_length, 4), "verify_accept_length": round(verify_tau, 4),
+            "acceptance_from": str(acceptance_from) if acceptance_from else None, "verify_tree_size": tree_size,
             "host_overhead_ms": round(host_overhead_ms, 4), "host_overhead_measured": host_measured}
     written = write_step_report(costs, speedups, out, meta)
     click.echo(f"{model} ({dtype_name}, random weights) on {meta['device']}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
@@ -652,7 +667,7 @@ def _bench_steps(model, random_weights, generation_input, gen_len, prefix_len, o
     for context in sorted(context_list):
         cells = [by_key[context, step] for step in steps]
         click.echo(f"{context} | " + " | ".join(f"{c.seconds * 1e3:.3f} ({c.bandwidth_seconds * 1e3:.3f})" for c in cells))
-    click.echo(f"modeled: prompt {prompt_lens[0]}, T {tree_size}, τ partial {accept_length:g} / verify {verify_tau:g}, "
+    click.echo(f"modeled: prompt {prompt_lens[0]}, T {tree_size}, τ partial {accept_length:.3f} / verify {verify_tau:.3f}, "
                f"host {host_overhead_ms:.3f} ms")
     if prompt_lens[0] + max(gen_lens) > 1.25 * max(context_list):
         click.echo(f"note: the model extrapolates step costs measured up to context {max(context_list)} to "

@@ -180,3 +180,8 @@ def test_cli_step_mode_errors_are_one_line(model_dir):
     bad_tree = runner.invoke(main, ["bench", "--model", str(model_dir), "--random-weights", "--tree-sizes", "1,4",
                                     "--verify-tree-size", "9"])
     assert bad_tree.exit_code == 2 and "--verify-tree-size 9" in bad_tree.stderr
+
+
+def test_accept_lengths_are_measured_by_generation(model_dir):
+    partial, verify = steps.measure_accept_lengths(model_dir, gen_tokens=40)
+    assert partial >= 1 and verify >= 1  # tokens committed per iteration, accepted + 1
