@@ -287,11 +287,12 @@ def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[i
 
 
 def _top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) -> list[list[int]]:
-    """logits [depth, V] -> per depth the top `branching[depth]` ids after the sampling transforms;
-    one device-to-host copy for all depths."""
-    window = state.window()
-    tops = [process_logits(logits[depth], window, state.sampling).topk(width).indices
-            for depth, width in enumerate(tree.branching)]
+    """logits [≥ depth, V] -> per depth the top `branching[depth]` ids after the sampling transforms
+    (all depths processed as one batch; drafts never change what is sampled, only how much is
+    accepted); one device-to-host copy for all depths."""
+    depths = len(tree.branching)
+    scores = process_logits(logits[:depths], state.window(), state.sampling)  # [depths, V], one batched pass
+    tops = [scores[depth].topk(width).indices for depth, width in enumerate(tree.branching)]
     flat = torch.cat(tops).tolist()
     bounds = [sum(tree.branching[:depth]) for depth in range(len(tree.branching) + 1)]
     return [flat[bounds[depth] : bounds[depth + 1]] for depth in range(len(tree.branching))]

@@ -56,18 +56,20 @@ class SamplingConfig:
 
 
 def apply_penalty(logits: torch.Tensor, window: torch.Tensor, theta: float) -> torch.Tensor:
-    """logits [V], window [W] token ids -> logits with every token in the window penalised once."""
+    """logits [..., V], window [W] token ids -> logits with every token in the window penalised once
+    (the same window for every row)."""
     if theta == 1 or window.numel() == 0:
         return logits
-    picked = logits.gather(0, window)
+    index = window.expand(*logits.shape[:-1], window.numel())
+    picked = logits.gather(-1, index)
     penalised = torch.where(picked > 0, picked / theta, picked * theta)
-    return logits.scatter(0, window, penalised)
+    return logits.scatter(-1, index, penalised)
 
 
 def top_k_filter(scores: torch.Tensor, k: int) -> torch.Tensor:
-    if k <= 0 or k >= scores.numel():
+    if k <= 0 or k >= scores.shape[-1]:
         return scores
-    kth = scores.topk(k).values[-1]
+    kth = scores.topk(k, dim=-1).values[..., -1:]
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
@@ -75,11 +77,11 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most probable tokens whose mass reaches top_p (at least one)."""
     if top_p >= 1:
         return scores
-    sorted_scores, order = scores.sort(descending=False)
+    sorted_scores, order = scores.sort(dim=-1, descending=False)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= (1 - top_p)
-    remove_sorted[-1] = False
-    remove = remove_sorted.scatter(0, order, remove_sorted)
+    remove_sorted[..., -1] = False
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
     return scores.masked_fill(remove, float("-inf"))
 
 
@@ -88,9 +90,9 @@ def min_p_filter(scores: torch.Tensor, min_p: float, keep: int = MIN_P_KEEP) -> 
     if min_p <= 0:
         return scores
     probs = scores.softmax(dim=-1)
-    remove = probs < min_p * probs.max()
-    protected = probs.topk(min(keep, probs.numel())).indices
-    remove[protected] = False
+    remove = probs < min_p * probs.max(dim=-1, keepdim=True).values
+    protected = probs.topk(min(keep, probs.shape[-1]), dim=-1).indices
+    remove = remove.scatter(-1, protected, False)
     return scores.masked_fill(remove, float("-inf"))
 
 
@@ -98,6 +100,8 @@ def eta_filter(scores: torch.Tensor, eta: float) -> torch.Tensor:
     """η-sampling: drop tokens with p < min(η, sqrt(η)·exp(-entropy)), keeping the most probable."""
     if eta <= 0:
         return scores
+    if scores.dim() > 1:
+        return torch.stack([eta_filter(row, eta) for row in scores])
     log_probs = scores.log_softmax(dim=-1)
     probs = log_probs.exp()
     entropy = float(-(probs * log_probs.nan_to_num(neginf=0.0)).sum())
@@ -108,7 +112,8 @@ def eta_filter(scores: torch.Tensor, eta: float) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, window: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """logits [V], window [≤W] -> processed scores [V] (-inf = excluded). Greedy: penalised logits."""
+    """logits [..., V], window [≤W] -> processed scores [..., V] (-inf = excluded), every row with the
+    same window. Greedy: penalised logits."""
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scores = apply_penalty(scores, window, config.penalty)
     if config.greedy:

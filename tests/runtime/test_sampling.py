@@ -133,3 +133,15 @@ def test_inverse_cdf_picks_the_interval_containing_u():
 def test_out_of_range_values_are_refused(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("config", [
+    SamplingConfig(penalty=1.3, penalty_window=8, top_k=7), SamplingConfig(top_p=0.8, temperature=0.7),
+    SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=8), SamplingConfig(eta=0.02), SamplingConfig(temperature=0),
+])
+def test_rows_processed_as_a_batch_equal_rows_processed_alone(config):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3)) * 3
+    window = torch.tensor([3, 7, 7, 12, 40, 2])
+    batched = process_logits(logits, window, config)
+    for row in range(4):
+        assert torch.equal(batched[row], process_logits(logits[row], window, config))
