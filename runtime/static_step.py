@@ -112,7 +112,8 @@ class StaticForward:
             output = self._forward(bucket)
             self.counters.eager_runs += 1
         assert output is not None and output.queries is not None
-        self.cache.pending = count if isinstance(self.cache, KVCache) else 0
+        if isinstance(self.cache, KVCache):  # the partial cache never commits draft tokens
+            self.cache.pending = count
         # copies: the graph's output buffers are overwritten by the next replay
         return ForwardOutput(hidden=output.hidden[:count].clone(), queries=[q[:count].clone() for q in output.queries])
 
