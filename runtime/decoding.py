@@ -28,9 +28,8 @@ from .admission import AdmissionError, admit, available_bytes, plan_memory
 from .autotune import AR_PLAN, PROBE_TOPK, PROBE_TREE, ProbeRecorder, choose_plan, time_verify
 from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
-from .model import ForwardOutput
+from .model import ForwardOutput, LlamaModel
 from .ngram import NgramTable
-from .model import LlamaModel
 from .sampling import PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, process_logits
 from .static_step import StaticForward, bucket_for
 from .tree import StaticTree, Trie, build_static_tree, build_trie
@@ -293,9 +292,8 @@ def _top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) 
     depths = len(tree.branching)
     scores = process_logits(logits[:depths], state.window(), state.sampling)  # [depths, V], one batched pass
     tops = [scores[depth].topk(width).indices for depth, width in enumerate(tree.branching)]
-    flat = torch.cat(tops).tolist()
-    bounds = [sum(tree.branching[:depth]) for depth in range(len(tree.branching) + 1)]
-    return [flat[bounds[depth] : bounds[depth + 1]] for depth in range(len(tree.branching))]
+    flat = iter(torch.cat(tops).tolist())
+    return [[next(flat) for _ in range(width)] for width in tree.branching]
 
 
 def candidates_from_hidden(engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree) -> list[list[int]]:

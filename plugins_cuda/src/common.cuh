@@ -60,7 +60,9 @@ __device__ __forceinline__ float warp_sum(float value) {
     return value;
 }
 
-inline int element_size(DataType) { return 2; }
+inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+inline bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 }  // namespace detail
 }  // namespace tokenswift

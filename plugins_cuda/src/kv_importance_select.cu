@@ -11,6 +11,8 @@
 namespace tokenswift {
 namespace {
 
+using detail::aligned16;
+using detail::ceil_div;
 using detail::to_float;
 using detail::warp_sum;
 
@@ -156,10 +158,6 @@ __global__ void __launch_bounds__(kGatherThreads) gather_kernel(const T* keys, c
         }
     }
 }
-
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
-bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 cudaError_t check(const KvSelectParams& p) {
     const bool shapes_ok = (p.head_dim == 64 || p.head_dim == 128) && p.num_kv_heads >= 1 &&

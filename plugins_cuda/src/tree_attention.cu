@@ -21,6 +21,8 @@ namespace tokenswift {
 namespace {
 
 using namespace nvcuda;
+using detail::aligned16;
+using detail::ceil_div;
 using detail::from_float;
 using detail::load_rows;
 using detail::to_float;
@@ -237,10 +239,6 @@ __global__ void __launch_bounds__(D) tree_attention_combine_kernel(const float* 
     }
     output[int64_t(row) * D + d] = from_float<T>(denominator > 0.0f ? numerator / denominator : 0.0f);
 }
-
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
-bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 cudaError_t check(const TreeAttentionParams& p) {
     const bool shapes_ok = (p.head_dim == 64 || p.head_dim == 128) && p.num_tree >= 1 && p.num_tree <= 256 &&
