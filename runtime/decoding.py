@@ -30,7 +30,7 @@ from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput, LlamaModel
 from .ngram import NgramTable
-from .sampling import PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, process_logits
+from .sampling import PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, draft_ranking, process_logits
 from .static_step import StaticForward, bucket_for
 from .tree import StaticTree, Trie, build_static_tree, build_trie
 
@@ -213,7 +213,7 @@ class NodeTargets:
 
     def sample(self, node: int) -> int:
         position = self.state.root_position + self.trie.depths[node] + 1
-        return choose_token(self.scores(node), self.state.sampling, self.state.random.uniform(position))
+        return choose_token(self.scores(node), self.state.sampling, self.state.random, position)
 
 
 Acceptor = Callable[[Trie, NodeTargets, int, frozenset], Acceptance]
@@ -268,7 +268,7 @@ def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: in
 def sample_next(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> int:
     """AR step's choice for position len(tokens), from hidden [hidden] of the last committed token."""
     scores = process_logits(engine.model.logits(hidden), state.window(), state.sampling)
-    return choose_token(scores, state.sampling, state.random.uniform(len(state.tokens)))
+    return choose_token(scores, state.sampling, state.random, len(state.tokens))
 
 
 def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[int]]:
@@ -286,14 +286,19 @@ def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[i
 
 
 def _top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) -> list[list[int]]:
-    """logits [≥ depth, V] -> per depth the top `branching[depth]` ids after the sampling transforms
-    (all depths processed as one batch; drafts never change what is sampled, only how much is
-    accepted); one device-to-host copy for all depths."""
+    """logits [≥ depth, V] (row d drafts position root + 1 + d) -> per depth the top
+    `branching[depth]` ids after the sampling transforms, ranked with the noise the target will
+    sample those positions with (`draft_ranking`; all depths one batch, one device-to-host copy).
+    Drafts never change what is sampled, only how much is accepted."""
     depths = len(tree.branching)
-    scores = process_logits(logits[:depths], state.window(), state.sampling)  # [depths, V], one batched pass
-    tops = [scores[depth].topk(width).indices for depth, width in enumerate(tree.branching)]
-    flat = iter(torch.cat(tops).tolist())
-    return [[next(flat) for _ in range(width)] for width in tree.branching]
+    scores = process_logits(logits[:depths], state.window(), state.sampling)  # [depths, V]
+    noises = None
+    if not state.sampling.greedy and state.random.noise_known_in_advance:
+        size, device = scores.shape[-1], scores.device
+        noises = torch.stack([state.random.gumbel(state.root_position + 1 + d, size, device) for d in range(depths)])
+    ranked = draft_ranking(scores, noises, max(tree.branching))  # [depths, width]
+    flat = iter(ranked.tolist())
+    return [next(flat)[:width] for width in tree.branching]
 
 
 def candidates_from_hidden(engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree) -> list[list[int]]:

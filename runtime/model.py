@@ -109,11 +109,23 @@ class Attention(nn.Module):
             assert mask.prefix_length is not None
             out = kernels.tree_attention_static(q.contiguous(), keys, values, mask.mask, mask.prefix_length, scale)
         else:
-            out = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask.mask, enable_gqa=self.num_heads != self.num_kv_heads
-            )[0]  # [heads, T, head_dim]
+            out = grouped_sdpa(q, keys, values, mask.mask)
         out = self.o_proj(out.transpose(0, 1).reshape(count, self.num_heads * self.head_dim))
         return out, q.transpose(0, 1)
+
+
+def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [heads, T, D], keys/values [kv_heads, S, D], mask [T, S] bool -> [heads, T, D].
+
+    The query heads sharing a KV head are folded into its query rows ([kv_heads, group·T, D]), so
+    each K/V head is read once and never copied per query head (GQA without repeat_kv).
+    """
+    heads, count, dim = q.shape
+    group = heads // keys.shape[0]
+    folded = q.reshape(keys.shape[0], group * count, dim)
+    rows_mask = mask.repeat(group, 1) if group > 1 else mask  # row g·T + t is query t of head g in the group
+    out = F.scaled_dot_product_attention(folded[None], keys[None], values[None], attn_mask=rows_mask)[0]
+    return out.view(heads, count, dim)
 
 
 class MLP(nn.Module):

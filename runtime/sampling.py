@@ -4,16 +4,17 @@ Processing of one distribution, in order: contextual penalty over the last W tok
 context (positive logits / θ, negative × θ), then temperature, then the truncations that are set
 (top-k, top-p, min-p, η). Temperature 0 means greedy: argmax of the penalised logits.
 
-Randomness is keyed by absolute position: the uniform number that samples the token at position
-p is a pure function of (seed, p), drawn by inverse CDF over the processed distribution in token
-id order. AR decoding and every trie node at position p use the same number, so with one seed
-both emit the same tokens.
+Randomness is keyed by absolute position: the token at position p is the Gumbel-max sample
+argmax(scores + g_p), where the noise g_p [V] is a pure function of (seed, p) (a counter-based
+hash, identical on every device). AR decoding and every trie node at position p use the same
+noise, so with one seed both emit the same tokens. Drafts may use it too (`draft_ranking`):
+knowing the noise, a draft whose distribution is close to the target's predicts the target's
+token almost surely, whatever its entropy, without changing what is sampled.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -125,60 +126,116 @@ def process_logits(logits: torch.Tensor, window: torch.Tensor, config: SamplingC
     return eta_filter(scores, config.eta)
 
 
-def inverse_cdf_sample(scores: torch.Tensor, uniform: float) -> int:
-    """Token whose CDF interval (token id order, float64) contains `uniform` * total mass.
+def gumbel_max_sample(scores: torch.Tensor, noise: torch.Tensor) -> int:
+    """processed scores [V] + Gumbel noise [V] -> argmax token id (one read of the result).
 
-    Computed on the scores' device with a single read of the result (one host sync on a GPU).
+    With independent standard Gumbel noise this is an exact sample of softmax(scores); tokens
+    excluded by the transforms (-inf) are never chosen.
     """
-    probs = torch.softmax(scores.to(torch.float64), dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    target = cdf[-1:] * uniform  # [1]
-    found = torch.searchsorted(cdf, target, right=True)  # [1]
-    index = found.clamp(max=probs.numel() - 1)
-    has_mass = probs > 0
-    last_with_mass = probs.numel() - 1 - has_mass.flip(0).to(torch.int8).argmax()  # u at the very top
-    beyond = (found >= probs.numel()) | ~has_mass[index]
-    return int(torch.where(beyond, last_with_mass, index))
+    return int(torch.argmax(scores.to(torch.float64) + noise))
 
 
-def choose_token(scores: torch.Tensor, config: SamplingConfig, uniform: float) -> int:
-    """processed scores [V] -> token id (argmax when greedy, else inverse CDF at `uniform`)."""
+def choose_token(scores: torch.Tensor, config: SamplingConfig, random: "RandomSource", position: int) -> int:
+    """processed scores [V] -> the token for `position` (argmax when greedy, else Gumbel-max with
+    that position's noise)."""
     if config.greedy:
         return int(scores.argmax())
-    return inverse_cdf_sample(scores, uniform)
+    return gumbel_max_sample(scores, random.gumbel(position, scores.shape[-1], scores.device))
+
+
+def draft_ranking(scores: torch.Tensor, noises: torch.Tensor | None, width: int) -> torch.Tensor:
+    """Draft scores [D, V] (processed like the target's) -> [D, width] candidate ids, best first.
+
+    With the noise of the positions they draft ([D, V]; None when greedy), rank 0 is the token the
+    target will draw there if its distribution equals the draft's, and the next ranks follow in
+    perturbed order (a draw without replacement from the draft's distribution). The closer the
+    draft is to the target, the likelier its rank-0 token is the target's.
+    """
+    perturbed = scores.to(torch.float64) if noises is None else scores.to(torch.float64) + noises
+    return perturbed.topk(min(width, scores.shape[-1]), dim=-1).indices
+
+
+_SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+_SPLITMIX_C1 = 0xBF58476D1CE4E5B9
+_SPLITMIX_C2 = 0x94D049BB133111EB
 
 
 def _splitmix64(value: int) -> int:
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    value = (value + _SPLITMIX_GAMMA) & _MASK64
+    value = ((value ^ (value >> 30)) * _SPLITMIX_C1) & _MASK64
+    value = ((value ^ (value >> 27)) * _SPLITMIX_C2) & _MASK64
     return value ^ (value >> 31)
 
 
-def position_uniform(seed: int, position: int) -> float:
-    """Uniform in [0, 1) as a pure function of (seed, position)."""
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0**-53
+def _signed(value: int) -> int:
+    """uint64 -> the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """_splitmix64 on int64 tensors (two's-complement wrap-around = arithmetic mod 2**64)."""
+    x = x + _signed(_SPLITMIX_GAMMA)
+    x = (x ^ _shift_right(x, 30)) * _signed(_SPLITMIX_C1)
+    x = (x ^ _shift_right(x, 27)) * _signed(_SPLITMIX_C2)
+    return x ^ _shift_right(x, 31)
+
+
+def keyed_uniforms(key: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[size] float64 in (0, 1): element i is a pure function of (key, i), the same on every device."""
+    index = torch.arange(size, dtype=torch.int64, device=device)
+    bits = _splitmix64_tensor(index ^ _signed(key & _MASK64))
+    return (_shift_right(bits, 11).to(torch.float64) + 0.5) * 2.0**-53
+
+
+def position_gumbel(seed: int, position: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard Gumbel noise [size] float64 for sampling `position`: a pure function of (seed, position)."""
+    key = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return -torch.log(-torch.log(keyed_uniforms(key, size, device)))
 
 
 class RandomSource(Protocol):
-    def uniform(self, position: int) -> float: ...
+    # True when gumbel(p) is fixed before it is drawn, so drafts may rank with it (draft_ranking)
+    noise_known_in_advance: bool
+
+    def gumbel(self, position: int, size: int, device: torch.device) -> torch.Tensor:
+        """Standard Gumbel noise [size] float64 on `device` for sampling the token at `position`."""
+        ...
 
 
-@dataclass(frozen=True)
 class PositionKeyedRandom:
-    """The default: the same (seed, position) always gives the same number."""
+    """The default: the same (seed, position) always gives the same noise (recent ones memoised)."""
 
-    seed: int
+    MEMO = 64
+    noise_known_in_advance = True
 
-    def uniform(self, position: int) -> float:
-        return position_uniform(self.seed, position)
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._memo: dict[tuple[int, int, str], torch.Tensor] = {}
+
+    def gumbel(self, position: int, size: int, device: torch.device) -> torch.Tensor:
+        key = (position, size, str(device))
+        noise = self._memo.get(key)
+        if noise is None:
+            if len(self._memo) >= self.MEMO:
+                self._memo.clear()
+            noise = self._memo[key] = position_gumbel(self.seed, position, size, device)
+        return noise
 
 
 class IndependentRandom:
-    """A fresh number on every call (for statistical tests of acceptance rules)."""
+    """Fresh noise on every call (for statistical tests of acceptance rules); drafts cannot know it,
+    so they rank by probability."""
+
+    noise_known_in_advance = False
 
     def __init__(self, seed: int) -> None:
-        self._rng = random.Random(seed)
+        self._generator = torch.Generator().manual_seed(seed)
 
-    def uniform(self, position: int) -> float:
-        return self._rng.random()
+    def gumbel(self, position: int, size: int, device: torch.device) -> torch.Tensor:
+        uniform = torch.rand(size, generator=self._generator, dtype=torch.float64).clamp_(min=2.0**-60)
+        return (-torch.log(-torch.log(uniform))).to(device)

@@ -7,7 +7,7 @@ import torch
 from conftest import quiet_load
 
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, generate
-from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.runtime.sampling import IndependentRandom, SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)
 
@@ -64,6 +64,22 @@ def test_seeded_sampling_tokenswift_equals_ar_token_for_token(llama_engine64, sa
         ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
         assert swift == ar
         assert stats.seed == seed
+
+
+def test_drafts_ranked_with_the_targets_noise_are_accepted_whatever_the_entropy(llama_engine64):
+    """The first tree level drafts from the root's own distribution (partial cache = full cache
+    here). Ranked with the noise the target samples that position with, it is the target's token
+    almost surely; ranked by probability (all a draft can do when the noise is drawn independently) it is
+    accepted far less often."""
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    sampling = SamplingConfig(temperature=1.5)
+    base = dict(max_new_tokens=200, sampling=sampling, seed=3, ignore_eos=True, tree="1", ngram_topk=0)
+    swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, kv_budget=1024))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert swift == ar
+    assert stats.acceptance_rate > 0.9
+    _, uncoupled = generate(llama_engine64, prompt, GenerationConfig(**base, kv_budget=1024), random=IndependentRandom(3))
+    assert uncoupled.acceptance_rate < 0.5
 
 
 def test_different_seeds_give_different_samples(llama_engine64):

@@ -1,4 +1,5 @@
-"""Each logits processor against its written formula; position-keyed randomness; inverse CDF."""
+"""Each logits processor against its written formula; position-keyed Gumbel noise; Gumbel-max
+sampling; draft ranking with the target's noise."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ import math
 import pytest
 import torch
 
+from scipy.stats import chisquare
+
 from tokenswift_trt.runtime.sampling import (
     SamplingConfig,
     apply_penalty,
+    PositionKeyedRandom,
     choose_token,
+    draft_ranking,
     eta_filter,
-    inverse_cdf_sample,
+    gumbel_max_sample,
+    keyed_uniforms,
     min_p_filter,
-    position_uniform,
+    position_gumbel,
     process_logits,
     top_k_filter,
     top_p_filter,
@@ -91,30 +97,57 @@ def test_process_logits_order_penalty_then_temperature_then_truncation():
     assert out[1] == pytest.approx(3.9 / 0.5) and out[0] == pytest.approx(2.0 / 0.5)
     assert out[2] == NEG and out[3] == NEG
     greedy = process_logits(logits, torch.tensor([0]), SamplingConfig(temperature=0, penalty=2.0))
-    assert choose_token(greedy, SamplingConfig(temperature=0), 0.5) == 1
+    assert choose_token(greedy, SamplingConfig(temperature=0), PositionKeyedRandom(0), 5) == 1
 
 
-def test_position_uniform_is_a_pure_function_of_seed_and_position():
-    values = [position_uniform(7, p) for p in range(1000)]
-    assert values == [position_uniform(7, p) for p in range(1000)]
-    assert all(0 <= v < 1 for v in values)
-    assert values != [position_uniform(8, p) for p in range(1000)]
-    mean = sum(values) / len(values)
-    assert abs(mean - 0.5) < 0.05  # roughly uniform
-    assert len(set(values)) == len(values)
+def _splitmix64(value: int) -> int:  # the hash written out on Python ints, as a reference
+    mask = (1 << 64) - 1
+    value = (value + 0x9E3779B97F4A7C15) & mask
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & mask
+    return value ^ (value >> 31)
 
 
-def test_inverse_cdf_picks_the_interval_containing_u():
-    scores = torch.log(torch.tensor([0.2, 0.0, 0.5, 0.3], dtype=torch.float64))
-    assert inverse_cdf_sample(scores, 0.0) == 0
-    assert inverse_cdf_sample(scores, 0.19) == 0
-    assert inverse_cdf_sample(scores, 0.21) == 2  # zero-probability token 1 is never chosen
-    assert inverse_cdf_sample(scores, 0.69) == 2
-    assert inverse_cdf_sample(scores, 0.71) == 3
-    assert inverse_cdf_sample(scores, 0.999999999) == 3
-    trailing_zero = torch.log(torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64))
-    assert inverse_cdf_sample(trailing_zero, 1.0) == 1  # past the top: the last token with mass
-    assert inverse_cdf_sample(trailing_zero, 0.5) == 1 and inverse_cdf_sample(trailing_zero, 0.49) == 0
+def test_keyed_uniforms_equal_the_hash_on_integers():
+    key = 0xDEADBEEFCAFEF00D
+    expected = [((_splitmix64(i ^ key) >> 11) + 0.5) * 2.0**-53 for i in range(300)]
+    assert keyed_uniforms(key, 300).tolist() == expected
+    values = keyed_uniforms(key, 100_000)
+    assert 0 < float(values.min()) and float(values.max()) < 1
+
+
+def test_position_gumbel_is_a_pure_function_of_seed_and_position():
+    noise = position_gumbel(7, 12, 50_000)
+    assert torch.equal(noise, position_gumbel(7, 12, 50_000))
+    assert not torch.equal(noise, position_gumbel(8, 12, 50_000))
+    assert not torch.equal(noise, position_gumbel(7, 13, 50_000))
+    assert float(noise.mean()) == pytest.approx(0.5772, abs=0.02)  # Euler's constant
+    assert float(noise.std()) == pytest.approx(math.pi / math.sqrt(6), abs=0.02)
+    memo = PositionKeyedRandom(7)
+    assert torch.equal(memo.gumbel(12, 50_000, torch.device("cpu")), noise)
+
+
+def test_gumbel_max_with_position_noise_samples_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05], dtype=torch.float64)
+    scores = probs.log()
+    counts = torch.zeros(5)
+    for position in range(4000):
+        counts[gumbel_max_sample(scores, position_gumbel(3, position, 5))] += 1
+    assert counts[1] == 0  # excluded tokens are never drawn
+    kept = probs > 0
+    assert chisquare(counts[kept].tolist(), (probs[kept] * 4000).tolist()).pvalue > 1e-3
+
+
+def test_draft_ranking_puts_the_targets_draw_first_when_the_draft_is_exact():
+    target = _random_logits(1, 200)[None].repeat(6, 1)  # [6, V]
+    noises = torch.stack([position_gumbel(5, p, 200) for p in range(6)])
+    ranked = draft_ranking(target, noises, 3)
+    assert ranked.shape == (6, 3)
+    for row in range(6):
+        assert int(ranked[row, 0]) == gumbel_max_sample(target[row], noises[row])
+        assert len(set(ranked[row].tolist())) == 3
+    # greedy: plain top-k of the draft's scores
+    assert draft_ranking(target, None, 3)[0].tolist() == target[0].topk(3).indices.tolist()
 
 
 @pytest.mark.parametrize(
