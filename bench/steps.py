@@ -298,8 +298,8 @@ def measure_step_costs(
 
 def measure_accept_lengths(model_dir: str | Path, gen_tokens: int = 2048, seed: int = 1) -> tuple[float, float]:
     """τ (tokens per iteration) of a trained model, drafting from the partial cache (tree 1,3,3,3)
-    and from the verify pass (tree 3,3,3), k = 20, min-p 0.1, θ 1.2 (W 256, B 1024 for small
-    models): an acceptance profile measured by generation instead of assumed."""
+    and from the verify pass (tree 3,3,3), k = 20, min-p 0.1, θ 1.2 (W 256 for small models, the
+    paper's B 4096): an acceptance profile measured by generation instead of assumed."""
     import warnings
 
     from tokenswift_trt.runtime.decoding import GenerationConfig, generate
@@ -320,7 +320,7 @@ def measure_accept_lengths(model_dir: str | Path, gen_tokens: int = 2048, seed: 
     lengths = []
     for tree, source in (("1,3,3,3", "partial"), ("3,3,3", "verify")):
         config = GenerationConfig(max_new_tokens=gen_tokens, sampling=sampling, tree=tree, ngram_topk=20,
-                                  kv_budget=1024, draft_source=source, seed=seed, ignore_eos=True)
+                                  kv_budget=4096, draft_source=source, seed=seed, ignore_eos=True)
         lengths.append(generate(engine, prompt, config)[1].mean_accept_length)
     return lengths[0], lengths[1]
 

@@ -21,7 +21,8 @@ from typing import Any
 from .decoding import GenerationConfig
 from .sampling import SamplingConfig
 
-FORMAT = "tokenswift-journal/1"
+FORMAT = "tokenswift-journal/2"  # 2: Gumbel-max sampling with position-keyed noise
+EARLIER_SAMPLER_FORMATS = ("tokenswift-journal/1",)  # inverse-CDF sampling: readable, resumable
 
 
 class JournalError(ValueError):
@@ -34,6 +35,12 @@ class JournalState:
     tokens: list[int] = field(default_factory=list)  # generated so far
     finished: bool = False
     dropped_records: int = 0  # torn/corrupt records ignored at the end
+
+    @property
+    def earlier_sampler(self) -> bool:
+        """Written by a version that sampled differently: a resumed run continues correctly sampled
+        text, but not the tokens the original run would have written."""
+        return self.header.get("format") in EARLIER_SAMPLER_FORMATS
 
     def config(self) -> GenerationConfig:
         """The generation settings recorded in the header."""
@@ -114,7 +121,7 @@ def read_journal(path: Path) -> JournalState:
         raise JournalError(f"journal {path} does not exist")
     lines = path.read_bytes().splitlines(keepends=True)
     header = _parse(lines[0]) if lines else None
-    if header is None or header.get("format") != FORMAT:
+    if header is None or header.get("format") not in (FORMAT, *EARLIER_SAMPLER_FORMATS):
         raise JournalError(f"{path} is not a tokenswift journal (or its header is damaged)")
     state = JournalState(header=header)
     for index, line in enumerate(lines[1:], start=1):

@@ -206,6 +206,9 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
         engine, codec, _ = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
         if state.dropped_records and not as_json:
             click.echo(f"note: ignored {state.dropped_records} torn record(s) at the end of {resume}", err=True)
+        if state.earlier_sampler and not as_json:
+            click.echo(f"note: {resume} was written by an earlier version with another sampler; the continuation "
+                       "is sampled correctly but differs from what the original run would have written", err=True)
         finished = state.complete(engine.config.eos_token_ids)
         truncate_to_valid(resume)
         writer = JournalWriter(resume, every=journal_every)
@@ -544,7 +547,7 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
             "sampling": vars(config.sampling),
             "kv_budget": config.kv_budget, "device": opts["device"], "dtype": str(engine.dtype)}
     written = write_results(rows, out, meta)
-    columns = ["prefix_len", "gen_len", "ar_tokens_per_s", "tokenswift_tokens_per_s", "speedup", "alpha", "beta",
+    columns = ["prefix_len", "gen_len", "ar_tokens_per_s", "tokenswift_tokens_per_s", "speedup", "alpha", "beta", "tokens_per_iteration",
                "distinct4_penalty", "distinct4_no_penalty", "tokens_equal_ar"]
     if "auto_vs_default_tree" in rows[0]:
         columns.insert(5, "auto_vs_default_tree")

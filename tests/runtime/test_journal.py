@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,12 @@ def test_records_round_trip_and_a_torn_tail_is_ignored(tmp_path):
     truncate_to_valid(path)
     JournalWriter(path).close(finished=True)
     assert read_journal(path).finished and read_journal(path).dropped_records == 0
+    assert not state.earlier_sampler
+    older = tmp_path / "older.journal"
+    first, rest = data.split(b"\n", 1)
+    payload = first.rsplit(b"\t", 1)[0].replace(b"tokenswift-journal/2", b"tokenswift-journal/1")
+    older.write_bytes(payload + b"\t" + f"{zlib.crc32(payload):08x}".encode() + b"\n" + rest)
+    assert read_journal(older).earlier_sampler and read_journal(older).tokens[:4] == [10, 11, 12, 13]
     (tmp_path / "bad.journal").write_text("hello\n")
     with pytest.raises(JournalError, match="not a tokenswift journal"):
         read_journal(tmp_path / "bad.journal")
