@@ -22,6 +22,7 @@ from .rope import RotaryEmbedding, apply_rotary
 # device) or "tree_attention" (torch.ops.tokenswift.tree_attention with a packed tree mask; the
 # CUDA kernel where loaded, the PyTorch reference elsewhere). Both compute the same function.
 ATTENTION_KERNELS = ("sdpa", "tree_attention")
+GQA_FOLD_MAX_TOKENS = 8  # see grouped_sdpa
 
 
 class AttentionCache(Protocol):
@@ -117,11 +118,16 @@ class Attention(nn.Module):
 def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [heads, T, D], keys/values [kv_heads, S, D], mask [T, S] bool -> [heads, T, D].
 
-    The query heads sharing a KV head are folded into its query rows ([kv_heads, group·T, D]), so
-    each K/V head is read once and never copied per query head (GQA without repeat_kv).
+    Up to GQA_FOLD_MAX_TOKENS new tokens, the query heads sharing a KV head are folded into its
+    query rows ([kv_heads, group·T, D]), so each K/V head is read once and never copied per query
+    head; longer blocks (prefill, big trees) take SDPA's own GQA, which avoids the folded mask's
+    group·T rows (measured on the CPU at 16K context: folding is 1.4–1.6x faster at T <= 5,
+    1.1–1.3x slower at T >= 16).
     """
     heads, count, dim = q.shape
     group = heads // keys.shape[0]
+    if group > 1 and count > GQA_FOLD_MAX_TOKENS:
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
     folded = q.reshape(keys.shape[0], group * count, dim)
     rows_mask = mask.repeat(group, 1) if group > 1 else mask  # row g·T + t is query t of head g in the group
     out = F.scaled_dot_product_attention(folded[None], keys[None], values[None], attn_mask=rows_mask)[0]

@@ -115,3 +115,22 @@ def test_unsupported_architecture_and_missing_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
         quiet_load(tmp_path)
+
+
+@pytest.mark.parametrize("count", [1, 5, 8, 9, 40])  # folded GQA up to 8 new tokens, SDPA's own beyond
+def test_grouped_sdpa_equals_attention_with_repeated_kv_heads(count):
+    from tokenswift_trt.runtime.model import GQA_FOLD_MAX_TOKENS, grouped_sdpa
+
+    assert GQA_FOLD_MAX_TOKENS == 8
+    generator = torch.Generator().manual_seed(count)
+    heads, kv_heads, prefix, dim = 8, 2, 70, 16
+    q = torch.randn(heads, count, dim, generator=generator)
+    keys = torch.randn(kv_heads, prefix + count, dim, generator=generator)
+    values = torch.randn(kv_heads, prefix + count, dim, generator=generator)
+    tree = torch.rand(count, count, generator=generator) < 0.5
+    mask = torch.cat((torch.ones(count, prefix, dtype=torch.bool), tree | torch.eye(count, dtype=torch.bool)), dim=1)
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), attn_mask=mask
+    )  # head h reads KV head h // group
+    assert torch.allclose(grouped_sdpa(q, keys, values, mask), expected, atol=1e-5)
