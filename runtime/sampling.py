@@ -6,8 +6,8 @@ context (positive logits / θ, negative × θ), then temperature, then the trunc
 
 Randomness is keyed by absolute position: the token at position p is the Gumbel-max sample
 argmax(scores + g_p), where the noise g_p [V] is a pure function of (seed, p) (a counter-based
-hash, identical on every device). AR decoding and every trie node at position p use the same
-noise, so with one seed both emit the same tokens. Drafts may use it too (`draft_ranking`):
+hash whose uniforms are bit-identical on every device). AR decoding and every trie node at
+position p use the same noise, so with one seed both emit the same tokens. Drafts may use it too (`draft_ranking`):
 knowing the noise, a draft whose distribution is close to the target's predicts the target's
 token almost surely, whatever its entropy, without changing what is sampled.
 """

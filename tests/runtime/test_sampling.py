@@ -178,3 +178,11 @@ def test_rows_processed_as_a_batch_equal_rows_processed_alone(config):
     batched = process_logits(logits, window, config)
     for row in range(4):
         assert torch.equal(batched[row], process_logits(logits[row], window, config))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
+def test_position_gumbel_is_the_same_on_the_gpu():
+    cpu = position_gumbel(11, 123_456, 128_256)
+    gpu = position_gumbel(11, 123_456, 128_256, "cuda").cpu()
+    assert torch.equal(keyed_uniforms(99, 4096), keyed_uniforms(99, 4096, "cuda").cpu())
+    assert torch.allclose(cpu, gpu, rtol=0, atol=1e-12)
