@@ -7,9 +7,10 @@ context (positive logits / θ, negative × θ), then temperature, then the trunc
 Randomness is keyed by absolute position: the token at position p is the Gumbel-max sample
 argmax(scores + g_p), where the noise g_p [V] is a pure function of (seed, p) (a counter-based
 hash whose uniforms are bit-identical on every device). AR decoding and every trie node at
-position p use the same noise, so with one seed both emit the same tokens. Drafts may use it too (`draft_ranking`):
-knowing the noise, a draft whose distribution is close to the target's predicts the target's
-token almost surely, whatever its entropy, without changing what is sampled.
+position p use the same noise, so with one seed both emit the same tokens. Drafts may use it
+too (`draft_ranking`): knowing the noise, a draft whose distribution is close to the target's
+predicts the target's token almost surely, whatever its entropy, without changing what is
+sampled.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def gumbel_max_sample(scores: torch.Tensor, noise: torch.Tensor) -> int:
     return int(torch.argmax(scores.to(torch.float64) + noise))
 
 
-def choose_token(scores: torch.Tensor, config: SamplingConfig, random: "RandomSource", position: int) -> int:
+def choose_token(scores: torch.Tensor, config: SamplingConfig, random: RandomSource, position: int) -> int:
     """processed scores [V] -> the token for `position` (argmax when greedy, else Gumbel-max with
     that position's noise)."""
     if config.greedy:
@@ -151,7 +152,9 @@ def draft_ranking(scores: torch.Tensor, noises: torch.Tensor | None, width: int)
     perturbed order (a draw without replacement from the draft's distribution). The closer the
     draft is to the target, the likelier its rank-0 token is the target's.
     """
-    perturbed = scores.to(torch.float64) if noises is None else scores.to(torch.float64) + noises
+    perturbed = scores.to(torch.float64)
+    if noises is not None:
+        perturbed = perturbed + noises
     return perturbed.topk(min(width, scores.shape[-1]), dim=-1).indices
 
 
