@@ -39,6 +39,7 @@ import torch
 from tokenswift_trt.builder.build import BuildRequest, resolve
 from tokenswift_trt.runtime.admission import GIB, available_bytes, plan_memory
 from tokenswift_trt.runtime.config import config_from_dict, load_config
+from tokenswift_trt.runtime.cpu_linear import pack_linears
 from tokenswift_trt.runtime.draft_layers import DraftLayers
 from tokenswift_trt.runtime.engine import Engine, choose_attention_kernel
 from tokenswift_trt.runtime.kv_cache import KVCache, PartialKVCache
@@ -126,6 +127,8 @@ def random_engine(model: str, dtype: torch.dtype | None = None, device: torch.de
     base.eval()
     draft_layers.eval()
     choose_attention_kernel(base, config, dtype, device)
+    pack_linears(base)  # CPU only, as load_engine does
+    pack_linears(draft_layers)
     return Engine(config, base, draft_layers, False, dtype, device), str(dtype).removeprefix("torch.")
 
 

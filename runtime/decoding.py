@@ -30,7 +30,9 @@ from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput, LlamaModel
 from .ngram import NgramTable
-from .sampling import PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, draft_ranking, process_logits
+from .sampling import (
+    PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, draft_ranking, gumbel_max_rows, process_logits,
+)
 from .static_step import StaticForward, bucket_for
 from .tree import StaticTree, Trie, build_static_tree, build_trie
 
@@ -41,6 +43,7 @@ DRAFT_SOURCES = ("partial", "verify")
 VERIFY_PROBE_TREE = "3,3,3"  # drafting from the verify pass: depth d uses draft layer d
 PROBE_ITERATIONS = 24  # tree tuning: probe iterations with the largest tree
 RETUNE_EVERY = 4096  # tree tuning: probe again after this many new tokens
+BATCHED_NODES_MAX = 16  # on a CPU, tries up to this size sample every node in one batch (NodeTargets)
 
 
 class GenerationError(ValueError):
@@ -169,6 +172,24 @@ class DecodeState:
         tail = torch.tensor(list(path)[-size:], dtype=torch.long, device=self.history.device)
         return torch.cat((committed, tail))
 
+    def windows(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`window(path)` for several paths at once: [N, width] ids, rows shorter than width padded
+        on the left with their own first id (a repeated id is penalised once, so padding is inert)."""
+        size = self.sampling.penalty_window
+        if self.sampling.penalty == 1 or size == 0:
+            return self.history[:0]
+        end = len(self.tokens)
+        longest = max(len(path) for path in paths)
+        committed = self.history[max(0, end - size) : end]  # [L]
+        held = committed.numel()
+        padded = [list(path) + [0] * (longest - len(path)) for path in paths]
+        tails = torch.tensor(padded, dtype=torch.long, device=self.history.device).view(len(paths), longest)
+        rows = torch.cat((committed.expand(len(paths), held), tails), dim=1)  # [N, L + longest]
+        width = min(size, held + longest)
+        ends = torch.tensor([held + len(path) for path in paths], device=rows.device)  # exclusive, per row
+        columns = (torch.arange(width, device=rows.device) + (ends[:, None] - width)).clamp_(min=0)
+        return rows.gather(1, columns)
+
     def append(self, tokens: Sequence[int]) -> None:
         start = len(self.tokens)
         self.tokens.extend(tokens)
@@ -185,15 +206,22 @@ class NodeTargets:
     """The target's processed distribution and sample at trie nodes, computed on demand.
 
     The sample at node i (depth d) is the token for position root + d + 1, drawn with that
-    position's random number from the distribution AR would have used there.
+    position's random number from the distribution AR would have used there. When that number is
+    fixed in advance (position-keyed noise) and the trie is small, or on a GPU, every node's sample
+    is computed at the first visit in one batch (one LM-head pass, one set of sampling transforms,
+    one read): each node's sample depends only on its own path, so sampling nodes the walk never
+    visits changes nothing.
     """
 
     def __init__(self, engine: Engine, state: DecodeState, trie: Trie, hidden: torch.Tensor) -> None:
         self.engine, self.state, self.trie, self.hidden = engine, state, trie, hidden  # hidden [N, hidden]
-        # On a GPU one LM-head pass over all nodes costs about what one row does (the head's
-        # weights are read once), so logits are computed for every node at the first visit.
-        self.batched = engine.device.type == "cuda"
+        # On a GPU one LM-head pass over all nodes costs about what one row does (the head's weights
+        # are read once); on a CPU too with the prepacked head (cpu_linear.py), up to a few rows.
+        small = len(trie) <= BATCHED_NODES_MAX
+        self.batched = engine.device.type == "cuda" or small
         self.all_logits: torch.Tensor | None = None  # [N, V] when batched
+        self.all_samples: list[int] | None = None
+        self.sample_all = self.batched and (state.random.noise_known_in_advance or state.sampling.greedy)
 
     def path(self, node: int) -> list[int]:
         tokens = []
@@ -202,18 +230,35 @@ class NodeTargets:
             node = self.trie.parents[node]
         return tokens[::-1]
 
+    def logits(self) -> torch.Tensor:
+        """[N, V] logits of every node (one LM-head pass, kept)."""
+        if self.all_logits is None:
+            self.all_logits = self.engine.model.logits(self.hidden)
+        return self.all_logits
+
     def scores(self, node: int) -> torch.Tensor:
-        if self.batched:
-            if self.all_logits is None:
-                self.all_logits = self.engine.model.logits(self.hidden)
-            logits = self.all_logits[node]  # [V]
-        else:
-            logits = self.engine.model.logits(self.hidden[node])  # [V]
+        logits = self.logits()[node] if self.batched else self.engine.model.logits(self.hidden[node])  # [V]
         return process_logits(logits, self.state.window(self.path(node)), self.state.sampling)
 
     def sample(self, node: int) -> int:
+        if self.sample_all:
+            if self.all_samples is None:
+                self.all_samples = self._sample_every_node()
+            return self.all_samples[node]
         position = self.state.root_position + self.trie.depths[node] + 1
         return choose_token(self.scores(node), self.state.sampling, self.state.random, position)
+
+    def _sample_every_node(self) -> list[int]:
+        state, trie = self.state, self.trie
+        paths = [self.path(node) for node in range(len(trie))]
+        scores = process_logits(self.logits(), state.windows(paths), state.sampling)  # [N, V]
+        if state.sampling.greedy:
+            return scores.argmax(dim=-1).tolist()
+        depths = sorted(set(trie.depths))
+        noise = torch.stack([state.random.gumbel(state.root_position + d + 1, scores.shape[-1], scores.device)
+                             for d in depths])  # [distinct depths, V]
+        row = torch.tensor([depths.index(d) for d in trie.depths], device=scores.device)
+        return gumbel_max_rows(scores, noise[row])
 
 
 Acceptor = Callable[[Trie, NodeTargets, int, frozenset], Acceptance]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .cpu_linear import Linear
 from .model import RMSNorm
 
 # Key names of the released TokenSwift checkpoints (weights inside the base checkpoint).
@@ -23,7 +24,7 @@ HEADS_PREFIX = "draft_layers."
 class DraftLayer(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.linear = Linear(hidden_size, hidden_size, bias=False)
         self.input_layernorm = RMSNorm(hidden_size, eps)  # a_i
         self.post_layernorm = RMSNorm(hidden_size, eps)  # b_i
 

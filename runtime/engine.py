@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from . import kernels
 from .config import ModelConfig, load_config
+from .cpu_linear import pack_linears
 from .draft_layers import DraftLayers, draft_key
 from .model import LlamaModel
 
@@ -140,6 +141,8 @@ def load_engine(
     model.eval()
     draft_layers.eval()
     choose_attention_kernel(model, config, dtype, device)
+    pack_linears(model)  # CPU only: oneDNN-prepacked weights (cpu_linear.py)
+    pack_linears(draft_layers)
     return Engine(config, model, draft_layers, bool(draft), dtype, device)
 
 

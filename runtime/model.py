@@ -16,6 +16,7 @@ from torch import nn
 
 from . import kernels
 from .config import ModelConfig
+from .cpu_linear import Linear
 from .rope import RotaryEmbedding, apply_rotary
 
 # How attention runs: "sdpa" (torch's scaled_dot_product_attention with a boolean mask; CPU and any
@@ -43,7 +44,9 @@ class ForwardOutput:
 @dataclass
 class AttentionMask:
     """What attention needs besides Q/K/V, by kernel:
-    - "sdpa": `mask` [T, keys] bool, True = may attend (keys = what attend_kv returned);
+    - "sdpa": `mask` [T, keys] bool, True = may attend (keys = what attend_kv returned), and
+      `bias`, the same mask as the additive float bias grouped_sdpa takes (`sdpa_bias`), built
+      once per forward rather than converted by SDPA in every layer;
     - "tree_attention": `mask` [T, ceil(T/32)] int32 packed tree mask, the cache prefix all visible;
     - "tree_attention_static": the same packed mask, keys span a whole-capacity cache and
       `prefix_length` (0-d int32, on the device) says where the tree's own K/V start.
@@ -52,6 +55,7 @@ class AttentionMask:
     kernel: str
     mask: torch.Tensor
     prefix_length: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -71,6 +75,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # torch's fused op: the same function, one kernel
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -82,10 +88,10 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.q_proj = Linear(config.hidden_size, config.num_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
 
     def forward(
         self,
@@ -110,13 +116,28 @@ class Attention(nn.Module):
             assert mask.prefix_length is not None
             out = kernels.tree_attention_static(q.contiguous(), keys, values, mask.mask, mask.prefix_length, scale)
         else:
-            out = grouped_sdpa(q, keys, values, mask.mask)
+            assert mask.bias is not None
+            out = grouped_sdpa(q, keys, values, mask.bias)
         out = self.o_proj(out.transpose(0, 1).reshape(count, self.num_heads * self.head_dim))
         return out, q.transpose(0, 1)
 
 
-def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [heads, T, D], keys/values [kv_heads, S, D], mask [T, S] bool -> [heads, T, D].
+def folds_groups(heads: int, kv_heads: int, count: int) -> bool:
+    """Whether grouped_sdpa folds the query heads of a KV head into its rows for `count` new tokens."""
+    return heads > kv_heads and count <= GQA_FOLD_MAX_TOKENS
+
+
+def sdpa_bias(mask: torch.Tensor, heads: int, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """mask [T, S] bool (True = may attend) -> additive bias (0 / -inf) in `dtype` for grouped_sdpa:
+    [group·T, S] when it folds (row g·T + t is query t of head g in the group), else [T, S]."""
+    count = mask.shape[0]
+    if folds_groups(heads, kv_heads, count):
+        mask = mask.repeat(heads // kv_heads, 1)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """q [heads, T, D], keys/values [kv_heads, S, D], bias from `sdpa_bias` -> [heads, T, D].
 
     Up to GQA_FOLD_MAX_TOKENS new tokens, the query heads sharing a KV head are folded into its
     query rows ([kv_heads, group·T, D]), so each K/V head is read once and never copied per query
@@ -125,21 +146,21 @@ def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask
     1.1–1.3x slower at T >= 16).
     """
     heads, count, dim = q.shape
-    group = heads // keys.shape[0]
-    if group > 1 and count > GQA_FOLD_MAX_TOKENS:
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
-    folded = q.reshape(keys.shape[0], group * count, dim)
-    rows_mask = mask.repeat(group, 1) if group > 1 else mask  # row g·T + t is query t of head g in the group
-    out = F.scaled_dot_product_attention(folded[None], keys[None], values[None], attn_mask=rows_mask)[0]
+    kv_heads = keys.shape[0]
+    if not folds_groups(heads, kv_heads, count):
+        gqa = heads > kv_heads
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=bias, enable_gqa=gqa)[0]
+    folded = q.reshape(kv_heads, (heads // kv_heads) * count, dim)
+    out = F.scaled_dot_product_attention(folded[None], keys[None], values[None], attn_mask=bias)[0]
     return out.view(heads, count, dim)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -199,7 +220,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, device="cpu" if str(device) == "meta" else device)
         self.attention_kernel = "sdpa"  # see ATTENTION_KERNELS; `use_attention_kernel` switches it
 
@@ -240,6 +261,8 @@ class LlamaModel(nn.Module):
         x = self.model.embed_tokens(tokens)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         mask = self._attention_mask(tokens.shape[0], cache, tree_mask, static, x.device)
+        if mask.kernel == "sdpa":
+            mask.bias = sdpa_bias(mask.mask, self.config.num_heads, self.config.num_kv_heads, x.dtype)
         queries: list[torch.Tensor] | None = [] if keep_queries else None
         for index, layer in enumerate(self.model.layers):
             attended, q = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, cache, index)

@@ -58,11 +58,11 @@ class SamplingConfig:
 
 
 def apply_penalty(logits: torch.Tensor, window: torch.Tensor, theta: float) -> torch.Tensor:
-    """logits [..., V], window [W] token ids -> logits with every token in the window penalised once
-    (the same window for every row)."""
+    """logits [..., V], window [W] token ids (the same for every row) or [..., W] (one per row) ->
+    logits with every token in the row's window penalised once."""
     if theta == 1 or window.numel() == 0:
         return logits
-    index = window.expand(*logits.shape[:-1], window.numel())
+    index = window if window.dim() > 1 else window.expand(*logits.shape[:-1], window.numel())
     picked = logits.gather(-1, index)
     penalised = torch.where(picked > 0, picked / theta, picked * theta)
     return logits.scatter(-1, index, penalised)
@@ -92,9 +92,9 @@ def min_p_filter(scores: torch.Tensor, min_p: float, keep: int = MIN_P_KEEP) -> 
     if min_p <= 0:
         return scores
     probs = scores.softmax(dim=-1)
-    remove = probs < min_p * probs.max(dim=-1, keepdim=True).values
-    protected = probs.topk(min(keep, probs.shape[-1]), dim=-1).indices
-    remove = remove.scatter(-1, protected, False)
+    top = probs.topk(min(keep, probs.shape[-1]), dim=-1)  # its first value is the row's maximum
+    remove = probs < min_p * top.values[..., :1]
+    remove.scatter_(-1, top.indices, False)
     return scores.masked_fill(remove, float("-inf"))
 
 
@@ -114,8 +114,8 @@ def eta_filter(scores: torch.Tensor, eta: float) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, window: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """logits [..., V], window [≤W] -> processed scores [..., V] (-inf = excluded), every row with the
-    same window. Greedy: penalised logits."""
+    """logits [..., V], window [≤W] (every row) or [..., ≤W] (per row) -> processed scores [..., V]
+    (-inf = excluded). Greedy: penalised logits."""
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scores = apply_penalty(scores, window, config.penalty)
     if config.greedy:
@@ -134,6 +134,11 @@ def gumbel_max_sample(scores: torch.Tensor, noise: torch.Tensor) -> int:
     excluded by the transforms (-inf) are never chosen.
     """
     return int(torch.argmax(scores.to(torch.float64) + noise))
+
+
+def gumbel_max_rows(scores: torch.Tensor, noise: torch.Tensor) -> list[int]:
+    """`gumbel_max_sample` for every row: scores [N, V] + noise [N, V] -> N token ids (one read)."""
+    return torch.argmax(scores.to(torch.float64) + noise, dim=-1).tolist()
 
 
 def choose_token(scores: torch.Tensor, config: SamplingConfig, random: RandomSource, position: int) -> int:

@@ -54,6 +54,8 @@ def test_greedy_with_repetitive_prompt_uses_ngram_branches(llama_engine64):
         SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
         SamplingConfig(temperature=0.8, top_p=0.9, penalty=1.2, penalty_window=8),
         SamplingConfig(temperature=1.0, eta=0.02, top_k=30, penalty=1.5, penalty_window=4),
+        # a window longer than the context for the first 200 tokens: per-node windows are padded
+        SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=256),
     ],
 )
 def test_seeded_sampling_tokenswift_equals_ar_token_for_token(llama_engine64, sampling):
@@ -181,3 +183,24 @@ def test_drafting_from_the_verify_pass_is_lossless(llama_engine64, tree):
 def test_verify_drafting_refuses_trees_deeper_than_the_draft_layers(llama_engine64):
     with pytest.raises(GenerationError, match="at most 3 levels"):
         generate(llama_engine64, [5, 6, 7], GenerationConfig(max_new_tokens=5, tree="1,3,3,3", draft_source="verify"))
+
+
+@pytest.mark.parametrize("window,committed", [(6, 20), (6, 3), (0, 10)])
+def test_windows_of_many_paths_penalise_what_each_paths_own_window_does(window, committed):
+    from tokenswift_trt.runtime.decoding import DecodeState
+    from tokenswift_trt.runtime.kv_cache import KVCache
+    from tokenswift_trt.runtime.sampling import PositionKeyedRandom, apply_penalty
+
+    sampling = SamplingConfig(penalty=1.3, penalty_window=window)
+    tokens = list(range(10, 10 + committed))
+    history = torch.zeros(64, dtype=torch.long)
+    history[:committed] = torch.tensor(tokens)
+    state = DecodeState(tokens=tokens, history=history, prompt_length=committed, limit=64,
+                        full=KVCache(1, 1, 4, 64), partial=None, table=None, random=PositionKeyedRandom(0),
+                        sampling=sampling, stop_tokens=frozenset(), queries=[])
+    paths = [[], [3], [3, 4], [5, 6, 7], [12, 40, 12, 41]]
+    windows = state.windows(paths)
+    logits = torch.randn(len(paths), 64, generator=torch.Generator().manual_seed(1))
+    batched = apply_penalty(logits, windows, sampling.penalty)
+    for row, path in enumerate(paths):
+        assert torch.equal(batched[row], apply_penalty(logits[row], state.window(path), sampling.penalty))

@@ -119,7 +119,7 @@ def test_unsupported_architecture_and_missing_config(tmp_path):
 
 @pytest.mark.parametrize("count", [1, 5, 8, 9, 40])  # folded GQA up to 8 new tokens, SDPA's own beyond
 def test_grouped_sdpa_equals_attention_with_repeated_kv_heads(count):
-    from tokenswift_trt.runtime.model import GQA_FOLD_MAX_TOKENS, grouped_sdpa
+    from tokenswift_trt.runtime.model import GQA_FOLD_MAX_TOKENS, grouped_sdpa, sdpa_bias
 
     assert GQA_FOLD_MAX_TOKENS == 8
     generator = torch.Generator().manual_seed(count)
@@ -133,4 +133,6 @@ def test_grouped_sdpa_equals_attention_with_repeated_kv_heads(count):
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), attn_mask=mask
     )  # head h reads KV head h // group
-    assert torch.allclose(grouped_sdpa(q, keys, values, mask), expected, atol=1e-5)
+    bias = sdpa_bias(mask, heads, kv_heads, q.dtype)
+    assert bias.shape == ((group * count, prefix + count) if count <= GQA_FOLD_MAX_TOKENS else mask.shape)
+    assert torch.allclose(grouped_sdpa(q, keys, values, bias), expected, atol=1e-5)

@@ -1,0 +1,83 @@
+"""oneDNN-prepacked linear layers: same function as nn.Linear, used only for CPU inference, never stale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import quiet_load
+from torch.profiler import ProfilerActivity, profile
+
+from tokenswift_trt.runtime.cpu_linear import Linear, pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear prepacking")
+
+
+def _layer(dtype: torch.dtype, bias: bool) -> Linear:
+    torch.manual_seed(0)
+    return Linear(64, 48, bias=bias).to(dtype)
+
+
+def _uses_packed_op(layer: Linear, x: torch.Tensor) -> bool:
+    with profile(activities=[ProfilerActivity.CPU]) as trace, torch.inference_mode():
+        layer(x)
+    return any("_linear_pointwise" in event.key for event in trace.key_averages())
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(1, 64), (4, 64), (40, 64), (4, 3, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_forward_equals_nn_linear(dtype, tolerance, shape, bias):
+    layer = _layer(dtype, bias)
+    x = torch.randn(shape).to(dtype)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert layer.pack() and layer.packed
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert torch.allclose(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert _uses_packed_op(layer, x)
+
+
+def test_a_changed_weight_is_never_served_from_the_stale_pack():
+    layer = _layer(torch.float32, bias=True)
+    layer.pack()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # in place, as an optimiser step does
+    assert not layer.packed
+    with torch.inference_mode():
+        out = layer(x)
+    assert torch.allclose(out, F.linear(x, layer.weight, layer.bias), atol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.zeros_like(layer.weight))  # a new Parameter, as loading does
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), layer.bias.expand(4, -1))
+    assert layer.pack() and layer.packed
+
+
+def test_training_takes_the_autograd_path():
+    layer = _layer(torch.float32, bias=True)
+    layer.pack()
+    x = torch.randn(4, 64, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        layer(x).square().sum().backward()
+    assert not any("_linear_pointwise" in event.key for event in trace.key_averages())
+    reference = _layer(torch.float32, bias=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    reference(x2).square().sum().backward()
+    assert torch.allclose(layer.weight.grad, reference.weight.grad) and torch.allclose(x.grad, x2.grad)
+
+
+def test_only_cpu_float_weights_are_packed():
+    assert not Linear(8, 8).to(torch.float64).pack()
+    with torch.device("meta"):
+        assert not Linear(8, 8).pack()
+
+
+def test_cpu_engines_pack_every_linear(llama_dir):
+    engine = quiet_load(llama_dir[0])  # float32 on the CPU
+    layers = [m for m in list(engine.model.modules()) + list(engine.draft_layers.modules()) if isinstance(m, Linear)]
+    assert layers and all(layer.packed for layer in layers)
+    assert pack_linears(engine.model) == len([m for m in engine.model.modules() if isinstance(m, Linear)])
+    assert not any(layer.packed for layer in quiet_load(llama_dir[0], dtype=torch.float64).model.modules()
+                   if isinstance(layer, Linear))
