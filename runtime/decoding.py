@@ -353,7 +353,8 @@ def candidates_from_hidden(engine: Engine, state: DecodeState, hidden: torch.Ten
 
 
 def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:
-    """Top-k committed 4-grams starting with each distinct first-depth candidate."""
+    """Top-k committed 4-grams starting with each distinct token of `first_tokens` (head 0's
+    candidates: the depth-1 drafts, or the root when drafting from the verify pass)."""
     if state.table is None or k <= 0:
         return []
     paths: list[tuple[int, ...]] = []
@@ -565,7 +566,9 @@ def _tokenswift_loop(
             candidates = candidates_from_hidden(engine, state, last_hidden, tree) if from_verify else propose(engine, state, tree)
         t_draft = time.perf_counter()
         if tree is not None:
-            trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, candidates[0], ngram_topk))
+            # head 0's candidates key the n-grams; drafting from the verify pass, head 0's token is the root
+            keys = [state.tokens[-1]] if from_verify else candidates[0]
+            trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, keys, ngram_topk), from_verify)
         t_trie = time.perf_counter()
         verified = verify(engine, state, trie)
         t_verify = time.perf_counter()

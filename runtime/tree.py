@@ -145,8 +145,14 @@ def build_trie(
     tree: StaticTree,
     head_candidates: list[list[int]],  # [heads][candidates] token ids, best first
     ngram_paths: Sequence[Sequence[int]] = (),
+    ngrams_from_root: bool = False,
 ) -> Trie:
-    """Static tree filled from each head's candidates, plus n-gram branches, merged into one trie."""
+    """Static tree filled from each head's candidates, plus n-gram branches, merged into one trie.
+
+    N-gram paths start with a depth-1 token, or with the root itself when `ngrams_from_root`
+    (drafting from the verify pass, where the root is head 0's token): that first token is then
+    dropped.
+    """
     trie = Trie(root_token)
     for path in tree.paths:
         if len(path) == tree.depth:  # leaves; their ancestors come with them
@@ -156,5 +162,5 @@ def build_trie(
     for path in ngram_paths:  # rank = position among the grams of the same first token
         rank = ranks.get(path[0], 0)
         ranks[path[0]] = rank + 1
-        trie.add_path(path, from_tree=False, ngram_rank=rank)
+        trie.add_path(path[1:] if ngrams_from_root else path, from_tree=False, ngram_rank=rank)
     return trie

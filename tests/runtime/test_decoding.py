@@ -39,9 +39,11 @@ def test_greedy_tokenswift_equals_ar_equals_transformers(llama_dir, llama_engine
         hf_model.to(torch.float32)
 
 
-def test_greedy_with_repetitive_prompt_uses_ngram_branches(llama_engine64):
+@pytest.mark.parametrize("draft_source", ["partial", "verify"])  # n-grams keyed by head 0's token / the root
+def test_greedy_with_repetitive_prompt_uses_ngram_branches(llama_engine64, draft_source):
     prompt = [5, 6, 7, 8, 9] * 20
-    config = GenerationConfig(max_new_tokens=300, sampling=GREEDY, ignore_eos=True, ngram_topk=20, kv_budget=64)
+    config = GenerationConfig(max_new_tokens=300, sampling=GREEDY, ignore_eos=True, ngram_topk=20, kv_budget=64,
+                              draft_source=draft_source, tree="1,1,1" if draft_source == "verify" else "1,3,3,3")
     swift, stats = generate(llama_engine64, prompt, config)
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=300, sampling=GREEDY, ignore_eos=True, method="ar"))
     assert swift == ar

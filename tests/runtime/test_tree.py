@@ -62,6 +62,17 @@ def test_trie_merges_tree_and_ngram_branches_without_duplicates():
     assert mask[leaf].nonzero().flatten().tolist() == [0, node_10, node_20, node_30, leaf]
 
 
+def test_ngrams_keyed_by_the_root_hang_their_continuation_under_it():
+    tree = build_static_tree("2")
+    trie = build_trie(5, tree, [[10, 11]], ngram_paths=[(5, 10, 40, 41), (5, 12, 13, 14)], ngrams_from_root=True)
+    assert len(trie) == 1 + 2 + 2 + 3  # 10 and 11 from the tree; 40, 41 under 10; 12, 13, 14 new
+    node_10 = trie.children[0][10]
+    assert trie.depths[trie.children[trie.children[node_10][40]][41]] == 3
+    assert 5 not in trie.children[0]
+    node_12 = trie.children[0][12]
+    assert trie.ngram_ranks[node_12] == 1 and trie.ngram_ranks[trie.children[node_10][40]] == 0
+
+
 def test_tree_path_marks_ngram_node_as_tree_when_both_propose_it():
     trie = Trie(1)
     trie.add_path([2, 3], from_tree=False)
