@@ -32,6 +32,7 @@ class Snapshot:
     drafted: int
     ngram_accepted: int
     iterations: int
+    forwards: int
 
     @property
     def tokens_per_s(self) -> float:
@@ -54,7 +55,7 @@ def run_to_lengths(engine: Engine, prompt: Sequence[int], config: GenerationConf
         while len(snapshots) < len(targets) and stats.new_tokens >= targets[len(snapshots)]:
             snapshots[targets[len(snapshots)]] = Snapshot(
                 stats.new_tokens, stats.elapsed_s, stats.accepted_tokens, stats.drafted_tokens, stats.ngram_accepted_tokens,
-                stats.iterations,
+                stats.iterations, stats.forwards,
             )
 
     tokens, stats = generate(engine, prompt, replace(config, max_new_tokens=targets[-1], ignore_eos=True),
@@ -122,6 +123,7 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
         "beta": round(acceptance_rate(sum(s.ngram_accepted for s in swift), sum(s.drafted for s in swift)), 4),
         # τ: tokens committed per decode iteration (accepted drafts + 1)
         "tokens_per_iteration": round(1 + sum(s.accepted for s in swift) / max(1, sum(s.iterations for s in swift)), 3),
+        "tokens_per_forward": round(sum(s.new_tokens - 1 for s in swift) / max(1, sum(s.forwards for s in swift)), 3),
     }
     if "default_tree" in runs:
         default = [r.snapshots[gen_len] for r in runs["default_tree"]]

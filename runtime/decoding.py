@@ -100,6 +100,7 @@ class Stats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     iterations: int = 0  # decode iterations (AR: steps)
+    forwards: int = 0  # decode forward passes: AR steps, draft passes, verify passes (timing probes excluded)
     drafted_tokens: int = 0  # tree depth per iteration
     accepted_tokens: int = 0
     ngram_accepted_tokens: int = 0  # accepted nodes that only an n-gram branch proposed
@@ -127,6 +128,12 @@ class Stats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """New tokens per decode forward pass (the first token comes from the prefill): above 1 is
+        what any speedup must come from where a forward's cost does not grow with its tokens."""
+        return (self.new_tokens - 1) / self.forwards if self.forwards else 0.0
 
     @property
     def mean_accept_length(self) -> float:
@@ -480,6 +487,7 @@ def generate(
             token = sample_next(engine, state, hidden)
             state.append([token])
             stats.iterations += 1
+            stats.forwards += 1
             stats.add_time("forward", time.perf_counter() - tick)
             stats.new_tokens, stats.elapsed_s = len(state.tokens) - len(prompt), time.perf_counter() - started
             if on_tokens:
@@ -584,6 +592,7 @@ def _tokenswift_loop(
         ):
             stats.add_time(phase, end - begin)
         stats.iterations += 1
+        stats.forwards += 1 + (tree is not None and not from_verify)  # verify (+ the draft pass)
         stats.drafted_tokens += tree.depth if tree is not None else 0
         stats.accepted_tokens += len(acceptance.nodes)
         ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])

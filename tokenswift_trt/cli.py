@@ -548,7 +548,7 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
             "kv_budget": config.kv_budget, "device": opts["device"], "dtype": str(engine.dtype)}
     written = write_results(rows, out, meta)
     columns = ["prefix_len", "gen_len", "ar_tokens_per_s", "tokenswift_tokens_per_s", "speedup", "alpha", "beta", "tokens_per_iteration",
-               "distinct4_penalty", "distinct4_no_penalty", "tokens_equal_ar"]
+               "tokens_per_forward", "distinct4_penalty", "distinct4_no_penalty", "tokens_equal_ar"]
     if "auto_vs_default_tree" in rows[0]:
         columns.insert(5, "auto_vs_default_tree")
     click.echo(" | ".join(columns))

@@ -35,6 +35,7 @@ def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_p
         assert float(row["speedup_min"]) <= float(row["speedup"]) <= float(row["speedup_max"])
         assert 0 <= float(row["beta"]) <= float(row["alpha"]) <= 1
         assert 1 <= float(row["tokens_per_iteration"]) <= 5  # 1 + accepted per iteration, depth 4 at most
+        assert 0.5 <= float(row["tokens_per_forward"]) <= float(row["tokens_per_iteration"])  # ≤ 2 passes per iteration
         assert 0 < float(row["distinct4_penalty"]) <= 1 and float(row["auto_vs_default_tree"]) > 0
         assert row["auto_plans"].startswith("probe 1,3,3,3")
     meta = json.loads((out / "bench.json").read_text())["meta"]

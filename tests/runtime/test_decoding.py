@@ -128,6 +128,13 @@ def test_streaming_callback_sees_every_token_in_order(llama_engine64):
     assert seen == out and stats.new_tokens == 100
     assert set(stats.phase_s) == {"draft", "trie", "verify", "accept", "commit"}
     assert stats.drafted_tokens == 4 * stats.iterations
+    assert stats.forwards == 2 * stats.iterations  # a draft pass and a verify pass each
+    assert stats.tokens_per_forward == pytest.approx(99 / stats.forwards)
+    _, ar = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True, method="ar"))
+    assert ar.forwards == 99 and ar.tokens_per_forward == 1.0  # the first token comes from the prefill
+    _, verify = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True,
+                                                                  tree="1,1", draft_source="verify"))
+    assert verify.forwards == verify.iterations
 
 
 @pytest.mark.parametrize(
