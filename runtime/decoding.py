@@ -323,6 +323,18 @@ def sample_next(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> int
     return choose_token(scores, state.sampling, state.random, len(state.tokens))
 
 
+def ar_step(engine: Engine, state: DecodeState) -> ForwardOutput:
+    """One AR step: the root's forward on the full cache, committed; the next token is sampled and
+    appended (it is the new root). Returns the forward (hidden and queries of the old root)."""
+    device = engine.device
+    root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
+    position = torch.tensor([state.root_position], dtype=torch.long, device=device)
+    out = forward_full(engine, state, root, position)
+    state.full.commit()
+    state.append([sample_next(engine, state, out.hidden[0])])
+    return out
+
+
 def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[int]]:
     """Draft forward of the root on the partial cache -> candidates per head [depth][branching]."""
     device = engine.device
@@ -480,12 +492,8 @@ def generate(
     if config.method == "ar":
         while not done:
             tick = time.perf_counter()
-            root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
-            position = torch.tensor([state.root_position], dtype=torch.long, device=device)
-            hidden = forward_full(engine, state, root, position).hidden[0]
-            state.full.commit()
-            token = sample_next(engine, state, hidden)
-            state.append([token])
+            ar_step(engine, state)
+            token = state.tokens[-1]
             stats.iterations += 1
             stats.forwards += 1
             stats.add_time("forward", time.perf_counter() - tick)
@@ -566,17 +574,40 @@ def _tokenswift_loop(
     if auto:
         stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens if stats.new_tokens else 1}")
     done = False
+    drafting_state_stale = False  # AR steps skip the partial cache and n-gram table upkeep
     while not done:
         tick = time.perf_counter()
-        if tree is None:  # plain AR step: a trie of the root alone, no draft
-            trie = Trie(state.tokens[-1])
-        else:
-            candidates = candidates_from_hidden(engine, state, last_hidden, tree) if from_verify else propose(engine, state, tree)
+        if tree is None:  # a plain AR step, the same code as the AR baseline's
+            out = ar_step(engine, state)
+            assert out.queries is not None
+            state.queries, last_hidden = [q[-1] for q in out.queries], out.hidden[0]
+            drafting_state_stale = True
+            stats.add_time("ar_step", time.perf_counter() - tick)
+            stats.iterations += 1
+            stats.forwards += 1
+            stats.new_tokens, stats.elapsed_s = len(state.tokens) - state.prompt_length, time.perf_counter() - started
+            if on_tokens:
+                on_tokens(state.tokens[-1:])
+            if observer:
+                observer(stats)
+            done = state.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
+            if auto and len(state.tokens) >= next_probe:
+                probe = ProbeRecorder(max_depth=max_depth)
+                tree, ngram_topk = build_static_tree(probe_tree), PROBE_TOPK
+                stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens}")
+            continue
+        if drafting_state_stale:  # catch up after AR steps: reselect the partial cache, count the n-grams
+            if state.partial is not None:
+                state.partial.select(state.full, state.queries)
+            if state.table is not None:
+                state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
+            drafting_state_stale = False
+            tick = time.perf_counter()
+        candidates = candidates_from_hidden(engine, state, last_hidden, tree) if from_verify else propose(engine, state, tree)
         t_draft = time.perf_counter()
-        if tree is not None:
-            # head 0's candidates key the n-grams; drafting from the verify pass, head 0's token is the root
-            keys = [state.tokens[-1]] if from_verify else candidates[0]
-            trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, keys, ngram_topk), from_verify)
+        # head 0's candidates key the n-grams; drafting from the verify pass, head 0's token is the root
+        keys = [state.tokens[-1]] if from_verify else candidates[0]
+        trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, keys, ngram_topk), from_verify)
         t_trie = time.perf_counter()
         verified = verify(engine, state, trie)
         t_verify = time.perf_counter()
@@ -592,8 +623,8 @@ def _tokenswift_loop(
         ):
             stats.add_time(phase, end - begin)
         stats.iterations += 1
-        stats.forwards += 1 + (tree is not None and not from_verify)  # verify (+ the draft pass)
-        stats.drafted_tokens += tree.depth if tree is not None else 0
+        stats.forwards += 1 if from_verify else 2  # verify (+ the draft pass)
+        stats.drafted_tokens += tree.depth
         stats.accepted_tokens += len(acceptance.nodes)
         ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
         stats.ngram_accepted_tokens += ngram_accepted

@@ -213,3 +213,26 @@ def test_windows_of_many_paths_penalise_what_each_paths_own_window_does(window, 
     batched = apply_penalty(logits, windows, sampling.penalty)
     for row, path in enumerate(paths):
         assert torch.equal(batched[row], apply_penalty(logits[row], state.window(path), sampling.penalty))
+
+
+@pytest.mark.parametrize("draft_source", ["partial", "verify"])
+def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monkeypatch, draft_source):
+    """AR steps chosen by --tree auto skip the partial cache and n-gram upkeep; the next probe catches up."""
+    from tokenswift_trt.runtime import decoding
+    from tokenswift_trt.runtime.autotune import AR_PLAN, Plan
+
+    choices = iter([AR_PLAN, "1,1", AR_PLAN, "1,1", AR_PLAN, "1,1"])
+    monkeypatch.setattr(decoding, "RETUNE_EVERY", 30)
+    monkeypatch.setattr(decoding, "PROBE_ITERATIONS", 4)
+    monkeypatch.setattr(decoding, "choose_plan", lambda *args: (Plan(next(choices), 2, 1.0, 1.0), []))
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    base = dict(max_new_tokens=150, sampling=SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
+                seed=4, ignore_eos=True)
+    swift, stats = generate(llama_engine64, prompt,
+                            GenerationConfig(**base, tree="auto", kv_budget=40, draft_source=draft_source))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert swift == ar
+    assert [plan.split()[0] for plan in stats.plans[:4]] == ["probe", AR_PLAN, "probe", "1,1"]
+    assert stats.phase_s["ar_step"] > 0
+    if draft_source == "partial":
+        assert stats.partial_selections >= 2  # after prefill, and again when drafting resumed
