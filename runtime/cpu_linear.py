@@ -31,7 +31,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._packed: torch.Tensor | None = None
-        self._packed_from: tuple[int, int, torch.dtype] | None = None  # (id, version, dtype) of the packed weight
+        self._packed_from: tuple[int, int, torch.dtype] | None = None  # _identity of the packed weight
 
     def pack(self) -> bool:
         """Prepack the weight for CPU inference; False (nothing changes) where it cannot be done."""
@@ -41,14 +41,13 @@ class Linear(nn.Linear):
             return False
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)
-        self._packed_from = (id(weight), weight._version, weight.dtype)
+        self._packed_from = _identity(weight)
         return True
 
     @property
     def packed(self) -> bool:
         """The packed copy exists and still matches the weight."""
-        weight = self.weight
-        return self._packed is not None and self._packed_from == (id(weight), weight._version, weight.dtype)
+        return self._packed is not None and self._packed_from == _identity(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         if self._packed is None or not torch.is_inference_mode_enabled() or x.device.type != "cpu":
@@ -62,6 +61,12 @@ class Linear(nn.Linear):
         flat = x.reshape(rows, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")  # [rows, out]
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """What changes when a weight does: the Parameter, its in-place version, its dtype. (Weights
+    created under inference mode carry no version; they cannot be changed outside it.)"""
+    return id(weight), -1 if weight.is_inference() else weight._version, weight.dtype
 
 
 def pack_linears(module: nn.Module) -> int:

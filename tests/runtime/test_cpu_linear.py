@@ -81,3 +81,11 @@ def test_cpu_engines_pack_every_linear(llama_dir):
     assert pack_linears(engine.model) == len([m for m in engine.model.modules() if isinstance(m, Linear)])
     assert not any(layer.packed for layer in quiet_load(llama_dir[0], dtype=torch.float64).model.modules()
                    if isinstance(layer, Linear))
+
+
+def test_engines_loaded_under_inference_mode_are_packed(llama_dir):
+    with torch.inference_mode():
+        engine = quiet_load(llama_dir[0])
+        x = torch.randn(3, engine.config.hidden_size)
+        assert engine.model.lm_head.packed
+        assert torch.allclose(engine.model.lm_head(x), F.linear(x, engine.model.lm_head.weight), atol=1e-4)
