@@ -81,6 +81,15 @@ def prompt_windows(text_ids: Sequence[int], prefix_len: int, count: int) -> list
     return [list(text_ids[i * step : i * step + prefix_len]) for i in range(count)]
 
 
+def run_order(names: list[str], repeat: int) -> list[str]:
+    """Variants in the order one repeat runs them: AR and TokenSwift swap places every other repeat,
+    so that the machine's drift during a run does not favour whichever goes first."""
+    if repeat % 2 == 1:
+        names = names[:]
+        names[0], names[1] = names[1], names[0]
+    return names
+
+
 def run_bench(engine: Engine, text_ids: Sequence[int], spec: BenchSpec,
               progress: Callable[[str, int], Callable[[list[int]], None]]) -> list[dict]:
     """Rows of figures, one per (prefix length, generation length)."""
@@ -96,7 +105,8 @@ def run_bench(engine: Engine, text_ids: Sequence[int], spec: BenchSpec,
         for repeat in range(spec.repeats):
             for index, prompt in enumerate(prompts):
                 seed = (base.seed or 0) + repeat
-                for name, config in variants.items():
+                for name in run_order(list(variants), repeat):
+                    config = variants[name]
                     label = f"prefix {prefix_len} prompt {index + 1}/{len(prompts)} run {repeat + 1}: {name}"
                     runs[name].append(run_to_lengths(engine, prompt, replace(config, seed=seed), spec.gen_lens,
                                                      progress(label, max(spec.gen_lens))))

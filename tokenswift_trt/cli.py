@@ -871,7 +871,8 @@ def demo(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, **op
     click.echo(f"TokenSwift  {ts.new_tokens:6d} tokens  {ts.elapsed_s:7.2f}s  {ts.tokens_per_s:8.1f} tok/s")
     click.echo(
         f"speedup {ar.elapsed_s / ts.elapsed_s:.2f}x   α {ts.acceptance_rate:.3f}   β {ts.ngram_acceptance_rate:.3f}   "
-        f"tokens/iteration {ts.mean_accept_length:.2f}   same tokens as AR: {ar_ids == ts_ids}"
+        f"tokens/iteration {ts.mean_accept_length:.2f}   tokens/forward {ts.tokens_per_forward:.2f}   "
+        f"same tokens as AR: {ar_ids == ts_ids}"
     )
     click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
 

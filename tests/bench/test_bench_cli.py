@@ -53,3 +53,12 @@ def test_prompt_windows_and_bad_lengths(model_dir, tmp_path):
     assert result.exit_code == 2 and "fewer than --prefix-len" in result.stderr
     bad = CliRunner().invoke(main, ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "8,x"])
     assert bad.exit_code == 2 and "--gen-len" in bad.stderr
+
+
+def test_repeats_alternate_which_of_ar_and_tokenswift_runs_first():
+    from tokenswift_trt.bench.run import run_order
+
+    names = ["ar", "tokenswift", "no_penalty", "default_tree"]
+    assert run_order(names, 0) == names
+    assert run_order(names, 1) == ["tokenswift", "ar", "no_penalty", "default_tree"]
+    assert run_order(names, 2) == names and names == ["ar", "tokenswift", "no_penalty", "default_tree"]
