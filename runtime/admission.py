@@ -35,7 +35,9 @@ def plan_memory(engine: Engine, positions: int, kv_budget: int, tree_nodes: int)
     element = torch.tensor([], dtype=engine.dtype).element_size()
     per_position = 2 * c.num_layers * c.num_kv_heads * c.head_dim * element  # K and V, all layers
     weights = sum(p.numel() * p.element_size() for p in engine.model_parameters())
-    tree = tree_nodes * (tree_nodes + c.vocab_size * 4 + c.hidden_size * element * (c.num_layers + 1))
+    # per node: mask row, hidden states, and the [V] rows of sampling every node at once (NodeTargets):
+    # float32 logits and scores, float64 perturbed scores and noise (about 32 bytes per vocabulary entry)
+    tree = tree_nodes * (tree_nodes + c.vocab_size * 32 + c.hidden_size * element * (c.num_layers + 1))
     return MemoryPlan(weights, per_position * positions, per_position * (kv_budget + 1) if kv_budget else 0, tree, positions)
 
 

@@ -2,16 +2,15 @@
 
 Why: with PyTorch's default CPU path (MKL sgemm) a float32 linear over M rows costs about M times
 one row on the machines this project is developed on (AMD EPYC: MKL takes its generic code path),
-so verifying a 4-token tree cost 3x an AR step before any attention. With the weight reordered
-once into oneDNN's blocked layout, 1 to 8 rows cost about the same as one (measured with
-`tokenswift-trt bench-linear`, docs/benchmarks.md), which is what speculative verification needs.
+so verifying a 4-token tree paid 3-4x an AR step in its matmuls. With the weight reordered once
+into oneDNN's blocked layout, 1 to 8 rows cost about what one does, which is what speculative
+verification needs. A decoder's weights stream from memory in every forward, and there the packed
+layout is faster for single rows too (`scripts/cpu_step_costs.py`, docs/runtime.md).
 
 `Linear` is `nn.Linear` (same parameters, same state-dict keys, same autograd, export and GPU
 behaviour) plus `pack()`. Once packed, a CPU forward under `torch.inference_mode()` uses the
-packed copy, for single rows too: one small weight that stays in cache is faster through MKL's
-GEMV, but a decoder's weights stream from memory in every forward, and there the packed layout
-is faster (a forward's 43 swift-tiny linears, one row: 0.97 ms packed vs 1.95 ms). The packed copy is dropped as soon as the weight changes (a new
-Parameter, an in-place update, another device or dtype), so training and reloading stay correct.
+packed copy. It is dropped as soon as the weight changes (a new Parameter, an in-place update,
+another device or dtype), so training and reloading stay correct.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 
 def packing_available() -> bool:
     """oneDNN (mkldnn) with the linear-prepack ops is part of this torch build."""

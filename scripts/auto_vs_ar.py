@@ -1,0 +1,47 @@
+"""`--tree auto` against AR, interleaved in one process: per-step cost of auto's AR steps and
+overall throughput (probes included), so that the machine's drift hits both alike.
+
+    .venv/bin/python scripts/auto_vs_ar.py [--model-dir models/swift-tiny] [--tokens 1024] [--rounds 6]
+
+Paper sampling settings (min-p 0.1, θ 1.2, W 256, B 4096), seed 1, a 512-token held-out prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from tokenswift_trt.runtime.decoding import PROBE_ITERATIONS, GenerationConfig, generate
+from tokenswift_trt.runtime.engine import load_engine
+from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.runtime.text import TextCodec
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", default="models/swift-tiny")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    engine = load_engine(args.model_dir)
+    codec = TextCodec.from_dir(args.model_dir)
+    prompt = codec.encode((Path(args.model_dir) / "prompt.txt").read_text())[:512]
+    sampling = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=256)
+    base = dict(max_new_tokens=args.tokens, sampling=sampling, seed=1, ignore_eos=True, kv_budget=4096)
+    step_ratios, rate_ratios = [], []
+    for _ in range(args.rounds):
+        _, ar = generate(engine, prompt, GenerationConfig(**base, method="ar"))
+        _, auto = generate(engine, prompt, GenerationConfig(**base, tree="auto"))
+        ar_step = ar.phase_s["forward"] / ar.iterations * 1e3
+        auto_step = auto.phase_s.get("ar_step", 0.0) / max(1, auto.iterations - PROBE_ITERATIONS) * 1e3
+        step_ratios.append(auto_step / ar_step)
+        rate_ratios.append(auto.tokens_per_s / ar.tokens_per_s)
+        print(f"AR step {ar_step:.2f} ms, auto's AR steps {auto_step:.2f} ms; "
+              f"AR {ar.tokens_per_s:.0f} tok/s, auto {auto.tokens_per_s:.0f} tok/s ({', '.join(auto.plans)})")
+    print(f"median: auto's AR step / AR step {statistics.median(step_ratios):.3f}, "
+          f"auto / AR throughput {statistics.median(rate_ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
