@@ -581,61 +581,54 @@ def _tokenswift_loop(
             out = ar_step(engine, state)
             assert out.queries is not None
             state.queries, last_hidden = [q[-1] for q in out.queries], out.hidden[0]
+            acceptance = Acceptance(nodes=[], tokens=state.tokens[-1:])
             drafting_state_stale = True
             stats.add_time("ar_step", time.perf_counter() - tick)
-            stats.iterations += 1
             stats.forwards += 1
-            stats.new_tokens, stats.elapsed_s = len(state.tokens) - state.prompt_length, time.perf_counter() - started
-            if on_tokens:
-                on_tokens(state.tokens[-1:])
-            if observer:
-                observer(stats)
-            done = state.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
-            if auto and len(state.tokens) >= next_probe:
-                probe = ProbeRecorder(max_depth=max_depth)
-                tree, ngram_topk = build_static_tree(probe_tree), PROBE_TOPK
-                stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens}")
-            continue
-        if drafting_state_stale:  # catch up after AR steps: reselect the partial cache, count the n-grams
-            if state.partial is not None:
-                state.partial.select(state.full, state.queries)
-            if state.table is not None:
-                state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
-            drafting_state_stale = False
-            tick = time.perf_counter()
-        candidates = candidates_from_hidden(engine, state, last_hidden, tree) if from_verify else propose(engine, state, tree)
-        t_draft = time.perf_counter()
-        # head 0's candidates key the n-grams; drafting from the verify pass, head 0's token is the root
-        keys = [state.tokens[-1]] if from_verify else candidates[0]
-        trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, keys, ngram_topk), from_verify)
-        t_trie = time.perf_counter()
-        verified = verify(engine, state, trie)
-        t_verify = time.perf_counter()
-        targets = NodeTargets(engine, state, trie, verified.hidden)
-        acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
-        t_accept = time.perf_counter()
-        commit(state, acceptance, verified, ngram_exclusion)
-        last_hidden = verified.hidden[acceptance.nodes[-1] if acceptance.nodes else 0]
-        t_commit = time.perf_counter()
-        for phase, begin, end in (
-            ("draft", tick, t_draft), ("trie", t_draft, t_trie), ("verify", t_trie, t_verify),
-            ("accept", t_verify, t_accept), ("commit", t_accept, t_commit),
-        ):
-            stats.add_time(phase, end - begin)
+        else:
+            if drafting_state_stale:  # catch up after AR steps: reselect the partial cache, count the n-grams
+                if state.partial is not None:
+                    state.partial.select(state.full, state.queries)
+                if state.table is not None:
+                    state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
+                drafting_state_stale = False
+                tick = time.perf_counter()
+            if from_verify:
+                candidates = candidates_from_hidden(engine, state, last_hidden, tree)
+            else:
+                candidates = propose(engine, state, tree)
+            t_draft = time.perf_counter()
+            # head 0's candidates key the n-grams; drafting from the verify pass, head 0's token is the root
+            keys = [state.tokens[-1]] if from_verify else candidates[0]
+            trie = build_trie(state.tokens[-1], tree, candidates, retrieve_ngrams(state, keys, ngram_topk), from_verify)
+            t_trie = time.perf_counter()
+            verified = verify(engine, state, trie)
+            t_verify = time.perf_counter()
+            targets = NodeTargets(engine, state, trie, verified.hidden)
+            acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
+            t_accept = time.perf_counter()
+            commit(state, acceptance, verified, ngram_exclusion)
+            last_hidden = verified.hidden[acceptance.nodes[-1] if acceptance.nodes else 0]
+            t_commit = time.perf_counter()
+            for phase, begin, end in (
+                ("draft", tick, t_draft), ("trie", t_draft, t_trie), ("verify", t_trie, t_verify),
+                ("accept", t_verify, t_accept), ("commit", t_accept, t_commit),
+            ):
+                stats.add_time(phase, end - begin)
+            stats.forwards += 1 if from_verify else 2  # verify (+ the draft pass)
+            stats.drafted_tokens += tree.depth
+            stats.accepted_tokens += len(acceptance.nodes)
+            ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
+            stats.ngram_accepted_tokens += ngram_accepted
+            stats.ngram_hit_iterations += ngram_accepted > 0
         stats.iterations += 1
-        stats.forwards += 1 if from_verify else 2  # verify (+ the draft pass)
-        stats.drafted_tokens += tree.depth
-        stats.accepted_tokens += len(acceptance.nodes)
-        ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
-        stats.ngram_accepted_tokens += ngram_accepted
-        stats.ngram_hit_iterations += ngram_accepted > 0
         stats.new_tokens, stats.elapsed_s = len(state.tokens) - state.prompt_length, time.perf_counter() - started
         if on_tokens:
             on_tokens(acceptance.tokens)
         if observer:
             observer(stats)
         done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
-        if probe is not None:
+        if probe is not None:  # probing: the last iteration drafted (tree is not None)
             probe.record(trie, acceptance.nodes)
             probe_costs["draft"] += t_draft - tick
             probe_costs["other"] += (t_trie - t_draft) + (t_commit - t_verify)
