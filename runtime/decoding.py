@@ -101,7 +101,7 @@ class Stats:
     new_tokens: int = 0
     iterations: int = 0  # decode iterations (AR: steps)
     forwards: int = 0  # decode forward passes: AR steps, draft passes, verify passes (timing probes excluded)
-    drafted_tokens: int = 0  # tree depth per iteration
+    drafted_tokens: int = 0  # per iteration, the trie's depth (the longest draft offered)
     accepted_tokens: int = 0
     ngram_accepted_tokens: int = 0  # accepted nodes that only an n-gram branch proposed
     ngram_hit_iterations: int = 0
@@ -616,7 +616,7 @@ def _tokenswift_loop(
             ):
                 stats.add_time(phase, end - begin)
             stats.forwards += 1 if from_verify else 2  # verify (+ the draft pass)
-            stats.drafted_tokens += tree.depth
+            stats.drafted_tokens += max(trie.depths)  # the longest draft offered (n-gram branches may pass the tree)
             stats.accepted_tokens += len(acceptance.nodes)
             ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
             stats.ngram_accepted_tokens += ngram_accepted

@@ -236,3 +236,26 @@ def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monk
     assert stats.phase_s["ar_step"] > 0
     if draft_source == "partial":
         assert stats.partial_selections >= 2  # after prefill, and again when drafting resumed
+
+
+def test_drafted_tokens_count_the_tries_depth_when_ngram_branches_pass_the_tree(llama_engine64):
+    """α = accepted / drafted stays a rate (≤ 1) when n-gram branches are deeper than the tree."""
+    from tokenswift_trt.runtime.decoding import Acceptance
+
+    depths: list[int] = []
+
+    def accept_deepest(trie, targets, remaining, stop_tokens):  # not lossless: exercises the accounting only
+        node = max(range(len(trie)), key=lambda n: trie.depths[n])
+        depths.append(trie.depths[node])
+        path = []
+        while node > 0:
+            path.append(node)
+            node = trie.parents[node]
+        nodes = path[::-1][: max(0, remaining - 1)]
+        return Acceptance(nodes, [trie.tokens[n] for n in nodes] + [targets.sample(nodes[-1] if nodes else 0)])
+
+    config = GenerationConfig(max_new_tokens=60, sampling=GREEDY, ignore_eos=True, ngram_topk=5, tree="1")
+    _, stats = generate(llama_engine64, [5, 6, 7, 8, 9] * 20, config, acceptor=accept_deepest)
+    assert max(depths) == 4 > 1  # a 4-gram branch under a one-level tree
+    assert stats.drafted_tokens == sum(depths) and stats.accepted_tokens <= stats.drafted_tokens
+    assert stats.acceptance_rate <= 1
