@@ -50,12 +50,11 @@ class Linear(nn.Linear):
         return self._packed is not None and self._packed_from == _identity(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
-        if self._packed is None or not torch.is_inference_mode_enabled() or x.device.type != "cpu":
+        usable = self._packed is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
+        if not usable or not torch.is_inference_mode_enabled():
             return F.linear(x, self.weight, self.bias)
-        if not self.packed:
-            self._packed = None  # the weight changed since pack(): never use a stale copy
-            return F.linear(x, self.weight, self.bias)
-        if x.dtype != self.weight.dtype:
+        if not self.packed:  # the weight changed since pack(): never use a stale copy
+            self._packed = None
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
