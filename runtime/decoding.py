@@ -58,6 +58,9 @@ class GenerationConfig:
     tree: str = "1,3,3,3"  # or "auto"
     ngram_topk: int = 20  # ignored with tree="auto"
     kv_budget: int = 4096
+    # recent region of the partial cache: committed tokens are appended there and the selection is
+    # redone when it fills (None = B/4, the spec's); smaller = fresher selection, more selections
+    kv_recent: int | None = None
     # "partial": the paper's separate draft forward of the root on the partial KV cache;
     # "verify": draft layers read the verify pass's hidden state of the last accepted token
     # (no draft forward, no partial cache; depth d of the tree uses draft layer d)
@@ -89,6 +92,10 @@ class GenerationConfig:
             raise GenerationError(f"n-gram top-k must be >= 0, got {self.ngram_topk}")
         if self.kv_budget < 4:
             raise GenerationError(f"the partial KV budget must be at least 4, got {self.kv_budget}")
+        if self.kv_recent is not None and not 1 <= self.kv_recent < self.kv_budget:
+            raise GenerationError(
+                f"the partial cache's recent region must be in [1, {self.kv_budget}) (below the budget), got {self.kv_recent}"
+            )
         if self.prefill_chunk < 1:
             raise GenerationError(f"prefill chunk must be positive, got {self.prefill_chunk}")
 
@@ -554,7 +561,8 @@ def _tokenswift_loop(
     from_verify = config.draft_source == "verify"
     if not from_verify:
         state.partial = PartialKVCache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_budget, dtype=engine.dtype, device=device
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv_budget, recent=config.kv_recent,
+            dtype=engine.dtype, device=device,
         )
         state.partial.select(state.full, state.queries)
         if state.static_full is not None:

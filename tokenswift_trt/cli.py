@@ -113,6 +113,8 @@ def sampling_options(function):
         click.option("--ngram-topk", type=int, default=None, help="n-gram branches per first token [20]"),
         click.option("--tree", default=None, help="candidates per depth, or auto [1,3,3,3]"),
         click.option("--kv-budget", type=int, default=None, help="partial KV cache budget B [4096]"),
+        click.option("--kv-recent", type=int, default=None,
+                     help="partial cache recent region; the selection is redone when it fills [B/4]"),
         click.option("--draft-source", type=click.Choice(["partial", "verify"]), default=None,
                      help="partial: separate draft pass on the partial KV cache (paper); verify: draft layers read the verify pass [partial]"),
         click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"),
@@ -138,7 +140,8 @@ def _generation_config(max_new_tokens: int, method: str, opts: dict, defaults: d
     )
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, method=method, sampling=sampling, tree=merged["tree"],
-        ngram_topk=merged["ngram_topk"], kv_budget=merged["kv_budget"], draft_source=merged["draft_source"], seed=merged.get("seed"),
+        ngram_topk=merged["ngram_topk"], kv_budget=merged["kv_budget"], kv_recent=merged.get("kv_recent"), draft_source=merged["draft_source"],
+        seed=merged.get("seed"),
         ignore_eos=merged.get("ignore_eos", False), max_length=merged.get("max_length"),
     )
     try:

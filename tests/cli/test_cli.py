@@ -65,6 +65,7 @@ def test_seeded_sampling_is_reproducible_and_streams_the_same_text(model_dir):
         (["--prompt", "x", "--max-new-tokens", "5", "--penalty", "0.5"], "penalty"),
         (["--prompt", "x", "--max-new-tokens", "5", "--tree", "1,,3"], "tree"),
         (["--prompt", "x", "--max-new-tokens", "5", "--tree", "1,3,3,3,3"], "draft layers"),
+        (["--prompt", "x", "--max-new-tokens", "5", "--kv-budget", "64", "--kv-recent", "64"], "recent region"),
         (["--max-new-tokens", "5"], "exactly one of --prompt"),
         (["--prompt", "x", "--max-new-tokens", "five"], "five"),
         (["--prompt-file", "/nonexistent/prompt.txt", "--max-new-tokens", "5"], "cannot read prompt file"),

@@ -146,6 +146,8 @@ def test_streaming_callback_sees_every_token_in_order(llama_engine64):
         (dict(max_new_tokens=5, method="beam"), "method"),
         (dict(max_new_tokens=5, sampling=SamplingConfig(top_p=2.0)), "top-p"),
         (dict(max_new_tokens=5, max_length=48), "maximum length"),
+        (dict(max_new_tokens=5, kv_budget=16, kv_recent=16), "recent region"),
+        (dict(max_new_tokens=5, kv_recent=0), "recent region"),
     ],
 )
 def test_bad_requests_raise_generation_error(llama_engine64, kwargs, match):
@@ -167,6 +169,17 @@ def test_qwen2_tied_embeddings_greedy_lossless(qwen2_dir):
     swift, _ = generate(engine, prompt, GenerationConfig(**base, kv_budget=32))
     ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar
+
+
+def test_a_smaller_recent_region_reselects_more_often_and_stays_lossless(llama_engine64):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    base = dict(max_new_tokens=120, sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16), seed=5,
+                ignore_eos=True, kv_budget=32)
+    default, default_stats = generate(llama_engine64, prompt, GenerationConfig(**base))  # recent region 8
+    fresh, fresh_stats = generate(llama_engine64, prompt, GenerationConfig(**base, kv_recent=2))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert fresh == default == ar
+    assert fresh_stats.partial_selections > 2 * default_stats.partial_selections > 0
 
 
 @pytest.mark.parametrize("budget", [4, 9])
