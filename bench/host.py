@@ -4,6 +4,10 @@ Model calls (forward, draft, logits, head logits) are timed by a transparent pro
 engine's model; with a GPU each call is bracketed by a device synchronisation so that queued
 kernels are charged to the model, not to the host. What remains per iteration is the n-gram
 lookup, trie build, sampling, acceptance and cache bookkeeping (issue goal: <= 1 ms).
+
+A second, identical generation counts the tensor operations dispatched outside model calls
+(views and other metadata-only operations excluded): on a GPU each is at least one kernel launch,
+so the count says what the host costs there even when measured on a CPU.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.engine import Engine
 
 TIMED_CALLS = ("forward", "draft", "logits", "head_logits")
+# operations that launch nothing: they wrap, detach or alias tensors
+NO_KERNEL = frozenset({"lift_fresh", "detach", "detach_", "alias"})
 
 
 class TimedModel:
@@ -28,6 +35,7 @@ class TimedModel:
         self._device = device
         self.seconds = 0.0
         self.calls = 0
+        self.depth = 0  # > 0 while inside a model call
 
     def _timed(self, name: str):
         method = getattr(self._model, name)
@@ -36,7 +44,11 @@ class TimedModel:
             if self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
             start = time.perf_counter()
-            result = method(*args, **kwargs)
+            self.depth += 1
+            try:
+                result = method(*args, **kwargs)
+            finally:
+                self.depth -= 1
             if self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
             self.seconds += time.perf_counter() - start
@@ -54,6 +66,22 @@ class TimedModel:
         return getattr(self._model, name)
 
 
+class HostOpCounter(TorchDispatchMode):
+    """Counts tensor operations dispatched while `model` is not inside a model call and `counting`
+    is set; views and the NO_KERNEL operations are not counted."""
+
+    def __init__(self, model: TimedModel) -> None:
+        super().__init__()
+        self.model = model
+        self.counting = False
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting and self.model.depth == 0 and not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass
 class HostOverhead:
     iterations: int
@@ -61,6 +89,11 @@ class HostOverhead:
     decode_s: float  # generation time after prefill
     model_s: float  # inside model calls during decoding
     phase_s: dict[str, float]
+    host_ops: int | None = None  # tensor operations outside model calls over the same iterations
+
+    @property
+    def host_ops_per_iteration(self) -> float | None:
+        return self.host_ops / self.iterations if self.host_ops is not None and self.iterations else None
 
     @property
     def host_ms_per_iteration(self) -> float:
@@ -71,12 +104,15 @@ class HostOverhead:
         return self.model_s / self.iterations * 1e3 if self.iterations else 0.0
 
 
-def measure_host_overhead(engine: Engine, prompt: Sequence[int], config: GenerationConfig) -> HostOverhead:
-    """Generate once with `config` (TokenSwift) and split decode time into model and host.
+def measure_host_overhead(engine: Engine, prompt: Sequence[int], config: GenerationConfig,
+                          count_ops: bool = True) -> HostOverhead:
+    """Generate with `config` (TokenSwift) and split decode time into model and host; with
+    `count_ops`, generate again and count the host's tensor operations (HostOpCounter).
 
-    Counted from the end of the first iteration to the end of the last, so prefill and the first
-    iteration's warm-up are excluded exactly.
+    Both are counted from the end of the first iteration to the end of the last, so prefill and
+    the first iteration's warm-up are excluded exactly.
     """
+    config = replace(config, method="tokenswift")
     timed = TimedModel(engine.model, engine.device)
     timed_engine = replace(engine, model=timed)  # same weights and caches; only timing added
     marks: list[tuple[int, float, float]] = []  # (iteration, elapsed_s, model_s) after each iteration
@@ -84,9 +120,20 @@ def measure_host_overhead(engine: Engine, prompt: Sequence[int], config: Generat
     def observe(stats) -> None:
         marks.append((stats.iterations, stats.elapsed_s, timed.seconds))
 
-    _, stats = generate(timed_engine, prompt, replace(config, method="tokenswift"), observer=observe)
+    tokens, stats = generate(timed_engine, prompt, config, observer=observe)
     if len(marks) < 2:
         raise ValueError("host overhead needs at least two decoding iterations: raise max_new_tokens")
     (first_iteration, first_elapsed, first_model), (last_iteration, last_elapsed, last_model) = marks[0], marks[-1]
-    return HostOverhead(last_iteration - first_iteration, stats.new_tokens, last_elapsed - first_elapsed,
-                        last_model - first_model, dict(stats.phase_s))
+    result = HostOverhead(last_iteration - first_iteration, stats.new_tokens, last_elapsed - first_elapsed,
+                          last_model - first_model, dict(stats.phase_s))
+    if count_ops:
+        counter = HostOpCounter(timed)
+
+        def start_counting(stats) -> None:
+            counter.counting = True  # after the first iteration, as for the times
+
+        with counter:
+            again, _ = generate(timed_engine, prompt, replace(config, seed=stats.seed), observer=start_counting)
+        assert again == tokens, "same seed, same tokens: the count covers the same work"
+        result.host_ops = counter.ops
+    return result

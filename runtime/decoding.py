@@ -268,11 +268,9 @@ class NodeTargets:
         scores = process_logits(self.logits(), state.windows(paths), state.sampling)  # [N, V]
         if state.sampling.greedy:
             return scores.argmax(dim=-1).tolist()
-        depths = sorted(set(trie.depths))
-        noise = torch.stack([state.random.gumbel(state.root_position + d + 1, scores.shape[-1], scores.device)
-                             for d in depths])  # [distinct depths, V]
-        row = torch.tensor([depths.index(d) for d in trie.depths], device=scores.device)
-        return gumbel_max_rows(scores, noise[row])
+        # only position-keyed noise gets here (sample_all): nodes at one depth share their position's noise
+        positions = [state.root_position + depth + 1 for depth in trie.depths]
+        return gumbel_max_rows(scores, state.random.gumbel_rows(positions, scores.shape[-1], scores.device))  # [N, V]
 
 
 Acceptor = Callable[[Trie, NodeTargets, int, frozenset], Acceptance]
@@ -366,7 +364,7 @@ def _top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) 
     noises = None
     if not state.sampling.greedy and state.random.noise_known_in_advance:
         size, device = scores.shape[-1], scores.device
-        noises = torch.stack([state.random.gumbel(state.root_position + 1 + d, size, device) for d in range(depths)])
+        noises = state.random.gumbel_rows([state.root_position + 1 + d for d in range(depths)], size, device)
     ranked = draft_ranking(scores, noises, max(tree.branching))  # [depths, width]
     flat = iter(ranked.tolist())
     return [next(flat)[:width] for width in tree.branching]

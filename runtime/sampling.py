@@ -16,6 +16,7 @@ sampled.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,12 +89,15 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def min_p_filter(scores: torch.Tensor, min_p: float, keep: int = MIN_P_KEEP) -> torch.Tensor:
-    """Keep tokens with p >= min_p * p_max, and never fewer than `keep` of the most probable."""
+    """Keep tokens with p >= min_p * p_max, and never fewer than `keep` of the most probable.
+
+    p_i / p_max = exp(s_i - s_max), so the test runs on the scores themselves (s_i >= s_max +
+    log min_p): no softmax over the vocabulary.
+    """
     if min_p <= 0:
         return scores
-    probs = scores.softmax(dim=-1)
-    top = probs.topk(min(keep, probs.shape[-1]), dim=-1)  # its first value is the row's maximum
-    remove = probs < min_p * top.values[..., :1]
+    top = scores.topk(min(keep, scores.shape[-1]), dim=-1)  # its first value is the row's maximum
+    remove = scores < top.values[..., :1] + math.log(min_p)
     remove.scatter_(-1, top.indices, False)
     return scores.masked_fill(remove, float("-inf"))
 
@@ -195,15 +199,31 @@ def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
 
 def keyed_uniforms(key: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[size] float64 in (0, 1): element i is a pure function of (key, i), the same on every device."""
-    index = torch.arange(size, dtype=torch.int64, device=device)
-    bits = _splitmix64_tensor(index ^ _signed(key & _MASK64))
+    keys = torch.tensor([_signed(key & _MASK64)], dtype=torch.int64, device=device)
+    return keyed_uniform_rows(keys, torch.arange(size, dtype=torch.int64, device=device))[0]
+
+
+def keyed_uniform_rows(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """keys [P] int64, index [V] int64 -> [P, V] float64 in (0, 1): `keyed_uniforms(key, V)` of
+    every key in one batch of tensor operations."""
+    bits = _splitmix64_tensor(index[None, :] ^ keys[:, None])
     return (_shift_right(bits, 11).to(torch.float64) + 0.5) * 2.0**-53
+
+
+def _position_key(seed: int, position: int) -> int:
+    return _signed(_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)))
 
 
 def position_gumbel(seed: int, position: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard Gumbel noise [size] float64 for sampling `position`: a pure function of (seed, position)."""
-    key = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
-    return -torch.log(-torch.log(keyed_uniforms(key, size, device)))
+    return position_gumbel_rows(seed, [position], torch.arange(size, dtype=torch.int64, device=device))[0]
+
+
+def position_gumbel_rows(seed: int, positions: Sequence[int], index: torch.Tensor) -> torch.Tensor:
+    """`position_gumbel` of several positions in one batch: [len(positions), V] on index's device,
+    index = arange(V) int64 (callers keep it)."""
+    keys = torch.tensor([_position_key(seed, p) for p in positions], dtype=torch.int64, device=index.device)
+    return -torch.log(-torch.log(keyed_uniform_rows(keys, index)))
 
 
 class RandomSource(Protocol):
@@ -214,9 +234,15 @@ class RandomSource(Protocol):
         """Standard Gumbel noise [size] float64 on `device` for sampling the token at `position`."""
         ...
 
+    def gumbel_rows(self, positions: Sequence[int], size: int, device: torch.device) -> torch.Tensor:
+        """[len(positions), size]: `gumbel` of each position, in order."""
+        ...
+
 
 class PositionKeyedRandom:
-    """The default: the same (seed, position) always gives the same noise (recent ones memoised)."""
+    """The default: the same (seed, position) always gives the same noise (recent ones memoised).
+    Positions not in the memo are computed in one batch (one set of tensor operations: on a GPU,
+    one set of kernel launches however many positions)."""
 
     MEMO = 64
     noise_known_in_advance = True
@@ -224,15 +250,25 @@ class PositionKeyedRandom:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._memo: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._index: dict[tuple[int, str], torch.Tensor] = {}  # arange(size) per (size, device)
 
     def gumbel(self, position: int, size: int, device: torch.device) -> torch.Tensor:
-        key = (position, size, str(device))
-        noise = self._memo.get(key)
-        if noise is None:
-            if len(self._memo) >= self.MEMO:
+        return self.gumbel_rows([position], size, device)[0]
+
+    def gumbel_rows(self, positions: Sequence[int], size: int, device: torch.device) -> torch.Tensor:
+        where = str(device)
+        missing = [p for p in dict.fromkeys(positions) if (p, size, where) not in self._memo]
+        if missing:
+            if len(self._memo) + len(missing) > self.MEMO:
                 self._memo.clear()
-            noise = self._memo[key] = position_gumbel(self.seed, position, size, device)
-        return noise
+                missing = list(dict.fromkeys(positions))
+            index = self._index.get((size, where))
+            if index is None:
+                index = self._index[(size, where)] = torch.arange(size, dtype=torch.int64, device=device)
+            for position, row in zip(missing, position_gumbel_rows(self.seed, missing, index)):
+                self._memo[(position, size, where)] = row
+        rows = [self._memo[(p, size, where)] for p in positions]
+        return rows[0][None] if len(rows) == 1 else torch.stack(rows)
 
 
 class IndependentRandom:
@@ -247,3 +283,6 @@ class IndependentRandom:
     def gumbel(self, position: int, size: int, device: torch.device) -> torch.Tensor:
         uniform = torch.rand(size, generator=self._generator, dtype=torch.float64).clamp_(min=2.0**-60)
         return (-torch.log(-torch.log(uniform))).to(device)
+
+    def gumbel_rows(self, positions: Sequence[int], size: int, device: torch.device) -> torch.Tensor:
+        return torch.stack([self.gumbel(p, size, device) for p in positions])

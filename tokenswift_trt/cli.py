@@ -315,6 +315,8 @@ def bench_host(model_dir, engine_dir, heads, prompt_file, prefix_len, max_new_to
     click.echo(f"tree {config.tree}, k={config.ngram_topk}, {result.iterations} iterations, {result.new_tokens} tokens")
     click.echo(f"host ms/iteration: {result.host_ms_per_iteration:.3f}  model ms/iteration: "
                f"{result.model_ms_per_iteration:.3f}")
+    click.echo(f"host tensor ops/iteration: {result.host_ops_per_iteration:.1f} (outside model calls, views "
+               "excluded: each is a kernel launch on a GPU)")
     phases = ", ".join(f"{name} {seconds / result.iterations * 1e3:.3f}" for name, seconds in result.phase_s.items())
     click.echo(f"phases (ms/iteration, model calls included): {phases}")
 

@@ -6,7 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from tokenswift_trt.bench.host import TimedModel, measure_host_overhead
+import torch
+
+from tokenswift_trt.bench.host import HostOpCounter, TimedModel, measure_host_overhead
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.sampling import SamplingConfig
@@ -36,6 +38,21 @@ def test_host_overhead_splits_decode_time(engine):
     assert 0 < result.model_s < result.decode_s
     assert result.host_ms_per_iteration == pytest.approx((result.decode_s - result.model_s) / result.iterations * 1e3)
     assert set(result.phase_s) >= {"draft", "trie", "verify", "accept", "commit"}
+    assert result.host_ops is not None and 10 < result.host_ops_per_iteration < 1000
+
+
+def test_op_counter_counts_host_operations_only(engine):
+    timed = TimedModel(engine.model, engine.device)
+    counter = HostOpCounter(timed)
+    x, hidden = torch.ones(4), torch.zeros(1, engine.config.hidden_size)
+    with torch.inference_mode(), counter:
+        x + 1  # not counting yet
+        counter.counting = True
+        y = x * 2  # counted
+        y.view(2, 2)[0]  # views launch nothing
+        timed.logits(hidden)  # inside a model call
+        y.sum()  # counted
+    assert counter.ops == 2
 
 
 def test_bench_host_command(tmp_path):
@@ -50,6 +67,7 @@ def test_bench_host_command(tmp_path):
                                        "--prefix-len", "32", "--max-new-tokens", "40", "--ignore-eos"])
     assert result.exit_code == 0, result.output
     assert "host ms/iteration:" in result.output and "verify" in result.output
+    assert "host tensor ops/iteration:" in result.output
     result = CliRunner().invoke(main, ["bench-host", "--model-dir", str(model), "--prompt-file", str(text),
                                        "--max-new-tokens", "1"])
     assert result.exit_code == 2 and "--max-new-tokens >= 2" in result.output

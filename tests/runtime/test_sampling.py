@@ -127,6 +127,17 @@ def test_position_gumbel_is_a_pure_function_of_seed_and_position():
     assert torch.equal(memo.gumbel(12, 50_000, torch.device("cpu")), noise)
 
 
+def test_noise_rows_equal_each_positions_noise_across_memo_refills():
+    source, cpu = PositionKeyedRandom(9), torch.device("cpu")
+    for start in range(0, 3 * PositionKeyedRandom.MEMO, 7):  # batches overlap the memo and overflow it
+        positions = [start, start + 3, start, start + 1] + list(range(start + 2, start + 12))
+        rows = source.gumbel_rows(positions, 300, cpu)
+        assert rows.shape == (len(positions), 300)
+        for row, position in zip(rows, positions):
+            assert torch.equal(row, position_gumbel(9, position, 300))
+    assert torch.equal(source.gumbel(5, 300, cpu), position_gumbel(9, 5, 300))
+
+
 def test_gumbel_max_with_position_noise_samples_the_distribution():
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05], dtype=torch.float64)
     scores = probs.log()
