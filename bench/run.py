@@ -115,6 +115,11 @@ def run_bench(engine: Engine, text_ids: Sequence[int], spec: BenchSpec,
     return rows
 
 
+def plans_before(plans: Sequence[str], gen_len: int) -> list[str]:
+    """The `--tree auto` plans ("TREE k=K from token N") that started before token `gen_len`."""
+    return [plan for plan in plans if int(plan.rsplit(" ", 1)[1]) < gen_len]
+
+
 def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
     ar = [r.snapshots[gen_len] for r in runs["ar"]]
     swift = [r.snapshots[gen_len] for r in runs["tokenswift"]]
@@ -139,7 +144,7 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
         default = [r.snapshots[gen_len] for r in runs["default_tree"]]
         row["default_tree_tokens_per_s"] = round(spread([d.tokens_per_s for d in default])[0], 2)
         row["auto_vs_default_tree"] = round(spread([s.tokens_per_s / d.tokens_per_s for s, d in zip(swift, default)])[0], 3)
-        row["auto_plans"] = " | ".join(runs["tokenswift"][0].plans)
+        row["auto_plans"] = " | ".join(plans_before(runs["tokenswift"][0].plans, gen_len))
     for name, key in (("tokenswift", "penalty"), ("no_penalty", "no_penalty")):
         for n in range(1, 5):
             values = [distinct_n(r.tokens[:gen_len], n) for r in runs[name]]

@@ -34,6 +34,7 @@ from .presets import PRESETS, Preset
 from .random_model import byte_level_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+REPOSITORY = Path(__file__).resolve().parents[1]  # where a source checkout keeps models/
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -72,6 +73,9 @@ def resolve(request: BuildRequest) -> tuple[Preset | None, Path | None]:
     if checkpoint is None:
         home = os.environ.get("TOKENSWIFT_HOME")
         checkpoint = Path(home) / preset.name if home else None
+        bundled = REPOSITORY / preset.bundled if preset.bundled else None
+        if (checkpoint is None or not (checkpoint / "config.json").is_file()) and bundled and (bundled / "config.json").is_file():
+            checkpoint = bundled  # the checkpoint this repository ships
     if checkpoint is None or not (checkpoint / "config.json").is_file():
         where = checkpoint if checkpoint is not None else f"$TOKENSWIFT_HOME/{preset.name}"
         raise BuildError(

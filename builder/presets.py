@@ -26,6 +26,7 @@ class Preset:
     config: dict[str, Any]  # a Hugging Face config.json
     dtype: str
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    bundled: str | None = None  # checkpoint shipped in this repository (path from its root), if any
 
     def parameter_count(self) -> int:
         """Base-model parameters implied by the shape (embeddings and head counted once when tied)."""
@@ -97,5 +98,6 @@ PRESETS: dict[str, Preset] = {
                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=500000.0,
                bos_token_id=0, eos_token_id=1),
         "float32", SamplingDefaults(min_p=0.1, penalty=1.2, penalty_window=256, kv_budget=1024, tree="auto"),
+        bundled="models/swift-tiny",
     ),
 }

@@ -44,6 +44,11 @@ def _fail(error: Exception) -> CliError:
     return CliError(str(error).splitlines()[0] if str(error) else type(error).__name__)
 
 
+# options that decide the generated tokens (a resumed journal keeps its own) / only its speed
+OUTPUT_DECIDING = ("temperature", "top_k", "top_p", "min_p", "eta", "penalty", "penalty_window", "seed", "ignore_eos",
+                   "max_length")
+SPEED_ONLY = ("tree", "ngram_topk", "kv_budget", "kv_recent", "draft_source")
+
 SAMPLING_DEFAULTS = {
     "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "eta": 0.0, "penalty": 1.0,
     "penalty_window": 1024, "ngram_topk": 20, "tree": "1,3,3,3", "kv_budget": 4096, "draft_source": "partial",
@@ -195,6 +200,11 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
     if resume is not None:
         if journal is not None or prompt is not None or prompt_file is not None:
             raise CliError("--resume continues a journal: it takes no --prompt, --prompt-file or --journal")
+        deciding = [f"--{name.replace('_', '-')}" for name in OUTPUT_DECIDING if opts.get(name) not in (None, False)]
+        if max_new_tokens is not None:
+            deciding.insert(0, "--max-new-tokens")
+        if deciding:
+            raise CliError(f"--resume continues with the journal's own settings: drop {', '.join(deciding)}")
         try:
             state = read_journal(resume)
         except JournalError as error:
@@ -204,7 +214,8 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
             model_dir = Path(header["source"]["model_dir"]) if header["source"].get("model_dir") else None
             engine_dir = Path(header["source"]["engine_dir"]) if header["source"].get("engine_dir") else None
             heads = Path(header["source"]["heads"]) if header["source"].get("heads") else None
-        config = state.config()
+        speed = {name: opts[name] for name in SPEED_ONLY if opts.get(name) is not None}
+        config = dataclasses.replace(state.config(), **speed)  # these change how fast, not what is written
         prompt_ids, done_ids = list(header["prompt_ids"]), list(state.tokens)
         engine, codec, _ = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
         if state.dropped_records and not as_json:
@@ -214,7 +225,7 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
                        "is sampled correctly but differs from what the original run would have written", err=True)
         finished = state.complete(engine.config.eos_token_ids)
         truncate_to_valid(resume)
-        writer = JournalWriter(resume, every=journal_every)
+        writer = None if finished else JournalWriter(resume, every=journal_every)
         run_config = dataclasses.replace(config, max_new_tokens=max(1, config.max_new_tokens - len(done_ids)))
     else:
         if max_new_tokens is None:
@@ -224,6 +235,10 @@ def generate(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, 
         engine, codec, defaults = _load(model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json)
         config = _generation_config(max_new_tokens, method, opts, defaults)
         prompt_ids = codec.encode(text)
+        limit = config.max_length or engine.config.max_position_embeddings
+        if len(prompt_ids) + max_new_tokens > limit > len(prompt_ids) and not as_json:
+            click.echo(f"note: the engine's maximum length is {limit:,} tokens: this {len(prompt_ids):,}-token prompt "
+                       f"leaves room for {limit - len(prompt_ids):,} new tokens, not {max_new_tokens:,}", err=True)
         finished = False
         writer = None
         if journal is not None:

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tokenswift_trt.bench.run import prompt_windows
+from tokenswift_trt.bench.run import plans_before, prompt_windows
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
 
@@ -53,6 +53,12 @@ def test_prompt_windows_and_bad_lengths(model_dir, tmp_path):
     assert result.exit_code == 2 and "fewer than --prefix-len" in result.stderr
     bad = CliRunner().invoke(main, ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "8,x"])
     assert bad.exit_code == 2 and "--gen-len" in bad.stderr
+
+
+def test_a_rows_auto_plans_are_those_started_before_its_length():
+    plans = ["probe 1,3,3,3 k=20 from token 1", "ar k=0 from token 30", "probe 1,3,3,3 k=20 from token 4168"]
+    assert plans_before(plans, 2048) == plans[:2]
+    assert plans_before(plans, 30) == plans[:1] and plans_before(plans, 8192) == plans
 
 
 def test_repeats_alternate_which_of_ar_and_tokenswift_runs_first():

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from tokenswift_trt.builder.build import BuildError, BuildRequest, build_engine
+from tokenswift_trt.builder.build import REPOSITORY, BuildError, BuildRequest, build_engine, resolve
 from tokenswift_trt.cli import main
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.engine_dir import MANIFEST, EngineDirError, load_engine_dir, read_manifest
@@ -96,6 +97,16 @@ def test_bad_build_inputs_have_clear_errors(checkpoint, tmp_path, monkeypatch):
     (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(BuildError, match="unsupported architecture 'MistralForCausalLM'"):
         build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "x"))
+
+
+def test_the_bundled_preset_builds_from_this_repositorys_checkpoint(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.delenv("TOKENSWIFT_HOME", raising=False)
+    preset, found = resolve(BuildRequest(model="swift-tiny", out=tmp_path / "x"))
+    assert preset.name == "swift-tiny" and found == REPOSITORY / "models" / "swift-tiny"
+    assert (found / "model.safetensors").is_file()
+    monkeypatch.setenv("TOKENSWIFT_HOME", str(tmp_path))  # a checkpoint there comes first
+    shutil.copytree(checkpoint, tmp_path / "swift-tiny")
+    assert resolve(BuildRequest(model="swift-tiny", out=tmp_path / "x"))[1] == tmp_path / "swift-tiny"
 
 
 def test_existing_engine_needs_force(checkpoint, tmp_path):

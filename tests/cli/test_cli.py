@@ -85,6 +85,9 @@ def test_bad_input_gives_one_line_error_and_exit_code_2(model_dir, args, match):
 def test_prompt_longer_than_the_engine_is_refused(model_dir):
     result = _run("generate", "--model-dir", str(model_dir), "--prompt", "x" * 100, "--max-new-tokens", "5", "--max-length", "50")
     assert result.exit_code == 2 and "maximum length" in result.stderr
+    capped = _run("generate", "--model-dir", str(model_dir), "--prompt", "x" * 10, "--max-new-tokens", "100",
+                  "--max-length", "50", "--ignore-eos", "--temperature", "0")
+    assert capped.exit_code == 0 and "room for 39 new tokens, not 100" in capped.stderr  # said up front (BOS + 10)
 
 
 def test_installed_console_script_prints_no_traceback(tmp_path):
@@ -107,3 +110,19 @@ def test_demo_compares_ar_and_tokenswift(model_dir):
 def test_random_model_refuses_to_overwrite(model_dir):
     result = _run("random-model", "--out", str(model_dir))
     assert result.exit_code == 2 and "--force" in result.stderr
+
+
+def test_resume_keeps_the_journals_settings_and_leaves_a_finished_journal_alone(model_dir, tmp_path):
+    journal = tmp_path / "run.journal"
+    args = ["generate", "--model-dir", str(model_dir), "--prompt", "Once", "--max-new-tokens", "40", "--seed", "5",
+            "--min-p", "0.1", "--ignore-eos", "--journal", str(journal), "--json"]
+    first = json.loads(_run(*args).stdout.strip().splitlines()[-1])
+    for extra, named in ((["--seed", "9"], "--seed"), (["--max-new-tokens", "80"], "--max-new-tokens"),
+                         (["--min-p", "0.2", "--penalty", "1.1"], "--min-p, --penalty")):
+        refused = _run("generate", "--resume", str(journal), *extra)
+        assert refused.exit_code == 2 and f"drop {named}" in refused.stderr, refused.output
+    written = journal.read_bytes()
+    again = _run("generate", "--resume", str(journal), "--tree", "1,1", "--json")  # speed-only options are taken
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout.strip().splitlines()[-1])["token_ids"] == first["token_ids"]
+    assert journal.read_bytes() == written  # finished: nothing appended
