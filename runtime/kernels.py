@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,7 +180,8 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
             extra_cuda_cflags=["-O3"],
             verbose=verbose,
         )
-    except (OSError, RuntimeError, ImportError) as error:  # no nvcc, compiler error, ABI mismatch
+    except (OSError, RuntimeError, ImportError, ValueError, subprocess.CalledProcessError) as error:
+        # no nvcc or ninja, compiler error, ABI mismatch, a TORCH_CUDA_ARCH_LIST torch cannot parse
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return KernelStatus(False, f"building the CUDA kernels failed: {first_line}")
     tree_attention.register_kernel("cuda")(module.tree_attention)
@@ -196,7 +198,9 @@ def kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
 def shared_memory_problem(status: KernelStatus, head_dim: int, device: torch.device) -> str | None:
     """Why the loaded kernel cannot run `head_dim` on `device` (too little shared memory per block), or None."""
     needed = status.module.tree_attention_shared_bytes(head_dim)  # type: ignore[union-attr]
-    allowed = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    allowed = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+    if allowed is None:  # torch < 2.7 does not report it; the kernel's own launch check then decides
+        return None
     if needed > allowed:
         return f"head_dim {head_dim} needs {needed} bytes of shared memory per block, this GPU allows {allowed}"
     return None

@@ -152,7 +152,7 @@ def grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias
         return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=bias, enable_gqa=gqa)[0]
     folded = q.reshape(kv_heads, (heads // kv_heads) * count, dim)
     out = F.scaled_dot_product_attention(folded[None], keys[None], values[None], attn_mask=bias)[0]
-    return out.view(heads, count, dim)
+    return out.reshape(heads, count, dim)  # SDPA on CUDA may return a non-contiguous layout
 
 
 class MLP(nn.Module):

@@ -61,7 +61,12 @@ def _load(model_dir: Path | None, engine_dir: Path | None, heads: Path | None, d
     import torch
 
     from tokenswift_trt.runtime.config import ConfigError
-    from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
+    from tokenswift_trt.runtime.engine import (
+        KernelFallbackWarning,
+        UntrainedDraftLayersWarning,
+        WeightsError,
+        load_engine,
+    )
     from tokenswift_trt.runtime.engine_dir import EngineDirError, load_engine_dir
     from tokenswift_trt.runtime.text import TextCodec, TokenizerError
 
@@ -76,6 +81,7 @@ def _load(model_dir: Path | None, engine_dir: Path | None, heads: Path | None, d
     defaults = dict(SAMPLING_DEFAULTS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntrainedDraftLayersWarning)
+        warnings.simplefilter("always", KernelFallbackWarning)
         try:
             if engine_dir is not None:
                 if heads is not None:
@@ -89,7 +95,9 @@ def _load(model_dir: Path | None, engine_dir: Path | None, heads: Path | None, d
         except (ConfigError, WeightsError, TokenizerError, EngineDirError, OSError, RuntimeError) as error:
             raise _fail(error) from None
     for warning in caught:
-        if issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet:
+        # an untrained-heads note can be silenced; running without the CUDA kernel is always said
+        if issubclass(warning.category, KernelFallbackWarning) or (
+                issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet):
             click.echo(f"warning: {warning.message}", err=True)
     return engine, codec, defaults
 

@@ -5,27 +5,25 @@
 // The query rows of KV head h are the G = num_heads / num_kv_heads query heads that share it,
 // each with its T tree tokens: with query laid out [num_heads, T, head_dim], they are the
 // contiguous rows h*G*T .. (h+1)*G*T - 1, and row r belongs to tree node r % T.
-// Each block walks its split's keys in tiles of 64: S = Q K^T on tensor cores (WMMA, fp32
-// accumulation), online softmax per row in fp32 (log2 domain), O += P V on tensor cores.
-// It writes its unnormalised output and (max, sum) per row; a second kernel combines the splits.
-// Row blocks are the fastest grid dimension, so the blocks reading one split's K/V run together
-// and share it through L2.
+// Each of the block's 4 warps owns 16 query rows and keeps everything of them in registers
+// (FlashAttention-2 layout): its Q fragments, the scores S = Q K^T of a 64-key tile (mma.sync
+// m16n8k16, fp32 accumulation), the online softmax in fp32 (log2 domain), and the output
+// accumulator O += P V, where P goes from the score registers straight into the next matrix
+// product. K/V tiles stream through shared memory with cp.async, two stages deep, so the next
+// tile loads while this one is computed. The block writes its unnormalised output and
+// (max, sum) per row; a second kernel combines the splits. Row blocks are the fastest grid
+// dimension, so the blocks reading one split's K/V run together and share it through L2.
 #include <algorithm>
 #include <cmath>
-
-#include <mma.h>
 
 #include "common.cuh"
 
 namespace tokenswift {
 namespace {
 
-using namespace nvcuda;
 using detail::aligned16;
 using detail::ceil_div;
 using detail::from_float;
-using detail::load_rows;
-using detail::to_float;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -33,23 +31,16 @@ constexpr int kRows = kWarps * 16;   // query rows per block (16 per warp)
 constexpr int kKeys = 64;            // keys per tile
 constexpr int kMinKeysPerSplit = 256;
 constexpr float kLog2e = 1.4426950408889634f;
+static_assert(kRows == kKeys, "Q and the K/V tiles share one loader");
 
-// Shared-memory row strides (elements), padded against bank conflicts; every WMMA tile start stays
-// 32-byte aligned. head_dim 128 takes 104,192 bytes: A100/H100 (163/227 KB per block) run it;
-// GPUs with 99 KB per block run head_dim 64 only (runtime/kernels.py checks before use).
+// Shared memory: Q [64 rows] and two stages of K and V tiles [64 keys], rows padded by 16 bytes
+// so that the 8 row addresses of an ldmatrix fall in distinct banks. head_dim 128: 87,040 bytes
+// (two blocks per SM on an A100/H100); head_dim 64: 46,080.
 template <int D>
 struct Layout {
-    static constexpr int kQ = D + 8;        // Q, K, V tiles (16-bit)
-    static constexpr int kS = kKeys + 4;    // scores (fp32)
-    static constexpr int kP = kKeys + 8;    // probabilities (16-bit), written over the warp's scores
-    static constexpr int kO = D + 4;        // output accumulator (fp32)
-    static constexpr size_t q_bytes = size_t(kRows) * kQ * 2;
-    static constexpr size_t kv_bytes = size_t(kKeys) * kQ * 2;
-    static constexpr size_t s_bytes = size_t(kRows) * kS * 4;
-    static constexpr size_t o_bytes = size_t(kRows) * kO * 4;
-    static constexpr size_t stats_bytes = size_t(kRows) * 3 * 4;
-    static constexpr size_t total = q_bytes + 2 * kv_bytes + s_bytes + o_bytes + stats_bytes;
-    static_assert(16 * kP * 2 <= 16 * kS * 4, "a warp's probabilities fit in its score rows");
+    static constexpr int kStride = D + 8;  // 16-bit elements per shared row
+    static constexpr size_t tile_bytes = size_t(kKeys) * kStride * 2;
+    static constexpr size_t total = 5 * tile_bytes;  // Q, K x 2 stages, V x 2 stages
 };
 
 struct SplitArgs {
@@ -71,18 +62,93 @@ struct SplitArgs {
     float scale_log2;
 };
 
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes global -> shared without passing through registers; zero-filled when !valid.
+__device__ __forceinline__ void copy_async(void* shared, const void* global, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int Pending>
+__device__ __forceinline__ void wait_copies() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+// Four 8x8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void load_matrices(uint32_t (&r)[4], const void* shared) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(shared)));
+}
+
+__device__ __forceinline__ void load_matrices_transposed(uint32_t (&r)[4], const void* shared) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(shared)));
+}
+
+// c[16x8] += a[16x16] b[16x8]. Lane l (g = l / 4, t = l % 4) holds c rows g and g + 8, columns
+// 2t and 2t + 1; a rows g, g + 8 x columns 2t.., 2t + 8..; b rows 2t.., 2t + 8.. x column g.
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as one register of two 16-bit elements, the lower column in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack(float low, float high);
+
+template <>
+__device__ __forceinline__ uint32_t pack<__nv_bfloat16>(float low, float high) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(low, high);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack<__half>(float low, float high) {
+    __half2 v = __floats2half2_rn(low, high);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 64 rows of D elements (global rows D apart) into a padded shared tile; rows >= valid are zeros.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile(T* shared, const T* global, int valid) {
+    constexpr int kVectors = D / 8;
+    for (int item = threadIdx.x; item < kKeys * kVectors; item += kThreads) {
+        const int row = item / kVectors;
+        const int column = (item % kVectors) * 8;
+        const bool ok = row < valid;
+        copy_async(shared + row * Layout<D>::kStride + column, ok ? global + int64_t(row) * D + column : global, ok);
+    }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArgs args) {
-    using L = Layout<D>;
+    constexpr int kStride = Layout<D>::kStride;
+    constexpr int kTile = kKeys * kStride;  // elements per shared tile
     extern __shared__ __align__(128) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);
-    T* k_s = reinterpret_cast<T*>(smem + L::q_bytes);
-    T* v_s = reinterpret_cast<T*>(smem + L::q_bytes + L::kv_bytes);
-    float* s_s = reinterpret_cast<float*>(smem + L::q_bytes + 2 * L::kv_bytes);
-    float* o_s = reinterpret_cast<float*>(smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes);
-    float* max_s = reinterpret_cast<float*>(smem + L::q_bytes + 2 * L::kv_bytes + L::s_bytes + L::o_bytes);
-    float* sum_s = max_s + kRows;
-    float* correction_s = sum_s + kRows;
+    T* k_s = q_s + kTile;      // stages at k_s and k_s + kTile
+    T* v_s = q_s + 3 * kTile;  // stages at v_s and v_s + kTile
 
     const int row0 = blockIdx.x * kRows;
     const int split = blockIdx.y;
@@ -98,122 +164,184 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
     const int prefix = key_length - args.num_tree;
     const int key_begin = split * keys_per_split;
     const int key_end = min(key_length, key_begin + keys_per_split);
+    const int tiles = key_end > key_begin ? (key_end - key_begin + kKeys - 1) / kKeys : 0;
 
     const T* query = static_cast<const T*>(args.query) + (int64_t(kv_head) * args.group_rows + row0) * D;
     const T* keys = static_cast<const T*>(args.keys) + kv_head * args.kv_head_stride;
     const T* values = static_cast<const T*>(args.values) + kv_head * args.kv_head_stride;
 
-    load_rows(q_s, L::kQ, query, D, kRows, rows_here, D);
-    for (int i = threadIdx.x; i < kRows * L::kO; i += kThreads) o_s[i] = 0.0f;
-    for (int i = threadIdx.x; i < kRows; i += kThreads) {
-        max_s[i] = -INFINITY;
-        sum_s[i] = 0.0f;
+    load_tile<T, D>(q_s, query, rows_here);
+    commit_copies();
+    if (tiles > 0) {
+        load_tile<T, D>(k_s, keys + int64_t(key_begin) * D, min(kKeys, key_end - key_begin));
+        load_tile<T, D>(v_s, values + int64_t(key_begin) * D, min(kKeys, key_end - key_begin));
     }
+    commit_copies();
+    wait_copies<1>();  // Q has landed (the first tile may still be in flight)
     __syncthreads();
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const bool warp_has_rows = warp * 16 < rows_here;
-    const T* q_w = q_s + warp * 16 * L::kQ;
-    float* s_w = s_s + warp * 16 * L::kS;
-    T* p_w = reinterpret_cast<T*>(s_w);  // P overwrites S once every lane has read its scores
-    float* o_w = o_s + warp * 16 * L::kO;
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const bool active = warp * 16 < rows_here;  // warp-uniform
+    // ldmatrix addressing: lane l names row l % 8 of matrix l / 8
+    const int matrix = lane / 8;
+    const int matrix_row = lane % 8;
 
-    // This lane's softmax row (two lanes per row, 32 columns each) and its tree node.
-    const int softmax_row = lane / 2;
-    const int half = lane % 2;
-    const int block_row = warp * 16 + softmax_row;
-    const int group_row = row0 + block_row;
-    const int node = group_row < args.group_rows ? group_row % args.num_tree : 0;
-    const uint32_t* mask_row = args.tree_mask + int64_t(node) * args.mask_words;
+    uint32_t q_frag[D / 16][4];
+    if (active) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            load_matrices(q_frag[kk], q_s + (warp * 16 + (matrix % 2) * 8 + matrix_row) * kStride + kk * 16 +
+                                          (matrix / 2) * 8);
+        }
+    }
 
-    for (int tile = key_begin; tile < key_end; tile += kKeys) {
-        const int tile_keys = min(kKeys, key_end - tile);
-        load_rows(k_s, L::kQ, keys + int64_t(tile) * D, D, kKeys, tile_keys, D);
-        load_rows(v_s, L::kQ, values + int64_t(tile) * D, D, kKeys, tile_keys, D);
-        __syncthreads();
-        if (warp_has_rows) {
-            // S[16, 64] = Q_w[16, D] K_tile^T
-            for (int n = 0; n < kKeys / 16; ++n) {
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> score;
-                wmma::fill_fragment(score, 0.0f);
-                for (int k = 0; k < D / 16; ++k) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-                    wmma::load_matrix_sync(a, q_w + k * 16, L::kQ);
-                    wmma::load_matrix_sync(b, k_s + n * 16 * L::kQ + k * 16, L::kQ);
-                    wmma::mma_sync(score, a, b, score);
-                }
-                wmma::store_matrix_sync(s_w + n * 16, score, L::kS, wmma::mem_row_major);
-            }
-            __syncwarp();
+    // This lane's two rows (g and g + 8 of the warp's 16) and their tree nodes' mask rows.
+    const uint32_t* mask_row[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int group_row = row0 + warp * 16 + g + 8 * r;
+        const int node = group_row < args.group_rows ? group_row % args.num_tree : 0;
+        mask_row[r] = args.tree_mask + int64_t(node) * args.mask_words;
+    }
 
-            // Online softmax of this lane's 32 columns, combined with the other half of the row.
-            float logits[32];
-            float tile_max = -INFINITY;
-            for (int c = 0; c < 32; ++c) {
-                const int column = half * 32 + c;
-                const int key = tile + column;
-                bool visible = column < tile_keys;
-                if (visible && key >= prefix) {
-                    const int tree_key = key - prefix;
-                    visible = (mask_row[tree_key / 32] >> (tree_key % 32)) & 1u;
-                }
-                logits[c] = visible ? s_w[softmax_row * L::kS + column] * args.scale_log2 : -INFINITY;
-                tile_max = fmaxf(tile_max, logits[c]);
-            }
-            __syncwarp();  // all scores are in registers before P is written over them
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            const float old_max = max_s[block_row];
-            const float new_max = fmaxf(old_max, tile_max);
-            const bool nothing_visible = new_max == -INFINITY;
-            const float correction = nothing_visible ? 1.0f : exp2f(old_max - new_max);
-            float tile_sum = 0.0f;
-            for (int c = 0; c < 32; ++c) {
-                const float p = nothing_visible ? 0.0f : exp2f(logits[c] - new_max);
-                tile_sum += p;
-                p_w[softmax_row * L::kP + half * 32 + c] = from_float<T>(p);
-            }
-            tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, 1);
-            if (half == 0) {
-                max_s[block_row] = new_max;
-                sum_s[block_row] = sum_s[block_row] * correction + tile_sum;
-                correction_s[block_row] = correction;
-            }
-            __syncwarp();
+    float out[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) out[n][0] = out[n][1] = out[n][2] = out[n][3] = 0.0f;
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};  // this lane's part; the row's 4 lanes are summed at the end
 
-            for (int i = lane; i < 16 * D; i += 32) {
-                const int r = i / D;
-                o_w[r * L::kO + i % D] *= correction_s[warp * 16 + r];
-            }
-            __syncwarp();
-
-            // O_w[16, D] += P_w[16, 64] V_tile[64, D]
-            for (int n = 0; n < D / 16; ++n) {
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> out;
-                wmma::load_matrix_sync(out, o_w + n * 16, L::kO, wmma::mem_row_major);
-                for (int k = 0; k < kKeys / 16; ++k) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-                    wmma::load_matrix_sync(a, p_w + k * 16, L::kP);
-                    wmma::load_matrix_sync(b, v_s + k * 16 * L::kQ + n * 16, L::kQ);
-                    wmma::mma_sync(out, a, b, out);
-                }
-                wmma::store_matrix_sync(o_w + n * 16, out, L::kO, wmma::mem_row_major);
-            }
-            __syncwarp();
+    for (int i = 0; i < tiles; ++i) {
+        const int tile = key_begin + i * kKeys;
+        const int stage = i % 2;
+        if (i + 1 < tiles) {
+            const int next = tile + kKeys;
+            const int valid = min(kKeys, key_end - next);
+            load_tile<T, D>(k_s + (1 - stage) * kTile, keys + int64_t(next) * D, valid);
+            load_tile<T, D>(v_s + (1 - stage) * kTile, values + int64_t(next) * D, valid);
+            commit_copies();
+            wait_copies<1>();
+        } else {
+            wait_copies<0>();
         }
         __syncthreads();
+        if (active) {
+            const T* k_tile = k_s + stage * kTile;
+            const T* v_tile = v_s + stage * kTile;
+            // S[16, 64] = Q_w[16, D] K_tile^T: 8 column blocks of 8 keys
+            float score[kKeys / 8][4];
+#pragma unroll
+            for (int j = 0; j < kKeys / 8; ++j) score[j][0] = score[j][1] = score[j][2] = score[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+                for (int j = 0; j < kKeys / 8; j += 2) {
+                    uint32_t b[4];
+                    load_matrices(b, k_tile + ((j + matrix / 2) * 8 + matrix_row) * kStride + kk * 16 +
+                                         (matrix % 2) * 8);
+                    mma<T>(score[j], q_frag[kk], b[0], b[1]);
+                    mma<T>(score[j + 1], q_frag[kk], b[2], b[3]);
+                }
+            }
+
+            // Scale into the log2 domain; hide keys past the split and tree keys this node does not see.
+            const int tile_keys = min(kKeys, key_end - tile);
+            const bool every_key_visible = tile_keys == kKeys && tile + kKeys <= prefix;
+            float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e / 2;
+                    float x = score[j][e] * args.scale_log2;
+                    if (!every_key_visible) {
+                        const int column = j * 8 + 2 * t + e % 2;
+                        const int key = tile + column;
+                        bool visible = column < tile_keys;
+                        if (visible && key >= prefix) {
+                            const int tree_key = key - prefix;
+                            visible = (mask_row[r][tree_key / 32] >> (tree_key % 32)) & 1u;
+                        }
+                        if (!visible) x = -INFINITY;
+                    }
+                    score[j][e] = x;
+                    tile_max[r] = fmaxf(tile_max[r], x);
+                }
+            }
+            float correction[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+                tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+                const float new_max = fmaxf(row_max[r], tile_max[r]);
+                // a row that has seen nothing yet keeps max -inf, sum 0 and output 0
+                correction[r] = new_max == -INFINITY ? 1.0f : exp2f(row_max[r] - new_max);
+                row_max[r] = new_max;
+            }
+            float tile_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e / 2;
+                    const float p = row_max[r] == -INFINITY ? 0.0f : exp2f(score[j][e] - row_max[r]);
+                    score[j][e] = p;
+                    tile_sum[r] += p;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                out[n][0] *= correction[0];
+                out[n][1] *= correction[0];
+                out[n][2] *= correction[1];
+                out[n][3] *= correction[1];
+            }
+
+            // O_w[16, D] += P[16, 64] V_tile[64, D]; P's A fragments are the score registers.
+#pragma unroll
+            for (int kk = 0; kk < kKeys / 16; ++kk) {
+                const uint32_t p[4] = {pack<T>(score[2 * kk][0], score[2 * kk][1]),
+                                       pack<T>(score[2 * kk][2], score[2 * kk][3]),
+                                       pack<T>(score[2 * kk + 1][0], score[2 * kk + 1][1]),
+                                       pack<T>(score[2 * kk + 1][2], score[2 * kk + 1][3])};
+#pragma unroll
+                for (int n = 0; n < D / 8; n += 2) {
+                    uint32_t b[4];
+                    load_matrices_transposed(b, v_tile + (kk * 16 + (matrix % 2) * 8 + matrix_row) * kStride +
+                                                    n * 8 + (matrix / 2) * 8);
+                    mma<T>(out[n], p, b[0], b[1]);
+                    mma<T>(out[n + 1], p, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before the next prefetch overwrites it
     }
 
-    const int64_t out_row0 = int64_t(split) * args.total_rows + int64_t(kv_head) * args.group_rows + row0;
-    for (int i = threadIdx.x; i < rows_here * D; i += kThreads) {
-        const int r = i / D;
-        args.partial_out[(out_row0 + r) * D + i % D] = o_s[r * L::kO + i % D];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
     }
-    for (int r = threadIdx.x; r < rows_here; r += kThreads) {
-        args.partial_max[out_row0 + r] = max_s[r];
-        args.partial_sum[out_row0 + r] = sum_s[r];
+    if (!active) return;
+    const int64_t out_row0 = int64_t(split) * args.total_rows + int64_t(kv_head) * args.group_rows + row0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int block_row = warp * 16 + g + 8 * r;
+        if (block_row >= rows_here) continue;
+        const int64_t row = out_row0 + block_row;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<float2*>(args.partial_out + row * D + n * 8 + 2 * t) =
+                make_float2(out[n][2 * r], out[n][2 * r + 1]);
+        }
+        if (t == 0) {
+            args.partial_max[row] = row_max[r];
+            args.partial_sum[row] = row_sum[r];
+        }
     }
 }
 

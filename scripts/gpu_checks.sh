@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
+#
+#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host (default: all)
+#
+# Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
+# so one failing stage does not hide the others' results. Needs a CUDA build of torch, nvcc and
+# ninja; installs this checkout with `pip install --no-deps -e .` into the running Python.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:?usage: scripts/gpu_checks.sh OUT_DIR [STAGE ...]}
+shift
+STAGES=${*:-env tests kernels steps host}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tokenswift_torch_ext}
+CLI=("$PYTHON" -m tokenswift_trt.cli)
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log, report the exit code
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start))s"
+    tail -n 25 "$OUT_DIR/$name.log"
+}
+
+if ! "$PYTHON" -c "import tokenswift_trt.runtime" 2>/dev/null; then
+    "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT_DIR/install.log" 2>&1 \
+        || { echo "install failed"; tail -n 20 "$OUT_DIR/install.log"; exit 1; }
+fi
+
+for name in $STAGES; do
+    case $name in
+    env)
+        stage env 120 bash -c "nvidia-smi; nvcc --version | tail -n 2; $PYTHON - <<'EOF'
+import time, torch
+from tokenswift_trt.runtime import kernels
+p = torch.cuda.get_device_properties(0)
+print('torch', torch.__version__, 'cuda', torch.version.cuda, p.name, p.multi_processor_count, 'SMs')
+start = time.time()
+status = kernels.load_cuda_kernels(verbose=True)
+print('kernels loaded:', status.loaded, status.reason, f'{time.time() - start:.1f}s')
+EOF"
+        ;;
+    tests)
+        stage tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
+            tests/plugins_cuda/test_cuda_kernels.py tests/runtime/test_static_step.py tests/runtime/test_sampling.py \
+            tests/runtime/test_kernels.py tests/runtime/test_model.py tests/bench/test_kernel_bench.py \
+            tests/bench/test_steps.py tests/runtime/test_kv_cache.py
+        ;;
+    kernels)
+        stage kernels 100 "${CLI[@]}" bench-kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
+            --out "$OUT_DIR/kernels"
+        ;;
+    steps)
+        stage steps 300 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
+            --contexts 4096,32768,65536,102400 --tree-sizes 1,41,121 --kv-budget 4096 \
+            --gen-len 20480,40960,61440,81920,102400 --prefix-len 4096 \
+            --out "$OUT_DIR/steps"
+        ;;
+    host)
+        stage host 120 bash -c "for tree in 1,3,3,3 auto; do ${CLI[*]} bench-host --model-dir models/swift-tiny \
+            --prompt-file models/swift-tiny/prompt.txt --max-new-tokens 1024 --min-p 0.1 --penalty 1.2 \
+            --penalty-window 256 --kv-budget 1024 --tree \$tree --ignore-eos --seed 1 --device cuda \
+            --dtype bfloat16; done"
+        ;;
+    *) echo "unknown stage $name (env tests kernels steps host)"; exit 2 ;;
+    esac
+done
