@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
-#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host (default: all)
+#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host profile (default: all but profile)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
 # so one failing stage does not hide the others' results. Needs a CUDA build of torch, nvcc and
@@ -67,6 +67,9 @@ EOF"
             --penalty-window 256 --kv-budget 1024 --tree \$tree --ignore-eos --seed 1 --device cuda \
             --dtype bfloat16; done"
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host)"; exit 2 ;;
+    profile)
+        stage profile 400 "$PYTHON" scripts/gpu_profile.py
+        ;;
+    *) echo "unknown stage $name (env tests kernels steps host profile)"; exit 2 ;;
     esac
 done
