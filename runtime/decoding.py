@@ -34,6 +34,7 @@ from .sampling import (
     PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, draft_ranking, gumbel_max_rows, process_logits,
 )
 from .static_step import StaticForward, bucket_for
+from .transfer import to_device
 from .tree import StaticTree, Trie, build_static_tree, build_trie
 
 METHODS = ("tokenswift", "ar")
@@ -183,7 +184,7 @@ class DecodeState:
         committed = self.history[start:end]
         if not path:
             return committed
-        tail = torch.tensor(list(path)[-size:], dtype=torch.long, device=self.history.device)
+        tail = to_device(list(path)[-size:], torch.long, self.history.device)
         return torch.cat((committed, tail))
 
     def windows(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -197,17 +198,17 @@ class DecodeState:
         committed = self.history[max(0, end - size) : end]  # [L]
         held = committed.numel()
         padded = [list(path) + [0] * (longest - len(path)) for path in paths]
-        tails = torch.tensor(padded, dtype=torch.long, device=self.history.device).view(len(paths), longest)
+        tails = to_device(padded, torch.long, self.history.device).view(len(paths), longest)
         rows = torch.cat((committed.expand(len(paths), held), tails), dim=1)  # [N, L + longest]
         width = min(size, held + longest)
-        ends = torch.tensor([held + len(path) for path in paths], device=rows.device)  # exclusive, per row
+        ends = to_device([held + len(path) for path in paths], torch.long, rows.device)  # exclusive, per row
         columns = (torch.arange(width, device=rows.device) + (ends[:, None] - width)).clamp_(min=0)
         return rows.gather(1, columns)
 
     def append(self, tokens: Sequence[int]) -> None:
         start = len(self.tokens)
         self.tokens.extend(tokens)
-        self.history[start : start + len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
+        self.history[start : start + len(tokens)] = to_device(list(tokens), torch.long, self.history.device)
 
 
 @dataclass
@@ -332,8 +333,8 @@ def ar_step(engine: Engine, state: DecodeState) -> ForwardOutput:
     """One AR step: the root's forward on the full cache, committed; the next token is sampled and
     appended (it is the new root). Returns the forward (hidden and queries of the old root)."""
     device = engine.device
-    root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
-    position = torch.tensor([state.root_position], dtype=torch.long, device=device)
+    root = to_device([state.tokens[-1]], torch.long, device)
+    position = to_device([state.root_position], torch.long, device)
     out = forward_full(engine, state, root, position)
     state.full.commit()
     state.append([sample_next(engine, state, out.hidden[0])])
@@ -343,8 +344,8 @@ def ar_step(engine: Engine, state: DecodeState) -> ForwardOutput:
 def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[int]]:
     """Draft forward of the root on the partial cache -> candidates per head [depth][branching]."""
     device = engine.device
-    root = torch.tensor([state.tokens[-1]], dtype=torch.long, device=device)
-    position = torch.tensor([state.root_position], dtype=torch.long, device=device)
+    root = to_device([state.tokens[-1]], torch.long, device)
+    position = to_device([state.root_position], torch.long, device)
     assert state.partial is not None
     if state.static_partial is not None:
         hidden = state.static_partial.run(root, position).hidden  # [1, hidden]
@@ -390,8 +391,8 @@ def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> 
 def verify(engine: Engine, state: DecodeState, trie: Trie) -> ForwardOutput:
     """One forward of every trie node on the full cache with the trie's ancestor mask."""
     device = engine.device
-    tokens = torch.tensor(trie.tokens, dtype=torch.long, device=device)
-    positions = torch.tensor(trie.depths, dtype=torch.long, device=device) + state.root_position
+    tokens = to_device(trie.tokens, torch.long, device)
+    positions = to_device([depth + state.root_position for depth in trie.depths], torch.long, device)
     return forward_full(engine, state, tokens, positions, trie.mask())
 
 

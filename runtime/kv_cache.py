@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from .kernels import kv_importance_select
+from .transfer import to_device
 
 
 class CacheFullError(RuntimeError):
@@ -71,10 +72,11 @@ class KVCache:
 
     def keep(self, indices: Sequence[int]) -> None:
         """Commit the pending slots at `indices` (ascending), compacted to follow the committed ones."""
-        index = torch.as_tensor(list(indices), dtype=torch.long, device=self.keys.device) + self.length
-        count = index.numel()
-        if count and int(index[-1]) >= self.length + self.pending:
+        indices = list(indices)
+        count = len(indices)
+        if count and indices[-1] >= self.pending:
             raise ValueError("keep() index beyond the pending slots")
+        index = to_device([self.length + i for i in indices], torch.long, self.keys.device)
         target = slice(self.length, self.length + count)
         self.keys[:, :, target] = self.keys.index_select(2, index)
         self.values[:, :, target] = self.values.index_select(2, index)

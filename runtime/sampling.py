@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from .transfer import to_device
+
 MIN_P_KEEP = 20  # min-p keeps at least this many tokens
 _MASK64 = (1 << 64) - 1
 
@@ -222,7 +224,7 @@ def position_gumbel(seed: int, position: int, size: int, device: torch.device | 
 def position_gumbel_rows(seed: int, positions: Sequence[int], index: torch.Tensor) -> torch.Tensor:
     """`position_gumbel` of several positions in one batch: [len(positions), V] on index's device,
     index = arange(V) int64 (callers keep it)."""
-    keys = torch.tensor([_position_key(seed, p) for p in positions], dtype=torch.int64, device=index.device)
+    keys = to_device([_position_key(seed, p) for p in positions], torch.int64, index.device)
     return -torch.log(-torch.log(keyed_uniform_rows(keys, index)))
 
 

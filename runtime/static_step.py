@@ -23,6 +23,7 @@ import torch
 
 from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput, LlamaModel, StaticAttention
+from .transfer import to_device
 
 BUCKETS = (1, 16, 32, 64, 128, 256)
 
@@ -99,7 +100,7 @@ class StaticForward:
         bucket.positions[count:].copy_(positions[:1].expand(size - count))
         mask = torch.eye(size, dtype=torch.bool)  # built on the host (small), one copy to the device
         mask[:count, :count] = torch.ones(count, count, dtype=torch.bool).tril() if tree_mask is None else tree_mask
-        bucket.tree_mask.copy_(mask)
+        bucket.tree_mask.copy_(to_device(mask, torch.bool, bucket.tree_mask.device))
         self.length.fill_(self.cache.length)
         self.counters.buckets_used.add(size)
         if self.capture:

@@ -70,6 +70,9 @@ EOF"
     profile)
         stage profile 400 "$PYTHON" scripts/gpu_profile.py
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host profile)"; exit 2 ;;
+    syncs)
+        stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
+        ;;
+    *) echo "unknown stage $name (env tests kernels steps host profile syncs)"; exit 2 ;;
     esac
 done

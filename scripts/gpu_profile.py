@@ -98,13 +98,50 @@ def profile_tiny(tokens: int) -> None:
         print(table(prof, "self_cpu_time_total", 25))
 
 
+def list_syncs(tokens: int) -> None:
+    """Every place a swift-tiny TokenSwift generation waits for the GPU (torch's sync debug mode)."""
+    import collections
+    import traceback
+    import warnings
+
+    engine = load_engine("models/swift-tiny", device="cuda", dtype=torch.bfloat16)
+    prompt = TextCodec.from_dir("models/swift-tiny").encode(open("models/swift-tiny/prompt.txt").read())
+    config = GenerationConfig(max_new_tokens=tokens, sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=256),
+                              tree="1,3,3,3", ngram_topk=20, kv_budget=1024, seed=1, ignore_eos=True)
+    generate(engine, prompt, config)  # captures first
+    sites: collections.Counter[str] = collections.Counter()
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "tokenswift_trt" in f.filename or "/runtime/" in f.filename]
+        sites[" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[-2:][::-1])] += 1
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            _, stats = generate(engine, prompt, config)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = original
+    print(f"\n### host synchronisations in {stats.iterations} iterations (per iteration, by site)")
+    for site, count in sites.most_common(30):
+        print(f"{count / stats.iterations:6.2f}  {site}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--tree-sizes", default="1,41")
     parser.add_argument("--tiny-tokens", type=int, default=256)
     parser.add_argument("--skip-8b", action="store_true")
+    parser.add_argument("--syncs-only", action="store_true", help="only list where the generation waits for the GPU")
     args = parser.parse_args()
+    if args.syncs_only:
+        list_syncs(args.tiny_tokens)
+        return
     profile_tiny(args.tiny_tokens)
     if not args.skip_8b:
         profile_8b([int(c) for c in args.contexts.split(",")], [int(t) for t in args.tree_sizes.split(",")])
