@@ -15,6 +15,7 @@
 // dimension, so the blocks reading one split's K/V run together and share it through L2.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "common.cuh"
 
@@ -27,20 +28,26 @@ using detail::from_float;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = kWarps * 16;   // query rows per block (16 per warp)
 constexpr int kKeys = 64;            // keys per tile
 constexpr int kMinKeysPerSplit = 256;
 constexpr float kLog2e = 1.4426950408889634f;
-static_assert(kRows == kKeys, "Q and the K/V tiles share one loader");
+// A warp owns M row tiles of 16 query rows (M = 1 or 2): with 2, every K/V fragment read from
+// shared memory feeds two matrix products (half the shared-memory traffic per operation) at the
+// price of 128-row blocks, which pad small trees more.
+constexpr int kRowsPerTile = 16;
+__host__ __device__ constexpr int block_rows(int m) { return kWarps * kRowsPerTile * m; }
+// Row tiles per warp from this many query rows per KV head upwards.
+constexpr int kTwoTilesFromRows = 256;
 
-// Shared memory: Q [64 rows] and two stages of K and V tiles [64 keys], rows padded by 16 bytes
-// so that the 8 row addresses of an ldmatrix fall in distinct banks. head_dim 128: 87,040 bytes
-// (two blocks per SM on an A100/H100); head_dim 64: 46,080.
-template <int D>
+// Shared memory: Q [64 or 128 rows] and two stages of K and V tiles [64 keys], rows padded by 16
+// bytes so that the 8 row addresses of an ldmatrix fall in distinct banks. head_dim 128: 87,040
+// bytes with one row tile per warp, 104,448 with two (two blocks per SM on an A100/H100).
+template <int D, int M>
 struct Layout {
     static constexpr int kStride = D + 8;  // 16-bit elements per shared row
+    static constexpr size_t q_bytes = size_t(block_rows(M)) * kStride * 2;
     static constexpr size_t tile_bytes = size_t(kKeys) * kStride * 2;
-    static constexpr size_t total = 5 * tile_bytes;  // Q, K x 2 stages, V x 2 stages
+    static constexpr size_t total = q_bytes + 4 * tile_bytes;  // Q, K x 2 stages, V x 2 stages
 };
 
 struct SplitArgs {
@@ -129,26 +136,27 @@ __device__ __forceinline__ uint32_t pack<__half>(float low, float high) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// 64 rows of D elements (global rows D apart) into a padded shared tile; rows >= valid are zeros.
-template <typename T, int D>
+// `Rows` rows of D elements (global rows D apart) into a padded shared tile; rows >= valid are zeros.
+template <typename T, int D, int Rows>
 __device__ __forceinline__ void load_tile(T* shared, const T* global, int valid) {
     constexpr int kVectors = D / 8;
-    for (int item = threadIdx.x; item < kKeys * kVectors; item += kThreads) {
+    for (int item = threadIdx.x; item < Rows * kVectors; item += kThreads) {
         const int row = item / kVectors;
         const int column = (item % kVectors) * 8;
         const bool ok = row < valid;
-        copy_async(shared + row * Layout<D>::kStride + column, ok ? global + int64_t(row) * D + column : global, ok);
+        copy_async(shared + row * (D + 8) + column, ok ? global + int64_t(row) * D + column : global, ok);
     }
 }
 
-template <typename T, int D>
+template <typename T, int D, int M>
 __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArgs args) {
-    constexpr int kStride = Layout<D>::kStride;
-    constexpr int kTile = kKeys * kStride;  // elements per shared tile
+    constexpr int kStride = Layout<D, M>::kStride;
+    constexpr int kTile = kKeys * kStride;  // elements per shared K/V tile
+    constexpr int kRows = block_rows(M);
     extern __shared__ __align__(128) unsigned char smem[];
     T* q_s = reinterpret_cast<T*>(smem);
-    T* k_s = q_s + kTile;      // stages at k_s and k_s + kTile
-    T* v_s = q_s + 3 * kTile;  // stages at v_s and v_s + kTile
+    T* k_s = q_s + kRows * kStride;  // stages at k_s and k_s + kTile
+    T* v_s = k_s + 2 * kTile;        // stages at v_s and v_s + kTile
 
     const int row0 = blockIdx.x * kRows;
     const int split = blockIdx.y;
@@ -170,11 +178,11 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
     const T* keys = static_cast<const T*>(args.keys) + kv_head * args.kv_head_stride;
     const T* values = static_cast<const T*>(args.values) + kv_head * args.kv_head_stride;
 
-    load_tile<T, D>(q_s, query, rows_here);
+    load_tile<T, D, kRows>(q_s, query, rows_here);
     commit_copies();
     if (tiles > 0) {
-        load_tile<T, D>(k_s, keys + int64_t(key_begin) * D, min(kKeys, key_end - key_begin));
-        load_tile<T, D>(v_s, values + int64_t(key_begin) * D, min(kKeys, key_end - key_begin));
+        load_tile<T, D, kKeys>(k_s, keys + int64_t(key_begin) * D, min(kKeys, key_end - key_begin));
+        load_tile<T, D, kKeys>(v_s, values + int64_t(key_begin) * D, min(kKeys, key_end - key_begin));
     }
     commit_copies();
     wait_copies<1>();  // Q has landed (the first tile may still be in flight)
@@ -184,34 +192,31 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
     const int lane = threadIdx.x % 32;
     const int g = lane / 4;
     const int t = lane % 4;
-    const bool active = warp * 16 < rows_here;  // warp-uniform
+    const int warp_row = warp * kRowsPerTile * M;  // the warp's first row in the block
+    const bool active = warp_row < rows_here;      // warp-uniform
     // ldmatrix addressing: lane l names row l % 8 of matrix l / 8
     const int matrix = lane / 8;
     const int matrix_row = lane % 8;
+    const T* q_w = q_s + (warp_row + (matrix % 2) * 8 + matrix_row) * kStride + (matrix / 2) * 8;
 
-    uint32_t q_frag[D / 16][4];
-    if (active) {
+    // One row tile per warp: Q stays in registers. Two: Q fragments are re-read per tile (registers
+    // go to the second tile's scores and output instead).
+    uint32_t q_frag[M == 1 ? D / 16 : 1][4];
+    if (M == 1 && active) {
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            load_matrices(q_frag[kk], q_s + (warp * 16 + (matrix % 2) * 8 + matrix_row) * kStride + kk * 16 +
-                                          (matrix / 2) * 8);
-        }
+        for (int kk = 0; kk < D / 16; ++kk) load_matrices(q_frag[M == 1 ? kk : 0], q_w + kk * 16);
     }
 
-    // This lane's two rows (g and g + 8 of the warp's 16) and their tree nodes' mask rows.
-    const uint32_t* mask_row[2];
+    float out[M][D / 8][4];
+    float row_max[M][2];
+    float row_sum[M][2];  // this lane's part; the row's 4 lanes are summed at the end
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int group_row = row0 + warp * 16 + g + 8 * r;
-        const int node = group_row < args.group_rows ? group_row % args.num_tree : 0;
-        mask_row[r] = args.tree_mask + int64_t(node) * args.mask_words;
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) out[m][n][0] = out[m][n][1] = out[m][n][2] = out[m][n][3] = 0.0f;
+        row_max[m][0] = row_max[m][1] = -INFINITY;
+        row_sum[m][0] = row_sum[m][1] = 0.0f;
     }
-
-    float out[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) out[n][0] = out[n][1] = out[n][2] = out[n][3] = 0.0f;
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.0f, 0.0f};  // this lane's part; the row's 4 lanes are summed at the end
 
     for (int i = 0; i < tiles; ++i) {
         const int tile = key_begin + i * kKeys;
@@ -219,8 +224,8 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
         if (i + 1 < tiles) {
             const int next = tile + kKeys;
             const int valid = min(kKeys, key_end - next);
-            load_tile<T, D>(k_s + (1 - stage) * kTile, keys + int64_t(next) * D, valid);
-            load_tile<T, D>(v_s + (1 - stage) * kTile, values + int64_t(next) * D, valid);
+            load_tile<T, D, kKeys>(k_s + (1 - stage) * kTile, keys + int64_t(next) * D, valid);
+            load_tile<T, D, kKeys>(v_s + (1 - stage) * kTile, values + int64_t(next) * D, valid);
             commit_copies();
             wait_copies<1>();
         } else {
@@ -230,91 +235,120 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
         if (active) {
             const T* k_tile = k_s + stage * kTile;
             const T* v_tile = v_s + stage * kTile;
-            // S[16, 64] = Q_w[16, D] K_tile^T: 8 column blocks of 8 keys
-            float score[kKeys / 8][4];
+            // S[16 M, 64] = Q_w[16 M, D] K_tile^T: 8 column blocks of 8 keys per row tile
+            float score[M][kKeys / 8][4];
 #pragma unroll
-            for (int j = 0; j < kKeys / 8; ++j) score[j][0] = score[j][1] = score[j][2] = score[j][3] = 0.0f;
+            for (int m = 0; m < M; ++m) {
+#pragma unroll
+                for (int j = 0; j < kKeys / 8; ++j) score[m][j][0] = score[m][j][1] = score[m][j][2] = score[m][j][3] = 0.0f;
+            }
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[M][4];
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    if constexpr (M == 1) {
+#pragma unroll
+                        for (int x = 0; x < 4; ++x) a[m][x] = q_frag[kk][x];
+                    } else {
+                        load_matrices(a[m], q_w + m * kRowsPerTile * kStride + kk * 16);
+                    }
+                }
 #pragma unroll
                 for (int j = 0; j < kKeys / 8; j += 2) {
                     uint32_t b[4];
                     load_matrices(b, k_tile + ((j + matrix / 2) * 8 + matrix_row) * kStride + kk * 16 +
                                          (matrix % 2) * 8);
-                    mma<T>(score[j], q_frag[kk], b[0], b[1]);
-                    mma<T>(score[j + 1], q_frag[kk], b[2], b[3]);
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        mma<T>(score[m][j], a[m], b[0], b[1]);
+                        mma<T>(score[m][j + 1], a[m], b[2], b[3]);
+                    }
                 }
             }
 
-            // Scale into the log2 domain; hide keys past the split and tree keys this node does not see.
+            // Scale into the log2 domain; hide keys past the split and tree keys a node does not see.
             const int tile_keys = min(kKeys, key_end - tile);
             const bool every_key_visible = tile_keys == kKeys && tile + kKeys <= prefix;
-            float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int j = 0; j < kKeys / 8; ++j) {
+            for (int m = 0; m < M; ++m) {
+                float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = e / 2;
-                    float x = score[j][e] * args.scale_log2;
-                    if (!every_key_visible) {
-                        const int column = j * 8 + 2 * t + e % 2;
-                        const int key = tile + column;
-                        bool visible = column < tile_keys;
-                        if (visible && key >= prefix) {
-                            const int tree_key = key - prefix;
-                            visible = (mask_row[r][tree_key / 32] >> (tree_key % 32)) & 1u;
+                for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = e / 2;
+                        float x = score[m][j][e] * args.scale_log2;
+                        if (!every_key_visible) {
+                            const int column = j * 8 + 2 * t + e % 2;
+                            const int key = tile + column;
+                            bool visible = column < tile_keys;
+                            if (visible && key >= prefix) {  // a tree key: this row's node must see it
+                                const int group_row = row0 + warp_row + m * kRowsPerTile + g + 8 * r;
+                                const int node = group_row < args.group_rows ? group_row % args.num_tree : 0;
+                                const int tree_key = key - prefix;
+                                visible = (args.tree_mask[int64_t(node) * args.mask_words + tree_key / 32] >>
+                                           (tree_key % 32)) & 1u;
+                            }
+                            if (!visible) x = -INFINITY;
                         }
-                        if (!visible) x = -INFINITY;
+                        score[m][j][e] = x;
+                        tile_max[r] = fmaxf(tile_max[r], x);
                     }
-                    score[j][e] = x;
-                    tile_max[r] = fmaxf(tile_max[r], x);
                 }
-            }
-            float correction[2];
+                float correction[2];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-                tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-                const float new_max = fmaxf(row_max[r], tile_max[r]);
-                // a row that has seen nothing yet keeps max -inf, sum 0 and output 0
-                correction[r] = new_max == -INFINITY ? 1.0f : exp2f(row_max[r] - new_max);
-                row_max[r] = new_max;
-            }
-            float tile_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int j = 0; j < kKeys / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = e / 2;
-                    const float p = row_max[r] == -INFINITY ? 0.0f : exp2f(score[j][e] - row_max[r]);
-                    score[j][e] = p;
-                    tile_sum[r] += p;
+                for (int r = 0; r < 2; ++r) {
+                    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+                    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+                    const float new_max = fmaxf(row_max[m][r], tile_max[r]);
+                    // a row that has seen nothing yet keeps max -inf, sum 0 and output 0
+                    correction[r] = new_max == -INFINITY ? 1.0f : exp2f(row_max[m][r] - new_max);
+                    row_max[m][r] = new_max;
                 }
-            }
+                float tile_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int r = 0; r < 2; ++r) row_sum[r] = row_sum[r] * correction[r] + tile_sum[r];
+                for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                out[n][0] *= correction[0];
-                out[n][1] *= correction[0];
-                out[n][2] *= correction[1];
-                out[n][3] *= correction[1];
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = e / 2;
+                        const float p = row_max[m][r] == -INFINITY ? 0.0f : exp2f(score[m][j][e] - row_max[m][r]);
+                        score[m][j][e] = p;
+                        tile_sum[r] += p;
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) row_sum[m][r] = row_sum[m][r] * correction[r] + tile_sum[r];
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    out[m][n][0] *= correction[0];
+                    out[m][n][1] *= correction[0];
+                    out[m][n][2] *= correction[1];
+                    out[m][n][3] *= correction[1];
+                }
             }
 
-            // O_w[16, D] += P[16, 64] V_tile[64, D]; P's A fragments are the score registers.
+            // O_w[16 M, D] += P[16 M, 64] V_tile[64, D]; P's A fragments are the score registers.
 #pragma unroll
             for (int kk = 0; kk < kKeys / 16; ++kk) {
-                const uint32_t p[4] = {pack<T>(score[2 * kk][0], score[2 * kk][1]),
-                                       pack<T>(score[2 * kk][2], score[2 * kk][3]),
-                                       pack<T>(score[2 * kk + 1][0], score[2 * kk + 1][1]),
-                                       pack<T>(score[2 * kk + 1][2], score[2 * kk + 1][3])};
+                uint32_t p[M][4];
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    p[m][0] = pack<T>(score[m][2 * kk][0], score[m][2 * kk][1]);
+                    p[m][1] = pack<T>(score[m][2 * kk][2], score[m][2 * kk][3]);
+                    p[m][2] = pack<T>(score[m][2 * kk + 1][0], score[m][2 * kk + 1][1]);
+                    p[m][3] = pack<T>(score[m][2 * kk + 1][2], score[m][2 * kk + 1][3]);
+                }
 #pragma unroll
                 for (int n = 0; n < D / 8; n += 2) {
                     uint32_t b[4];
                     load_matrices_transposed(b, v_tile + (kk * 16 + (matrix % 2) * 8 + matrix_row) * kStride +
                                                     n * 8 + (matrix / 2) * 8);
-                    mma<T>(out[n], p, b[0], b[1]);
-                    mma<T>(out[n + 1], p, b[2], b[3]);
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        mma<T>(out[m][n], p[m], b[0], b[1]);
+                        mma<T>(out[m][n + 1], p[m], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -322,25 +356,31 @@ __global__ void __launch_bounds__(kThreads) tree_attention_split_kernel(SplitArg
     }
 
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_sum[m][r] += __shfl_xor_sync(0xffffffffu, row_sum[m][r], 1);
+            row_sum[m][r] += __shfl_xor_sync(0xffffffffu, row_sum[m][r], 2);
+        }
     }
     if (!active) return;
     const int64_t out_row0 = int64_t(split) * args.total_rows + int64_t(kv_head) * args.group_rows + row0;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int block_row = warp * 16 + g + 8 * r;
-        if (block_row >= rows_here) continue;
-        const int64_t row = out_row0 + block_row;
+    for (int m = 0; m < M; ++m) {
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            *reinterpret_cast<float2*>(args.partial_out + row * D + n * 8 + 2 * t) =
-                make_float2(out[n][2 * r], out[n][2 * r + 1]);
-        }
-        if (t == 0) {
-            args.partial_max[row] = row_max[r];
-            args.partial_sum[row] = row_sum[r];
+        for (int r = 0; r < 2; ++r) {
+            const int block_row = warp_row + m * kRowsPerTile + g + 8 * r;
+            if (block_row >= rows_here) continue;
+            const int64_t row = out_row0 + block_row;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                *reinterpret_cast<float2*>(args.partial_out + row * D + n * 8 + 2 * t) =
+                    make_float2(out[m][n][2 * r], out[m][n][2 * r + 1]);
+            }
+            if (t == 0) {
+                args.partial_max[row] = row_max[m][r];
+                args.partial_sum[row] = row_sum[m][r];
+            }
         }
     }
 }
@@ -378,6 +418,27 @@ cudaError_t check(const TreeAttentionParams& p) {
     return shapes_ok && pointers_ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// Row tiles per warp for this many query rows per KV head; TOKENSWIFT_TREE_ROW_TILES=1|2 forces
+// one choice (for comparing them, scripts/kernel_variants.py).
+int row_tiles_per_warp(int group_rows) {
+    static const int forced = [] {
+        const char* value = std::getenv("TOKENSWIFT_TREE_ROW_TILES");
+        return value == nullptr ? 0 : std::atoi(value);
+    }();
+    if (forced == 1 || forced == 2) return forced;
+    return group_rows >= kTwoTilesFromRows ? 2 : 1;
+}
+
+template <typename T, int D, int M>
+cudaError_t launch_split(const SplitArgs& args, dim3 grid, cudaStream_t stream) {
+    const size_t smem = Layout<D, M>::total;
+    cudaError_t status = cudaFuncSetAttribute(tree_attention_split_kernel<T, D, M>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (status != cudaSuccess) return status;
+    tree_attention_split_kernel<T, D, M><<<grid, kThreads, smem, stream>>>(args);
+    return cudaGetLastError();
+}
+
 template <typename T, int D>
 cudaError_t launch(const TreeAttentionParams& p, float* workspace, int splits, cudaStream_t stream) {
     const int group_rows = p.num_heads / p.num_kv_heads * p.num_tree;
@@ -400,12 +461,11 @@ cudaError_t launch(const TreeAttentionParams& p, float* workspace, int splits, c
     args.scale_log2 = p.scale * kLog2e;
     args.prefix_length_device = p.prefix_length_device;
 
-    const size_t smem = Layout<D>::total;
-    cudaError_t status = cudaFuncSetAttribute(tree_attention_split_kernel<T, D>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const int tiles_per_warp = row_tiles_per_warp(group_rows);
+    const dim3 grid(ceil_div(group_rows, block_rows(tiles_per_warp)), splits, p.num_kv_heads);
+    cudaError_t status = tiles_per_warp == 2 ? launch_split<T, D, 2>(args, grid, stream)
+                                             : launch_split<T, D, 1>(args, grid, stream);
     if (status != cudaSuccess) return status;
-    const dim3 grid(ceil_div(group_rows, kRows), splits, p.num_kv_heads);
-    tree_attention_split_kernel<T, D><<<grid, kThreads, smem, stream>>>(args);
     tree_attention_combine_kernel<T, D><<<total_rows, D, 0, stream>>>(
         args.partial_out, args.partial_max, args.partial_sum, static_cast<T*>(p.output), splits, total_rows);
     return cudaGetLastError();
@@ -413,13 +473,14 @@ cudaError_t launch(const TreeAttentionParams& p, float* workspace, int splits, c
 
 }  // namespace
 
-size_t tree_attention_shared_bytes(int32_t head_dim) {
-    return head_dim == 64 ? Layout<64>::total : head_dim == 128 ? Layout<128>::total : 0;
+size_t tree_attention_shared_bytes(int32_t head_dim) {  // the larger of the two row-tile layouts
+    return head_dim == 64 ? Layout<64, 2>::total : head_dim == 128 ? Layout<128, 2>::total : 0;
 }
 
 int32_t tree_attention_splits(const TreeAttentionParams& params, int32_t num_sms) {
     const int group_rows = params.num_heads / std::max(1, params.num_kv_heads) * params.num_tree;
-    const int blocks_per_split = std::max(1, ceil_div(group_rows, kRows) * params.num_kv_heads);
+    const int rows_per_block = block_rows(row_tiles_per_warp(group_rows));
+    const int blocks_per_split = std::max(1, ceil_div(group_rows, rows_per_block) * params.num_kv_heads);
     const int wanted = ceil_div(2 * std::max(1, num_sms), blocks_per_split);
     const int most = std::max(1, ceil_div(params.key_length, kMinKeysPerSplit));
     return std::max(1, std::min(wanted, most));
