@@ -44,7 +44,9 @@ def plan_memory(engine: Engine, positions: int, kv_budget: int, tree_nodes: int)
 def available_bytes(device: torch.device) -> int:
     """Free memory where the caches would live: CUDA free memory, or the host's MemAvailable."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        # free on the device, plus what torch's allocator holds cached but unused (it reuses that first)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + cached
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         for line in meminfo.read_text().splitlines():

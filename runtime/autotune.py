@@ -93,6 +93,8 @@ def time_verify(forward, sizes: Sequence[int], repeats: int = 3) -> dict[int, fl
         forward(size)  # warm
         samples = []
         for _ in range(repeats):
+            if torch.cuda.is_available():  # queued work (the warm-up, the last sample) is not this sample's
+                torch.cuda.synchronize()
             start = time.perf_counter()
             forward(size)
             if torch.cuda.is_available():
