@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,11 @@ def tree_attention_static(
 ) -> torch.Tensor:
     """`tree_attention` over a whole-capacity cache whose prefix length lives on the device, so a
     captured CUDA graph serves every context length."""
+    return tree_attention_static_reference(query, keys, values, tree_mask, prefix_length, scale)
+
+
+def tree_attention_static_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                    tree_mask: torch.Tensor, prefix_length: torch.Tensor, scale: float) -> torch.Tensor:
     end = int(prefix_length) + query.shape[1]
     return tree_attention_reference(query, keys[:, :end], values[:, :end], tree_mask, scale)
 
@@ -184,10 +190,27 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
         # no nvcc or ninja, compiler error, ABI mismatch, a TORCH_CUDA_ARCH_LIST torch cannot parse
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return KernelStatus(False, f"building the CUDA kernels failed: {first_line}")
-    tree_attention.register_kernel("cuda")(module.tree_attention)
-    tree_attention_static.register_kernel("cuda")(module.tree_attention_static)
-    kv_importance_select.register_kernel("cuda")(module.kv_importance_select)
+    tree_attention.register_kernel("cuda")(kernel_or_reference(module.tree_attention, tree_attention_reference))
+    tree_attention_static.register_kernel("cuda")(
+        kernel_or_reference(module.tree_attention_static, tree_attention_static_reference))
+    kv_importance_select.register_kernel("cuda")(
+        kernel_or_reference(module.kv_importance_select, kv_importance_select_reference))
     return KernelStatus(True, "", module)
+
+
+def kernel_or_reference(kernel: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor]
+                        ) -> Callable[..., torch.Tensor]:
+    """The CUDA implementation of an op: the kernel for the element types and head sizes it covers
+    (judged by the first tensor argument, [..., head_dim]), the PyTorch reference for the rest, so
+    a float32 engine on the same GPU as a bf16 one still gets answers."""
+    def run(*args: object) -> torch.Tensor:
+        first = args[0]
+        assert isinstance(first, torch.Tensor)
+        if kernel_supports(first.dtype, first.shape[-1]):
+            return kernel(*args)
+        return reference(*args)
+
+    return run
 
 
 def kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:

@@ -58,9 +58,9 @@ def profile_8b(contexts: list[int], tree_sizes: list[int]) -> None:
                 graphed = StaticForward(model, full, capture=True)
                 eager = StaticForward(model, full, capture=False)
 
-                def step(runner=graphed, tokens=tokens, positions=positions, mask=mask) -> None:
+                def step(runner=graphed, tokens=tokens, positions=positions, mask=mask, cache=full) -> None:
                     model.logits(runner.run(tokens, positions, mask).hidden[-1:])
-                    full.rollback(0)
+                    cache.rollback(0)
 
                 graph_ms = replay_ms(step)
                 eager_ms = replay_ms(lambda: step(eager))

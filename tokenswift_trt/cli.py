@@ -90,7 +90,8 @@ def _load(model_dir: Path | None, engine_dir: Path | None, heads: Path | None, d
                 defaults.update(manifest.sampling, tree=manifest.tree)
                 codec = TextCodec.from_dir(engine_dir / "model")
             else:
-                engine = load_engine(model_dir, heads, dtype=getattr(torch, dtype or "float32"), device=device)
+                dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")  # the kernel's types on GPUs
+                engine = load_engine(model_dir, heads, dtype=getattr(torch, dtype), device=device)
                 codec = TextCodec.from_dir(model_dir)
         except (ConfigError, WeightsError, TokenizerError, EngineDirError, OSError, RuntimeError) as error:
             raise _fail(error) from None
@@ -133,7 +134,7 @@ def sampling_options(function):
         click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"),
         click.option("--ignore-eos", is_flag=True, help="do not stop at EOS"),
         click.option("--max-length", type=int, default=None, help="engine maximum length (default: model's)"),
-        click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32, or the engine's"),
+        click.option("--dtype", type=click.Choice(DTYPES), default=None, help="default: float32 on a CPU, bfloat16 on CUDA, or the engine's"),
         click.option("--device", default="cpu", show_default=True),
     ]
     for option in reversed(options):

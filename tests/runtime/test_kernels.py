@@ -118,3 +118,22 @@ def test_ops_have_shapes_for_tracing():
     program = torch.export.export(Attend(), args)
     targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
     assert "tokenswift.tree_attention.default" in targets
+
+
+def test_the_cuda_implementation_routes_what_the_kernel_does_not_cover_to_the_reference():
+    calls = []
+
+    def kernel(*args):
+        calls.append("kernel")
+        return args[0]
+
+    def reference(*args):
+        calls.append("reference")
+        return args[0]
+
+    run = kernels.kernel_or_reference(kernel, reference)
+    run(torch.zeros(2, 3, 64, dtype=torch.bfloat16), 1.0)
+    run(torch.zeros(2, 3, 128, dtype=torch.float16), 1.0)
+    run(torch.zeros(2, 3, 64, dtype=torch.float32), 1.0)  # element type the kernel lacks
+    run(torch.zeros(2, 3, 32, dtype=torch.bfloat16), 1.0)  # head size the kernel lacks
+    assert calls == ["kernel", "kernel", "reference", "reference"]
