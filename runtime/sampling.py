@@ -244,9 +244,13 @@ class RandomSource(Protocol):
 class PositionKeyedRandom:
     """The default: the same (seed, position) always gives the same noise (recent ones memoised).
     Positions not in the memo are computed in one batch (one set of tensor operations: on a GPU,
-    one set of kernel launches however many positions)."""
+    one set of kernel launches however many positions), together with the LOOKAHEAD positions
+    after the last one asked for: decoding asks for the next few positions every iteration, so
+    the hash runs about once every LOOKAHEAD / (tokens per iteration) iterations. Noise is a pure
+    function of (seed, position), so computing it early changes nothing that is sampled."""
 
-    MEMO = 64
+    MEMO = 64  # rows kept: [V] float64 each (1 MiB for a 128K vocabulary)
+    LOOKAHEAD = 16
     noise_known_in_advance = True
 
     def __init__(self, seed: int) -> None:
@@ -261,9 +265,16 @@ class PositionKeyedRandom:
         where = str(device)
         missing = [p for p in dict.fromkeys(positions) if (p, size, where) not in self._memo]
         if missing:
+            ahead = range(max(positions) + 1, max(positions) + 1 + self.LOOKAHEAD)
+            missing += [p for p in ahead if (p, size, where) not in self._memo]
             if len(self._memo) + len(missing) > self.MEMO:
-                self._memo.clear()
-                missing = list(dict.fromkeys(positions))
+                # positions before the earliest one asked for are behind the decoder: drop them first
+                oldest = min(positions)
+                self._memo = {key: row for key, row in self._memo.items() if key[0] >= oldest}
+                if len(self._memo) + len(missing) > self.MEMO:
+                    self._memo.clear()
+                    wanted = list(dict.fromkeys(positions)) + list(ahead)
+                    missing = wanted[: max(self.MEMO, len(dict.fromkeys(positions)))]
             index = self._index.get((size, where))
             if index is None:
                 index = self._index[(size, where)] = torch.arange(size, dtype=torch.int64, device=device)

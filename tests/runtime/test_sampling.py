@@ -10,6 +10,7 @@ import torch
 
 from scipy.stats import chisquare
 
+from tokenswift_trt.runtime import sampling
 from tokenswift_trt.runtime.sampling import (
     SamplingConfig,
     apply_penalty,
@@ -136,6 +137,28 @@ def test_noise_rows_equal_each_positions_noise_across_memo_refills():
         for row, position in zip(rows, positions):
             assert torch.equal(row, position_gumbel(9, position, 300))
     assert torch.equal(source.gumbel(5, 300, cpu), position_gumbel(9, 5, 300))
+    many = list(range(500, 500 + PositionKeyedRandom.MEMO + 6))  # more rows than the memo keeps
+    rows = source.gumbel_rows(many, 300, cpu)
+    assert all(torch.equal(row, position_gumbel(9, p, 300)) for row, p in zip(rows, many))
+
+
+def test_noise_is_hashed_ahead_so_decoding_rarely_computes_it(monkeypatch):
+    """Decoding asks for the next few positions every iteration; the hash runs once per LOOKAHEAD / 2."""
+    calls = []
+    original = sampling.position_gumbel_rows
+
+    def counted(seed, positions, index):
+        calls.append(list(positions))
+        return original(seed, positions, index)
+
+    monkeypatch.setattr(sampling, "position_gumbel_rows", counted)
+    source, cpu = PositionKeyedRandom(4), torch.device("cpu")
+    asked = {root: source.gumbel_rows([root + 1, root + 2, root + 3, root + 4], 64, cpu)
+             for root in range(0, 40, 2)}  # 20 iterations committing 2 tokens each, 4 positions asked for
+    assert len(calls) == 3  # roots 0, 16 and 32
+    monkeypatch.undo()
+    for root, rows in asked.items():
+        assert all(torch.equal(rows[d], position_gumbel(4, root + 1 + d, 64)) for d in range(4))
 
 
 def test_gumbel_max_with_position_noise_samples_the_distribution():
