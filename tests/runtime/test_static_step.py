@@ -16,7 +16,8 @@ from tokenswift_trt.runtime.tree import Trie
 
 
 def test_buckets():
-    assert [bucket_for(n) for n in (1, 2, 16, 17, 120, 256, 300)] == [1, 16, 16, 32, 128, 256, 300]
+    sizes = (1, 2, 16, 17, 41, 49, 65, 120, 129, 256, 300)
+    assert [bucket_for(n) for n in sizes] == [1, 16, 16, 32, 48, 64, 96, 128, 192, 256, 300]
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "tree_attention"])
