@@ -126,7 +126,8 @@ def process_logits(logits: torch.Tensor, window: torch.Tensor, config: SamplingC
     scores = apply_penalty(scores, window, config.penalty)
     if config.greedy:
         return scores
-    scores = scores / config.temperature
+    if config.temperature != 1:  # x / 1 == x: one tensor operation (a launch on a GPU) saved
+        scores = scores / config.temperature
     scores = top_k_filter(scores, config.top_k)
     scores = top_p_filter(scores, config.top_p)
     scores = min_p_filter(scores, config.min_p)
