@@ -90,7 +90,9 @@ def _load(model_dir: Path | None, engine_dir: Path | None, heads: Path | None, d
                 defaults.update(manifest.sampling, tree=manifest.tree)
                 codec = TextCodec.from_dir(engine_dir / "model")
             else:
-                dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")  # the kernel's types on GPUs
+                if dtype is None:  # the kernel's element types on GPUs (bf16 needs compute capability 8.0+)
+                    dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if device.startswith(
+                        "cuda") else "float32"
                 engine = load_engine(model_dir, heads, dtype=getattr(torch, dtype), device=device)
                 codec = TextCodec.from_dir(model_dir)
         except (ConfigError, WeightsError, TokenizerError, EngineDirError, OSError, RuntimeError) as error:

@@ -41,7 +41,8 @@ constexpr int kTwoTilesFromRows = 256;
 
 // Shared memory: Q [64 or 128 rows] and two stages of K and V tiles [64 keys], rows padded by 16
 // bytes so that the 8 row addresses of an ldmatrix fall in distinct banks. head_dim 128: 87,040
-// bytes with one row tile per warp, 104,448 with two (two blocks per SM on an A100/H100).
+// bytes with one row tile per warp, 104,448 with two (two blocks fit an H100's SM, one an A100's;
+// GPUs that allow 99 KB per block run one tile).
 template <int D, int M>
 struct Layout {
     static constexpr int kStride = D + 8;  // 16-bit elements per shared row
@@ -418,15 +419,31 @@ cudaError_t check(const TreeAttentionParams& p) {
     return shapes_ok && pointers_ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Row tiles per warp for this many query rows per KV head; TOKENSWIFT_TREE_ROW_TILES=1|2 forces
-// one choice (for comparing them, scripts/kernel_variants.py).
-int row_tiles_per_warp(int group_rows) {
+// Shared memory a block may opt in to on the current GPU (read once per process).
+int shared_memory_optin() {
+    static const int bytes = [] {
+        int device = 0;
+        int value = 0;
+        if (cudaGetDevice(&device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+            return 0;
+        }
+        return value;
+    }();
+    return bytes;
+}
+
+// Row tiles per warp for this many query rows per KV head: two where they pay and fit the GPU's
+// shared memory. TOKENSWIFT_TREE_ROW_TILES=1|2 forces one choice (docs/kernels.md compares them).
+int row_tiles_per_warp(int group_rows, int head_dim) {
     static const int forced = [] {
         const char* value = std::getenv("TOKENSWIFT_TREE_ROW_TILES");
         return value == nullptr ? 0 : std::atoi(value);
     }();
-    if (forced == 1 || forced == 2) return forced;
-    return group_rows >= kTwoTilesFromRows ? 2 : 1;
+    const size_t two_tiles = head_dim == 64 ? Layout<64, 2>::total : Layout<128, 2>::total;
+    const bool two_fit = two_tiles <= static_cast<size_t>(shared_memory_optin());
+    if (forced == 1 || (forced == 2 && two_fit)) return forced;
+    return group_rows >= kTwoTilesFromRows && two_fit ? 2 : 1;
 }
 
 template <typename T, int D, int M>
@@ -461,7 +478,7 @@ cudaError_t launch(const TreeAttentionParams& p, float* workspace, int splits, c
     args.scale_log2 = p.scale * kLog2e;
     args.prefix_length_device = p.prefix_length_device;
 
-    const int tiles_per_warp = row_tiles_per_warp(group_rows);
+    const int tiles_per_warp = row_tiles_per_warp(group_rows, D);
     const dim3 grid(ceil_div(group_rows, block_rows(tiles_per_warp)), splits, p.num_kv_heads);
     cudaError_t status = tiles_per_warp == 2 ? launch_split<T, D, 2>(args, grid, stream)
                                              : launch_split<T, D, 1>(args, grid, stream);
@@ -473,13 +490,13 @@ cudaError_t launch(const TreeAttentionParams& p, float* workspace, int splits, c
 
 }  // namespace
 
-size_t tree_attention_shared_bytes(int32_t head_dim) {  // the larger of the two row-tile layouts
-    return head_dim == 64 ? Layout<64, 2>::total : head_dim == 128 ? Layout<128, 2>::total : 0;
+size_t tree_attention_shared_bytes(int32_t head_dim) {  // what the kernel needs at least (one row tile)
+    return head_dim == 64 ? Layout<64, 1>::total : head_dim == 128 ? Layout<128, 1>::total : 0;
 }
 
 int32_t tree_attention_splits(const TreeAttentionParams& params, int32_t num_sms) {
     const int group_rows = params.num_heads / std::max(1, params.num_kv_heads) * params.num_tree;
-    const int rows_per_block = block_rows(row_tiles_per_warp(group_rows));
+    const int rows_per_block = block_rows(row_tiles_per_warp(group_rows, params.head_dim));
     const int blocks_per_split = std::max(1, ceil_div(group_rows, rows_per_block) * params.num_kv_heads);
     const int wanted = ceil_div(2 * std::max(1, num_sms), blocks_per_split);
     const int most = std::max(1, ceil_div(params.key_length, kMinKeysPerSplit));

@@ -33,8 +33,11 @@ def _random_tree_mask(count: int, generator: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
+# query rows per KV head (G x T): 4, 256, 128, 1792, 74; 287 (a two-tile block with idle warps),
+# 192 and 384 (the 48 and 96 buckets)
 @pytest.mark.parametrize("heads,kv_heads,count,prefix", [(32, 8, 1, 4000), (32, 8, 64, 9000), (8, 8, 128, 777),
-                                                         (28, 4, 256, 33000), (4, 2, 37, 0)])
+                                                         (28, 4, 256, 33000), (4, 2, 37, 0), (28, 4, 41, 5000),
+                                                         (32, 8, 48, 3000), (32, 8, 96, 2000)])
 def test_tree_attention_matches_reference(cuda_module, dtype, head_dim, heads, kv_heads, count, prefix):
     generator = torch.Generator().manual_seed(count + prefix + head_dim)
     capacity = prefix + count + 100  # strided cache view, as the runtime passes it
