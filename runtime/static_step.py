@@ -23,7 +23,7 @@ import torch
 
 from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput, LlamaModel, StaticAttention
-from .transfer import to_device
+from .transfer import copy_from_host
 
 # Tree sizes a fixed-shape step is padded to. Padding nodes cost as much as real ones (each attends
 # to the whole cache), so the steps are fine: a 1,3,3,3 trie (41 nodes) runs at 48, not 64 (on an
@@ -103,7 +103,7 @@ class StaticForward:
         bucket.positions[count:].copy_(positions[:1].expand(size - count))
         mask = torch.eye(size, dtype=torch.bool)  # built on the host (small), one copy to the device
         mask[:count, :count] = torch.ones(count, count, dtype=torch.bool).tril() if tree_mask is None else tree_mask
-        bucket.tree_mask.copy_(to_device(mask, torch.bool, bucket.tree_mask.device))
+        copy_from_host(bucket.tree_mask, mask)
         self.length.fill_(self.cache.length)
         self.counters.buckets_used.add(size)
         if self.capture:

@@ -20,3 +20,11 @@ def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_from_host(target: torch.Tensor, values: torch.Tensor) -> None:
+    """`target.copy_(values)` for a host tensor, without waiting for the GPU when target is on CUDA."""
+    if target.device.type == "cuda":
+        target.copy_(values.pin_memory(), non_blocking=True)
+    else:
+        target.copy_(values)

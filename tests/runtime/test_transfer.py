@@ -10,7 +10,7 @@ from conftest import quiet_load
 
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.sampling import SamplingConfig
-from tokenswift_trt.runtime.transfer import to_device
+from tokenswift_trt.runtime.transfer import copy_from_host, to_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
 
@@ -23,6 +23,12 @@ def test_to_device_equals_torch_tensor(values):
     assert moved.dtype == dtype and torch.equal(moved, expected)
 
 
+def test_copy_from_host_fills_the_target():
+    target = torch.zeros(2, 3, dtype=torch.bool)
+    copy_from_host(target, torch.tensor([[True, False, True], [False, True, False]]))
+    assert target.tolist() == [[True, False, True], [False, True, False]]
+
+
 @needs_cuda
 def test_to_device_does_not_wait_for_the_gpu():
     busy = torch.randn(4096, 4096, device="cuda")
@@ -30,9 +36,11 @@ def test_to_device_does_not_wait_for_the_gpu():
     try:
         busy = busy @ busy  # queued work the copy must not wait for
         moved = to_device([5, 6, 7], torch.long, "cuda")
+        target = torch.zeros(3, dtype=torch.long, device="cuda")
+        copy_from_host(target, torch.tensor([1, 2, 3]))
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert moved.device.type == "cuda" and moved.tolist() == [5, 6, 7]
+    assert moved.device.type == "cuda" and moved.tolist() == [5, 6, 7] and target.tolist() == [1, 2, 3]
 
 
 @needs_cuda
