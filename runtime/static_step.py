@@ -107,9 +107,10 @@ class StaticForward:
         self.length.fill_(self.cache.length)
         self.counters.buckets_used.add(size)
         if self.capture:
-            if bucket.graph is None:
-                self._capture(bucket)
-            bucket.graph.replay()
+            with torch.cuda.device(self.columns.device):  # streams and graphs belong to the cache's GPU (cuda:N)
+                if bucket.graph is None:
+                    self._capture(bucket)
+                bucket.graph.replay()
             self.counters.graph_replays += 1
             output = bucket.output
         else:
