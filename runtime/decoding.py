@@ -34,7 +34,7 @@ from .sampling import (
     PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, draft_ranking, gumbel_max_rows, process_logits,
 )
 from .static_step import StaticForward, bucket_for
-from .transfer import to_device
+from .transfer import copy_from_host, to_device
 from .tree import StaticTree, Trie, build_static_tree, build_trie
 
 METHODS = ("tokenswift", "ar")
@@ -208,7 +208,7 @@ class DecodeState:
     def append(self, tokens: Sequence[int]) -> None:
         start = len(self.tokens)
         self.tokens.extend(tokens)
-        self.history[start : start + len(tokens)] = to_device(list(tokens), torch.long, self.history.device)
+        copy_from_host(self.history[start : start + len(tokens)], torch.tensor(list(tokens), dtype=torch.long))
 
 
 @dataclass

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
-#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host profile (default: all but profile)
+#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host profile syncs
+#                                                      (default: env tests kernels steps host)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
 # so one failing stage does not hide the others' results. Needs a CUDA build of torch, nvcc and
@@ -49,7 +50,7 @@ EOF"
         stage tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
             tests/plugins_cuda/test_cuda_kernels.py tests/runtime/test_static_step.py tests/runtime/test_sampling.py \
             tests/runtime/test_kernels.py tests/runtime/test_model.py tests/bench/test_kernel_bench.py \
-            tests/bench/test_steps.py tests/runtime/test_kv_cache.py
+            tests/bench/test_steps.py tests/runtime/test_kv_cache.py tests/runtime/test_transfer.py
         ;;
     kernels)
         stage kernels 100 "${CLI[@]}" bench-kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \

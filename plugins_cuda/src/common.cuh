@@ -1,4 +1,4 @@
-// Small device helpers shared by the kernels: element conversion and 16-byte row copies.
+// Small device helpers shared by the kernels: element conversion, warp sums, sizes and alignment.
 #pragma once
 
 #include <cstdint>
@@ -31,29 +31,6 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) 
 
 // 16-bit elements per 16-byte vector.
 constexpr int kVector = 8;
-
-// Copy `rows` rows of `head_dim` 16-bit elements (global rows `row_stride` elements apart) into
-// shared memory rows `smem_stride` elements apart; rows in [valid, rows) are zero-filled.
-// Every thread of the block takes part.
-template <typename T>
-__device__ __forceinline__ void load_rows(T* smem, int smem_stride, const T* global, int64_t row_stride, int rows,
-                                          int valid, int head_dim) {
-    const int vectors_per_row = head_dim / kVector;
-    for (int item = threadIdx.x; item < rows * vectors_per_row; item += blockDim.x) {
-        const int row = item / vectors_per_row;
-        const int column = (item % vectors_per_row) * kVector;
-        uint4 data = make_uint4(0, 0, 0, 0);
-        if (row < valid) {
-            data = *reinterpret_cast<const uint4*>(global + row * row_stride + column);
-        }
-        *reinterpret_cast<uint4*>(smem + row * smem_stride + column) = data;
-    }
-}
-
-__device__ __forceinline__ float warp_max(float value) {
-    for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-    return value;
-}
 
 __device__ __forceinline__ float warp_sum(float value) {
     for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
