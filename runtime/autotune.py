@@ -22,7 +22,13 @@ from .tree import Trie, parse_tree
 
 PROBE_TREE = "1,3,3,3"
 PROBE_TOPK = 20
-CANDIDATE_TREES = ("1", "1,1", "1,1,1", "1,1,1,1", "1,2,1,1", "1,2,2,1", "1,2,2,2", "1,3,2,2", "1,3,3,2", "1,3,3,3")
+# Candidate trees; a probe considers those that fit inside its own tree (the paper's drafting probes
+# 1,3,3,3, whose first level is the base model's one draft; drafting from the verify pass probes
+# 3,3,3, whose first level is draft layer 1's, where a few first-level candidates can pay).
+CANDIDATE_TREES = (
+    "1", "1,1", "1,1,1", "1,1,1,1", "1,2,1,1", "1,2,2,1", "1,2,2,2", "1,3,2,2", "1,3,3,2", "1,3,3,3",
+    "2", "3", "2,1", "3,1", "2,2", "3,2", "3,3", "2,1,1", "3,1,1", "3,2,1",
+)
 CANDIDATE_TOPK = (0, 1, 2, 4, 8, 20)
 AR_PLAN = "ar"  # tree value of the plan that drafts nothing
 
@@ -49,10 +55,16 @@ def _available(tree_path: tuple[int, ...] | None, ngram_rank: int | None, branch
 class ProbeRecorder:
     """Accumulates, per candidate plan, accepted length and trie size over probe iterations."""
 
-    def __init__(self, max_depth: int) -> None:
-        self.candidates = [
-            (tree, parse_tree(tree), k) for tree in CANDIDATE_TREES if len(parse_tree(tree)) <= max_depth for k in CANDIDATE_TOPK
-        ]
+    def __init__(self, max_depth: int, probe_tree: str | None = None) -> None:
+        """Candidates: CANDIDATE_TREES at most `max_depth` deep and, given the probe's tree, inside it."""
+        probe = parse_tree(probe_tree) if probe_tree is not None else None
+
+        def fits(branching: tuple[int, ...]) -> bool:
+            if len(branching) > max_depth:
+                return False
+            return probe is None or (len(branching) <= len(probe) and all(b <= p for b, p in zip(branching, probe)))
+
+        self.candidates = [(tree, parse_tree(tree), k) for tree in CANDIDATE_TREES if fits(parse_tree(tree)) for k in CANDIDATE_TOPK]
         self.accepted = {(tree, k): 0 for tree, _, k in self.candidates}
         self.nodes = {(tree, k): 0 for tree, _, k in self.candidates}
         self.iterations = 0

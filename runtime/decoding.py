@@ -228,8 +228,12 @@ class NodeTargets:
     visits changes nothing.
     """
 
-    def __init__(self, engine: Engine, state: DecodeState, trie: Trie, hidden: torch.Tensor) -> None:
+    def __init__(self, engine: Engine, state: DecodeState, trie: Trie, hidden: torch.Tensor, draft_depth: int = 0) -> None:
         self.engine, self.state, self.trie, self.hidden = engine, state, trie, hidden  # hidden [N, hidden]
+        # drafting from the verify pass: the batched LM-head pass also gives the first `draft_depth`
+        # draft layers' logits at every node, so the next iteration's drafts cost no head pass of their own
+        self.draft_depth = draft_depth
+        self.all_draft_logits: torch.Tensor | None = None  # [draft_depth, N, V] when batched
         # On a GPU one LM-head pass over all nodes costs about what one row does (the head's weights
         # are read once); on a CPU too with the prepacked head (cpu_linear.py), up to a few rows.
         small = len(trie) <= BATCHED_NODES_MAX
@@ -248,8 +252,17 @@ class NodeTargets:
     def logits(self) -> torch.Tensor:
         """[N, V] logits of every node (one LM-head pass, kept)."""
         if self.all_logits is None:
-            self.all_logits = self.engine.model.logits(self.hidden)
+            if self.draft_depth:
+                heads = self.engine.model.head_logits(self.hidden, self.engine.draft_layers, self.draft_depth)  # [1 + d, N, V]
+                self.all_logits, self.all_draft_logits = heads[0], heads[1:]
+            else:
+                self.all_logits = self.engine.model.logits(self.hidden)
         return self.all_logits
+
+    def draft_logits(self, node: int) -> torch.Tensor | None:
+        """[draft_depth, V]: the draft layers' logits at `node` (tokens 2.. after it), when the
+        batched pass computed them; None otherwise."""
+        return None if self.all_draft_logits is None else self.all_draft_logits[:, node]
 
     def scores(self, node: int) -> torch.Tensor:
         logits = self.logits()[node] if self.batched else self.engine.model.logits(self.hidden[node])  # [V]
@@ -371,10 +384,13 @@ def _top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) 
     return [next(flat)[:width] for width in tree.branching]
 
 
-def candidates_from_hidden(engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree) -> list[list[int]]:
-    """Draft from the last committed token's hidden state [hidden]: draft layer d proposes depth d."""
-    heads = engine.model.head_logits(hidden[None], engine.draft_layers)[1:, 0]  # [n, V]: tokens 2.. after it
-    return _top_candidates(heads, state, tree)
+def candidates_from_hidden(engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree,
+                           draft_logits: torch.Tensor | None = None) -> list[list[int]]:
+    """Draft from the last committed token's hidden state [hidden]: draft layer d proposes depth d.
+    `draft_logits` [≥ depth, V], when the verify pass's LM-head pass already computed them, saves the head pass."""
+    if draft_logits is None or draft_logits.shape[0] < tree.depth:
+        draft_logits = engine.model.draft_logits(hidden[None], engine.draft_layers, tree.depth)[:, 0]  # [depth, V]
+    return _top_candidates(draft_logits, state, tree)
 
 
 def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:
@@ -540,7 +556,8 @@ def _measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[i
         forward_full(engine, state, tokens, positions)
         state.full.pending = 0  # timing only: nothing written is kept
 
-    sizes = sorted({s for s in (1, 16, 48) if s <= max_size} | {max_size})
+    # small sizes too: with a tree-attention kernel a few tokens cost what one does (not a straight line to 16)
+    sizes = sorted({s for s in (1, 2, 4, 8, 16, 48) if s <= max_size} | {max_size})
     return time_verify(forward, sizes, repeats=2)
 
 
@@ -574,12 +591,13 @@ def _tokenswift_loop(
         state.table = NgramTable(NGRAM_LENGTH)
         state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
     tree: StaticTree | None = build_static_tree(plan_tree)
-    probe = ProbeRecorder(max_depth=max_depth) if auto else None
+    probe = ProbeRecorder(max_depth=max_depth, probe_tree=probe_tree) if auto else None
     probe_costs = {"draft": 0.0, "other": 0.0}
     next_probe = len(state.tokens) + RETUNE_EVERY
     max_trie = state.full.capacity - state.limit
     if auto:
         stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens if stats.new_tokens else 1}")
+    last_draft_logits: torch.Tensor | None = None  # [depth, V] at the last committed token, from the verify pass
     done = False
     drafting_state_stale = False  # AR steps skip the partial cache and n-gram table upkeep
     while not done:
@@ -587,7 +605,7 @@ def _tokenswift_loop(
         if tree is None:  # a plain AR step, the same code as the AR baseline's
             out = ar_step(engine, state)
             assert out.queries is not None
-            state.queries, last_hidden = [q[-1] for q in out.queries], out.hidden[0]
+            state.queries, last_hidden, last_draft_logits = [q[-1] for q in out.queries], out.hidden[0], None
             acceptance = Acceptance(nodes=[], tokens=state.tokens[-1:])
             drafting_state_stale = True
             stats.add_time("ar_step", time.perf_counter() - tick)
@@ -601,7 +619,7 @@ def _tokenswift_loop(
                 drafting_state_stale = False
                 tick = time.perf_counter()
             if from_verify:
-                candidates = candidates_from_hidden(engine, state, last_hidden, tree)
+                candidates = candidates_from_hidden(engine, state, last_hidden, tree, last_draft_logits)
             else:
                 candidates = propose(engine, state, tree)
             t_draft = time.perf_counter()
@@ -611,11 +629,12 @@ def _tokenswift_loop(
             t_trie = time.perf_counter()
             verified = verify(engine, state, trie)
             t_verify = time.perf_counter()
-            targets = NodeTargets(engine, state, trie, verified.hidden)
+            targets = NodeTargets(engine, state, trie, verified.hidden, tree.depth if from_verify else 0)
             acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
             t_accept = time.perf_counter()
             commit(state, acceptance, verified, ngram_exclusion)
-            last_hidden = verified.hidden[acceptance.nodes[-1] if acceptance.nodes else 0]
+            last_node = acceptance.nodes[-1] if acceptance.nodes else 0
+            last_hidden, last_draft_logits = verified.hidden[last_node], targets.draft_logits(last_node)
             t_commit = time.perf_counter()
             for phase, begin, end in (
                 ("draft", tick, t_draft), ("trie", t_draft, t_trie), ("verify", t_trie, t_verify),
@@ -650,7 +669,7 @@ def _tokenswift_loop(
                 probe, probe_costs = None, {"draft": 0.0, "other": 0.0}
                 next_probe = len(state.tokens) + RETUNE_EVERY
         elif auto and len(state.tokens) >= next_probe:
-            probe = ProbeRecorder(max_depth=max_depth)
+            probe = ProbeRecorder(max_depth=max_depth, probe_tree=probe_tree)
             tree, ngram_topk = build_static_tree(probe_tree), PROBE_TOPK
             stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens}")
     stats.partial_selections = state.partial.selections if state.partial is not None else 0

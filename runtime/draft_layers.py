@@ -46,10 +46,11 @@ class DraftLayers(nn.Module):
                 layer.post_layernorm.weight.fill_(1.0)
         return self
 
-    def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        """hidden [T, hidden] (pre-norm) -> per layer the normalised state [T, hidden] for lm_head."""
+    def forward(self, hidden: torch.Tensor, count: int | None = None) -> list[torch.Tensor]:
+        """hidden [T, hidden] (pre-norm) -> per layer the normalised state [T, hidden] for lm_head;
+        `count` stops after the first `count` layers (a shallow tree needs no deeper drafts)."""
         outputs = []
-        for layer in self.layers:
+        for layer in self.layers[:count]:
             hidden = hidden + layer.linear(layer.input_layernorm(hidden))
             outputs.append(layer.post_layernorm(hidden))
         return outputs

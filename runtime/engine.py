@@ -7,6 +7,7 @@ weight is used; tensors are read through safetensors' memory map onto a meta-ini
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -147,7 +148,18 @@ def load_engine(
 
 
 def choose_attention_kernel(model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """On CUDA with fp16/bf16 and a supported head size, verify through the tree-attention kernel."""
+    """Verify through a tree-attention kernel: on CUDA with fp16/bf16 and a supported head size; on a
+    CPU with float32 and head_dim 16/32/64/128 (compiled on first use; TOKENSWIFT_CPU_KERNEL=0 keeps SDPA)."""
+    if device.type == "cpu":
+        if not kernels.cpu_kernel_supports(dtype, config.head_dim) or os.environ.get("TOKENSWIFT_CPU_KERNEL") == "0":
+            return
+        status = kernels.load_cpu_kernels()
+        if status.loaded:
+            model.use_attention_kernel("cpu_tree_attention")
+            return
+        warnings.warn(f"CPU tree-attention kernel not used ({status.reason}); attention runs through SDPA",
+                      KernelFallbackWarning, stacklevel=3)
+        return
     if device.type != "cuda":
         return
     if not kernels.kernel_supports(dtype, config.head_dim):

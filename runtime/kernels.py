@@ -5,10 +5,12 @@
   node j (the layout TensorRT-LLM's attention uses for speculative decoding).
 - `kv_importance_select`: which cached positions the partial (draft) cache keeps, per KV head.
 
-Faces: the pure-PyTorch references below (what the CPU path runs and what tests compare
-against); torch custom ops `torch.ops.tokenswift.*` whose CPU implementation is the reference and
-whose CUDA implementation comes from `plugins_cuda/` once `load_cuda_kernels()` has compiled it;
-and TensorRT plugins of the same names built from the same CUDA sources (`make plugins`).
+Faces: the pure-PyTorch references below (what tests compare against); torch custom ops
+`torch.ops.tokenswift.*` whose CUDA implementation comes from `plugins_cuda/` once
+`load_cuda_kernels()` has compiled it, and whose CPU implementation is the reference until
+`load_cpu_kernels()` compiles `plugins_cuda/cpu/tree_attention_cpu.cpp` (float32 tree attention,
+what CPU engines verify with); and TensorRT plugins of the same names built from the same CUDA
+sources (`make plugins`).
 """
 
 from __future__ import annotations
@@ -196,6 +198,57 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
     kv_importance_select.register_kernel("cuda")(
         kernel_or_reference(module.kv_importance_select, kv_importance_select_reference))
     return KernelStatus(True, "", module)
+
+
+CPU_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def cpu_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the CPU tree-attention kernel covers this element type and head size."""
+    return dtype == torch.float32 and head_dim in CPU_HEAD_DIMS
+
+
+@functools.cache
+def load_cpu_kernels(verbose: bool = False) -> KernelStatus:
+    """Compile (once per process; torch caches the build on disk) and register the CPU
+    implementation of `tree_attention` (plugins_cuda/cpu/tree_attention_cpu.cpp; float32, head_dim
+    16/32/64/128, every other case keeps the reference). Needs a C++ compiler and ninja; returns why
+    not instead of raising, so callers can fall back to SDPA."""
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name="tokenswift_cpu_kernels",
+            sources=[str(source_dir() / "cpu" / "tree_attention_cpu.cpp")],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=verbose,
+        )
+    except (OSError, RuntimeError, ImportError, ValueError, subprocess.CalledProcessError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return KernelStatus(False, f"building the CPU tree-attention kernel failed: {first_line}")
+
+    def run(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+        rows_contiguous = keys.stride(-1) == 1 and keys.stride(-2) == keys.shape[-1]
+        same_layout = keys.dtype == values.dtype == query.dtype and keys.stride() == values.stride()
+        if cpu_kernel_supports(query.dtype, query.shape[-1]) and rows_contiguous and same_layout:
+            return module.tree_attention(query.contiguous(), keys, values, tree_mask.contiguous(), scale)
+        return tree_attention_reference(query, keys, values, tree_mask, scale)
+
+    tree_attention.register_kernel("cpu")(run)
+    return KernelStatus(True, "", module)
+
+
+def cpu_tree_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """`tree_attention` through the compiled CPU kernel, called directly: the custom op's Python
+    dispatch costs about 100 µs a call here, as much as the attention of a short tree itself.
+    query [heads, T, D] float32, keys/values [kv_heads, prefix + T, D] with contiguous rows."""
+    status = load_cpu_kernels()
+    if not status.loaded:
+        raise RuntimeError(status.reason)
+    return status.module.tree_attention(query.contiguous(), keys, values, tree_mask, scale)  # type: ignore[union-attr]
 
 
 def kernel_or_reference(kernel: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor]

@@ -22,7 +22,10 @@ from .rope import RotaryEmbedding, apply_rotary
 # How attention runs: "sdpa" (torch's scaled_dot_product_attention with a boolean mask; CPU and any
 # device) or "tree_attention" (torch.ops.tokenswift.tree_attention with a packed tree mask; the
 # CUDA kernel where loaded, the PyTorch reference elsewhere). Both compute the same function.
-ATTENTION_KERNELS = ("sdpa", "tree_attention")
+# "cpu_tree_attention": the compiled CPU kernel (kernels.cpu_tree_attention) for 2..256 new tokens,
+# SDPA for single tokens (faster there) and prefill.
+ATTENTION_KERNELS = ("sdpa", "tree_attention", "cpu_tree_attention")
+CPU_KERNEL_MIN_TOKENS = 2
 GQA_FOLD_MAX_TOKENS = 8  # see grouped_sdpa
 
 
@@ -112,6 +115,8 @@ class Attention(nn.Module):
         scale = kernels.default_scale(self.head_dim)
         if mask.kernel == "tree_attention":
             out = kernels.tree_attention(q.contiguous(), keys, values, mask.mask, scale)  # [heads, T, head_dim]
+        elif mask.kernel == "cpu_tree_attention":
+            out = kernels.cpu_tree_attention(q, keys, values, mask.mask, scale)
         elif mask.kernel == "tree_attention_static":
             assert mask.prefix_length is not None
             out = kernels.tree_attention_static(q.contiguous(), keys, values, mask.mask, mask.prefix_length, scale)
@@ -209,8 +214,11 @@ class GraphDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.torch_model.logits(hidden)
 
-    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module) -> torch.Tensor:
-        return self.torch_model.head_logits(hidden, draft_layers)
+    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None) -> torch.Tensor:
+        return self.torch_model.head_logits(hidden, draft_layers, depth)
+
+    def draft_logits(self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int) -> torch.Tensor:
+        return self.torch_model.draft_logits(hidden, draft_layers, depth)
 
 
 class LlamaModel(nn.Module):
@@ -284,6 +292,9 @@ class LlamaModel(nn.Module):
         if use_kernel:
             causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
             return AttentionMask("tree_attention", kernels.pack_tree_mask(causal if tree_mask is None else tree_mask.to(device)))
+        if self.attention_kernel == "cpu_tree_attention" and CPU_KERNEL_MIN_TOKENS <= count <= kernels.MAX_TREE_TOKENS:
+            causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+            return AttentionMask("cpu_tree_attention", kernels.pack_tree_mask(causal if tree_mask is None else tree_mask))
         return AttentionMask("sdpa", attention_mask(cache.prefix_length, tree_mask, count, device))
 
     @torch.inference_mode()
@@ -297,7 +308,15 @@ class LlamaModel(nn.Module):
         hidden = self.decode(tokens, positions, cache).hidden
         return self.head_logits(hidden[-1:], draft_layers)[:, 0]
 
-    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module) -> torch.Tensor:
-        """hidden [T, hidden] (pre-norm) -> logits of the base head and each draft layer [1 + n, T, vocab]."""
-        states = torch.stack([self.model.norm(hidden)] + list(draft_layers(hidden)))  # [1 + n, T, hidden]
+    def head_logits(self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None) -> torch.Tensor:
+        """hidden [T, hidden] (pre-norm) -> logits of the base head and each draft layer [1 + n, T, vocab]
+        (n = `depth` when given: only the first `depth` draft layers)."""
+        states = torch.stack([self.model.norm(hidden)] + list(draft_layers(hidden, depth)))  # [1 + n, T, hidden]
         return self.lm_head(states)  # one pass over the head's weights for all heads
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int) -> torch.Tensor:
+        """hidden [T, hidden] (pre-norm) -> logits of the first `depth` draft layers only [depth, T, vocab]
+        (drafting from the verify pass: the base head's row is the verify pass's own, and a tree
+        `depth` deep reads no deeper layer)."""
+        return self.lm_head(torch.stack(draft_layers(hidden, depth)))

@@ -54,6 +54,26 @@ def test_candidate_trie_sizes_count_only_available_nodes():
     assert sizes[("1,3,3,3", 20)] == len(trie)
 
 
+def test_candidates_fit_inside_the_probe_tree():
+    paper = ProbeRecorder(max_depth=4, probe_tree="1,3,3,3")
+    trees = {tree for tree, _, _ in paper.candidates}
+    assert "1,3,3,3" in trees and "1,1" in trees and "3" not in trees and "2,1" not in trees
+    verify = ProbeRecorder(max_depth=3, probe_tree="3,3,3")
+    trees = {tree for tree, _, _ in verify.candidates}
+    assert {"1", "2", "3", "3,1", "3,2,1", "1,1,1"} <= trees and "1,1,1,1" not in trees and "1,3,3,3" not in trees
+
+
+def test_first_level_alternatives_are_scored_from_a_verify_probe():
+    """Drafting from the verify pass, rank 2 of draft layer 1 accepted: trees 3 and 3,1 count it, 1 and 2 do not."""
+    tree = build_static_tree("3,3,3")
+    trie = build_trie(5, tree, [[20, 21, 22], [30, 31, 32], [40, 41, 42]], [], True)
+    recorder = ProbeRecorder(max_depth=3, probe_tree="3,3,3")
+    recorder.record(trie, _path(trie, [22, 30]))
+    assert recorder.accepted[("1", 0)] == recorder.accepted[("2", 0)] == 0
+    assert recorder.accepted[("3", 0)] == 1 and recorder.accepted[("3,1", 0)] == 2
+    assert recorder.mean_nodes()[("3", 0)] == 1 + 3
+
+
 def test_interpolation_and_plan_choice():
     costs = {1: 1.0, 8: 1.0, 64: 8.0}
     assert interpolate(costs, 1) == 1.0

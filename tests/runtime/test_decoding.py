@@ -202,6 +202,42 @@ def test_drafting_from_the_verify_pass_is_lossless(llama_engine64, tree):
     assert stats.partial_selections == 0 and "draft" in stats.phase_s
 
 
+def test_verify_drafting_takes_the_next_drafts_from_the_verify_passs_head_pass(llama_engine64, monkeypatch):
+    """Drafting from the verify pass, the draft layers' logits at the last accepted node come out of
+    the same LM-head pass as the nodes' own (one pass per iteration): a separate draft-logits pass
+    runs only on the first iteration, and the candidates equal what that pass would have given."""
+    from tokenswift_trt.runtime import decoding
+
+    model = llama_engine64.model
+    separate_passes = []
+    original = model.draft_logits
+    monkeypatch.setattr(model, "draft_logits", lambda *args: separate_passes.append(1) or original(*args))
+    compared = []
+    original_top = decoding._top_candidates
+
+    def checked_top(logits, state, tree):
+        expected = original(state_hidden[0][None], llama_engine64.draft_layers, tree.depth)[:, 0]
+        compared.append(torch.allclose(logits[: tree.depth], expected, rtol=1e-9, atol=1e-9))
+        return original_top(logits, state, tree)
+
+    state_hidden: list[torch.Tensor] = []
+    original_candidates = decoding.candidates_from_hidden
+
+    def spy_candidates(engine, state, hidden, tree, draft_logits=None):
+        state_hidden[:] = [hidden]
+        return original_candidates(engine, state, hidden, tree, draft_logits)
+
+    monkeypatch.setattr(decoding, "_top_candidates", checked_top)
+    monkeypatch.setattr(decoding, "candidates_from_hidden", spy_candidates)
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    base = dict(max_new_tokens=60, sampling=SamplingConfig(temperature=1.0, min_p=0.1), seed=4, ignore_eos=True)
+    swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, tree="2,1", ngram_topk=0, draft_source="verify"))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert swift == ar
+    assert len(separate_passes) == 1  # the first iteration's (the checks call the original directly)
+    assert len(compared) == stats.iterations and all(compared)
+
+
 def test_verify_drafting_refuses_trees_deeper_than_the_draft_layers(llama_engine64):
     with pytest.raises(GenerationError, match="at most 3 levels"):
         generate(llama_engine64, [5, 6, 7], GenerationConfig(max_new_tokens=5, tree="1,3,3,3", draft_source="verify"))

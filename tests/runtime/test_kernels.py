@@ -70,8 +70,8 @@ def test_tree_attention_reference_reads_strided_cache_views():
     keys, values = cache[:, :20], cache[:, :20] * 0.5
     query = torch.randn(4, 4, 16, generator=generator)
     packed = kernels.pack_tree_mask(torch.ones(4, 4, dtype=torch.bool).tril())
-    out = kernels.tree_attention(query, keys, values, packed, 0.25)
-    dense = kernels.tree_attention(query, keys.contiguous(), values.contiguous(), packed, 0.25)
+    out = kernels.tree_attention_reference(query, keys, values, packed, 0.25)
+    dense = kernels.tree_attention_reference(query, keys.contiguous(), values.contiguous(), packed, 0.25)
     assert torch.equal(out, dense)
 
 

@@ -1,0 +1,231 @@
+// CPU implementation of torch.ops.tokenswift.tree_attention (float32), the semantics of
+// runtime/kernels.py: T tree tokens attend to every committed cache slot and, among themselves,
+// through a packed tree mask (bit j % 32 of word j / 32 in row i: node i sees node j).
+//
+// Why it exists: a verify pass of a few tokens over a long cache is what speculative decoding
+// asks of attention. On a CPU torch's SDPA pays for each extra query row almost as much as for
+// the first, so a 3-token verify at 8K context cost 1.3x a 1-token step in our measurements.
+// Here the query rows of one KV group (group x T of them) sit in the 16 lanes of a vector, so each
+// key costs the same vector arithmetic (head_dim multiply-adds for the scores, head_dim for P·V,
+// one vector exp) whether one row or sixteen use it: up to 16 rows (T = 4 with 4 query heads per
+// KV head) a verify's attention costs what one token's does, and reading K/V once is the rest.
+//
+// Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys);
+// each keeps an online softmax per row; a combine step merges the ranges. Compiled on first use by
+// runtime/kernels.load_cpu_kernels() with -O3 -march=native -ffast-math, which vectorises expf
+// through glibc's vector math library. No infinities are used (fast-math assumes none): masked
+// scores are a finite sentinel, and a row with no visible key in a range skips it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if !defined(__GNUC__)
+#error "the CPU tree-attention kernel needs GCC or Clang vector extensions"
+#endif
+
+namespace {
+
+// 16 floats: one AVX-512 register (GCC/Clang vector extension; two AVX2 registers elsewhere).
+typedef float vec __attribute__((vector_size(64)));
+constexpr int kLanes = 16;           // query rows per tile: row r of a tile lives in lane r
+constexpr int kBlock = 32;           // keys per online-softmax update
+constexpr int kChunk = 8;            // head dims held in registers at a time
+constexpr float kMasked = -1.0e30f;  // score of a key the row may not see
+constexpr int64_t kMinKeysPerItem = 512;
+
+struct Item {
+    int64_t kv_head;
+    int64_t begin;  // key range [begin, end)
+    int64_t end;
+};
+
+// Online-softmax state of one work item, per tile of 16 rows: running max, sum, unnormalised output.
+struct Partial {
+    std::vector<vec> max;     // [tiles]
+    std::vector<vec> sum;     // [tiles]
+    std::vector<vec> output;  // [tiles, D]: output[t * D + d] lane r = row t*16 + r, dim d
+};
+
+inline vec splat(float x) { return vec{} + x; }
+
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+
+inline vec vexp(vec x) {
+    alignas(64) float lanes[kLanes];
+    alignas(64) float in[kLanes];
+    __builtin_memcpy(in, &x, sizeof(in));
+#pragma omp simd
+    for (int i = 0; i < kLanes; ++i) lanes[i] = std::exp(in[i]);  // glibc's vector expf under -ffast-math
+    vec out;
+    __builtin_memcpy(&out, lanes, sizeof(out));
+    return out;
+}
+
+template <int D>
+void attend_range(const vec* query,  // [tiles, D] transposed, scaled: query[t*D + d] lane r = row t*16+r, dim d
+                  int64_t tiles, const vec* tree_bias,  // [T, tiles]: 0 or kMasked per lane, key = tree node
+                  const float* keys, const float* values,  // [length, D] of one KV head
+                  int64_t begin, int64_t end, int64_t prefix, Partial& out) {
+    out.max.assign(tiles, splat(kMasked));
+    out.sum.assign(tiles, splat(0.0f));
+    out.output.assign(tiles * D, splat(0.0f));
+    vec scores[kBlock];
+    for (int64_t start = begin; start < end; start += kBlock) {
+        const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
+        const float* key_block = keys + start * D;
+        const float* value_block = values + start * D;
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            const vec* q = query + tile * D;
+            for (int j = 0; j < count; ++j) scores[j] = splat(0.0f);
+            for (int dc = 0; dc < D; dc += kChunk) {  // scores[j] lane r = q_r . k_j
+                vec qc[kChunk];
+                for (int k = 0; k < kChunk; ++k) qc[k] = q[dc + k];
+                for (int j = 0; j < count; ++j) {
+                    const float* key = key_block + j * D + dc;
+                    vec a = scores[j];
+                    for (int k = 0; k < kChunk; ++k) a += qc[k] * key[k];
+                    scores[j] = a;
+                }
+            }
+            if (start + count > prefix) {  // the block reaches the tree's own keys
+                for (int j = 0; j < count; ++j) {
+                    const int64_t node = start + j - prefix;
+                    if (node >= 0) scores[j] += tree_bias[node * tiles + tile];
+                }
+            }
+            vec block_max = scores[0];
+            for (int j = 1; j < count; ++j) block_max = vmax(block_max, scores[j]);
+            const vec old_max = out.max[tile];
+            const vec new_max = vmax(old_max, block_max);
+            const vec correction = vexp(old_max - new_max);
+            const vec visible_floor = splat(0.5f * kMasked);
+            vec sum = out.sum[tile] * correction;
+            for (int j = 0; j < count; ++j) {
+                const vec p = vexp(scores[j] - new_max);
+                scores[j] = scores[j] > visible_floor ? p : splat(0.0f);  // a masked key weighs 0
+                sum += scores[j];
+            }
+            out.max[tile] = new_max;
+            out.sum[tile] = sum;
+            vec* acc = out.output.data() + tile * D;
+            for (int dc = 0; dc < D; dc += kChunk) {  // acc[d] lane r += p_rj * v_j[d]
+                vec a[kChunk];
+                for (int k = 0; k < kChunk; ++k) a[k] = acc[dc + k] * correction;
+                for (int j = 0; j < count; ++j) {
+                    const float* value = value_block + j * D + dc;
+                    for (int k = 0; k < kChunk; ++k) a[k] += scores[j] * value[k];
+                }
+                for (int k = 0; k < kChunk; ++k) acc[dc + k] = a[k];
+            }
+        }
+    }
+}
+
+template <int D>
+void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
+         double scale, at::Tensor& output) {
+    const int64_t heads = query.size(0), tree_tokens = query.size(1);
+    const int64_t kv_heads = keys.size(0), length = keys.size(1);
+    const int64_t group = heads / kv_heads, rows = group * tree_tokens;
+    const int64_t tiles = (rows + kLanes - 1) / kLanes;
+    const int64_t prefix = length - tree_tokens, words = tree_mask.size(1);
+    const int64_t head_stride = keys.stride(0);
+    const float* q = query.data_ptr<float>();  // rows g*T + t of KV head h start at query head h*group
+    const auto* mask = reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>());
+
+    // queries transposed into lanes (padding lanes: zero queries, never written back)
+    std::vector<vec> transposed(kv_heads * tiles * D, splat(0.0f));
+    for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t row = 0; row < rows; ++row)
+            for (int d = 0; d < D; ++d)
+                transposed[(h * tiles + row / kLanes) * D + d][row % kLanes] =
+                    static_cast<float>(q[(h * rows + row) * D + d] * scale);
+    // per tree node and tile, 0 where the lane's row may see the node, kMasked where not
+    std::vector<vec> tree_bias(tree_tokens * tiles, splat(0.0f));
+    for (int64_t node = 0; node < tree_tokens; ++node)
+        for (int64_t row = 0; row < rows; ++row) {
+            const uint32_t* bits = mask + (row % tree_tokens) * words;
+            if (!((bits[node >> 5] >> (node & 31)) & 1u)) tree_bias[node * tiles + row / kLanes][row % kLanes] = kMasked;
+        }
+
+    // enough key ranges to keep every thread busy, none shorter than kMinKeysPerItem keys
+    const int64_t threads = at::get_num_threads();
+    const int64_t wanted = std::max<int64_t>(1, (threads + kv_heads - 1) / kv_heads);
+    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(wanted, length / kMinKeysPerItem));
+    const int64_t span = ((length + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
+    std::vector<Item> items;
+    for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t begin = 0; begin < length; begin += span) items.push_back({h, begin, std::min(length, begin + span)});
+    std::vector<Partial> partials(items.size());
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
+        for (int64_t i = first; i < last; ++i) {
+            const Item& item = items[i];
+            attend_range<D>(transposed.data() + item.kv_head * tiles * D, tiles, tree_bias.data(),
+                            keys.data_ptr<float>() + item.kv_head * head_stride,
+                            values.data_ptr<float>() + item.kv_head * head_stride, item.begin, item.end, prefix,
+                            partials[i]);
+        }
+    });
+
+    // merge the key ranges of each KV head; a row that sees nothing gives 0
+    float* result = output.data_ptr<float>();
+    const int64_t per_head = static_cast<int64_t>(items.size()) / kv_heads;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            vec best = splat(kMasked);
+            for (int64_t s = 0; s < per_head; ++s) best = vmax(best, partials[h * per_head + s].max[tile]);
+            vec total = splat(0.0f);
+            std::vector<vec> merged(D, splat(0.0f));
+            for (int64_t s = 0; s < per_head; ++s) {
+                const Partial& part = partials[h * per_head + s];
+                const vec weight = vexp(part.max[tile] - best);
+                total += part.sum[tile] * weight;
+                for (int d = 0; d < D; ++d) merged[d] += part.output[tile * D + d] * weight;
+            }
+            for (int lane = 0; lane < kLanes; ++lane) {
+                const int64_t row = tile * kLanes + lane;
+                if (row >= rows) break;
+                const float inverse = total[lane] > 0.0f ? 1.0f / total[lane] : 0.0f;
+                float* target = result + (h * rows + row) * D;
+                for (int d = 0; d < D; ++d) target[d] = merged[d][lane] * inverse;
+            }
+        }
+    }
+}
+
+at::Tensor tree_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                          const at::Tensor& tree_mask, double scale) {
+    TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.dim() == 3 && query.is_contiguous(),
+                "query must be a contiguous float32 CPU tensor [heads, T, head_dim]");
+    for (const at::Tensor* cache : {&keys, &values}) {
+        TORCH_CHECK(cache->device().is_cpu() && cache->scalar_type() == at::kFloat && cache->dim() == 3 &&
+                        cache->stride(2) == 1 && cache->stride(1) == cache->size(2),
+                    "keys and values must be float32 CPU tensors [kv_heads, length, head_dim], rows contiguous");
+    }
+    TORCH_CHECK(keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys and values must match");
+    TORCH_CHECK(keys.size(2) == query.size(2), "keys must have the query's head_dim");
+    TORCH_CHECK(query.size(0) % keys.size(0) == 0, "query heads must be a multiple of KV heads");
+    TORCH_CHECK(keys.size(1) >= query.size(1), "keys must include the tree's own T positions");
+    TORCH_CHECK(tree_mask.scalar_type() == at::kInt && tree_mask.is_contiguous() && tree_mask.dim() == 2 &&
+                    tree_mask.size(0) == query.size(1) && tree_mask.size(1) == (query.size(1) + 31) / 32,
+                "tree_mask must be a contiguous int32 tensor [T, ceil(T / 32)]");
+    at::Tensor output = at::empty_like(query);
+    switch (query.size(2)) {
+        case 16: run<16>(query, keys, values, tree_mask, scale, output); break;
+        case 32: run<32>(query, keys, values, tree_mask, scale, output); break;
+        case 64: run<64>(query, keys, values, tree_mask, scale, output); break;
+        case 128: run<128>(query, keys, values, tree_mask, scale, output); break;
+        default: TORCH_CHECK(false, "the CPU tree-attention kernel covers head_dim 16, 32, 64 and 128, got ", query.size(2));
+    }
+    return output;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+    module.def("tree_attention", &tree_attention, "tree attention over a float32 KV cache (CPU)");
+}
