@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEMO_MODEL := models/swift-tiny
 RANDOM_MODEL := demo/random-tiny
 # the paper's sampling settings (min-p 0.1, θ 1.2) with W, B and the tree scaled to a tiny model on a CPU
-DEMO_ARGS := --min-p 0.1 --penalty 1.2 --penalty-window 256 --kv-budget 4096 --tree auto --ignore-eos --max-new-tokens 4096 --seed 1
+DEMO_ARGS := --min-p 0.1 --penalty 1.2 --penalty-window 256 --kv-budget 4096 --tree auto --draft-source verify --ignore-eos --max-new-tokens 4096 --seed 1
 
 .PHONY: install test demo demo-random deploy plugins clean
 

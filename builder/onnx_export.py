@@ -142,8 +142,9 @@ def export_onnx(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path, plu
     previous = model.attention_kernel
     with _quiet_exporter():
         try:
-            if plugins:
-                model.use_attention_kernel("tree_attention")
+            # the graph's attention: plugin nodes, or ONNX ops traced from SDPA (the compiled CPU
+            # kernel the engine may verify with here is not exportable)
+            model.use_attention_kernel("tree_attention" if plugins else "sdpa")
             return _export(model, draft_layers, out_dir, plugins)
         finally:
             model.use_attention_kernel(previous)

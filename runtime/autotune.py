@@ -117,14 +117,34 @@ def time_verify(forward, sizes: Sequence[int], repeats: int = 3) -> dict[int, fl
 
 
 def choose_plan(
-    recorder: ProbeRecorder, verify_costs: dict[int, float], draft_s: float, overhead_s: float
+    recorder: ProbeRecorder, verify_costs: dict[int, float], draft_s: float, overhead_s: float,
+    sampling_costs: dict[int, float] | None = None, lazy_above: int | None = None, per_node_s: float = 0.0,
+    batched_draft_s: float | None = None,
 ) -> tuple[Plan, list[Plan]]:
-    """Best plan (and all, best first) from probe acceptance, verify costs and per-iteration costs."""
-    plans = [Plan(AR_PLAN, 0, 1.0, interpolate(verify_costs, 1) + overhead_s / 2)]
+    """Best plan (and all, best first) from probe acceptance, verify costs and per-iteration costs.
+
+    `sampling_costs` {N: seconds} is what sampling N verified nodes as one batch costs (measured);
+    tries above `lazy_above` nodes sample one node per visit instead, i.e. about one single-node
+    cost per committed token. Without it the sampling is taken to be inside `overhead_s`, an AR
+    step paying half of that. `per_node_s` is host work per trie node (building it).
+    `batched_draft_s`, when given, replaces `draft_s` for tries sampled as one batch (drafting from
+    the verify pass, their drafts come out of that batch's head pass: only the ranking is left).
+    """
+    def sampling(nodes: float, tokens: float) -> float:
+        if sampling_costs is None:
+            return 0.0
+        if lazy_above is not None and nodes > lazy_above:
+            return interpolate(sampling_costs, 1) * tokens
+        return interpolate(sampling_costs, nodes)
+
+    ar_overhead = sampling(1, 1) if sampling_costs is not None else overhead_s / 2
+    plans = [Plan(AR_PLAN, 0, 1.0, interpolate(verify_costs, 1) + ar_overhead)]
     iterations = max(1, recorder.iterations)
     for (tree, k), nodes in recorder.mean_nodes().items():
         tokens = 1 + recorder.accepted[(tree, k)] / iterations
-        seconds = draft_s + overhead_s + interpolate(verify_costs, nodes)
+        batched = lazy_above is None or nodes <= lazy_above
+        draft = batched_draft_s if batched_draft_s is not None and batched else draft_s
+        seconds = draft + overhead_s + per_node_s * nodes + interpolate(verify_costs, nodes) + sampling(nodes, tokens)
         plans.append(Plan(tree, k, tokens, seconds))
     plans.sort(key=lambda plan: -plan.tokens_per_s)
     return plans[0], plans

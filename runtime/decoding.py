@@ -42,7 +42,7 @@ NGRAM_LENGTH = 4
 AUTO = "auto"
 DRAFT_SOURCES = ("partial", "verify")
 VERIFY_PROBE_TREE = "3,3,3"  # drafting from the verify pass: depth d uses draft layer d
-PROBE_ITERATIONS = 24  # tree tuning: probe iterations with the largest tree
+PROBE_ITERATIONS = 32  # tree tuning: probe iterations with the largest tree (acceptance counts add up over probes)
 RETUNE_EVERY = 4096  # tree tuning: probe again after this many new tokens
 BATCHED_NODES_MAX = 16  # on a CPU, tries up to this size sample every node in one batch (NodeTargets)
 
@@ -561,6 +561,28 @@ def _measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[i
     return time_verify(forward, sizes, repeats=2)
 
 
+def _measure_ranking(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> float:
+    """Seconds to draft from logits the verify pass's head pass already holds (transforms and
+    noise ranking of one draft level): the whole drafting cost of a batched trie in verify mode."""
+    logits = engine.model.draft_logits(hidden[None], engine.draft_layers, 1)[:, 0]  # [1, V]
+    tree = build_static_tree("3")
+    return time_verify(lambda _: _top_candidates(logits, state, tree), [1], repeats=3)[1]
+
+
+def _measure_sampling(engine: Engine, state: DecodeState, hidden: torch.Tensor, draft_depth: int) -> dict[int, float]:
+    """Seconds to turn verified rows into the target's samples: N = 1 is an AR step's (`sample_next`);
+    N = 2..BATCHED_NODES_MAX a trie of N nodes sampled as one batch (LM-head pass with `draft_depth`
+    draft rows per node, transforms, noise, one read). hidden [hidden] stands in for every node."""
+    def sample(size: int) -> None:
+        if size == 1:
+            sample_next(engine, state, hidden)
+            return
+        trie = build_trie(state.tokens[-1], build_static_tree(str(size - 1)), [list(range(size - 1))])
+        NodeTargets(engine, state, trie, hidden.expand(size, -1).contiguous(), draft_depth).sample(0)
+
+    return time_verify(sample, [1, 2, 4, 8, BATCHED_NODES_MAX], repeats=2)
+
+
 def _tokenswift_loop(
     engine: Engine,
     state: DecodeState,
@@ -591,8 +613,9 @@ def _tokenswift_loop(
         state.table = NgramTable(NGRAM_LENGTH)
         state.table.update(state.tokens, len(state.tokens) - ngram_exclusion)
     tree: StaticTree | None = build_static_tree(plan_tree)
-    probe = ProbeRecorder(max_depth=max_depth, probe_tree=probe_tree) if auto else None
-    probe_costs = {"draft": 0.0, "other": 0.0}
+    recorder = ProbeRecorder(max_depth=max_depth, probe_tree=probe_tree) if auto else None  # kept over all probes
+    probing = auto
+    probe_costs = {"iterations": 0.0, "draft": 0.0, "trie": 0.0, "nodes": 0.0, "commit": 0.0}  # this probe's host work
     next_probe = len(state.tokens) + RETUNE_EVERY
     max_trie = state.full.capacity - state.limit
     if auto:
@@ -654,22 +677,29 @@ def _tokenswift_loop(
         if observer:
             observer(stats)
         done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
-        if probe is not None:  # probing: the last iteration drafted (tree is not None)
-            probe.record(trie, acceptance.nodes)
-            probe_costs["draft"] += t_draft - tick
-            probe_costs["other"] += (t_trie - t_draft) + (t_commit - t_verify)
-            if probe.iterations >= PROBE_ITERATIONS and not done:
+        if probing and recorder is not None:  # probing: the last iteration drafted (tree is not None)
+            recorder.record(trie, acceptance.nodes)
+            for key, value in (("iterations", 1), ("draft", t_draft - tick), ("trie", t_trie - t_draft),
+                               ("nodes", len(trie)), ("commit", t_commit - t_accept)):
+                probe_costs[key] += value
+            if probe_costs["iterations"] >= PROBE_ITERATIONS and not done:
                 costs = _measure_verify(engine, state, max_trie)
+                # drafting from the verify pass the head pass carries draft rows (one level: the trees CPUs pick)
+                sampling = _measure_sampling(engine, state, last_hidden, 1 if from_verify else 0)
+                count = probe_costs["iterations"]
                 plan, _ = choose_plan(
-                    probe, costs, probe_costs["draft"] / probe.iterations, probe_costs["other"] / probe.iterations
+                    recorder, costs, probe_costs["draft"] / count, probe_costs["commit"] / count,
+                    sampling, None if device.type == "cuda" else BATCHED_NODES_MAX,
+                    per_node_s=probe_costs["trie"] / probe_costs["nodes"],  # building a trie (n-grams included)
+                    batched_draft_s=_measure_ranking(engine, state, last_hidden) if from_verify else None,
                 )
                 tree = None if plan.tree == AR_PLAN else build_static_tree(plan.tree)
                 ngram_topk = plan.ngram_topk
                 stats.plans.append(f"{plan.tree} k={plan.ngram_topk} from token {stats.new_tokens}")
-                probe, probe_costs = None, {"draft": 0.0, "other": 0.0}
+                probing, probe_costs = False, dict.fromkeys(probe_costs, 0.0)
                 next_probe = len(state.tokens) + RETUNE_EVERY
         elif auto and len(state.tokens) >= next_probe:
-            probe = ProbeRecorder(max_depth=max_depth, probe_tree=probe_tree)
+            probing = True
             tree, ngram_topk = build_static_tree(probe_tree), PROBE_TOPK
             stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens}")
     stats.partial_selections = state.partial.selections if state.partial is not None else 0

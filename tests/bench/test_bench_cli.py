@@ -43,6 +43,22 @@ def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_p
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "alpha.png").stat().st_size > 1000
 
 
+def test_bench_drafting_from_the_verify_pass_compares_auto_with_the_papers_static_tree(model_dir, tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 40)
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(main, [
+        "bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "40", "--prefix-len", "32",
+        "--tree", "auto", "--draft-source", "verify", "--min-p", "0.1", "--penalty", "1.2", "--penalty-window", "16",
+        "--seed", "3", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    (row,) = list(csv.DictReader(open(out / "bench.csv")))
+    assert row["tokens_equal_ar"] == "True"
+    assert row["auto_plans"].startswith("probe 3,3,3")  # the verify pass's probe: draft layers 1-3
+    assert float(row["default_tree_tokens_per_s"]) > 0  # 1,3,3,3 is 4 deep: it ran with the paper's drafting
+
+
 def test_prompt_windows_and_bad_lengths(model_dir, tmp_path):
     assert prompt_windows(list(range(100)), 10, 3) == [list(range(0, 10)), list(range(30, 40)), list(range(60, 70))]
     with pytest.raises(ValueError, match="fewer than --prefix-len"):

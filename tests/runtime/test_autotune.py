@@ -93,6 +93,31 @@ def test_interpolation_and_plan_choice():
     assert all(len(parse_tree(p.tree)) <= 4 for p in plans if p.tree != AR_PLAN)
 
 
+def test_measured_sampling_costs_enter_every_plan():
+    recorder = ProbeRecorder(max_depth=4)
+    trie = _probe_trie()
+    for _ in range(4):
+        recorder.record(trie, _path(trie, [10, 20, 30, 40]))
+    flat = {1: 1.0, 64: 1.0}
+    # sampling: an AR step's 0.5 s, a batch of 5 nodes 1 s; 1,1,1,1 (5 nodes) gives 5 tokens in 1 + 1 s
+    best, plans = choose_plan(recorder, flat, draft_s=0.0, overhead_s=0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0})
+    by_plan = {(p.tree, p.ngram_topk): p for p in plans}
+    assert by_plan[(AR_PLAN, 0)].seconds_per_iteration == pytest.approx(1.5)
+    assert by_plan[("1,1,1,1", 0)].seconds_per_iteration == pytest.approx(2.0) and best.tree == "1,1,1,1"
+    # above `lazy_above` nodes a trie samples one node per committed token: 1,3,3,3 (41 nodes) pays 5 x 0.5 s
+    _, plans = choose_plan(recorder, flat, 0.0, 0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0}, lazy_above=16)
+    assert {(p.tree, p.ngram_topk): p for p in plans}[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(1.0 + 2.5)
+    # drafting from the verify pass: batched tries draft from their own head pass (ranking only)
+    _, plans = choose_plan(recorder, flat, 3.0, 0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0}, lazy_above=16,
+                           batched_draft_s=0.25)
+    by_plan = {(p.tree, p.ngram_topk): p for p in plans}
+    assert by_plan[("1,1,1,1", 0)].seconds_per_iteration == pytest.approx(0.25 + 1.0 + 1.0)
+    assert by_plan[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(3.0 + 1.0 + 2.5)  # lazy: the full draft
+    # sampling a batch so dear that drafting cannot pay: plain AR steps
+    best, _ = choose_plan(recorder, flat, 0.0, 0.0, sampling_costs={1: 0.5, 2: 20.0, 16: 30.0})
+    assert best.tree == AR_PLAN
+
+
 def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):
     prompt = list(range(3, 60))
     base = dict(max_new_tokens=160, sampling=SamplingConfig(temperature=0.9, min_p=0.05, penalty=1.2, penalty_window=16),

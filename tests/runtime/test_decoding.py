@@ -273,7 +273,7 @@ def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monk
     choices = iter([AR_PLAN, "1,1", AR_PLAN, "1,1", AR_PLAN, "1,1"])
     monkeypatch.setattr(decoding, "RETUNE_EVERY", 30)
     monkeypatch.setattr(decoding, "PROBE_ITERATIONS", 4)
-    monkeypatch.setattr(decoding, "choose_plan", lambda *args: (Plan(next(choices), 2, 1.0, 1.0), []))
+    monkeypatch.setattr(decoding, "choose_plan", lambda *args, **kwargs: (Plan(next(choices), 2, 1.0, 1.0), []))
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
     base = dict(max_new_tokens=150, sampling=SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
                 seed=4, ignore_eos=True)
