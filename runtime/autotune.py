@@ -99,21 +99,25 @@ def interpolate(costs: dict[int, float], size: float) -> float:
 
 
 def time_verify(forward, sizes: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """Median seconds of `forward(size)` for each size (forward runs one masked verify pass)."""
-    costs = {}
+    """Median seconds of `forward(size)` for each size (forward runs one masked verify pass).
+
+    Rounds go over every size in turn (not all repeats of one size, then the next), so that a
+    machine whose speed drifts between moments charges the drift to every size alike: plans are
+    chosen on ratios of these costs, and a few percent decide between drafting and AR steps.
+    """
     for size in sizes:
         forward(size)  # warm
-        samples = []
-        for _ in range(repeats):
+    samples: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(repeats):
+        for size in sizes:
             if torch.cuda.is_available():  # queued work (the warm-up, the last sample) is not this sample's
                 torch.cuda.synchronize()
             start = time.perf_counter()
             forward(size)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            samples.append(time.perf_counter() - start)
-        costs[size] = statistics.median(samples)
-    return costs
+            samples[size].append(time.perf_counter() - start)
+    return {size: statistics.median(values) for size, values in samples.items()}
 
 
 def choose_plan(

@@ -558,7 +558,7 @@ def _measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[i
 
     # small sizes too: with a tree-attention kernel a few tokens cost what one does (not a straight line to 16)
     sizes = sorted({s for s in (1, 2, 4, 8, 16, 48) if s <= max_size} | {max_size})
-    return time_verify(forward, sizes, repeats=2)
+    return time_verify(forward, sizes, repeats=5)
 
 
 def _measure_ranking(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> float:
@@ -580,7 +580,7 @@ def _measure_sampling(engine: Engine, state: DecodeState, hidden: torch.Tensor, 
         trie = build_trie(state.tokens[-1], build_static_tree(str(size - 1)), [list(range(size - 1))])
         NodeTargets(engine, state, trie, hidden.expand(size, -1).contiguous(), draft_depth).sample(0)
 
-    return time_verify(sample, [1, 2, 4, 8, BATCHED_NODES_MAX], repeats=2)
+    return time_verify(sample, [1, 2, 4, 8, BATCHED_NODES_MAX], repeats=5)
 
 
 def _tokenswift_loop(

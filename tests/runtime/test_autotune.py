@@ -74,6 +74,15 @@ def test_first_level_alternatives_are_scored_from_a_verify_probe():
     assert recorder.mean_nodes()[("3", 0)] == 1 + 3
 
 
+def test_verify_timing_interleaves_sizes_and_takes_medians():
+    from tokenswift_trt.runtime.autotune import time_verify
+
+    calls = []
+    costs = time_verify(calls.append, [1, 4, 16], repeats=3)
+    assert calls == [1, 4, 16] + [1, 4, 16] * 3  # a warm-up each, then rounds over every size
+    assert set(costs) == {1, 4, 16} and all(cost >= 0 for cost in costs.values())
+
+
 def test_interpolation_and_plan_choice():
     costs = {1: 1.0, 8: 1.0, 64: 8.0}
     assert interpolate(costs, 1) == 1.0
