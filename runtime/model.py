@@ -289,12 +289,11 @@ class LlamaModel(nn.Module):
                 return AttentionMask("tree_attention_static", kernels.pack_tree_mask(static.tree_mask),
                                      static.prefix_length.to(torch.int32))
             return AttentionMask("sdpa", static.full_mask)
-        if use_kernel:
+        # the CPU kernel for 2..256 tokens (SDPA is faster for one); no static form
+        cpu_kernel = self.attention_kernel == "cpu_tree_attention" and CPU_KERNEL_MIN_TOKENS <= count <= kernels.MAX_TREE_TOKENS
+        if use_kernel or cpu_kernel:
             causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-            return AttentionMask("tree_attention", kernels.pack_tree_mask(causal if tree_mask is None else tree_mask.to(device)))
-        if self.attention_kernel == "cpu_tree_attention" and CPU_KERNEL_MIN_TOKENS <= count <= kernels.MAX_TREE_TOKENS:
-            causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-            return AttentionMask("cpu_tree_attention", kernels.pack_tree_mask(causal if tree_mask is None else tree_mask))
+            return AttentionMask(self.attention_kernel, kernels.pack_tree_mask(causal if tree_mask is None else tree_mask.to(device)))
         return AttentionMask("sdpa", attention_mask(cache.prefix_length, tree_mask, count, device))
 
     @torch.inference_mode()

@@ -179,7 +179,8 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
             vec best = splat(kMasked);
             for (int64_t s = 0; s < per_head; ++s) best = vmax(best, partials[h * per_head + s].max[tile]);
             vec total = splat(0.0f);
-            std::vector<vec> merged(D, splat(0.0f));
+            vec merged[D];
+            for (int d = 0; d < D; ++d) merged[d] = splat(0.0f);
             for (int64_t s = 0; s < per_head; ++s) {
                 const Partial& part = partials[h * per_head + s];
                 const vec weight = vexp(part.max[tile] - best);
