@@ -31,7 +31,8 @@ from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput, LlamaModel
 from .ngram import NgramTable
 from .sampling import (
-    PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, draft_ranking, gumbel_max_rows, process_logits,
+    FusedSampler, PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, draft_ranking, fused_sampler,
+    gumbel_max_rows, process_logits,
 )
 from .static_step import StaticForward, bucket_for
 from .transfer import copy_from_host, to_device
@@ -169,6 +170,11 @@ class DecodeState:
     queries: list[torch.Tensor]  # per layer [heads, head_dim]: latest committed token's query
     static_full: StaticForward | None = None  # fixed-shape forwards on `full` (and `partial`)
     static_partial: StaticForward | None = None
+    sampler: FusedSampler | None = None  # the compiled sampling step (float32 CPU engines), else PyTorch's
+
+    def noise(self, positions: Sequence[int], size: int, device: torch.device) -> torch.Tensor | None:
+        """[len(positions), size] Gumbel noise of those positions; None when greedy."""
+        return None if self.sampling.greedy else self.random.gumbel_rows(positions, size, device)
 
     @property
     def root_position(self) -> int:
@@ -274,11 +280,19 @@ class NodeTargets:
                 self.all_samples = self._sample_every_node()
             return self.all_samples[node]
         position = self.state.root_position + self.trie.depths[node] + 1
+        if self.state.sampler is not None:
+            logits = self.logits()[node] if self.batched else self.engine.model.logits(self.hidden[node])  # [V]
+            noise = self.state.noise([position], logits.shape[-1], logits.device)
+            return self.state.sampler.samples(logits[None], self.state.window(self.path(node)), noise)[0]
         return choose_token(self.scores(node), self.state.sampling, self.state.random, position)
 
     def _sample_every_node(self) -> list[int]:
         state, trie = self.state, self.trie
         paths = [self.path(node) for node in range(len(trie))]
+        if state.sampler is not None:  # nodes at one depth share their position's noise
+            logits = self.logits()
+            noise = state.noise([state.root_position + depth + 1 for depth in trie.depths], logits.shape[-1], logits.device)
+            return state.sampler.samples(logits, state.windows(paths), noise)
         scores = process_logits(self.logits(), state.windows(paths), state.sampling)  # [N, V]
         if state.sampling.greedy:
             return scores.argmax(dim=-1).tolist()
@@ -338,6 +352,9 @@ def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: in
 
 def sample_next(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> int:
     """AR step's choice for position len(tokens), from hidden [hidden] of the last committed token."""
+    if state.sampler is not None:
+        logits = engine.model.logits(hidden)[None]  # [1, V]
+        return state.sampler.samples(logits, state.window(), state.noise([len(state.tokens)], logits.shape[-1], logits.device))[0]
     scores = process_logits(engine.model.logits(hidden), state.window(), state.sampling)
     return choose_token(scores, state.sampling, state.random, len(state.tokens))
 
@@ -374,12 +391,14 @@ def _top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) 
     sample those positions with (`draft_ranking`; all depths one batch, one device-to-host copy).
     Drafts never change what is sampled, only how much is accepted."""
     depths = len(tree.branching)
-    scores = process_logits(logits[:depths], state.window(), state.sampling)  # [depths, V]
     noises = None
-    if not state.sampling.greedy and state.random.noise_known_in_advance:
-        size, device = scores.shape[-1], scores.device
-        noises = state.random.gumbel_rows([state.root_position + 1 + d for d in range(depths)], size, device)
-    ranked = draft_ranking(scores, noises, max(tree.branching))  # [depths, width]
+    if state.random.noise_known_in_advance:
+        noises = state.noise([state.root_position + 1 + d for d in range(depths)], logits.shape[-1], logits.device)
+    if state.sampler is not None:
+        ranked = state.sampler.rank(logits[:depths], state.window(), noises, max(tree.branching))  # [depths, width]
+    else:
+        scores = process_logits(logits[:depths], state.window(), state.sampling)  # [depths, V]
+        ranked = draft_ranking(scores, noises, max(tree.branching))  # [depths, width]
     flat = iter(ranked.tolist())
     return [next(flat)[:width] for width in tree.branching]
 
@@ -497,6 +516,7 @@ def generate(
         sampling=config.sampling,
         stop_tokens=frozenset() if config.ignore_eos else frozenset(cfg.eos_token_ids),
         queries=[],
+        sampler=fused_sampler(config.sampling, device, dtype),
     )
     state.history[: len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
     if static:

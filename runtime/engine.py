@@ -151,7 +151,7 @@ def choose_attention_kernel(model: LlamaModel, config: ModelConfig, dtype: torch
     """Verify through a tree-attention kernel: on CUDA with fp16/bf16 and a supported head size; on a
     CPU with float32 and head_dim 16/32/64/128 (compiled on first use; TOKENSWIFT_CPU_KERNEL=0 keeps SDPA)."""
     if device.type == "cpu":
-        if not kernels.cpu_kernel_supports(dtype, config.head_dim) or os.environ.get("TOKENSWIFT_CPU_KERNEL") == "0":
+        if not kernels.cpu_kernel_supports(dtype, config.head_dim) or kernels.cpu_kernels_switched_off():
             return
         status = kernels.load_cpu_kernels()
         if status.loaded:

@@ -8,8 +8,8 @@
 Faces: the pure-PyTorch references below (what tests compare against); torch custom ops
 `torch.ops.tokenswift.*` whose CUDA implementation comes from `plugins_cuda/` once
 `load_cuda_kernels()` has compiled it, and whose CPU implementation is the reference until
-`load_cpu_kernels()` compiles `plugins_cuda/cpu/tree_attention_cpu.cpp` (float32 tree attention,
-what CPU engines verify with); and TensorRT plugins of the same names built from the same CUDA
+`load_cpu_kernels()` compiles `plugins_cuda/cpu/` (float32 tree attention, what CPU engines
+verify with, and the fused sampling step of runtime/sampling.py); and TensorRT plugins of the same names built from the same CUDA
 sources (`make plugins`).
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,6 +202,12 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
 
 
 CPU_HEAD_DIMS = (16, 32, 64, 128)
+CPU_SOURCES = ("module.cpp", "tree_attention_cpu.cpp", "sampling_cpu.cpp")
+
+
+def cpu_kernels_switched_off() -> bool:
+    """TOKENSWIFT_CPU_KERNEL=0: CPU engines keep SDPA and PyTorch sampling (to compare, or to debug)."""
+    return os.environ.get("TOKENSWIFT_CPU_KERNEL") == "0"
 
 
 def cpu_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
@@ -212,21 +219,22 @@ def cpu_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
 def load_cpu_kernels(verbose: bool = False) -> KernelStatus:
     """Compile (once per process; torch caches the build on disk) and register the CPU
     implementation of `tree_attention` (plugins_cuda/cpu/tree_attention_cpu.cpp; float32, head_dim
-    16/32/64/128, every other case keeps the reference). Needs a C++ compiler and ninja; returns why
+    16/32/64/128, every other case keeps the reference); the module also holds `gumbel_topk`, the
+    fused sampling step (plugins_cuda/cpu/sampling_cpu.cpp, used through runtime/sampling.py). Needs a C++ compiler and ninja; returns why
     not instead of raising, so callers can fall back to SDPA."""
     try:
         from torch.utils import cpp_extension
 
         module = cpp_extension.load(
             name="tokenswift_cpu_kernels",
-            sources=[str(source_dir() / "cpu" / "tree_attention_cpu.cpp")],
+            sources=[str(source_dir() / "cpu" / name) for name in CPU_SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=verbose,
         )
     except (OSError, RuntimeError, ImportError, ValueError, subprocess.CalledProcessError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return KernelStatus(False, f"building the CPU tree-attention kernel failed: {first_line}")
+        return KernelStatus(False, f"building the CPU kernels failed: {first_line}")
 
     def run(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
             scale: float) -> torch.Tensor:

@@ -16,12 +16,13 @@ sampled.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from . import kernels
 from .transfer import to_device
 
 MIN_P_KEEP = 20  # min-p keeps at least this many tokens
@@ -168,6 +169,50 @@ def draft_ranking(scores: torch.Tensor, noises: torch.Tensor | None, width: int)
     if noises is not None:
         perturbed = perturbed + noises
     return perturbed.topk(min(width, scores.shape[-1]), dim=-1).indices
+
+
+@dataclass(frozen=True)
+class FusedSampler:
+    """`process_logits` followed by `gumbel_max_rows` (width 1) or `draft_ranking` (width > 1) in one
+    compiled call per batch of rows: plugins_cuda/cpu/sampling_cpu.cpp, for float32 logits on a CPU.
+    There the dozen tensor operations of the PyTorch path cost ~0.1 ms each batch, more than the
+    arithmetic; AR steps and TokenSwift iterations both sample through it, so with one seed they
+    emit the same tokens. Top-k, top-p and η are not in the kernel: `fused_sampler` returns None
+    for configs that set them."""
+
+    run: Callable[..., torch.Tensor]  # the extension's gumbel_topk
+    config: SamplingConfig
+
+    def rank(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None, width: int) -> torch.Tensor:
+        """logits [N, V] float32, window [W] (every row) or [N, W], noise [N, V] float64 or None
+        (greedy, or noise unknown to a draft) -> [N, width] int64 token ids, best first."""
+        config = self.config
+        windows = window[None] if window.dim() == 1 else window
+        if config.penalty == 1:
+            windows = windows[:, :0]
+        keep = MIN_P_KEEP if config.min_p > 0 and not config.greedy else 0
+        return self.run(
+            logits.contiguous(), windows.contiguous(), logits.new_empty(0, dtype=torch.float64) if noise is None else noise.contiguous(),
+            config.penalty, config.greedy, config.temperature, math.log(config.min_p) if keep else 0.0, keep, width,
+        )
+
+    def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
+        """One token per row (None noise only when greedy)."""
+        return self.rank(logits, window, noise, 1)[:, 0].tolist()
+
+
+def fused_sampler(config: SamplingConfig, device: torch.device, dtype: torch.dtype) -> FusedSampler | None:
+    """The compiled sampler for float32 logits on a CPU (built with the CPU kernels on first use), or
+    None where the PyTorch path runs: another device or dtype, top-k / top-p / η set, the CPU kernels
+    switched off (TOKENSWIFT_CPU_KERNEL=0) or not buildable here."""
+    if device.type != "cpu" or dtype != torch.float32 or kernels.cpu_kernels_switched_off():
+        return None
+    if config.top_k > 0 or config.top_p < 1 or config.eta > 0:
+        return None
+    status = kernels.load_cpu_kernels()
+    if not status.loaded:
+        return None
+    return FusedSampler(status.module.gumbel_topk, config)  # type: ignore[union-attr]
 
 
 _SPLITMIX_GAMMA = 0x9E3779B97F4A7C15

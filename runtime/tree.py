@@ -7,6 +7,7 @@ depth d takes the candidate of rank `rank` from head d-1 (head 0 is the base mod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -136,8 +137,21 @@ class Trie:
         return node
 
     def mask(self) -> torch.Tensor:
-        """[N, N] bool ancestor mask."""
-        return ancestor_mask(torch.tensor(self.parents, dtype=torch.long), max(self.depths))
+        """[N, N] bool ancestor mask (shared between tries of one shape: read it, do not modify it)."""
+        return _ancestor_mask_of(tuple(self.parents))
+
+
+@functools.lru_cache(maxsize=256)
+def _ancestor_mask_of(parents: tuple[int, ...]) -> torch.Tensor:
+    """`ancestor_mask` memoised by the parents list: a static tree without n-gram branches has
+    the same shape every iteration, and building the mask cost ~30 µs on a CPU."""
+    depth = 0
+    depths = [0] * len(parents)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            depths[node] = depths[parent] + 1
+            depth = max(depth, depths[node])
+    return ancestor_mask(torch.tensor(parents, dtype=torch.long), depth)
 
 
 def build_trie(

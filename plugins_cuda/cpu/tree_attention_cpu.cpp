@@ -15,6 +15,8 @@
 // runtime/kernels.load_cpu_kernels() with -O3 -march=native -ffast-math, which vectorises expf
 // through glibc's vector math library. No infinities are used (fast-math assumes none): masked
 // scores are a finite sentinel, and a row with no visible key in a range skips it.
+#include "kernels_cpu.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -198,8 +200,10 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     }
 }
 
-at::Tensor tree_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                          const at::Tensor& tree_mask, double scale) {
+}  // namespace
+
+at::Tensor tree_attention_cpu(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                              const at::Tensor& tree_mask, double scale) {
     TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.dim() == 3 && query.is_contiguous(),
                 "query must be a contiguous float32 CPU tensor [heads, T, head_dim]");
     for (const at::Tensor* cache : {&keys, &values}) {
@@ -223,10 +227,4 @@ at::Tensor tree_attention(const at::Tensor& query, const at::Tensor& keys, const
         default: TORCH_CHECK(false, "the CPU tree-attention kernel covers head_dim 16, 32, 64 and 128, got ", query.size(2));
     }
     return output;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-    module.def("tree_attention", &tree_attention, "tree attention over a float32 KV cache (CPU)");
 }

@@ -1,5 +1,5 @@
-"""The compiled CPU tree-attention kernel (plugins_cuda/cpu/tree_attention_cpu.cpp) against the
-PyTorch reference, and CPU engines verifying through it."""
+"""The compiled CPU kernels (plugins_cuda/cpu/) against their PyTorch references: tree attention,
+and the fused sampling step; CPU engines verifying and sampling through them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ import torch
 
 from conftest import quiet_load
 from tokenswift_trt.runtime import kernels
+from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.kv_cache import KVCache
+from tokenswift_trt.runtime.sampling import (
+    FusedSampler, PositionKeyedRandom, SamplingConfig, draft_ranking, fused_sampler, gumbel_max_rows, process_logits,
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +106,69 @@ def test_cpu_kernel_can_be_turned_off(cpu_kernels, llama_dir, monkeypatch):
     monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")
     assert quiet_load(llama_dir[0]).model.attention_kernel == "sdpa"
     assert quiet_load(llama_dir[0], dtype=torch.float64).model.attention_kernel == "sdpa"
+
+
+SAMPLING_CASES = [
+    SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=64),  # the paper's settings
+    SamplingConfig(temperature=0.7, min_p=0.5, penalty=1.5, penalty_window=300),  # the keep-20 floor decides the cut
+    SamplingConfig(temperature=1.3),  # no truncation, no penalty
+    SamplingConfig(temperature=0, penalty=1.3, penalty_window=32),  # greedy over penalised logits
+]
+
+
+@pytest.mark.parametrize("config", SAMPLING_CASES, ids=["paper", "keep-floor", "plain", "greedy"])
+@pytest.mark.parametrize("rows,per_row_windows", [(1, False), (6, True), (6, False)])
+def test_fused_sampler_equals_the_pytorch_path(cpu_kernels, config, rows, per_row_windows):
+    vocab = 3000
+    generator = torch.Generator().manual_seed(rows + int(config.penalty * 10))
+    logits = torch.randn(rows, vocab, generator=generator) * 4  # [N, V], positive and negative logits
+    # random ids (some repeat: each is penalised once) and each row's 8 best tokens, so the penalty bites
+    shape = (rows, config.penalty_window) if per_row_windows else (config.penalty_window,)
+    window = torch.randint(0, vocab, shape, generator=generator)
+    best = logits.topk(8, dim=-1).indices  # [N, 8]
+    window[..., :8] = best if per_row_windows else best[0]
+    noise = None if config.greedy else PositionKeyedRandom(7).gumbel_rows(list(range(100, 100 + rows)), vocab, "cpu")
+    sampler = fused_sampler(config, torch.device("cpu"), torch.float32)
+    assert isinstance(sampler, FusedSampler)
+    scores = process_logits(logits, window, config)
+    expected = scores.argmax(dim=-1).tolist() if config.greedy else gumbel_max_rows(scores, noise)
+    assert sampler.samples(logits, window, noise) == expected
+    assert sampler.rank(logits, window, noise, 4).tolist() == draft_ranking(scores, noise, 4).tolist()
+    if config.penalty > 1 and per_row_windows:  # the penalty matters: without it some row's token changes
+        assert sampler.samples(logits, window[..., :0], noise) != expected
+
+
+def test_fused_sampler_only_where_it_has_the_semantics(cpu_kernels, monkeypatch):
+    cpu = torch.device("cpu")
+    assert fused_sampler(SamplingConfig(min_p=0.1), cpu, torch.float32) is not None
+    for config in (SamplingConfig(top_k=40), SamplingConfig(top_p=0.9), SamplingConfig(eta=0.01)):
+        assert fused_sampler(config, cpu, torch.float32) is None  # not in the kernel: PyTorch path
+    assert fused_sampler(SamplingConfig(), cpu, torch.float64) is None
+    assert fused_sampler(SamplingConfig(), torch.device("meta"), torch.float32) is None
+    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")
+    assert fused_sampler(SamplingConfig(), cpu, torch.float32) is None
+
+
+def test_cpu_engine_samples_through_the_fused_step_with_the_same_tokens(cpu_kernels, llama_dir, monkeypatch):
+    engine = quiet_load(llama_dir[0])  # float32
+    sampling = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=32)
+    prompt = list(range(5, 45))
+    calls = {"rank": 0}
+    real_rank = FusedSampler.rank
+
+    def counted(self, *args):
+        calls["rank"] += 1
+        return real_rank(self, *args)
+
+    monkeypatch.setattr(FusedSampler, "rank", counted)
+    runs = {}
+    for method in ("ar", "tokenswift"):
+        config = GenerationConfig(max_new_tokens=48, sampling=sampling, seed=3, method=method, tree="1,2",
+                                  draft_source="verify", ngram_topk=0, ignore_eos=True)
+        runs[method] = generate(engine, prompt, config)[0]
+    assert calls["rank"] > 48  # every AR token and every TokenSwift iteration
+    assert runs["tokenswift"] == runs["ar"]
+    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")  # the PyTorch path (and SDPA) gives the same tokens
+    config = GenerationConfig(max_new_tokens=48, sampling=sampling, seed=3, method="ar", ignore_eos=True)
+    reference_engine = quiet_load(llama_dir[0])
+    assert generate(reference_engine, prompt, config)[0] == runs["ar"]
