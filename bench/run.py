@@ -3,6 +3,11 @@
 One generation per method, prompt and repeat runs to the longest requested length; the figures
 at shorter lengths are read at the moment each length is reached (what a separate run of that
 length would measure, since decoding is deterministic up to there).
+
+By default the methods take turns (`interleave` new tokens each, the order rotating every turn)
+and each is timed on its own clock, the time spent in its own decoding steps: a machine whose
+speed drifts by 20-30% over minutes (shared CPUs do) then slows every method alike, and the
+ratios are side by side. `interleave = 0` runs the methods one after another instead.
 """
 
 from __future__ import annotations
@@ -10,11 +15,12 @@ from __future__ import annotations
 import csv
 import json
 import platform
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tokenswift_trt.runtime.decoding import GenerationConfig, Stats, generate
+from tokenswift_trt.runtime.decoding import GenerationConfig, Stats, decode_steps, generate
 from tokenswift_trt.runtime.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread
@@ -38,6 +44,11 @@ class Snapshot:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.elapsed_s
 
+    @classmethod
+    def of(cls, stats: Stats, elapsed_s: float) -> "Snapshot":
+        return cls(stats.new_tokens, elapsed_s, stats.accepted_tokens, stats.drafted_tokens, stats.ngram_accepted_tokens,
+                   stats.iterations, stats.forwards)
+
 
 @dataclass
 class Run:
@@ -52,15 +63,47 @@ def run_to_lengths(engine: Engine, prompt: Sequence[int], config: GenerationConf
     snapshots: dict[int, Snapshot] = {}
 
     def observe(stats: Stats) -> None:
-        while len(snapshots) < len(targets) and stats.new_tokens >= targets[len(snapshots)]:
-            snapshots[targets[len(snapshots)]] = Snapshot(
-                stats.new_tokens, stats.elapsed_s, stats.accepted_tokens, stats.drafted_tokens, stats.ngram_accepted_tokens,
-                stats.iterations, stats.forwards,
-            )
+        _record(snapshots, targets, stats, stats.elapsed_s)
 
     tokens, stats = generate(engine, prompt, replace(config, max_new_tokens=targets[-1], ignore_eos=True),
                              on_tokens=on_tokens, observer=observe)
     return Run(tokens, snapshots, stats.plans)
+
+
+def _record(snapshots: dict[int, Snapshot], targets: Sequence[int], stats: Stats, elapsed_s: float) -> None:
+    """Snapshot every target length (sorted) that `stats` has reached and none has recorded yet."""
+    while len(snapshots) < len(targets) and stats.new_tokens >= targets[len(snapshots)]:
+        snapshots[targets[len(snapshots)]] = Snapshot.of(stats, elapsed_s)
+
+
+def run_interleaved(engine: Engine, prompt: Sequence[int], configs: dict[str, GenerationConfig], lengths: Sequence[int],
+                    chunk: int, on_tokens: Callable[[list[int]], None] | None = None) -> dict[str, Run]:
+    """Every config decodes `prompt` to the longest of `lengths`, in turns of `chunk` new tokens
+    (the first in a turn rotates); each run's times are its own clock, the sum of its own steps."""
+    targets = sorted(lengths)
+    names = list(configs)
+    steps = {name: decode_steps(engine, prompt, replace(config, max_new_tokens=targets[-1], ignore_eos=True), on_tokens)
+             for name, config in configs.items()}
+    clocks = dict.fromkeys(names, 0.0)
+    snapshots: dict[str, dict[int, Snapshot]] = {name: {} for name in names}
+    finished: dict[str, tuple[list[int], Stats]] = {}
+    boundary, turn = chunk, 0
+    while len(finished) < len(names):
+        for name in names[turn % len(names):] + names[: turn % len(names)]:
+            while name not in finished:
+                start = time.perf_counter()
+                try:
+                    stats = next(steps[name])
+                except StopIteration as done:
+                    clocks[name] += time.perf_counter() - start
+                    finished[name] = done.value
+                    break
+                clocks[name] += time.perf_counter() - start
+                _record(snapshots[name], targets, stats, clocks[name])
+                if stats.new_tokens >= boundary:
+                    break
+        boundary, turn = boundary + chunk, turn + 1
+    return {name: Run(finished[name][0], snapshots[name], finished[name][1].plans) for name in names}
 
 
 @dataclass(frozen=True)
@@ -70,6 +113,7 @@ class BenchSpec:
     prompts: int
     repeats: int
     config: GenerationConfig  # sampling, tree, k, budget, seed of the TokenSwift runs
+    interleave: int = 256  # new tokens per method per turn; 0 = the methods one after another
 
 
 def prompt_windows(text_ids: Sequence[int], prefix_len: int, count: int) -> list[list[int]]:
@@ -105,11 +149,18 @@ def run_bench(engine: Engine, text_ids: Sequence[int], spec: BenchSpec,
         for repeat in range(spec.repeats):
             for index, prompt in enumerate(prompts):
                 seed = (base.seed or 0) + repeat
-                for name in run_order(list(variants), repeat):
-                    config = variants[name]
-                    label = f"prefix {prefix_len} prompt {index + 1}/{len(prompts)} run {repeat + 1}: {name}"
-                    runs[name].append(run_to_lengths(engine, prompt, replace(config, seed=seed), spec.gen_lens,
-                                                     progress(label, max(spec.gen_lens))))
+                configs = {name: replace(variants[name], seed=seed) for name in run_order(list(variants), repeat)}
+                where = f"prefix {prefix_len} prompt {index + 1}/{len(prompts)} run {repeat + 1}"
+                if spec.interleave > 0:
+                    label = f"{where}: {', '.join(configs)} by turns"
+                    results = run_interleaved(engine, prompt, configs, spec.gen_lens, spec.interleave,
+                                              progress(label, max(spec.gen_lens) * len(configs)))
+                    for name, run in results.items():
+                        runs[name].append(run)
+                    continue
+                for name, config in configs.items():
+                    runs[name].append(run_to_lengths(engine, prompt, config, spec.gen_lens,
+                                                     progress(f"{where}: {name}", max(spec.gen_lens))))
         for gen_len in sorted(spec.gen_lens):
             rows.append(_row(prefix_len, gen_len, runs))
     return rows

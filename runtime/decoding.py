@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random as random_module
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -463,7 +463,6 @@ def _check_request(engine: Engine, prompt: Sequence[int], config: GenerationConf
     return max_length
 
 
-@torch.inference_mode()
 def generate(
     engine: Engine,
     prompt: Sequence[int],
@@ -480,6 +479,28 @@ def generate(
     `observer` sees the live Stats after every iteration (new_tokens and elapsed_s current).
     `config.tree == "auto"` tunes the tree and n-gram k while generating (runtime/autotune.py).
     """
+    steps = decode_steps(engine, prompt, config, on_tokens, random, acceptor)
+    while True:
+        try:
+            stats = next(steps)
+        except StopIteration as finished:
+            return finished.value
+        if observer:
+            observer(stats)
+
+
+@torch.inference_mode()
+def decode_steps(
+    engine: Engine,
+    prompt: Sequence[int],
+    config: GenerationConfig,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    random: RandomSource | None = None,
+    acceptor: Acceptor = accept_trie,
+) -> Generator[Stats, None, tuple[list[int], Stats]]:
+    """`generate` one iteration at a time: yields the live Stats after every iteration and returns
+    (new token ids, Stats) when done. Nothing runs between yields, so callers can interleave several
+    generations and time each on its own clock (the bench does, so that drift hits all alike)."""
     max_length = _check_request(engine, prompt, config)
     from_verify = config.draft_source == "verify"
     tree = build_static_tree((VERIFY_PROBE_TREE if from_verify else PROBE_TREE) if config.tree == AUTO else config.tree)
@@ -542,11 +563,10 @@ def generate(
             stats.new_tokens, stats.elapsed_s = len(state.tokens) - len(prompt), time.perf_counter() - started
             if on_tokens:
                 on_tokens([token])
-            if observer:
-                observer(stats)
+            yield stats
             done = token in state.stop_tokens or len(state.tokens) >= limit
     else:
-        _tokenswift_loop(engine, state, config, stats, started, hidden, on_tokens, acceptor, observer)
+        yield from _tokenswift_loop(engine, state, config, stats, started, hidden, on_tokens, acceptor)
 
     stats.elapsed_s = time.perf_counter() - started
     for runner in (state.static_full, state.static_partial):
@@ -612,8 +632,7 @@ def _tokenswift_loop(
     last_hidden: torch.Tensor,  # [hidden] of the last committed token (drafting from the verify pass)
     on_tokens: Callable[[list[int]], None] | None,
     acceptor: Acceptor,
-    observer: Callable[[Stats], None] | None,
-) -> None:
+) -> Generator[Stats, None, None]:
     cfg, device = engine.config, engine.device
     ngram_exclusion = config.sampling.penalty_window if config.sampling.penalty > 1 else 0
     from_verify = config.draft_source == "verify"
@@ -694,8 +713,7 @@ def _tokenswift_loop(
         stats.new_tokens, stats.elapsed_s = len(state.tokens) - state.prompt_length, time.perf_counter() - started
         if on_tokens:
             on_tokens(acceptance.tokens)
-        if observer:
-            observer(stats)
+        yield stats
         done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
         if probing and recorder is not None:  # probing: the last iteration drafted (tree is not None)
             recorder.record(trie, acceptance.nodes)

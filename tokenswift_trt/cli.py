@@ -510,6 +510,8 @@ def _int_list(text: str, name: str) -> tuple[int, ...]:
 @click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens [--random-weights: 4096]")
 @click.option("--prompts", type=int, default=1, show_default=True, help="prompts per prefix length")
 @click.option("--repeats", type=int, default=1, show_default=True)
+@click.option("--interleave", type=int, default=256, show_default=True,
+              help="new tokens each method decodes per turn, each timed on its own clock (0: one method after another)")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--model", default=None, help="--random-weights: preset name or model directory whose shape is timed")
 @click.option("--random-weights", is_flag=True, help="step-cost mode: time the ar/draft/verify steps of --model with random weights and model the speedup")
@@ -524,7 +526,7 @@ def _int_list(text: str, name: str) -> tuple[int, ...]:
               help="--random-weights: host time per iteration (default: measured by a short generation, tree 1,3,3,3, k=20)")
 @click.option("--step-repeats", type=int, default=20, show_default=True, help="--random-weights: timed runs per step (median)")
 @sampling_options
-def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, out, model, random_weights,
+def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompts, repeats, interleave, out, model, random_weights,
           contexts, tree_sizes, accept_length, verify_accept_length, acceptance_from, verify_tree_size, host_overhead_ms,
           step_repeats, **opts) -> None:
     """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG.
@@ -547,6 +549,8 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
     gen_lens, prefix_lens = _int_list(gen_len, "--gen-len"), _int_list(prefix_len, "--prefix-len")
     if prompts < 1 or repeats < 1:
         raise CliError("--prompts and --repeats must be at least 1")
+    if interleave < 0:
+        raise CliError(f"--interleave must be >= 0 (0 runs the methods one after another), got {interleave}")
     if opts["seed"] is None:
         opts["seed"] = 0
     _generation_config(max(gen_lens), "tokenswift", opts)
@@ -568,7 +572,7 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
                 bar.close()
         return update
 
-    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config)
+    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config, interleave)
     try:
         rows = run_bench(engine, text_ids, spec, progress)
     except ValueError as error:
@@ -576,7 +580,7 @@ def bench(model_dir, engine_dir, heads, prompt_file, gen_len, prefix_len, prompt
     meta = {"command": "tokenswift-trt bench " + " ".join(_sys.argv[2:]), "source": str(model_dir or engine_dir),
             "tree": config.tree, "ngram_topk": config.ngram_topk, "draft_source": config.draft_source,
             "sampling": vars(config.sampling),
-            "kv_budget": config.kv_budget, "device": opts["device"], "dtype": str(engine.dtype)}
+            "kv_budget": config.kv_budget, "device": opts["device"], "dtype": str(engine.dtype), "interleave": interleave}
     written = write_results(rows, out, meta)
     columns = ["prefix_len", "gen_len", "ar_tokens_per_s", "tokenswift_tokens_per_s", "speedup", "alpha", "beta", "tokens_per_iteration",
                "tokens_per_forward", "distinct4_penalty", "distinct4_no_penalty", "tokens_equal_ar"]

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
+from conftest import quiet_load
 
-from tokenswift_trt.bench.run import plans_before, prompt_windows
+from tokenswift_trt.bench.run import plans_before, prompt_windows, run_interleaved, run_to_lengths
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
+from tokenswift_trt.runtime.decoding import GenerationConfig
+from tokenswift_trt.runtime.sampling import SamplingConfig
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +61,39 @@ def test_bench_drafting_from_the_verify_pass_compares_auto_with_the_papers_stati
     assert row["tokens_equal_ar"] == "True"
     assert row["auto_plans"].startswith("probe 3,3,3")  # the verify pass's probe: draft layers 1-3
     assert float(row["default_tree_tokens_per_s"]) > 0  # 1,3,3,3 is 4 deep: it ran with the paper's drafting
+
+
+def test_interleaved_runs_decode_what_separate_runs_do_each_on_its_own_clock(model_dir):
+    engine = quiet_load(model_dir)
+    prompt = list(range(3, 35))
+    sampling = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16)
+    configs = {"ar": GenerationConfig(max_new_tokens=1, sampling=sampling, seed=2, method="ar"),
+               "tokenswift": GenerationConfig(max_new_tokens=1, sampling=sampling, seed=2, tree="1,2", ngram_topk=4)}
+    seen: list[int] = []
+    started = time.perf_counter()
+    runs = run_interleaved(engine, prompt, configs, [20, 50], chunk=8, on_tokens=seen.extend)
+    wall = time.perf_counter() - started
+    assert len(seen) == 100  # both runs, every token
+    for name, config in configs.items():
+        alone = run_to_lengths(engine, prompt, config, [20, 50])
+        assert runs[name].tokens == alone.tokens and sorted(runs[name].snapshots) == [20, 50]
+        assert 20 <= runs[name].snapshots[20].new_tokens < 50 <= runs[name].snapshots[50].new_tokens
+    assert runs["ar"].tokens == runs["tokenswift"].tokens
+    own = [runs[name].snapshots[50].elapsed_s for name in configs]
+    assert 0 < min(own) and sum(own) <= wall  # each clock counts its own steps only
+    assert runs["ar"].snapshots[20].elapsed_s < runs["ar"].snapshots[50].elapsed_s
+
+
+def test_bench_runs_methods_one_after_another_on_request(model_dir, tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 40)
+    args = ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "16", "--prefix-len", "32",
+            "--tree", "1,1", "--out", str(tmp_path / "bench")]
+    result = CliRunner().invoke(main, args + ["--interleave", "0"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["meta"]["interleave"] == 0
+    bad = CliRunner().invoke(main, args + ["--interleave", "-1"])
+    assert bad.exit_code == 2 and "--interleave must be >= 0" in bad.stderr
 
 
 def test_prompt_windows_and_bad_lengths(model_dir, tmp_path):

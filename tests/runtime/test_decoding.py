@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import quiet_load
 
-from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, generate
+from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, decode_steps, generate
 from tokenswift_trt.runtime.sampling import IndependentRandom, SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)
@@ -135,6 +135,23 @@ def test_streaming_callback_sees_every_token_in_order(llama_engine64):
     _, verify = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True,
                                                                   tree="1,1", draft_source="verify"))
     assert verify.forwards == verify.iterations
+
+
+@pytest.mark.parametrize("method", ["ar", "tokenswift"])
+def test_decode_steps_yields_every_iteration_and_returns_what_generate_does(llama_engine64, method):
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    config = GenerationConfig(max_new_tokens=40, seed=3, ignore_eos=True, method=method)
+    steps = decode_steps(llama_engine64, prompt, config)
+    counts = []
+    while True:
+        try:
+            counts.append(next(steps).new_tokens)
+        except StopIteration as done:
+            tokens, stats = done.value
+            break
+    assert counts == sorted(counts) and counts[-1] == 40 and len(counts) == stats.iterations
+    assert len(set(counts)) == len(counts)  # one yield per iteration, each committing tokens
+    assert tokens == generate(llama_engine64, prompt, config)[0]
 
 
 @pytest.mark.parametrize(
