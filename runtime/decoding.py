@@ -45,6 +45,7 @@ DRAFT_SOURCES = ("partial", "verify")
 VERIFY_PROBE_TREE = "3,3,3"  # drafting from the verify pass: depth d uses draft layer d
 PROBE_ITERATIONS = 32  # tree tuning: probe iterations with the largest tree (acceptance counts add up over probes)
 RETUNE_EVERY = 4096  # tree tuning: probe again after this many new tokens
+RETUNE_AFTER_AR = 1024  # ... or this many after choosing plain AR steps (which teach the tuner nothing)
 BATCHED_NODES_MAX = 16  # on a CPU, tries up to this size sample every node in one batch (NodeTargets)
 
 
@@ -654,6 +655,7 @@ def _tokenswift_loop(
     tree: StaticTree | None = build_static_tree(plan_tree)
     recorder = ProbeRecorder(max_depth=max_depth, probe_tree=probe_tree) if auto else None  # kept over all probes
     probing = auto
+    running: tuple[str, int] | None = None  # the (tree, k) auto chose, while it runs
     probe_costs = {"iterations": 0.0, "draft": 0.0, "trie": 0.0, "nodes": 0.0, "commit": 0.0}  # this probe's host work
     next_probe = len(state.tokens) + RETUNE_EVERY
     max_trie = state.full.capacity - state.limit
@@ -735,8 +737,11 @@ def _tokenswift_loop(
                 ngram_topk = plan.ngram_topk
                 stats.plans.append(f"{plan.tree} k={plan.ngram_topk} from token {stats.new_tokens}")
                 probing, probe_costs = False, dict.fromkeys(probe_costs, 0.0)
-                next_probe = len(state.tokens) + RETUNE_EVERY
-        elif auto and len(state.tokens) >= next_probe:
+                running = None if plan.tree == AR_PLAN else (plan.tree, plan.ngram_topk)
+                next_probe = len(state.tokens) + (RETUNE_AFTER_AR if running is None else RETUNE_EVERY)
+        elif recorder is not None and running is not None and not done:  # the chosen plan's iterations count too
+            recorder.record(trie, acceptance.nodes, running)
+        if auto and not probing and len(state.tokens) >= next_probe:
             probing = True
             tree, ngram_topk = build_static_tree(probe_tree), PROBE_TOPK
             stats.plans.append(f"probe {probe_tree} k={PROBE_TOPK} from token {stats.new_tokens}")

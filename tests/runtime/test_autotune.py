@@ -41,6 +41,21 @@ def test_candidate_acceptance_follows_from_the_probe_path():
     assert second.accepted[("1,1,1,1", 2)] == 4
 
 
+def test_a_running_plans_iterations_inform_only_the_candidates_inside_it():
+    recorder = ProbeRecorder(max_depth=4)
+    trie = _probe_trie()
+    recorder.record(trie, _path(trie, [10, 21, 30, 41]))  # a probe iteration: every candidate
+    small = build_trie(5, build_static_tree("1,2,1,1"), [[10], [20, 21], [30], [40]])  # the plan 1,2,1,1 k=0 running
+    for _ in range(3):
+        recorder.record(small, _path(small, [10, 21, 30, 40]), ("1,2,1,1", 0))
+    assert recorder.iterations == 1  # probe iterations only
+    assert recorder.counts[("1,2,1,1", 0)] == 4 and recorder.mean_accepted(("1,2,1,1", 0)) == (3 + 3 * 4) / 4
+    assert recorder.counts[("1,1", 0)] == 4 and recorder.mean_accepted(("1,1", 0)) == 1.0  # rank 1 at depth 2: no
+    assert recorder.mean_nodes()[("1,2,1,1", 0)] == 1 + 1 + 2 + 2 + 2
+    for outside in (("1,3,3,3", 0), ("1,2,1,1", 1), ("1,2,2,1", 0)):  # a wider tree, n-grams
+        assert recorder.counts[outside] == 1  # the probe's iteration alone
+
+
 def test_candidate_trie_sizes_count_only_available_nodes():
     trie = _probe_trie()
     recorder = ProbeRecorder(max_depth=4)
