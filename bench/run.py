@@ -16,7 +16,7 @@ import csv
 import json
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -76,16 +76,16 @@ def _record(snapshots: dict[int, Snapshot], targets: Sequence[int], stats: Stats
         snapshots[targets[len(snapshots)]] = Snapshot.of(stats, elapsed_s)
 
 
-def run_interleaved(engine: Engine, prompt: Sequence[int], configs: dict[str, GenerationConfig], lengths: Sequence[int],
-                    chunk: int, on_tokens: Callable[[list[int]], None] | None = None) -> dict[str, Run]:
-    """Every config decodes `prompt` to the longest of `lengths`, in turns of `chunk` new tokens
-    (the first in a turn rotates); each run's times are its own clock, the sum of its own steps."""
-    targets = sorted(lengths)
-    names = list(configs)
-    steps = {name: decode_steps(engine, prompt, replace(config, max_new_tokens=targets[-1], ignore_eos=True), on_tokens)
-             for name, config in configs.items()}
+Steps = Generator[Stats, None, tuple[list[int], Stats]]  # what decode_steps returns
+
+
+def take_turns(steps: dict[str, Steps], chunk: int,
+               observe: Callable[[str, Stats, float], None] | None = None) -> dict[str, tuple[list[int], Stats, float]]:
+    """Run several generations (decode_steps) in turns of `chunk` new tokens each, the first of a
+    turn rotating; returns per name (tokens, Stats, seconds on its own clock: the sum of its own
+    steps). `observe(name, stats, clock)` sees every iteration."""
+    names = list(steps)
     clocks = dict.fromkeys(names, 0.0)
-    snapshots: dict[str, dict[int, Snapshot]] = {name: {} for name in names}
     finished: dict[str, tuple[list[int], Stats]] = {}
     boundary, turn = chunk, 0
     while len(finished) < len(names):
@@ -99,11 +99,24 @@ def run_interleaved(engine: Engine, prompt: Sequence[int], configs: dict[str, Ge
                     finished[name] = done.value
                     break
                 clocks[name] += time.perf_counter() - start
-                _record(snapshots[name], targets, stats, clocks[name])
+                if observe:
+                    observe(name, stats, clocks[name])
                 if stats.new_tokens >= boundary:
                     break
         boundary, turn = boundary + chunk, turn + 1
-    return {name: Run(finished[name][0], snapshots[name], finished[name][1].plans) for name in names}
+    return {name: (*finished[name], clocks[name]) for name in names}
+
+
+def run_interleaved(engine: Engine, prompt: Sequence[int], configs: dict[str, GenerationConfig], lengths: Sequence[int],
+                    chunk: int, on_tokens: Callable[[list[int]], None] | None = None) -> dict[str, Run]:
+    """Every config decodes `prompt` to the longest of `lengths` (`take_turns`); each run's
+    snapshots are read on its own clock."""
+    targets = sorted(lengths)
+    steps = {name: decode_steps(engine, prompt, replace(config, max_new_tokens=targets[-1], ignore_eos=True), on_tokens)
+             for name, config in configs.items()}
+    snapshots: dict[str, dict[int, Snapshot]] = {name: {} for name in configs}
+    results = take_turns(steps, chunk, lambda name, stats, clock: _record(snapshots[name], targets, stats, clock))
+    return {name: Run(tokens, snapshots[name], stats.plans) for name, (tokens, stats, _) in results.items()}
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ def _fail(error: Exception) -> CliError:
 # options that decide the generated tokens (a resumed journal keeps its own) / only its speed
 OUTPUT_DECIDING = ("temperature", "top_k", "top_p", "min_p", "eta", "penalty", "penalty_window", "seed", "ignore_eos",
                    "max_length")
+DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
 SPEED_ONLY = ("tree", "ngram_topk", "kv_budget", "kv_recent", "draft_source")
 
 SAMPLING_DEFAULTS = {
@@ -873,11 +874,12 @@ def random_model(out: Path, seed: int, force: bool) -> None:
 @click.option("--max-new-tokens", type=int, default=2048, show_default=True)
 @sampling_options
 def demo(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, **opts) -> None:
-    """Generate with AR and with TokenSwift on the same engine; print speedup, α, β, Distinct-n and agreement."""
+    """Generate with AR and with TokenSwift on the same engine, taking turns; print speedup, α, β, Distinct-n and agreement."""
     from tqdm import tqdm
 
     from tokenswift_trt.bench.metrics import distinct_n
-    from tokenswift_trt.runtime.decoding import generate as run_generate
+    from tokenswift_trt.bench.run import take_turns
+    from tokenswift_trt.runtime.decoding import decode_steps
 
     source = model_dir or engine_dir
     if prompt is None and prompt_file is None and source is not None:
@@ -894,12 +896,21 @@ def demo(model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, **op
         click.echo("note: this model has RANDOM weights; its text is noise, only speed and exactness mean anything", err=True)
     prompt_text = _read_prompt(prompt, prompt_file)
     prompt_ids = codec.encode(prompt_text)
-    results = {}
-    for method in ("ar", "tokenswift"):
-        config = _generation_config(max_new_tokens, method, opts, defaults)
-        with tqdm(total=max_new_tokens, unit="tok", desc=method, file=sys.stderr) as bar:
-            results[method] = run_generate(engine, prompt_ids, config, on_tokens=lambda ids: bar.update(len(ids)))
-    (ar_ids, ar), (ts_ids, ts) = results["ar"], results["tokenswift"]
+    # the two methods take turns (256 new tokens each), each timed on its own clock: a machine
+    # whose speed drifts while the demo runs slows both alike (docs/benchmarks.md)
+    bars = {method: tqdm(total=max_new_tokens, unit="tok", desc=method, file=sys.stderr, position=index)
+            for index, method in enumerate(("ar", "tokenswift"))}
+    steps = {method: decode_steps(engine, prompt_ids, _generation_config(max_new_tokens, method, opts, defaults),
+                                  on_tokens=lambda ids, bar=bar: bar.update(len(ids)))
+             for method, bar in bars.items()}
+    try:
+        results = take_turns(steps, DEMO_TURN_TOKENS)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    for tokens, stats, clock in results.values():
+        stats.elapsed_s = clock
+    (ar_ids, ar, _), (ts_ids, ts, _) = results["ar"], results["tokenswift"]
     click.echo(f"prompt ({len(prompt_ids)} tokens, last 200 chars): {prompt_text[-200:]!r}")
     click.echo(f"TokenSwift text (first 400 chars): {codec.decode(ts_ids)[:400]!r}")
     click.echo(f"AR          {ar.new_tokens:6d} tokens  {ar.elapsed_s:7.2f}s  {ar.tokens_per_s:8.1f} tok/s")
