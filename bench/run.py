@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tokenswift_trt.runtime.decoding import GenerationConfig, Stats, decode_steps, generate
+from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats, decode_steps, generate
 from tokenswift_trt.runtime.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread
@@ -166,8 +166,14 @@ def run_bench(engine: Engine, text_ids: Sequence[int], spec: BenchSpec,
                 where = f"prefix {prefix_len} prompt {index + 1}/{len(prompts)} run {repeat + 1}"
                 if spec.interleave > 0:
                     label = f"{where}: {', '.join(configs)} by turns"
-                    results = run_interleaved(engine, prompt, configs, spec.gen_lens, spec.interleave,
-                                              progress(label, max(spec.gen_lens) * len(configs)))
+                    try:
+                        results = run_interleaved(engine, prompt, configs, spec.gen_lens, spec.interleave,
+                                                  progress(label, max(spec.gen_lens) * len(configs)))
+                    except GenerationError as error:
+                        if not str(error).startswith("not enough memory"):
+                            raise
+                        raise GenerationError(f"{error}; taking turns, the bench holds {len(configs)} generations' "
+                                              "caches at once: --interleave 0 runs them one at a time") from None
                     for name, run in results.items():
                         runs[name].append(run)
                     continue

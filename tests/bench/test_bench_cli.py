@@ -10,10 +10,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import quiet_load
 
-from tokenswift_trt.bench.run import plans_before, prompt_windows, run_interleaved, run_to_lengths
+from tokenswift_trt.bench.run import BenchSpec, plans_before, prompt_windows, run_bench, run_interleaved, run_to_lengths
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.runtime.decoding import GenerationConfig
+from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError
 from tokenswift_trt.runtime.sampling import SamplingConfig
 
 
@@ -82,6 +82,14 @@ def test_interleaved_runs_decode_what_separate_runs_do_each_on_its_own_clock(mod
     own = [runs[name].snapshots[50].elapsed_s for name in configs]
     assert 0 < min(own) and sum(own) <= wall  # each clock counts its own steps only
     assert runs["ar"].snapshots[20].elapsed_s < runs["ar"].snapshots[50].elapsed_s
+
+
+def test_a_bench_that_does_not_fit_names_the_one_at_a_time_switch(model_dir):
+    engine = quiet_load(model_dir)
+    config = GenerationConfig(max_new_tokens=1, seed=1, tree="1,1", memory_budget=1)  # 1 byte: nothing fits
+    spec = BenchSpec((16,), (32,), 1, 1, config)
+    with pytest.raises(GenerationError, match="not enough memory.*--interleave 0 runs them one at a time"):
+        run_bench(engine, list(range(3, 200)), spec, lambda label, total: None)
 
 
 def test_bench_runs_methods_one_after_another_on_request(model_dir, tmp_path):
