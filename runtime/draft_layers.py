@@ -8,6 +8,8 @@ independent heads.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -50,7 +52,7 @@ class DraftLayers(nn.Module):
         """hidden [T, hidden] (pre-norm) -> per layer the normalised state [T, hidden] for lm_head;
         `count` stops after the first `count` layers (a shallow tree needs no deeper drafts)."""
         outputs = []
-        for layer in self.layers[:count]:
+        for layer in itertools.islice(self.layers, count):  # not self.layers[:count]: slicing builds a ModuleList
             hidden = hidden + layer.linear(layer.input_layernorm(hidden))
             outputs.append(layer.post_layernorm(hidden))
         return outputs
