@@ -26,6 +26,7 @@ from . import kernels
 from .transfer import to_device
 
 MIN_P_KEEP = 20  # min-p keeps at least this many tokens
+FUSED_MAX_WIDTH = 64  # widest ranking the compiled sampler returns (plugins_cuda/cpu/sampling_cpu.cpp)
 _MASK64 = (1 << 64) - 1
 
 
@@ -187,6 +188,8 @@ class FusedSampler:
         """logits [N, V] float32, window [W] (every row) or [N, W], noise [N, V] float64 or None
         (greedy, or noise unknown to a draft) -> [N, width] int64 token ids, best first."""
         config = self.config
+        if width > FUSED_MAX_WIDTH:  # the kernel keeps a fixed-size ranking: wider trees take the PyTorch path
+            return draft_ranking(process_logits(logits, window, config), noise, width)
         windows = window[None] if window.dim() == 1 else window
         if config.penalty == 1:
             windows = windows[:, :0]

@@ -134,6 +134,7 @@ def test_fused_sampler_equals_the_pytorch_path(cpu_kernels, config, rows, per_ro
     expected = scores.argmax(dim=-1).tolist() if config.greedy else gumbel_max_rows(scores, noise)
     assert sampler.samples(logits, window, noise) == expected
     assert sampler.rank(logits, window, noise, 4).tolist() == draft_ranking(scores, noise, 4).tolist()
+    assert sampler.rank(logits, window, noise, 70).tolist() == draft_ranking(scores, noise, 70).tolist()  # past the kernel's 64
     if config.penalty > 1 and per_row_windows:  # the penalty matters: without it some row's token changes
         assert sampler.samples(logits, window[..., :0], noise) != expected
 
