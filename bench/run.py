@@ -16,11 +16,11 @@ import csv
 import json
 import platform
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats, decode_steps, generate
+from tokenswift_trt.runtime.decoding import DecodeSteps, GenerationConfig, GenerationError, Stats, decode_steps, generate
 from tokenswift_trt.runtime.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread
@@ -76,10 +76,7 @@ def _record(snapshots: dict[int, Snapshot], targets: Sequence[int], stats: Stats
         snapshots[targets[len(snapshots)]] = Snapshot.of(stats, elapsed_s)
 
 
-Steps = Generator[Stats, None, tuple[list[int], Stats]]  # what decode_steps returns
-
-
-def take_turns(steps: dict[str, Steps], chunk: int,
+def take_turns(steps: dict[str, DecodeSteps], chunk: int,
                observe: Callable[[str, Stats, float], None] | None = None) -> dict[str, tuple[list[int], Stats, float]]:
     """Run several generations (decode_steps) in turns of `chunk` new tokens each, the first of a
     turn rotating; returns per name (tokens, Stats, seconds on its own clock: the sum of its own
@@ -174,12 +171,12 @@ def run_bench(engine: Engine, text_ids: Sequence[int], spec: BenchSpec,
                             raise
                         raise GenerationError(f"{error}; taking turns, the bench holds {len(configs)} generations' "
                                               "caches at once: --interleave 0 runs them one at a time") from None
-                    for name, run in results.items():
-                        runs[name].append(run)
-                    continue
-                for name, config in configs.items():
-                    runs[name].append(run_to_lengths(engine, prompt, config, spec.gen_lens,
-                                                     progress(f"{where}: {name}", max(spec.gen_lens))))
+                else:
+                    results = {name: run_to_lengths(engine, prompt, config, spec.gen_lens,
+                                                    progress(f"{where}: {name}", max(spec.gen_lens)))
+                               for name, config in configs.items()}
+                for name, run in results.items():
+                    runs[name].append(run)
         for gen_len in sorted(spec.gen_lens):
             rows.append(_row(prefix_len, gen_len, runs))
     return rows

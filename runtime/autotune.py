@@ -75,14 +75,14 @@ class ProbeRecorder:
         self.iterations = 0  # probe iterations
         self._inside: dict[tuple[tuple[int, ...], int], list[tuple[str, tuple[int, ...], int]]] = {}
 
-    def record(self, trie: Trie, accepted_nodes: Sequence[int], plan: tuple[str, int] | None = None) -> None:
-        """One iteration: a probe's (every candidate), or with `plan` = (tree, k) one of that plan's,
-        which informs only the candidates inside it (every node they would verify was verified)."""
+    def record(self, trie: Trie, accepted_nodes: Sequence[int], plan: tuple[tuple[int, ...], int] | None = None) -> None:
+        """One iteration: a probe's (every candidate), or with `plan` = (branching, k) one of that
+        plan's, which informs only the candidates inside it (every node they would verify was verified)."""
         if plan is None:
             self.iterations += 1
             candidates = self.candidates
         else:
-            candidates = self._candidates_inside(parse_tree(plan[0]), plan[1])
+            candidates = self._candidates_inside(*plan)
         features = list(zip(trie.tree_paths, trie.ngram_ranks))
         for tree, branching, k in candidates:
             self.counts[(tree, k)] += 1

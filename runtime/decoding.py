@@ -31,8 +31,7 @@ from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput, LlamaModel
 from .ngram import NgramTable
 from .sampling import (
-    FusedSampler, PositionKeyedRandom, RandomSource, SamplingConfig, choose_token, draft_ranking, fused_sampler,
-    gumbel_max_rows, process_logits,
+    PositionKeyedRandom, RandomSource, Sampler, SamplingConfig, TorchSampler, fused_sampler,
 )
 from .static_step import StaticForward, bucket_for
 from .transfer import copy_from_host, to_device
@@ -169,9 +168,9 @@ class DecodeState:
     sampling: SamplingConfig
     stop_tokens: frozenset[int]
     queries: list[torch.Tensor]  # per layer [heads, head_dim]: latest committed token's query
+    sampler: Sampler  # the sampling step: compiled on float32 CPU engines (FusedSampler), else PyTorch's
     static_full: StaticForward | None = None  # fixed-shape forwards on `full` (and `partial`)
     static_partial: StaticForward | None = None
-    sampler: FusedSampler | None = None  # the compiled sampling step (float32 CPU engines), else PyTorch's
 
     def noise(self, positions: Sequence[int], size: int, device: torch.device) -> torch.Tensor | None:
         """[len(positions), size] Gumbel noise of those positions; None when greedy."""
@@ -271,35 +270,23 @@ class NodeTargets:
         batched pass computed them; None otherwise."""
         return None if self.all_draft_logits is None else self.all_draft_logits[:, node]
 
-    def scores(self, node: int) -> torch.Tensor:
-        logits = self.logits()[node] if self.batched else self.engine.model.logits(self.hidden[node])  # [V]
-        return process_logits(logits, self.state.window(self.path(node)), self.state.sampling)
-
     def sample(self, node: int) -> int:
         if self.sample_all:
             if self.all_samples is None:
                 self.all_samples = self._sample_every_node()
             return self.all_samples[node]
         position = self.state.root_position + self.trie.depths[node] + 1
-        if self.state.sampler is not None:
-            logits = self.logits()[node] if self.batched else self.engine.model.logits(self.hidden[node])  # [V]
-            noise = self.state.noise([position], logits.shape[-1], logits.device)
-            return self.state.sampler.samples(logits[None], self.state.window(self.path(node)), noise)[0]
-        return choose_token(self.scores(node), self.state.sampling, self.state.random, position)
+        logits = self.logits()[node] if self.batched else self.engine.model.logits(self.hidden[node])  # [V]
+        noise = self.state.noise([position], logits.shape[-1], logits.device)
+        return self.state.sampler.samples(logits[None], self.state.window(self.path(node)), noise)[0]
 
     def _sample_every_node(self) -> list[int]:
         state, trie = self.state, self.trie
         paths = [self.path(node) for node in range(len(trie))]
-        if state.sampler is not None:  # nodes at one depth share their position's noise
-            logits = self.logits()
-            noise = state.noise([state.root_position + depth + 1 for depth in trie.depths], logits.shape[-1], logits.device)
-            return state.sampler.samples(logits, state.windows(paths), noise)
-        scores = process_logits(self.logits(), state.windows(paths), state.sampling)  # [N, V]
-        if state.sampling.greedy:
-            return scores.argmax(dim=-1).tolist()
-        # only position-keyed noise gets here (sample_all): nodes at one depth share their position's noise
-        positions = [state.root_position + depth + 1 for depth in trie.depths]
-        return gumbel_max_rows(scores, state.random.gumbel_rows(positions, scores.shape[-1], scores.device))  # [N, V]
+        logits = self.logits()  # [N, V]
+        # sample_all: greedy, or position-keyed noise, which nodes at one depth share
+        noise = state.noise([state.root_position + depth + 1 for depth in trie.depths], logits.shape[-1], logits.device)
+        return state.sampler.samples(logits, state.windows(paths), noise)
 
 
 Acceptor = Callable[[Trie, NodeTargets, int, frozenset], Acceptance]
@@ -353,11 +340,8 @@ def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: in
 
 def sample_next(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> int:
     """AR step's choice for position len(tokens), from hidden [hidden] of the last committed token."""
-    if state.sampler is not None:
-        logits = engine.model.logits(hidden)[None]  # [1, V]
-        return state.sampler.samples(logits, state.window(), state.noise([len(state.tokens)], logits.shape[-1], logits.device))[0]
-    scores = process_logits(engine.model.logits(hidden), state.window(), state.sampling)
-    return choose_token(scores, state.sampling, state.random, len(state.tokens))
+    logits = engine.model.logits(hidden)[None]  # [1, V]
+    return state.sampler.samples(logits, state.window(), state.noise([len(state.tokens)], logits.shape[-1], logits.device))[0]
 
 
 def ar_step(engine: Engine, state: DecodeState) -> ForwardOutput:
@@ -395,11 +379,7 @@ def _top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) 
     noises = None
     if state.random.noise_known_in_advance:
         noises = state.noise([state.root_position + 1 + d for d in range(depths)], logits.shape[-1], logits.device)
-    if state.sampler is not None:
-        ranked = state.sampler.rank(logits[:depths], state.window(), noises, max(tree.branching))  # [depths, width]
-    else:
-        scores = process_logits(logits[:depths], state.window(), state.sampling)  # [depths, V]
-        ranked = draft_ranking(scores, noises, max(tree.branching))  # [depths, width]
+    ranked = state.sampler.rank(logits[:depths], state.window(), noises, max(tree.branching))  # [depths, width]
     flat = iter(ranked.tolist())
     return [next(flat)[:width] for width in tree.branching]
 
@@ -464,6 +444,9 @@ def _check_request(engine: Engine, prompt: Sequence[int], config: GenerationConf
     return max_length
 
 
+DecodeSteps = Generator[Stats, None, tuple[list[int], Stats]]  # yields live Stats, returns (new ids, Stats)
+
+
 def generate(
     engine: Engine,
     prompt: Sequence[int],
@@ -498,7 +481,7 @@ def decode_steps(
     on_tokens: Callable[[list[int]], None] | None = None,
     random: RandomSource | None = None,
     acceptor: Acceptor = accept_trie,
-) -> Generator[Stats, None, tuple[list[int], Stats]]:
+) -> DecodeSteps:
     """`generate` one iteration at a time: yields the live Stats after every iteration and returns
     (new token ids, Stats) when done. Nothing runs between yields, so callers can interleave several
     generations and time each on its own clock (the bench does, so that drift hits all alike)."""
@@ -538,7 +521,7 @@ def decode_steps(
         sampling=config.sampling,
         stop_tokens=frozenset() if config.ignore_eos else frozenset(cfg.eos_token_ids),
         queries=[],
-        sampler=fused_sampler(config.sampling, device, dtype),
+        sampler=fused_sampler(config.sampling, device, dtype) or TorchSampler(config.sampling),
     )
     state.history[: len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
     if static:
@@ -655,7 +638,6 @@ def _tokenswift_loop(
     tree: StaticTree | None = build_static_tree(plan_tree)
     recorder = ProbeRecorder(max_depth=max_depth, probe_tree=probe_tree) if auto else None  # kept over all probes
     probing = auto
-    running: tuple[str, int] | None = None  # the (tree, k) auto chose, while it runs
     probe_costs = {"iterations": 0.0, "draft": 0.0, "trie": 0.0, "nodes": 0.0, "commit": 0.0}  # this probe's host work
     next_probe = len(state.tokens) + RETUNE_EVERY
     max_trie = state.full.capacity - state.limit
@@ -737,10 +719,9 @@ def _tokenswift_loop(
                 ngram_topk = plan.ngram_topk
                 stats.plans.append(f"{plan.tree} k={plan.ngram_topk} from token {stats.new_tokens}")
                 probing, probe_costs = False, dict.fromkeys(probe_costs, 0.0)
-                running = None if plan.tree == AR_PLAN else (plan.tree, plan.ngram_topk)
-                next_probe = len(state.tokens) + (RETUNE_AFTER_AR if running is None else RETUNE_EVERY)
-        elif recorder is not None and running is not None and not done:  # the chosen plan's iterations count too
-            recorder.record(trie, acceptance.nodes, running)
+                next_probe = len(state.tokens) + (RETUNE_AFTER_AR if tree is None else RETUNE_EVERY)
+        elif recorder is not None and tree is not None and not done:  # the chosen plan's iterations count too
+            recorder.record(trie, acceptance.nodes, (tree.branching, ngram_topk))
         if auto and not probing and len(state.tokens) >= next_probe:
             probing = True
             tree, ngram_topk = build_static_tree(probe_tree), PROBE_TOPK

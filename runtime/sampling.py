@@ -173,9 +173,26 @@ def draft_ranking(scores: torch.Tensor, noises: torch.Tensor | None, width: int)
 
 
 @dataclass(frozen=True)
+class TorchSampler:
+    """The sampling step in PyTorch tensor operations, on any device: `process_logits`, then the
+    Gumbel-max sample (argmax when greedy) of each row, or a draft's ranking (`draft_ranking`)."""
+
+    config: SamplingConfig
+
+    def rank(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None, width: int) -> torch.Tensor:
+        """logits [N, V], window [W] (every row) or [N, W], noise [N, V] float64 or None (greedy, or
+        noise unknown to a draft) -> [N, width] int64 token ids, best first."""
+        return draft_ranking(process_logits(logits, window, self.config), noise, width)
+
+    def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
+        """One token per row (None noise only when greedy)."""
+        scores = process_logits(logits, window, self.config)  # [N, V]
+        return scores.argmax(dim=-1).tolist() if self.config.greedy else gumbel_max_rows(scores, noise)
+
+
+@dataclass(frozen=True)
 class FusedSampler:
-    """`process_logits` followed by `gumbel_max_rows` (width 1) or `draft_ranking` (width > 1) in one
-    compiled call per batch of rows: plugins_cuda/cpu/sampling_cpu.cpp, for float32 logits on a CPU.
+    """`TorchSampler`'s step in one compiled call per batch of rows: plugins_cuda/cpu/sampling_cpu.cpp, for float32 logits on a CPU.
     There the dozen tensor operations of the PyTorch path cost ~0.1 ms each batch, more than the
     arithmetic; AR steps and TokenSwift iterations both sample through it, so with one seed they
     emit the same tokens. Top-k, top-p and η are not in the kernel: `fused_sampler` returns None
@@ -189,10 +206,8 @@ class FusedSampler:
         (greedy, or noise unknown to a draft) -> [N, width] int64 token ids, best first."""
         config = self.config
         if width > FUSED_MAX_WIDTH:  # the kernel keeps a fixed-size ranking: wider trees take the PyTorch path
-            return draft_ranking(process_logits(logits, window, config), noise, width)
+            return TorchSampler(config).rank(logits, window, noise, width)
         windows = window[None] if window.dim() == 1 else window
-        if config.penalty == 1:
-            windows = windows[:, :0]
         keep = MIN_P_KEEP if config.min_p > 0 and not config.greedy else 0
         return self.run(
             logits.contiguous(), windows.contiguous(), logits.new_empty(0, dtype=torch.float64) if noise is None else noise.contiguous(),
@@ -202,6 +217,9 @@ class FusedSampler:
     def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
         """One token per row (None noise only when greedy)."""
         return self.rank(logits, window, noise, 1)[:, 0].tolist()
+
+
+Sampler = TorchSampler | FusedSampler
 
 
 def fused_sampler(config: SamplingConfig, device: torch.device, dtype: torch.dtype) -> FusedSampler | None:

@@ -47,7 +47,7 @@ def test_a_running_plans_iterations_inform_only_the_candidates_inside_it():
     recorder.record(trie, _path(trie, [10, 21, 30, 41]))  # a probe iteration: every candidate
     small = build_trie(5, build_static_tree("1,2,1,1"), [[10], [20, 21], [30], [40]])  # the plan 1,2,1,1 k=0 running
     for _ in range(3):
-        recorder.record(small, _path(small, [10, 21, 30, 40]), ("1,2,1,1", 0))
+        recorder.record(small, _path(small, [10, 21, 30, 40]), (parse_tree("1,2,1,1"), 0))
     assert recorder.iterations == 1  # probe iterations only
     assert recorder.counts[("1,2,1,1", 0)] == 4 and recorder.mean_accepted(("1,2,1,1", 0)) == (3 + 3 * 4) / 4
     assert recorder.counts[("1,1", 0)] == 4 and recorder.mean_accepted(("1,1", 0)) == 1.0  # rank 1 at depth 2: no

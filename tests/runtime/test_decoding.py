@@ -264,7 +264,7 @@ def test_verify_drafting_refuses_trees_deeper_than_the_draft_layers(llama_engine
 def test_windows_of_many_paths_penalise_what_each_paths_own_window_does(window, committed):
     from tokenswift_trt.runtime.decoding import DecodeState
     from tokenswift_trt.runtime.kv_cache import KVCache
-    from tokenswift_trt.runtime.sampling import PositionKeyedRandom, apply_penalty
+    from tokenswift_trt.runtime.sampling import PositionKeyedRandom, TorchSampler, apply_penalty
 
     sampling = SamplingConfig(penalty=1.3, penalty_window=window)
     tokens = list(range(10, 10 + committed))
@@ -272,7 +272,7 @@ def test_windows_of_many_paths_penalise_what_each_paths_own_window_does(window, 
     history[:committed] = torch.tensor(tokens)
     state = DecodeState(tokens=tokens, history=history, prompt_length=committed, limit=64,
                         full=KVCache(1, 1, 4, 64), partial=None, table=None, random=PositionKeyedRandom(0),
-                        sampling=sampling, stop_tokens=frozenset(), queries=[])
+                        sampling=sampling, stop_tokens=frozenset(), queries=[], sampler=TorchSampler(sampling))
     paths = [[], [3], [3, 4], [5, 6, 7], [12, 40, 12, 41]]
     windows = state.windows(paths)
     logits = torch.randn(len(paths), 64, generator=torch.Generator().manual_seed(1))
