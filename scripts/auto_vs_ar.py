@@ -13,7 +13,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from tokenswift_trt.runtime.decoding import PROBE_ITERATIONS, GenerationConfig, generate
+from tokenswift_trt.runtime.autotune import PROBE_ITERATIONS
+from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.engine import load_engine
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.text import TextCodec
@@ -34,10 +35,12 @@ def main() -> None:
     sampling = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=256)
     base = dict(max_new_tokens=args.tokens, sampling=sampling, seed=1, ignore_eos=True, kv_budget=4096)
     step_ratios, rate_ratios = [], []
-    swift_config = GenerationConfig(**base, tree=args.tree, ngram_topk=args.ngram_topk, draft_source=args.draft_source)
+    swift_config = GenerationConfig(
+        **base, tree=args.tree, ngram_topk=args.ngram_topk, draft_source=args.draft_source
+    )
     for round_index in range(args.rounds):
         runs = {}
-        for name in (("ar", "swift") if round_index % 2 == 0 else ("swift", "ar")):  # alternate who goes first
+        for name in ("ar", "swift") if round_index % 2 == 0 else ("swift", "ar"):  # alternate who goes first
             config = GenerationConfig(**base, method="ar") if name == "ar" else swift_config
             runs[name] = generate(engine, prompt, config)
         (ar_tokens, ar), (swift_tokens, auto) = runs["ar"], runs["swift"]
@@ -47,12 +50,16 @@ def main() -> None:
         auto_step = auto.phase_s.get("ar_step", 0.0) / ar_iterations * 1e3
         step_ratios.append(auto_step / ar_step)
         rate_ratios.append(auto.tokens_per_s / ar.tokens_per_s)
-        print(f"AR step {ar_step:.2f} ms, auto's AR steps {auto_step:.2f} ms; "
-              f"AR {ar.tokens_per_s:.0f} tok/s, {args.tree} {auto.tokens_per_s:.0f} tok/s, "
-              f"{auto.tokens_per_forward:.2f} tokens/forward ({', '.join(auto.plans)})")
-    print(f"median: auto's AR step / AR step {statistics.median(step_ratios):.3f}, "
-          f"{args.tree} / AR throughput {statistics.median(rate_ratios):.3f} "
-          f"(min {min(rate_ratios):.3f}, max {max(rate_ratios):.3f})")
+        print(
+            f"AR step {ar_step:.2f} ms, auto's AR steps {auto_step:.2f} ms; "
+            f"AR {ar.tokens_per_s:.0f} tok/s, {args.tree} {auto.tokens_per_s:.0f} tok/s, "
+            f"{auto.tokens_per_forward:.2f} tokens/forward ({', '.join(auto.plans)})"
+        )
+    print(
+        f"median: auto's AR step / AR step {statistics.median(step_ratios):.3f}, "
+        f"{args.tree} / AR throughput {statistics.median(rate_ratios):.3f} "
+        f"(min {min(rate_ratios):.3f}, max {max(rate_ratios):.3f})"
+    )
 
 
 if __name__ == "__main__":

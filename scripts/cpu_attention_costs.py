@@ -2,7 +2,8 @@
 through the compiled CPU tree-attention kernel (plugins_cuda/cpu/tree_attention_cpu.cpp), whole
 decoder, swift-tiny's shape, at several cached contexts.
 
-    .venv/bin/python scripts/cpu_attention_costs.py [--model-dir models/swift-tiny] [--contexts 1024,4096,8192,16384]
+    .venv/bin/python scripts/cpu_attention_costs.py [--model-dir models/swift-tiny] [--contexts
+    1024,4096,8192,16384]
 
 The K/V cache is filled with random values (the cost does not depend on them); the T new tokens
 form a causal chain. Every (T, attention) pair runs once per round, rounds interleaved so that the
@@ -63,7 +64,9 @@ def main() -> None:
         for context in (int(c) for c in args.contexts.split(",")):
             table = costs(engine.model, engine.config, context, args.repeats)
             for name in ATTENTION:
-                cells = [f"{table[(name, t)]:.2f} ({table[(name, t)] / table[(name, 1)]:.2f})" for t in TOKENS]
+                cells = [
+                    f"{table[(name, t)]:.2f} ({table[(name, t)] / table[(name, 1)]:.2f})" for t in TOKENS
+                ]
                 print(f"| {context:,} | {name} | " + " | ".join(cells) + " |")
 
 

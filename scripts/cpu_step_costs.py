@@ -84,11 +84,18 @@ def main() -> None:
             costs = forward_costs(args.model_dir, context, args.repeats)
             for packed in (False, True):
                 name = "oneDNN prepacked" if packed else "nn.Linear (MKL)"
-                print(f"| {context:,} | {name} | " + " | ".join(f"{costs[(t, packed)]:.2f}" for t in TOKENS) + " |")
+                print(
+                    f"| {context:,} | {name} | "
+                    + " | ".join(f"{costs[(t, packed)]:.2f}" for t in TOKENS)
+                    + " |"
+                )
         config = load_engine(args.model_dir).config
         for context in contexts:
             attention = attention_costs(config, context, args.repeats)
-            print(f"attention, one layer, {context:,} keys: T=1 {attention[1]:.0f} µs, T=4 {attention[4]:.0f} µs")
+            print(
+                f"attention, one layer, {context:,} keys: T=1 {attention[1]:.0f} µs, T=4 "
+                f"{attention[4]:.0f} µs"
+            )
 
 
 if __name__ == "__main__":

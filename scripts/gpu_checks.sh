@@ -57,7 +57,7 @@ EOF"
             --out "$OUT_DIR/kernels"
         ;;
     steps)
-        stage steps 300 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
+        stage steps 300 "${CLI[@]}" bench-steps --model llama3.1-8b --device cuda --dtype bfloat16 \
             --contexts 4096,32768,65536,102400 --tree-sizes 1,41,121 --kv-budget 4096 \
             --gen-len 20480,40960,61440,81920,102400 --prefix-len 4096 \
             --out "$OUT_DIR/steps"

@@ -63,13 +63,15 @@ def profile_8b(contexts: list[int], tree_sizes: list[int]) -> None:
                     cache.rollback(0)
 
                 graph_ms = replay_ms(step)
-                eager_ms = replay_ms(lambda: step(eager))
+                eager_ms = replay_ms(lambda eager=eager: step(eager))
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         step(eager)
                     torch.cuda.synchronize()
-            print(f"\n### 8B L={context} T={size}: graph {graph_ms:.3f} ms/step, eager {eager_ms:.3f} ms/step "
-                  "(kernel table from 5 eager steps)")
+            print(
+                f"\n### 8B L={context} T={size}: graph {graph_ms:.3f} ms/step, eager {eager_ms:.3f} ms/step "
+                "(kernel table from 5 eager steps)"
+            )
             print(table(prof, "self_device_time_total"))
         del full
         torch.cuda.empty_cache()
@@ -80,18 +82,28 @@ def profile_tiny(tokens: int) -> None:
     prompt = TextCodec.from_dir("models/swift-tiny").encode(open("models/swift-tiny/prompt.txt").read())
     sampling = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=256)
     for method, tree in (("ar", "1"), ("tokenswift", "1,3,3,3")):
-        config = GenerationConfig(max_new_tokens=tokens, sampling=sampling, tree=tree, ngram_topk=20, kv_budget=1024,
-                                  seed=1, ignore_eos=True, method=method)
+        config = GenerationConfig(
+            max_new_tokens=tokens,
+            sampling=sampling,
+            tree=tree,
+            ngram_topk=20,
+            kv_budget=1024,
+            seed=1,
+            ignore_eos=True,
+            method=method,
+        )
         generate(engine, prompt, config)  # warm-up: graph captures
         torch.cuda.synchronize()
         start = time.perf_counter()
         _, stats = generate(engine, prompt, config)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        print(f"\n### swift-tiny {method} {tree}: {stats.new_tokens} tokens in {seconds:.2f}s "
-              f"({stats.new_tokens / seconds:.0f} tok/s), {stats.iterations} iterations, "
-              f"{seconds / stats.iterations * 1e3:.2f} ms/iteration, graph replays {stats.graph_replays}, "
-              f"captures {stats.graph_captures}, fixed-shape steps {stats.fixed_shape_steps}")
+        print(
+            f"\n### swift-tiny {method} {tree}: {stats.new_tokens} tokens in {seconds:.2f}s "
+            f"({stats.new_tokens / seconds:.0f} tok/s), {stats.iterations} iterations, "
+            f"{seconds / stats.iterations * 1e3:.2f} ms/iteration, graph replays {stats.graph_replays}, "
+            f"captures {stats.graph_captures}, fixed-shape steps {stats.fixed_shape_steps}"
+        )
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             generate(engine, prompt, config)
             torch.cuda.synchronize()
@@ -106,15 +118,28 @@ def list_syncs(tokens: int) -> None:
 
     engine = load_engine("models/swift-tiny", device="cuda", dtype=torch.bfloat16)
     prompt = TextCodec.from_dir("models/swift-tiny").encode(open("models/swift-tiny/prompt.txt").read())
-    config = GenerationConfig(max_new_tokens=tokens, sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=256),
-                              tree="1,3,3,3", ngram_topk=20, kv_budget=1024, seed=1, ignore_eos=True)
+    config = GenerationConfig(
+        max_new_tokens=tokens,
+        sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=256),
+        tree="1,3,3,3",
+        ngram_topk=20,
+        kv_budget=1024,
+        seed=1,
+        ignore_eos=True,
+    )
     generate(engine, prompt, config)  # captures first
     sites: collections.Counter[str] = collections.Counter()
     original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None) -> None:
-        frames = [f for f in traceback.extract_stack()[:-1] if "tokenswift_trt" in f.filename or "/runtime/" in f.filename]
-        sites[" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[-2:][::-1])] += 1
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if "tokenswift_trt" in f.filename or "/runtime/" in f.filename
+        ]
+        sites[
+            " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[-2:][::-1])
+        ] += 1
 
     warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
@@ -137,7 +162,9 @@ def main() -> None:
     parser.add_argument("--tree-sizes", default="1,41")
     parser.add_argument("--tiny-tokens", type=int, default=256)
     parser.add_argument("--skip-8b", action="store_true")
-    parser.add_argument("--syncs-only", action="store_true", help="only list where the generation waits for the GPU")
+    parser.add_argument(
+        "--syncs-only", action="store_true", help="only list where the generation waits for the GPU"
+    )
     args = parser.parse_args()
     if args.syncs_only:
         list_syncs(args.tiny_tokens)

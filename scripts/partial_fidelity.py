@@ -1,6 +1,7 @@
 """How faithful the partial KV cache is: level-1 acceptance of partial-cache drafting by context and budget.
 
-    .venv/bin/python scripts/partial_fidelity.py [--contexts 512,2048,8192] [--budgets 128,256,1024] [--recent N]
+    .venv/bin/python scripts/partial_fidelity.py [--contexts 512,2048,8192] [--budgets 128,256,1024]
+    [--recent N]
 
 With tree `1` and no n-grams the only draft is the base model's own next token computed on the
 partial cache (sinks + top-scored positions + recent tokens) instead of the full cache, ranked with
@@ -27,9 +28,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default=str(ROOT / "models" / "swift-tiny"))
     parser.add_argument("--prompt-file", default=str(HELD_OUT))
-    parser.add_argument("--contexts", default="512,2048,8192", help="prompt tokens (the context drafting starts at)")
+    parser.add_argument(
+        "--contexts", default="512,2048,8192", help="prompt tokens (the context drafting starts at)"
+    )
     parser.add_argument("--budgets", default="128,256,1024", help="partial cache budgets B")
-    parser.add_argument("--recent", type=int, default=None, help="recent region (selection redone when it fills) [B/4]")
+    parser.add_argument(
+        "--recent", type=int, default=None, help="recent region (selection redone when it fills) [B/4]"
+    )
     parser.add_argument("--tokens", type=int, default=384, help="tokens generated per run")
     args = parser.parse_args()
 
@@ -44,14 +49,25 @@ def main() -> None:
         parser.error(f"the prompt file has {len(ids)} tokens, fewer than context {max(contexts)}")
     sampling = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=256)
     recent = "B/4" if args.recent is None else args.recent
-    print(f"min-p 0.1, θ 1.2, W 256, tree 1, k 0, {args.tokens} tokens, seed 1, recent region {recent}; α (selections)")
+    print(
+        f"min-p 0.1, θ 1.2, W 256, tree 1, k 0, {args.tokens} tokens, seed 1, recent region {recent}; α "
+        "(selections)"
+    )
     print("| context | " + " | ".join(f"B = {b}" for b in budgets) + " |")
     print("|---|" + "---|" * len(budgets))
     for context in contexts:
         row = []
         for budget in budgets:
-            config = GenerationConfig(max_new_tokens=args.tokens, sampling=sampling, tree="1", ngram_topk=0,
-                                      kv_budget=budget, kv_recent=args.recent, seed=1, ignore_eos=True)
+            config = GenerationConfig(
+                max_new_tokens=args.tokens,
+                sampling=sampling,
+                tree="1",
+                ngram_topk=0,
+                kv_budget=budget,
+                kv_recent=args.recent,
+                seed=1,
+                ignore_eos=True,
+            )
             _, stats = generate(engine, ids[:context], config)
             row.append(f"{stats.acceptance_rate:.3f} ({stats.partial_selections})")
         print(f"| {context:,} | " + " | ".join(row) + " |", flush=True)

@@ -3,7 +3,8 @@ parameter GQA Llama on the public-domain books in ../shared/corpus, with pride_a
 held out. Writes a Hugging Face model directory (config, bf16 safetensors, tokenizer.json) and
 `training.json` with the held-out perplexity.
 
-    .venv/bin/python scripts/train_swift_tiny.py --corpus ../shared/corpus --out models/swift-tiny --minutes 45
+    .venv/bin/python scripts/train_swift_tiny.py --corpus ../shared/corpus --out models/swift-tiny
+    --minutes 45
 
 Draft layers are trained afterwards with `tokenswift-trt train-heads` (see docs/swift-tiny.md).
 """
@@ -30,7 +31,9 @@ def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train([str(f) for f in files], trainer)
@@ -51,10 +54,19 @@ def encode_books(tokenizer: Tokenizer, files: list[Path]) -> torch.Tensor:
 
 def model_config(vocab_size: int, bos: int, eos: int) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768,
-        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=bos, eos_token_id=eos, initializer_range=0.02,
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        initializer_range=0.02,
     )
 
 
@@ -62,7 +74,7 @@ def model_config(vocab_size: int, bos: int, eos: int) -> LlamaConfig:
 def perplexity(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_batches: int = 40) -> float:
     model.eval()
     usable = (ids.numel() - 1) // seq_len * seq_len
-    windows = ids[:usable].view(-1, seq_len)[:max_batches * 8]
+    windows = ids[:usable].view(-1, seq_len)[: max_batches * 8]
     losses = []
     for batch in windows.split(8):
         losses.append(model(batch, labels=batch).loss.item())
@@ -129,10 +141,17 @@ def main() -> None:
     model.to(torch.bfloat16).save_pretrained(args.out)
     tokenizer.save(str(args.out / "tokenizer.json"))
     report = {
-        "parameters": params, "steps": step, "tokens_seen": step * args.batch * args.seq_len,
-        "train_tokens": train_ids.numel(), "held_out_tokens": held_ids.numel(), "held_out_book": HELD_OUT,
-        "held_out_perplexity": round(ppl, 2), "minutes": round((time.perf_counter() - start) / 60, 1),
-        "seq_len": args.seq_len, "batch": args.batch, "lr": args.lr,
+        "parameters": params,
+        "steps": step,
+        "tokens_seen": step * args.batch * args.seq_len,
+        "train_tokens": train_ids.numel(),
+        "held_out_tokens": held_ids.numel(),
+        "held_out_book": HELD_OUT,
+        "held_out_perplexity": round(ppl, 2),
+        "minutes": round((time.perf_counter() - start) / 60, 1),
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "lr": args.lr,
     }
     (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))

@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
-from helpers import llama_config, qwen2_config, save_hf_model
-
 from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, load_engine
+
+from helpers import llama_config, qwen2_config, save_hf_model
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,10 @@ def llama_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama")
     config = llama_config(
         rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
             original_max_position_embeddings=64,
         )
     )

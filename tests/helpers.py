@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-
 TINY = dict(
     vocab_size=96,
     hidden_size=64,
@@ -49,3 +48,8 @@ def save_hf_model(config, directory: Path, seed: int = 0):
     model.eval()
     model.save_pretrained(directory)
     return model
+
+
+# the paper's static tree (drafted on the partial cache): tests of the partial-cache path pin it,
+# since a request without a tree runs `--tree auto`
+PAPER_TREE = "1,3,3,3"

@@ -8,13 +8,22 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from conftest import quiet_load
 
-from tokenswift_trt.bench.run import BenchSpec, plans_before, prompt_windows, run_bench, run_interleaved, run_to_lengths
+from tokenswift_trt.bench.run import (
+    BenchSpec,
+    plans_before,
+    prompt_windows,
+    run_bench,
+    run_interleaved,
+    run_to_lengths,
+)
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
+from tokenswift_trt.runtime.autotune import AR_PLAN, Plan
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError
 from tokenswift_trt.runtime.sampling import SamplingConfig
+
+from conftest import quiet_load
 
 
 @pytest.fixture(scope="module")
@@ -22,24 +31,55 @@ def model_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("random-tiny"), seed=3)
 
 
+@pytest.mark.slow
 def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_path):
     text = tmp_path / "book.txt"
     text.write_text("It was the best of times, it was the worst of times. " * 40)
     out = tmp_path / "bench"
-    result = CliRunner().invoke(main, [
-        "bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "24,48",
-        "--prefix-len", "32,64", "--prompts", "2", "--tree", "auto", "--temperature", "0",
-        "--penalty", "1.2", "--penalty-window", "16", "--out", str(out),
-    ])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--model-dir",
+            str(model_dir),
+            "--prompt-file",
+            str(text),
+            "--gen-len",
+            "24,48",
+            "--prefix-len",
+            "32,64",
+            "--prompts",
+            "2",
+            "--tree",
+            "auto",
+            "--draft-source",
+            "partial",
+            "--temperature",
+            "0",
+            "--penalty",
+            "1.2",
+            "--penalty-window",
+            "16",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = list(csv.DictReader(open(out / "bench.csv")))
-    assert [(r["prefix_len"], r["gen_len"]) for r in rows] == [("32", "24"), ("32", "48"), ("64", "24"), ("64", "48")]
+    assert [(r["prefix_len"], r["gen_len"]) for r in rows] == [
+        ("32", "24"),
+        ("32", "48"),
+        ("64", "24"),
+        ("64", "48"),
+    ]
     for row in rows:
         assert row["tokens_equal_ar"] == "True" and row["runs"] == "2"
         assert float(row["speedup_min"]) <= float(row["speedup"]) <= float(row["speedup_max"])
         assert 0 <= float(row["beta"]) <= float(row["alpha"]) <= 1
         assert 1 <= float(row["tokens_per_iteration"]) <= 5  # 1 + accepted per iteration, depth 4 at most
-        assert 0.5 <= float(row["tokens_per_forward"]) <= float(row["tokens_per_iteration"])  # ≤ 2 passes per iteration
+        assert (
+            0.5 <= float(row["tokens_per_forward"]) <= float(row["tokens_per_iteration"])
+        )  # ≤ 2 passes per iteration
         assert 0 < float(row["distinct4_penalty"]) <= 1 and float(row["auto_vs_default_tree"]) > 0
         assert row["auto_plans"].startswith("probe 1,3,3,3")
     meta = json.loads((out / "bench.json").read_text())["meta"]
@@ -47,15 +87,39 @@ def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_p
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "alpha.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_bench_drafting_from_the_verify_pass_compares_auto_with_the_papers_static_tree(model_dir, tmp_path):
     text = tmp_path / "book.txt"
     text.write_text("It was the best of times, it was the worst of times. " * 40)
     out = tmp_path / "bench"
-    result = CliRunner().invoke(main, [
-        "bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "40", "--prefix-len", "32",
-        "--tree", "auto", "--draft-source", "verify", "--min-p", "0.1", "--penalty", "1.2", "--penalty-window", "16",
-        "--seed", "3", "--out", str(out),
-    ])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--model-dir",
+            str(model_dir),
+            "--prompt-file",
+            str(text),
+            "--gen-len",
+            "40",
+            "--prefix-len",
+            "32",
+            "--tree",
+            "auto",
+            "--draft-source",
+            "verify",
+            "--min-p",
+            "0.1",
+            "--penalty",
+            "1.2",
+            "--penalty-window",
+            "16",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     (row,) = list(csv.DictReader(open(out / "bench.csv")))
     assert row["tokens_equal_ar"] == "True"
@@ -67,8 +131,10 @@ def test_interleaved_runs_decode_what_separate_runs_do_each_on_its_own_clock(mod
     engine = quiet_load(model_dir)
     prompt = list(range(3, 35))
     sampling = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16)
-    configs = {"ar": GenerationConfig(max_new_tokens=1, sampling=sampling, seed=2, method="ar"),
-               "tokenswift": GenerationConfig(max_new_tokens=1, sampling=sampling, seed=2, tree="1,2", ngram_topk=4)}
+    configs = {
+        "ar": GenerationConfig(max_new_tokens=1, sampling=sampling, seed=2, method="ar"),
+        "tokenswift": GenerationConfig(max_new_tokens=1, sampling=sampling, seed=2, tree="1,2", ngram_topk=4),
+    }
     seen: list[int] = []
     started = time.perf_counter()
     runs = run_interleaved(engine, prompt, configs, [20, 50], chunk=8, on_tokens=seen.extend)
@@ -92,11 +158,25 @@ def test_a_bench_that_does_not_fit_names_the_one_at_a_time_switch(model_dir):
         run_bench(engine, list(range(3, 200)), spec, lambda label, total: None)
 
 
+@pytest.mark.slow
 def test_bench_runs_methods_one_after_another_on_request(model_dir, tmp_path):
     text = tmp_path / "book.txt"
     text.write_text("It was the best of times, it was the worst of times. " * 40)
-    args = ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "16", "--prefix-len", "32",
-            "--tree", "1,1", "--out", str(tmp_path / "bench")]
+    args = [
+        "bench",
+        "--model-dir",
+        str(model_dir),
+        "--prompt-file",
+        str(text),
+        "--gen-len",
+        "16",
+        "--prefix-len",
+        "32",
+        "--tree",
+        "1,1",
+        "--out",
+        str(tmp_path / "bench"),
+    ]
     result = CliRunner().invoke(main, args + ["--interleave", "0"])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "bench" / "bench.json").read_text())["meta"]["interleave"] == 0
@@ -105,19 +185,39 @@ def test_bench_runs_methods_one_after_another_on_request(model_dir, tmp_path):
 
 
 def test_prompt_windows_and_bad_lengths(model_dir, tmp_path):
-    assert prompt_windows(list(range(100)), 10, 3) == [list(range(0, 10)), list(range(30, 40)), list(range(60, 70))]
+    assert prompt_windows(list(range(100)), 10, 3) == [
+        list(range(0, 10)),
+        list(range(30, 40)),
+        list(range(60, 70)),
+    ]
     with pytest.raises(ValueError, match="fewer than --prefix-len"):
         prompt_windows(list(range(5)), 10, 1)
     text = tmp_path / "short.txt"
     text.write_text("tiny")
-    result = CliRunner().invoke(main, ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "8", "--prefix-len", "64"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--model-dir",
+            str(model_dir),
+            "--prompt-file",
+            str(text),
+            "--gen-len",
+            "8",
+            "--prefix-len",
+            "64",
+        ],
+    )
     assert result.exit_code == 2 and "fewer than --prefix-len" in result.stderr
-    bad = CliRunner().invoke(main, ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "8,x"])
+    bad = CliRunner().invoke(
+        main, ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "8,x"]
+    )
     assert bad.exit_code == 2 and "--gen-len" in bad.stderr
 
 
 def test_a_rows_auto_plans_are_those_started_before_its_length():
-    plans = ["probe 1,3,3,3 k=20 from token 1", "ar k=0 from token 30", "probe 1,3,3,3 k=20 from token 4168"]
+    plans = [Plan("1,3,3,3", 20, 1, probe=True), Plan(AR_PLAN, 0, 30), Plan("1,3,3,3", 20, 4168, probe=True)]
+    assert str(plans[0]) == "probe 1,3,3,3 k=20 from token 1" and str(plans[1]) == "ar k=0 from token 30"
     assert plans_before(plans, 2048) == plans[:2]
     assert plans_before(plans, 30) == plans[:1] and plans_before(plans, 8192) == plans
 

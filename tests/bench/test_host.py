@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
 import torch
 
 from tokenswift_trt.bench.host import HostOpCounter, TimedModel, measure_host_overhead
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.sampling import SamplingConfig
+
 from conftest import quiet_load
+from helpers import PAPER_TREE
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +22,13 @@ def engine(tmp_path_factory):
 
 
 def test_timed_engine_generates_the_same_tokens(engine):
-    config = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16),
-                              seed=3, ignore_eos=True)
+    config = GenerationConfig(
+        tree=PAPER_TREE,
+        max_new_tokens=40,
+        sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16),
+        seed=3,
+        ignore_eos=True,
+    )
     prompt = list(range(5, 40))
     plain, _ = generate(engine, prompt, config)
     timed = TimedModel(engine.model, engine.device)
@@ -32,11 +38,13 @@ def test_timed_engine_generates_the_same_tokens(engine):
 
 
 def test_host_overhead_splits_decode_time(engine):
-    config = GenerationConfig(max_new_tokens=60, seed=1, ignore_eos=True)
+    config = GenerationConfig(tree=PAPER_TREE, max_new_tokens=60, seed=1, ignore_eos=True)
     result = measure_host_overhead(engine, list(range(5, 40)), config)
     assert result.iterations >= 2 and result.new_tokens == 60
     assert 0 < result.model_s < result.decode_s
-    assert result.host_ms_per_iteration == pytest.approx((result.decode_s - result.model_s) / result.iterations * 1e3)
+    assert result.host_ms_per_iteration == pytest.approx(
+        (result.decode_s - result.model_s) / result.iterations * 1e3
+    )
     assert set(result.phase_s) >= {"draft", "trie", "verify", "accept", "commit"}
     assert result.host_ops is not None and 10 < result.host_ops_per_iteration < 1000
 
@@ -63,11 +71,25 @@ def test_bench_host_command(tmp_path):
     model = write_random_model(tmp_path / "model", seed=2)
     text = tmp_path / "prompt.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    result = CliRunner().invoke(main, ["bench-host", "--model-dir", str(model), "--prompt-file", str(text),
-                                       "--prefix-len", "32", "--max-new-tokens", "40", "--ignore-eos"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench-host",
+            "--model-dir",
+            str(model),
+            "--prompt-file",
+            str(text),
+            "--prefix-len",
+            "32",
+            "--max-new-tokens",
+            "40",
+            "--ignore-eos",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "host ms/iteration:" in result.output and "verify" in result.output
     assert "host tensor ops/iteration:" in result.output
-    result = CliRunner().invoke(main, ["bench-host", "--model-dir", str(model), "--prompt-file", str(text),
-                                       "--max-new-tokens", "1"])
+    result = CliRunner().invoke(
+        main, ["bench-host", "--model-dir", str(model), "--prompt-file", str(text), "--max-new-tokens", "1"]
+    )
     assert result.exit_code == 2 and "--max-new-tokens >= 2" in result.output

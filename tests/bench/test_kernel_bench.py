@@ -15,23 +15,56 @@ from tokenswift_trt.cli import main
 
 def test_cpu_smoke_run_writes_a_row_per_case(tmp_path):
     out = tmp_path / "kernels"
-    result = CliRunner().invoke(main, [
-        "bench-kernels", "--device", "cpu", "--tree-sizes", "1,5", "--contexts", "64,200", "--heads", "4",
-        "--kv-heads", "2", "--head-dim", "64", "--repeats", "2", "--out", str(out),
-    ])
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench-kernels",
+            "--device",
+            "cpu",
+            "--tree-sizes",
+            "1,5",
+            "--contexts",
+            "64,200",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "64",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = list(csv.DictReader((out / "kernels.csv").open()))
-    assert [(int(r["tree_tokens"]), int(r["context"])) for r in rows] == [(1, 64), (5, 64), (1, 200), (5, 200)]
+    assert [(int(r["tree_tokens"]), int(r["context"])) for r in rows] == [
+        (1, 64),
+        (5, 64),
+        (1, 200),
+        (5, 200),
+    ]
     for row in rows:
         assert float(row["kernel_ms"]) > 0 and float(row["sdpa_ms"]) > 0
-        assert float(row["speedup_vs_sdpa"]) == pytest.approx(float(row["sdpa_ms"]) / float(row["kernel_ms"]), rel=1e-2)
+        assert float(row["speedup_vs_sdpa"]) == pytest.approx(
+            float(row["sdpa_ms"]) / float(row["kernel_ms"]), rel=1e-2
+        )
     meta = json.loads((out / "kernels.json").read_text())["meta"]
     assert meta["copy_bandwidth_gb_s"] > 0 and "bench-kernels" in meta["command"]
 
 
 def test_bandwidth_time_counts_the_kv_bytes():
-    rows, bandwidth = bench_tree_attention(torch.device("cpu"), [2], [100, 400], heads=2, kv_heads=1, head_dim=64,
-                                           dtype=torch.bfloat16, repeats=1)
+    rows, bandwidth = bench_tree_attention(
+        torch.device("cpu"),
+        [2],
+        [100, 400],
+        heads=2,
+        kv_heads=1,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        repeats=1,
+    )
     moved = [(2 * 1 * (length + 2) + 2 * 2 * 2) * 64 * 2 for length in (100, 400)]
     for row, size in zip(rows, moved):
         assert row.bandwidth_ms == pytest.approx(size / bandwidth * 1e3)
@@ -39,7 +72,9 @@ def test_bandwidth_time_counts_the_kv_bytes():
 
 def test_refusals_are_one_line(tmp_path):
     runner = CliRunner()
-    result = runner.invoke(main, ["bench-kernels", "--device", "cpu", "--tree-sizes", "300", "--out", str(tmp_path)])
+    result = runner.invoke(
+        main, ["bench-kernels", "--device", "cpu", "--tree-sizes", "300", "--out", str(tmp_path)]
+    )
     assert result.exit_code == 2 and "at most 256 tree tokens" in result.output
     result = runner.invoke(main, ["bench-kernels", "--device", "cpu", "--heads", "6", "--kv-heads", "4"])
     assert result.exit_code == 2 and "multiple of --kv-heads" in result.output

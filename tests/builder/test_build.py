@@ -11,10 +11,13 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from tokenswift_trt.builder.build import REPOSITORY, BuildError, BuildRequest, build_engine, resolve
+from tokenswift_trt.builder.presets import PRESETS
 from tokenswift_trt.cli import main
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.engine_dir import MANIFEST, EngineDirError, load_engine_dir, read_manifest
 from tokenswift_trt.runtime.sampling import SamplingConfig
+
+from helpers import PAPER_TREE
 
 GREEDY = SamplingConfig(temperature=0)
 
@@ -43,7 +46,7 @@ def test_torch_engine_round_trip_and_same_tokens(checkpoint, tmp_path, llama_eng
     assert (out / "build.log").read_text().count("\n") >= 2
     engine, _ = load_engine_dir(out, dtype=torch.float64)
     prompt = list(range(3, 40))
-    config = GenerationConfig(max_new_tokens=60, sampling=GREEDY, ignore_eos=True)
+    config = GenerationConfig(tree=PAPER_TREE, max_new_tokens=60, sampling=GREEDY, ignore_eos=True)
     assert generate(engine, prompt, config)[0] == generate(llama_engine64, prompt, config)[0]
 
 
@@ -85,10 +88,18 @@ def test_bad_build_inputs_have_clear_errors(checkpoint, tmp_path, monkeypatch):
         build_engine(BuildRequest(model="llama3.1-8b", checkpoint=checkpoint, out=tmp_path / "x"))
 
     heads = {f"draft_layers.{i}.linear.weight": torch.zeros(32, 32) for i in range(3)}
-    heads.update({f"draft_layers.{i}.{n}.weight": torch.ones(32) for i in range(3) for n in ("input_layernorm", "post_layernorm")})
+    heads.update(
+        {
+            f"draft_layers.{i}.{n}.weight": torch.ones(32)
+            for i in range(3)
+            for n in ("input_layernorm", "post_layernorm")
+        }
+    )
     save_file(heads, str(tmp_path / "heads.safetensors"))
     with pytest.raises(BuildError, match="draft layers.*shape"):
-        build_engine(BuildRequest(model=str(checkpoint), heads=tmp_path / "heads.safetensors", out=tmp_path / "x"))
+        build_engine(
+            BuildRequest(model=str(checkpoint), heads=tmp_path / "heads.safetensors", out=tmp_path / "x")
+        )
     assert not (tmp_path / "x").exists()  # failed builds leave nothing behind
     assert not list(tmp_path.glob(".x.building-*"))
 
@@ -122,7 +133,7 @@ def test_existing_engine_needs_force(checkpoint, tmp_path):
 def test_random_weights_preset_and_released_heads(checkpoint, tmp_path):
     out = build_engine(BuildRequest(model="swift-tiny", random_weights=True, out=tmp_path / "tiny"))
     manifest = read_manifest(out)
-    assert manifest.random_weights and manifest.tree == "auto" and manifest.sampling["min_p"] == 0.1
+    assert manifest.random_weights and manifest.defaults == PRESETS["swift-tiny"].defaults
     engine, _ = load_engine_dir(out)
     assert engine.config.hidden_size == 256 and len(engine.draft_layers) == 3
     tensors = load_file(str(checkpoint / "model.safetensors"))
@@ -136,7 +147,9 @@ def test_random_weights_preset_and_released_heads(checkpoint, tmp_path):
     assert "model/heads.safetensors" in read_manifest(built).artifacts
     engine, _ = load_engine_dir(built)
     assert engine.trained_draft_layers
-    assert torch.equal(engine.draft_layers.layers[1].linear.weight, tensors["model.medusa_layers.1.linear.weight"])
+    assert torch.equal(
+        engine.draft_layers.layers[1].linear.weight, tensors["model.medusa_layers.1.linear.weight"]
+    )
 
 
 def test_cli_build_then_generate_with_engine(checkpoint, tmp_path):
@@ -145,16 +158,46 @@ def test_cli_build_then_generate_with_engine(checkpoint, tmp_path):
     assert result.exit_code == 0, result.output
     again = runner.invoke(main, ["build", "--model", str(checkpoint), "--out", str(tmp_path / "engine")])
     assert again.exit_code == 2 and "--force" in again.stderr
-    generated = runner.invoke(main, ["generate", "--engine", str(tmp_path / "engine"), "--prompt", "Hi",
-                                     "--max-new-tokens", "20", "--temperature", "0", "--ignore-eos", "--json"])
+    generated = runner.invoke(
+        main,
+        [
+            "generate",
+            "--engine",
+            str(tmp_path / "engine"),
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "20",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ],
+    )
     assert generated.exit_code == 0, generated.output
     assert json.loads(generated.stdout.splitlines()[-1])["new_tokens"] == 20
-    missing = runner.invoke(main, ["generate", "--engine", str(tmp_path / "none"), "--prompt", "Hi", "--max-new-tokens", "5"])
+    missing = runner.invoke(
+        main, ["generate", "--engine", str(tmp_path / "none"), "--prompt", "Hi", "--max-new-tokens", "5"]
+    )
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
-    both = runner.invoke(main, ["generate", "--engine", str(tmp_path / "engine"), "--model-dir", str(checkpoint),
-                                "--prompt", "Hi", "--max-new-tokens", "5"])
-    assert both.exit_code == 2 and "exactly one of --model-dir" in both.stderr
-    trt = runner.invoke(main, ["build", "--model", str(checkpoint), "--out", str(tmp_path / "trt"), "--backend", "tensorrt"])
+    both = runner.invoke(
+        main,
+        [
+            "generate",
+            "--engine",
+            str(tmp_path / "engine"),
+            "--model-dir",
+            str(checkpoint),
+            "--prompt",
+            "Hi",
+            "--max-new-tokens",
+            "5",
+        ],
+    )
+    assert both.exit_code == 2 and "exactly one of --model PRESET, --model-dir" in both.stderr
+    trt = runner.invoke(
+        main, ["build", "--model", str(checkpoint), "--out", str(tmp_path / "trt"), "--backend", "tensorrt"]
+    )
     try:
         import tensorrt  # noqa: F401
     except ImportError:

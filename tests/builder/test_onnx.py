@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import quiet_load
 
 from tokenswift_trt.builder.onnx_export import export_onnx
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
@@ -12,6 +11,9 @@ from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.onnx_backend import OnnxDecoder
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.tree import Trie
+
+from conftest import quiet_load
+from helpers import PAPER_TREE
 
 pytest.importorskip("onnxruntime", reason="the onnx backend needs onnxruntime")
 TOLERANCE = 1e-4
@@ -40,7 +42,9 @@ def test_prefill_verify_and_draft_match_torch(engines):
     outs = [e.model(prompt, torch.arange(20), c, keep_queries=True) for e, c in zip(engines, caches)]
     for cache in caches:
         cache.commit()
-    assert (torch_engine.model.logits(outs[0].hidden) - onnx_engine.model.logits(outs[1].hidden)).abs().max() <= TOLERANCE
+    assert (
+        torch_engine.model.logits(outs[0].hidden) - onnx_engine.model.logits(outs[1].hidden)
+    ).abs().max() <= TOLERANCE
     assert all((a - b).abs().max() <= TOLERANCE for a, b in zip(outs[0].queries, outs[1].queries))
     assert (caches[0].keys[:, :, :20] - caches[1].keys[:, :, :20]).abs().max() <= TOLERANCE
 
@@ -51,9 +55,14 @@ def test_prefill_verify_and_draft_match_torch(engines):
     verified = [e.model(tokens, positions, c, tree_mask=trie.mask()) for e, c in zip(engines, caches)]
     logits = [e.model.logits(v.hidden) for e, v in zip(engines, verified)]
     assert (logits[0] - logits[1]).abs().max() <= TOLERANCE
-    assert (caches[0].keys[:, :, 20 : 20 + len(trie)] - caches[1].keys[:, :, 20 : 20 + len(trie)]).abs().max() <= TOLERANCE
+    assert (
+        caches[0].keys[:, :, 20 : 20 + len(trie)] - caches[1].keys[:, :, 20 : 20 + len(trie)]
+    ).abs().max() <= TOLERANCE
 
-    drafts = [e.model.draft(torch.tensor([7]), torch.tensor([20]), c, e.draft_layers) for e, c in zip(engines, caches)]
+    drafts = [
+        e.model.draft(torch.tensor([7]), torch.tensor([20]), c, e.draft_layers)
+        for e, c in zip(engines, caches)
+    ]
     assert drafts[0].shape == (4, torch_engine.config.vocab_size)
     assert (drafts[0] - drafts[1]).abs().max() <= TOLERANCE
 
@@ -61,7 +70,13 @@ def test_prefill_verify_and_draft_match_torch(engines):
 def test_greedy_tokenswift_through_onnx_equals_torch(engines):
     torch_engine, onnx_engine = engines
     prompt = list(range(3, 40))
-    config = GenerationConfig(max_new_tokens=80, sampling=SamplingConfig(temperature=0), ignore_eos=True, kv_budget=32)
+    config = GenerationConfig(
+        tree=PAPER_TREE,
+        max_new_tokens=80,
+        sampling=SamplingConfig(temperature=0),
+        ignore_eos=True,
+        kv_budget=32,
+    )
     swift_torch, _ = generate(torch_engine, prompt, config)
     swift_onnx, stats = generate(onnx_engine, prompt, config)
     assert swift_onnx == swift_torch and stats.partial_selections > 0

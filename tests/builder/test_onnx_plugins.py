@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import onnx
 import pytest
-from conftest import quiet_load
 
 from tokenswift_trt.builder.onnx_export import export_onnx
+
+from conftest import quiet_load
 
 pytest.importorskip("onnxscript", reason="the ONNX exporter needs onnxscript")
 
@@ -36,8 +37,12 @@ def test_attention_is_one_plugin_node_per_layer(exported, graph):
         assert node.domain == "tokenswift" and len(node.input) == 4 and len(node.output) == 1
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attributes == {
-            "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-            "scale": pytest.approx(config.head_dim ** -0.5), "plugin_version": b"1", "plugin_namespace": b"tokenswift",
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "scale": pytest.approx(config.head_dim**-0.5),
+            "plugin_version": b"1",
+            "plugin_namespace": b"tokenswift",
         }
         kinds = {a.name: a.type for a in node.attribute}
         assert kinds["num_heads"] == onnx.AttributeProto.INT and kinds["scale"] == onnx.AttributeProto.FLOAT
@@ -47,6 +52,8 @@ def test_attention_is_one_plugin_node_per_layer(exported, graph):
 def test_the_packed_mask_input_is_int32(exported):
     _, out = exported
     model = onnx.shape_inference.infer_shapes(onnx.load(str(out / "verify.onnx")))
-    types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.value_info) + list(model.graph.input)}
+    types = {
+        v.name: v.type.tensor_type.elem_type for v in list(model.graph.value_info) + list(model.graph.input)
+    }
     masks = [n.input[3] for n in model.graph.node if n.op_type == "TokenSwiftTreeAttention"]
     assert {types[name] for name in masks} == {onnx.TensorProto.INT32}

@@ -11,6 +11,8 @@ from tokenswift_trt.runtime.engine_dir import load_engine_dir
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.tensorrt_backend import TensorRTBackendError, import_tensorrt
 
+from helpers import PAPER_TREE
+
 
 def _tensorrt_available() -> str | None:
     try:
@@ -38,9 +40,15 @@ def test_tensorrt_engine_decodes_like_torch(llama_dir, tmp_path):
     for name in ("config.json", "model.safetensors"):
         (checkpoint / name).write_bytes((llama_dir[0] / name).read_bytes())
     byte_level_tokenizer().save(str(checkpoint / "tokenizer.json"))
-    out = build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "trt", backend="tensorrt", dtype="float32"))
+    out = build_engine(
+        BuildRequest(model=str(checkpoint), out=tmp_path / "trt", backend="tensorrt", dtype="float32")
+    )
     engine, manifest = load_engine_dir(out, device="cuda")
-    reference, _ = load_engine_dir(build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "torch")), device="cuda")
+    reference, _ = load_engine_dir(
+        build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "torch")), device="cuda"
+    )
     prompt = list(range(3, 40))
-    config = GenerationConfig(max_new_tokens=64, sampling=SamplingConfig(temperature=0), ignore_eos=True)
+    config = GenerationConfig(
+        tree=PAPER_TREE, max_new_tokens=64, sampling=SamplingConfig(temperature=0), ignore_eos=True
+    )
     assert generate(engine, prompt, config)[0] == generate(reference, prompt, config)[0]

@@ -24,25 +24,70 @@ def _run(*args: str):
 
 def test_generate_json_reports_tokens_and_rates(model_dir):
     result = _run(
-        "generate", "--model-dir", str(model_dir), "--prompt", "Hello there", "--max-new-tokens", "64",
-        "--temperature", "0", "--ignore-eos", "--json",
+        "generate",
+        "--model-dir",
+        str(model_dir),
+        "--prompt",
+        "Hello there",
+        "--max-new-tokens",
+        "64",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(report) >= {"text", "token_ids", "new_tokens", "acceptance_rate", "ngram_acceptance_rate", "tokens_per_s", "elapsed_s", "method"}
+    assert set(report) >= {
+        "text",
+        "token_ids",
+        "new_tokens",
+        "acceptance_rate",
+        "ngram_acceptance_rate",
+        "tokens_per_s",
+        "elapsed_s",
+        "method",
+    }
     assert report["new_tokens"] == len(report["token_ids"]) == 64
     assert report["method"] == "tokenswift" and 0 <= report["acceptance_rate"] <= 1
 
     ar = _run(
-        "generate", "--model-dir", str(model_dir), "--prompt", "Hello there", "--max-new-tokens", "64",
-        "--temperature", "0", "--ignore-eos", "--json", "--method", "ar",
+        "generate",
+        "--model-dir",
+        str(model_dir),
+        "--prompt",
+        "Hello there",
+        "--max-new-tokens",
+        "64",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+        "--method",
+        "ar",
     )
     assert json.loads(ar.stdout.strip().splitlines()[-1])["token_ids"] == report["token_ids"]
 
 
 def test_seeded_sampling_is_reproducible_and_streams_the_same_text(model_dir):
-    args = ["generate", "--model-dir", str(model_dir), "--prompt", "Once", "--max-new-tokens", "48",
-            "--seed", "5", "--min-p", "0.1", "--penalty", "1.2", "--penalty-window", "16", "--ignore-eos"]
+    args = [
+        "generate",
+        "--model-dir",
+        str(model_dir),
+        "--prompt",
+        "Once",
+        "--max-new-tokens",
+        "48",
+        "--seed",
+        "5",
+        "--min-p",
+        "0.1",
+        "--penalty",
+        "1.2",
+        "--penalty-window",
+        "16",
+        "--ignore-eos",
+    ]
     first = json.loads(_run(*args, "--json").stdout.strip().splitlines()[-1])
     second = json.loads(_run(*args, "--json").stdout.strip().splitlines()[-1])
     assert first["token_ids"] == second["token_ids"] and first["seed"] == 5
@@ -65,7 +110,10 @@ def test_seeded_sampling_is_reproducible_and_streams_the_same_text(model_dir):
         (["--prompt", "x", "--max-new-tokens", "5", "--penalty", "0.5"], "penalty"),
         (["--prompt", "x", "--max-new-tokens", "5", "--tree", "1,,3"], "tree"),
         (["--prompt", "x", "--max-new-tokens", "5", "--tree", "1,3,3,3,3"], "draft layers"),
-        (["--prompt", "x", "--max-new-tokens", "5", "--kv-budget", "64", "--kv-recent", "64"], "recent region"),
+        (
+            ["--prompt", "x", "--max-new-tokens", "5", "--kv-budget", "64", "--kv-recent", "64"],
+            "recent region",
+        ),
         (["--max-new-tokens", "5"], "exactly one of --prompt"),
         (["--prompt", "x", "--max-new-tokens", "five"], "five"),
         (["--prompt-file", "/nonexistent/prompt.txt", "--max-new-tokens", "5"], "cannot read prompt file"),
@@ -83,28 +131,69 @@ def test_bad_input_gives_one_line_error_and_exit_code_2(model_dir, args, match):
 
 
 def test_prompt_longer_than_the_engine_is_refused(model_dir):
-    result = _run("generate", "--model-dir", str(model_dir), "--prompt", "x" * 100, "--max-new-tokens", "5", "--max-length", "50")
+    result = _run(
+        "generate",
+        "--model-dir",
+        str(model_dir),
+        "--prompt",
+        "x" * 100,
+        "--max-new-tokens",
+        "5",
+        "--max-length",
+        "50",
+    )
     assert result.exit_code == 2 and "maximum length" in result.stderr
-    capped = _run("generate", "--model-dir", str(model_dir), "--prompt", "x" * 10, "--max-new-tokens", "100",
-                  "--max-length", "50", "--ignore-eos", "--temperature", "0")
-    assert capped.exit_code == 0 and "room for 39 new tokens, not 100" in capped.stderr  # said up front (BOS + 10)
+    capped = _run(
+        "generate",
+        "--model-dir",
+        str(model_dir),
+        "--prompt",
+        "x" * 10,
+        "--max-new-tokens",
+        "100",
+        "--max-length",
+        "50",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+    )
+    assert (
+        capped.exit_code == 0 and "room for 39 new tokens, not 100" in capped.stderr
+    )  # said up front (BOS + 10)
 
 
 def test_installed_console_script_prints_no_traceback(tmp_path):
     script = [sys.executable, "-m", "tokenswift_trt.cli"]
     result = subprocess.run(
-        [*script, "generate", "--model-dir", str(tmp_path / "absent"), "--prompt", "x", "--max-new-tokens", "3"],
-        capture_output=True, text=True, timeout=120,
+        [
+            *script,
+            "generate",
+            "--model-dir",
+            str(tmp_path / "absent"),
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "does not exist" in result.stderr
 
 
 def test_demo_compares_ar_and_tokenswift(model_dir):
-    result = _run("demo", "--model-dir", str(model_dir), "--max-new-tokens", "64", "--temperature", "0", "--ignore-eos")
+    result = _run(
+        "demo", "--model-dir", str(model_dir), "--max-new-tokens", "64", "--temperature", "0", "--ignore-eos"
+    )
     assert result.exit_code == 0, result.output
     assert "RANDOM weights" in result.stderr
-    assert "same tokens as AR: True" in result.stdout and "speedup" in result.stdout and "tokens/forward" in result.stdout
+    assert (
+        "same tokens as AR: True" in result.stdout
+        and "speedup" in result.stdout
+        and "tokens/forward" in result.stdout
+    )
 
 
 def test_random_model_refuses_to_overwrite(model_dir):
@@ -114,15 +203,55 @@ def test_random_model_refuses_to_overwrite(model_dir):
 
 def test_resume_keeps_the_journals_settings_and_leaves_a_finished_journal_alone(model_dir, tmp_path):
     journal = tmp_path / "run.journal"
-    args = ["generate", "--model-dir", str(model_dir), "--prompt", "Once", "--max-new-tokens", "40", "--seed", "5",
-            "--min-p", "0.1", "--ignore-eos", "--journal", str(journal), "--json"]
+    args = [
+        "generate",
+        "--model-dir",
+        str(model_dir),
+        "--prompt",
+        "Once",
+        "--max-new-tokens",
+        "40",
+        "--seed",
+        "5",
+        "--min-p",
+        "0.1",
+        "--ignore-eos",
+        "--journal",
+        str(journal),
+        "--json",
+    ]
     first = json.loads(_run(*args).stdout.strip().splitlines()[-1])
-    for extra, named in ((["--seed", "9"], "--seed"), (["--max-new-tokens", "80"], "--max-new-tokens"),
-                         (["--min-p", "0.2", "--penalty", "1.1"], "--min-p, --penalty")):
+    for extra, named in (
+        (["--seed", "9"], "--seed"),
+        (["--max-new-tokens", "80"], "--max-new-tokens"),
+        (["--min-p", "0.2", "--penalty", "1.1"], "--min-p, --penalty"),
+    ):
         refused = _run("generate", "--resume", str(journal), *extra)
         assert refused.exit_code == 2 and f"drop {named}" in refused.stderr, refused.output
     written = journal.read_bytes()
-    again = _run("generate", "--resume", str(journal), "--tree", "1,1", "--json")  # speed-only options are taken
+    again = _run(
+        "generate", "--resume", str(journal), "--tree", "1,1", "--json"
+    )  # speed-only options are taken
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout.strip().splitlines()[-1])["token_ids"] == first["token_ids"]
     assert journal.read_bytes() == written  # finished: nothing appended
+
+
+def test_a_preset_name_runs_its_local_model_with_the_presets_settings():
+    from tokenswift_trt.builder.presets import PRESETS, local_model_dir
+
+    directory, _ = local_model_dir(PRESETS["swift-tiny"])
+    common = ["--prompt", "It is a truth", "--max-new-tokens", "24", "--seed", "1", "--ignore-eos", "--json"]
+    by_name = _run("generate", "--model", "swift-tiny", *common)
+    assert by_name.exit_code == 0, by_name.output
+    settings = [
+        f"--{name.replace('_', '-')}={value}" for name, value in PRESETS["swift-tiny"].defaults.items()
+    ]
+    by_dir = _run("generate", "--model-dir", str(directory), *settings, *common)
+    plain = _run("generate", "--model-dir", str(directory), *common)  # without the preset's penalty
+    ids = [json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for r in (by_name, by_dir, plain)]
+    assert ids[0] == ids[1] != ids[2]
+    unknown = _run("generate", "--model", "nope", *common)
+    assert unknown.exit_code == 2 and "unknown preset 'nope'" in unknown.stderr
+    both = _run("generate", "--model", "swift-tiny", "--model-dir", str(directory), *common)
+    assert both.exit_code == 2 and "exactly one of --model PRESET" in both.stderr

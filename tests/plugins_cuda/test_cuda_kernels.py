@@ -9,7 +9,9 @@ import torch
 
 from tokenswift_trt.runtime import kernels
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +37,19 @@ def _random_tree_mask(count: int, generator: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("head_dim", [64, 128])
 # query rows per KV head (G x T): 4, 256, 128, 1792, 74; 287 (a two-tile block with idle warps),
 # 192 and 384 (the 48 and 96 buckets)
-@pytest.mark.parametrize("heads,kv_heads,count,prefix", [(32, 8, 1, 4000), (32, 8, 64, 9000), (8, 8, 128, 777),
-                                                         (28, 4, 256, 33000), (4, 2, 37, 0), (28, 4, 41, 5000),
-                                                         (32, 8, 48, 3000), (32, 8, 96, 2000)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,count,prefix",
+    [
+        (32, 8, 1, 4000),
+        (32, 8, 64, 9000),
+        (8, 8, 128, 777),
+        (28, 4, 256, 33000),
+        (4, 2, 37, 0),
+        (28, 4, 41, 5000),
+        (32, 8, 48, 3000),
+        (32, 8, 96, 2000),
+    ],
+)
 def test_tree_attention_matches_reference(cuda_module, dtype, head_dim, heads, kv_heads, count, prefix):
     generator = torch.Generator().manual_seed(count + prefix + head_dim)
     capacity = prefix + count + 100  # strided cache view, as the runtime passes it
@@ -57,8 +69,10 @@ def test_tree_attention_matches_reference(cuda_module, dtype, head_dim, heads, k
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("length,keep,sinks", [(5000, 1024, 16), (131072, 4096, 16), (300, 200, 4), (300, 300, 4),
-                                                (1000, 10, 16), (64, 16, 16)])
+@pytest.mark.parametrize(
+    "length,keep,sinks",
+    [(5000, 1024, 16), (131072, 4096, 16), (300, 200, 4), (300, 300, 4), (1000, 10, 16), (64, 16, 16)],
+)
 def test_kv_importance_select_matches_reference(cuda_module, dtype, length, keep, sinks):
     generator = torch.Generator().manual_seed(length + keep)
     head_dim, kv_heads, heads = 128, 8, 32
@@ -72,7 +86,9 @@ def test_kv_importance_select_matches_reference(cuda_module, dtype, length, keep
     assert chosen.shape == expected.shape
     overlap = (chosen[:, :, None] == expected[:, None, :]).any(dim=2).float().mean()
     assert overlap >= 0.999 and torch.all(chosen[:, 1:] > chosen[:, :-1])
-    assert torch.equal(chosen[:, : min(sinks, keep)].cpu(), torch.arange(min(sinks, keep)).expand(kv_heads, -1))
+    assert torch.equal(
+        chosen[:, : min(sinks, keep)].cpu(), torch.arange(min(sinks, keep)).expand(kv_heads, -1)
+    )
     if keep < length:
         out_k = torch.full((kv_heads, keep + 8, head_dim), float("nan"), device="cuda", dtype=dtype)
         out_v = torch.full_like(out_k, float("nan"))
@@ -93,9 +109,12 @@ def test_static_tree_attention_reads_the_prefix_length_on_the_device(cuda_module
     packed = kernels.pack_tree_mask(_random_tree_mask(count, generator)).cuda()
     length = torch.tensor(prefix, dtype=torch.int32, device="cuda")
     static = kernels.tree_attention_static(query, keys, values, packed, length, 0.088)
-    sliced = kernels.tree_attention(query, keys[:, : prefix + count], values[:, : prefix + count], packed, 0.088)
-    reference = kernels.tree_attention_reference(query, keys[:, : prefix + count], values[:, : prefix + count],
-                                                 packed, 0.088).float()
+    sliced = kernels.tree_attention(
+        query, keys[:, : prefix + count], values[:, : prefix + count], packed, 0.088
+    )
+    reference = kernels.tree_attention_reference(
+        query, keys[:, : prefix + count], values[:, : prefix + count], packed, 0.088
+    ).float()
     assert (static.float() - reference).norm() / reference.norm() <= 1e-2
     assert (static.float() - sliced.float()).abs().max() <= 2e-2  # split counts differ (capacity vs length)
 
@@ -111,4 +130,6 @@ def test_kv_importance_select_ties_and_signed_zeros_match_exactly(cuda_module):
         k, q = keys.to("cuda", dtype), query.to("cuda", dtype)
         for keep, sinks in ((500, 16), (2999, 4), (17, 16)):
             chosen = kernels.kv_importance_select(k, q, keep, sinks)
-            assert torch.equal(chosen.cpu(), kernels.kv_importance_select_reference(k.cpu(), q.cpu(), keep, sinks))
+            assert torch.equal(
+                chosen.cpu(), kernels.kv_importance_select_reference(k.cpu(), q.cpu(), keep, sinks)
+            )

@@ -21,7 +21,10 @@ NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nv
 
 
 def _cuda_include() -> Path | None:
-    candidates = [Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "include", Path("/usr/local/cuda/include")]
+    candidates = [
+        Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "include",
+        Path("/usr/local/cuda/include"),
+    ]
     if NVCC:
         candidates.insert(0, Path(NVCC).resolve().parent.parent / "include")
     return next((path for path in candidates if (path / "cuda_runtime.h").exists()), None)
@@ -47,12 +50,23 @@ def _tensorrt_include() -> Path | None:
 def test_cmake_builds_the_kernels_for_sm80_and_sm90(tmp_path):
     build = tmp_path / "build"
     configure = subprocess.run(
-        ["cmake", "-S", str(source_dir()), "-B", str(build), f"-DCMAKE_CUDA_COMPILER={NVCC}",
-         "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"],
-        capture_output=True, text=True, timeout=300,
+        [
+            "cmake",
+            "-S",
+            str(source_dir()),
+            "-B",
+            str(build),
+            f"-DCMAKE_CUDA_COMPILER={NVCC}",
+            "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert configure.returncode == 0, configure.stdout + configure.stderr
-    compiled = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True, timeout=900)
+    compiled = subprocess.run(
+        ["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True, timeout=900
+    )
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
     assert (build / "libtokenswift_kernels.a").stat().st_size > 0
     commands = json.loads((build / "compile_commands.json").read_text())
@@ -79,12 +93,22 @@ def test_torch_bindings_compile_against_torch_headers(tmp_path):
     generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     compiler = shutil.which("g++") or pytest.skip("no g++")
     result = subprocess.run(
-        [compiler, "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=tokenswift_cuda_kernels",
-         f"-I{tmp_path}",
-         f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
-         f"-I{sysconfig.get_paths()['include']}", f"-I{source_dir() / 'include'}", f"-I{CUDA_INCLUDE}",
-         str(source_dir() / "torch_ops" / "ops.cpp")],
-        capture_output=True, text=True, timeout=600,
+        [
+            compiler,
+            "-std=c++20",
+            "-fsyntax-only",
+            "-DTORCH_EXTENSION_NAME=tokenswift_cuda_kernels",
+            f"-I{tmp_path}",
+            f"-I{include}",
+            f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}",
+            f"-I{source_dir() / 'include'}",
+            f"-I{CUDA_INCLUDE}",
+            str(source_dir() / "torch_ops" / "ops.cpp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -96,17 +120,30 @@ def test_tensorrt_plugins_compile_where_tensorrt_headers_exist():
     if NVCC is None:
         pytest.skip("nvcc not found")
     result = subprocess.run(
-        [shutil.which("g++") or "g++", "-std=c++17", "-fsyntax-only", f"-I{trt_include}",
-         f"-I{source_dir() / 'include'}", f"-I{CUDA_INCLUDE}",
-         str(source_dir() / "tensorrt" / "tokenswift_plugins.cpp")],
-        capture_output=True, text=True, timeout=300,
+        [
+            shutil.which("g++") or "g++",
+            "-std=c++17",
+            "-fsyntax-only",
+            f"-I{trt_include}",
+            f"-I{source_dir() / 'include'}",
+            f"-I{CUDA_INCLUDE}",
+            str(source_dir() / "tensorrt" / "tokenswift_plugins.cpp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
 
 
 def test_sources_ship_with_the_package():
     root = source_dir()
-    for relative in ("CMakeLists.txt", "include/tokenswift_kernels.h", "src/tree_attention.cu",
-                     "src/kv_importance_select.cu", "torch_ops/ops.cpp"):
+    for relative in (
+        "CMakeLists.txt",
+        "include/tokenswift_kernels.h",
+        "src/tree_attention.cu",
+        "src/kv_importance_select.cu",
+        "torch_ops/ops.cpp",
+    ):
         assert (root / relative).is_file(), relative
     assert sys.modules["tokenswift_trt.plugins_cuda"].__file__  # importable as package data

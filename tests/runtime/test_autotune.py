@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tokenswift_trt.runtime.autotune import AR_PLAN, CANDIDATE_TREES, ProbeRecorder, choose_plan, interpolate
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
@@ -45,12 +46,16 @@ def test_a_running_plans_iterations_inform_only_the_candidates_inside_it():
     recorder = ProbeRecorder(max_depth=4)
     trie = _probe_trie()
     recorder.record(trie, _path(trie, [10, 21, 30, 41]))  # a probe iteration: every candidate
-    small = build_trie(5, build_static_tree("1,2,1,1"), [[10], [20, 21], [30], [40]])  # the plan 1,2,1,1 k=0 running
+    small = build_trie(
+        5, build_static_tree("1,2,1,1"), [[10], [20, 21], [30], [40]]
+    )  # the plan 1,2,1,1 k=0 running
     for _ in range(3):
         recorder.record(small, _path(small, [10, 21, 30, 40]), (parse_tree("1,2,1,1"), 0))
     assert recorder.iterations == 1  # probe iterations only
     assert recorder.counts[("1,2,1,1", 0)] == 4 and recorder.mean_accepted(("1,2,1,1", 0)) == (3 + 3 * 4) / 4
-    assert recorder.counts[("1,1", 0)] == 4 and recorder.mean_accepted(("1,1", 0)) == 1.0  # rank 1 at depth 2: no
+    assert (
+        recorder.counts[("1,1", 0)] == 4 and recorder.mean_accepted(("1,1", 0)) == 1.0
+    )  # rank 1 at depth 2: no
     assert recorder.mean_nodes()[("1,2,1,1", 0)] == 1 + 1 + 2 + 2 + 2
     for outside in (("1,3,3,3", 0), ("1,2,1,1", 1), ("1,2,2,1", 0)):  # a wider tree, n-grams
         assert recorder.counts[outside] == 1  # the probe's iteration alone
@@ -75,11 +80,16 @@ def test_candidates_fit_inside_the_probe_tree():
     assert "1,3,3,3" in trees and "1,1" in trees and "3" not in trees and "2,1" not in trees
     verify = ProbeRecorder(max_depth=3, probe_tree="3,3,3")
     trees = {tree for tree, _, _ in verify.candidates}
-    assert {"1", "2", "3", "3,1", "3,2,1", "1,1,1"} <= trees and "1,1,1,1" not in trees and "1,3,3,3" not in trees
+    assert (
+        {"1", "2", "3", "3,1", "3,2,1", "1,1,1"} <= trees
+        and "1,1,1,1" not in trees
+        and "1,3,3,3" not in trees
+    )
 
 
 def test_first_level_alternatives_are_scored_from_a_verify_probe():
-    """Drafting from the verify pass, rank 2 of draft layer 1 accepted: trees 3 and 3,1 count it, 1 and 2 do not."""
+    """Drafting from the verify pass, rank 2 of draft layer 1 accepted: trees 3 and 3,1 count it, 1 and 2 do
+    not."""
     tree = build_static_tree("3,3,3")
     trie = build_trie(5, tree, [[20, 21, 22], [30, 31, 32], [40, 41, 42]], [], True)
     recorder = ProbeRecorder(max_depth=3, probe_tree="3,3,3")
@@ -124,19 +134,35 @@ def test_measured_sampling_costs_enter_every_plan():
         recorder.record(trie, _path(trie, [10, 20, 30, 40]))
     flat = {1: 1.0, 64: 1.0}
     # sampling: an AR step's 0.5 s, a batch of 5 nodes 1 s; 1,1,1,1 (5 nodes) gives 5 tokens in 1 + 1 s
-    best, plans = choose_plan(recorder, flat, draft_s=0.0, overhead_s=0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0})
+    best, plans = choose_plan(
+        recorder, flat, draft_s=0.0, overhead_s=0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0}
+    )
     by_plan = {(p.tree, p.ngram_topk): p for p in plans}
     assert by_plan[(AR_PLAN, 0)].seconds_per_iteration == pytest.approx(1.5)
     assert by_plan[("1,1,1,1", 0)].seconds_per_iteration == pytest.approx(2.0) and best.tree == "1,1,1,1"
-    # above `lazy_above` nodes a trie samples one node per committed token: 1,3,3,3 (41 nodes) pays 5 x 0.5 s
-    _, plans = choose_plan(recorder, flat, 0.0, 0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0}, lazy_above=16)
-    assert {(p.tree, p.ngram_topk): p for p in plans}[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(1.0 + 2.5)
+    # above BATCHED_NODES_MAX nodes on a CPU a trie samples one node per committed token: 1,3,3,3 (41 nodes)
+    # pays 5 x 0.5 s
+    _, plans = choose_plan(
+        recorder, flat, 0.0, 0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0}, device=torch.device("cpu")
+    )
+    assert {(p.tree, p.ngram_topk): p for p in plans}[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(
+        1.0 + 2.5
+    )
     # drafting from the verify pass: batched tries draft from their own head pass (ranking only)
-    _, plans = choose_plan(recorder, flat, 3.0, 0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0}, lazy_above=16,
-                           batched_draft_s=0.25)
+    _, plans = choose_plan(
+        recorder,
+        flat,
+        3.0,
+        0.0,
+        sampling_costs={1: 0.5, 2: 1.0, 16: 1.0},
+        device=torch.device("cpu"),
+        batched_draft_s=0.25,
+    )
     by_plan = {(p.tree, p.ngram_topk): p for p in plans}
     assert by_plan[("1,1,1,1", 0)].seconds_per_iteration == pytest.approx(0.25 + 1.0 + 1.0)
-    assert by_plan[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(3.0 + 1.0 + 2.5)  # lazy: the full draft
+    assert by_plan[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(
+        3.0 + 1.0 + 2.5
+    )  # lazy: the full draft
     # sampling a batch so dear that drafting cannot pay: plain AR steps
     best, _ = choose_plan(recorder, flat, 0.0, 0.0, sampling_costs={1: 0.5, 2: 20.0, 16: 30.0})
     assert best.tree == AR_PLAN
@@ -144,11 +170,15 @@ def test_measured_sampling_costs_enter_every_plan():
 
 def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):
     prompt = list(range(3, 60))
-    base = dict(max_new_tokens=160, sampling=SamplingConfig(temperature=0.9, min_p=0.05, penalty=1.2, penalty_window=16),
-                seed=4, ignore_eos=True)
+    base = dict(
+        max_new_tokens=160,
+        sampling=SamplingConfig(temperature=0.9, min_p=0.05, penalty=1.2, penalty_window=16),
+        seed=4,
+        ignore_eos=True,
+    )
     auto, stats = generate(llama_engine64, prompt, GenerationConfig(**base, tree="auto"))
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert auto == ar
-    assert stats.plans[0].startswith("probe 1,3,3,3") and len(stats.plans) >= 2
-    chosen = stats.plans[1].split(" k=")[0]
+    assert stats.plans[0].probe and stats.plans[0].tree == "3,3,3" and len(stats.plans) >= 2
+    chosen = stats.plans[1].tree
     assert chosen == AR_PLAN or parse_tree(chosen)

@@ -8,13 +8,20 @@ import math
 import pytest
 import torch
 
-from conftest import quiet_load
 from tokenswift_trt.runtime import kernels
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.sampling import (
-    FusedSampler, PositionKeyedRandom, SamplingConfig, draft_ranking, fused_sampler, gumbel_max_rows, process_logits,
+    FusedSampler,
+    PositionKeyedRandom,
+    SamplingConfig,
+    draft_ranking,
+    fused_sampler,
+    gumbel_max_rows,
+    process_logits,
 )
+
+from conftest import quiet_load
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,9 @@ def test_kernel_equals_reference(cpu_kernels, heads, kv_heads, head_dim, prefix,
     # cache views as the runtime passes them: a slice of a larger per-layer buffer (heads strided)
     keys = torch.randn(kv_heads, prefix + count + 50, head_dim, generator=generator)[:, : prefix + count]
     values = torch.randn(kv_heads, prefix + count + 50, head_dim, generator=generator)[:, : prefix + count]
-    packed = kernels.pack_tree_mask(_tree_mask(count, generator, blind_row=count - 1 if prefix == 0 else None))
+    packed = kernels.pack_tree_mask(
+        _tree_mask(count, generator, blind_row=count - 1 if prefix == 0 else None)
+    )
     scale = 1 / math.sqrt(head_dim)
     expected = kernels.tree_attention_reference(query, keys, values, packed, scale)
     got = cpu_kernels.tree_attention(query, keys, values, packed, scale)
@@ -75,8 +84,12 @@ def test_custom_op_on_cpu_runs_the_kernel_and_keeps_the_reference_for_the_rest(c
     values = torch.randn(2, 300, 32, generator=generator)
     packed = kernels.pack_tree_mask(_tree_mask(4, generator))
     op = torch.ops.tokenswift.tree_attention
-    torch.testing.assert_close(op(query, keys, values, packed, 0.17),
-                               kernels.tree_attention_reference(query, keys, values, packed, 0.17), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(
+        op(query, keys, values, packed, 0.17),
+        kernels.tree_attention_reference(query, keys, values, packed, 0.17),
+        rtol=1e-5,
+        atol=2e-6,
+    )
     # float64 is not the kernel's: the reference answers, exactly
     args = (query.double(), keys.double(), values.double(), packed, 0.17)
     assert torch.equal(op(*args), kernels.tree_attention_reference(*args))
@@ -89,7 +102,10 @@ def test_fp32_cpu_engine_verifies_through_the_kernel_with_sdpa_logits(cpu_kernel
     generator = torch.Generator().manual_seed(5)
     prefix = 300
     tokens = torch.randint(0, config.vocab_size, (prefix,), generator=generator)
-    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    tree = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+        dtype=torch.bool,
+    )
     nodes = torch.randint(0, config.vocab_size, (5,), generator=generator)
     positions = prefix + torch.tensor([0, 1, 1, 2, 2])
     logits = {}
@@ -110,7 +126,9 @@ def test_cpu_kernel_can_be_turned_off(cpu_kernels, llama_dir, monkeypatch):
 
 SAMPLING_CASES = [
     SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=64),  # the paper's settings
-    SamplingConfig(temperature=0.7, min_p=0.5, penalty=1.5, penalty_window=300),  # the keep-20 floor decides the cut
+    SamplingConfig(
+        temperature=0.7, min_p=0.5, penalty=1.5, penalty_window=300
+    ),  # the keep-20 floor decides the cut
     SamplingConfig(temperature=1.3),  # no truncation, no penalty
     SamplingConfig(temperature=0, penalty=1.3, penalty_window=32),  # greedy over penalised logits
 ]
@@ -127,14 +145,20 @@ def test_fused_sampler_equals_the_pytorch_path(cpu_kernels, config, rows, per_ro
     window = torch.randint(0, vocab, shape, generator=generator)
     best = logits.topk(8, dim=-1).indices  # [N, 8]
     window[..., :8] = best if per_row_windows else best[0]
-    noise = None if config.greedy else PositionKeyedRandom(7).gumbel_rows(list(range(100, 100 + rows)), vocab, "cpu")
+    noise = (
+        None
+        if config.greedy
+        else PositionKeyedRandom(7).gumbel_rows(list(range(100, 100 + rows)), vocab, "cpu")
+    )
     sampler = fused_sampler(config, torch.device("cpu"), torch.float32)
     assert isinstance(sampler, FusedSampler)
     scores = process_logits(logits, window, config)
     expected = scores.argmax(dim=-1).tolist() if config.greedy else gumbel_max_rows(scores, noise)
     assert sampler.samples(logits, window, noise) == expected
     assert sampler.rank(logits, window, noise, 4).tolist() == draft_ranking(scores, noise, 4).tolist()
-    assert sampler.rank(logits, window, noise, 70).tolist() == draft_ranking(scores, noise, 70).tolist()  # past the kernel's 64
+    assert (
+        sampler.rank(logits, window, noise, 70).tolist() == draft_ranking(scores, noise, 70).tolist()
+    )  # past the kernel's 64
     if config.penalty > 1 and per_row_windows:  # the penalty matters: without it some row's token changes
         assert sampler.samples(logits, window[..., :0], noise) != expected
 
@@ -164,8 +188,16 @@ def test_cpu_engine_samples_through_the_fused_step_with_the_same_tokens(cpu_kern
     monkeypatch.setattr(FusedSampler, "rank", counted)
     runs = {}
     for method in ("ar", "tokenswift"):
-        config = GenerationConfig(max_new_tokens=48, sampling=sampling, seed=3, method=method, tree="1,2",
-                                  draft_source="verify", ngram_topk=0, ignore_eos=True)
+        config = GenerationConfig(
+            max_new_tokens=48,
+            sampling=sampling,
+            seed=3,
+            method=method,
+            tree="1,2",
+            draft_source="verify",
+            ngram_topk=0,
+            ignore_eos=True,
+        )
         runs[method] = generate(engine, prompt, config)[0]
     assert calls["rank"] > 48  # every AR token and every TokenSwift iteration
     assert runs["tokenswift"] == runs["ar"]

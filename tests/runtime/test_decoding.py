@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import quiet_load
 
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, decode_steps, generate
 from tokenswift_trt.runtime.sampling import IndependentRandom, SamplingConfig
+
+from conftest import quiet_load
+from helpers import PAPER_TREE
 
 GREEDY = SamplingConfig(temperature=0)
 
@@ -17,21 +19,30 @@ def _prompts(vocab: int, count: int, length: int = 48) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(count)]
 
 
+@pytest.mark.parametrize("length", [128, pytest.param(512, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ngram_topk", [0, 20])
-def test_greedy_tokenswift_equals_ar_equals_transformers(llama_dir, llama_engine64, ngram_topk):
+def test_greedy_tokenswift_equals_ar_equals_transformers(llama_dir, llama_engine64, ngram_topk, length):
     _, hf_model = llama_dir
     hf64 = hf_model.to(torch.float64)
     try:
         for prompt in _prompts(llama_engine64.config.vocab_size, 2):
-            base = dict(max_new_tokens=512, sampling=GREEDY, ignore_eos=True)
-            # budget 32 < context (48 + 512): drafting runs on a selected partial cache
-            swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, ngram_topk=ngram_topk, kv_budget=32))
+            base = dict(max_new_tokens=length, sampling=GREEDY, ignore_eos=True)
+            # budget 32 < context (48 + length): drafting runs on a selected partial cache
+            swift, stats = generate(
+                llama_engine64,
+                prompt,
+                GenerationConfig(tree=PAPER_TREE, **base, ngram_topk=ngram_topk, kv_budget=32),
+            )
             ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
             with torch.no_grad():
                 reference = hf64.generate(
-                    torch.tensor([prompt]), max_new_tokens=512, min_new_tokens=512, do_sample=False,
-                    eos_token_id=None, pad_token_id=0,
-                )[0, len(prompt):].tolist()
+                    torch.tensor([prompt]),
+                    max_new_tokens=length,
+                    min_new_tokens=length,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )[0, len(prompt) :].tolist()
             assert swift == ar == reference
             assert stats.partial_selections > 0
             assert stats.iterations < 512 and stats.accepted_tokens > 0
@@ -42,29 +53,49 @@ def test_greedy_tokenswift_equals_ar_equals_transformers(llama_dir, llama_engine
 @pytest.mark.parametrize("draft_source", ["partial", "verify"])  # n-grams keyed by head 0's token / the root
 def test_greedy_with_repetitive_prompt_uses_ngram_branches(llama_engine64, draft_source):
     prompt = [5, 6, 7, 8, 9] * 20
-    config = GenerationConfig(max_new_tokens=300, sampling=GREEDY, ignore_eos=True, ngram_topk=20, kv_budget=64,
-                              draft_source=draft_source, tree="1,1,1" if draft_source == "verify" else "1,3,3,3")
+    config = GenerationConfig(
+        max_new_tokens=300,
+        sampling=GREEDY,
+        ignore_eos=True,
+        ngram_topk=20,
+        kv_budget=64,
+        draft_source=draft_source,
+        tree="1,1,1" if draft_source == "verify" else "1,3,3,3",
+    )
     swift, stats = generate(llama_engine64, prompt, config)
-    ar, _ = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=300, sampling=GREEDY, ignore_eos=True, method="ar"))
+    ar, _ = generate(
+        llama_engine64,
+        prompt,
+        GenerationConfig(max_new_tokens=300, sampling=GREEDY, ignore_eos=True, method="ar"),
+    )
     assert swift == ar
     assert stats.ngram_accepted_tokens > 0 and 0 < stats.ngram_acceptance_rate <= stats.acceptance_rate <= 1
 
 
+@pytest.mark.parametrize("tree", [PAPER_TREE, "auto"])  # the paper's tree; the default (verify-pass drafting)
 @pytest.mark.parametrize(
     "sampling",
     [
         SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
-        SamplingConfig(temperature=0.8, top_p=0.9, penalty=1.2, penalty_window=8),
-        SamplingConfig(temperature=1.0, eta=0.02, top_k=30, penalty=1.5, penalty_window=4),
+        pytest.param(
+            SamplingConfig(temperature=0.8, top_p=0.9, penalty=1.2, penalty_window=8), marks=pytest.mark.slow
+        ),
+        pytest.param(
+            SamplingConfig(temperature=1.0, eta=0.02, top_k=30, penalty=1.5, penalty_window=4),
+            marks=pytest.mark.slow,
+        ),
         # a window longer than the context for the first 200 tokens: per-node windows are padded
-        SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=256),
+        pytest.param(
+            SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=256),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
-def test_seeded_sampling_tokenswift_equals_ar_token_for_token(llama_engine64, sampling):
+def test_seeded_sampling_tokenswift_equals_ar_token_for_token(llama_engine64, sampling, tree):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
     for seed in (0, 1, 2):
         base = dict(max_new_tokens=512, sampling=sampling, seed=seed, ignore_eos=True)
-        swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, kv_budget=40))
+        swift, stats = generate(llama_engine64, prompt, GenerationConfig(tree=tree, **base, kv_budget=40))
         ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
         assert swift == ar
         assert stats.seed == seed
@@ -82,14 +113,22 @@ def test_drafts_ranked_with_the_targets_noise_are_accepted_whatever_the_entropy(
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar
     assert stats.acceptance_rate > 0.9
-    _, uncoupled = generate(llama_engine64, prompt, GenerationConfig(**base, kv_budget=1024), random=IndependentRandom(3))
+    _, uncoupled = generate(
+        llama_engine64, prompt, GenerationConfig(**base, kv_budget=1024), random=IndependentRandom(3)
+    )
     assert uncoupled.acceptance_rate < 0.5
 
 
 def test_different_seeds_give_different_samples(llama_engine64):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
     outputs = {
-        tuple(generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=40, seed=s, ignore_eos=True))[0])
+        tuple(
+            generate(
+                llama_engine64,
+                prompt,
+                GenerationConfig(tree=PAPER_TREE, max_new_tokens=40, seed=s, ignore_eos=True),
+            )[0]
+        )
         for s in range(3)
     }
     assert len(outputs) == 3
@@ -97,25 +136,41 @@ def test_different_seeds_give_different_samples(llama_engine64):
 
 def test_stops_at_eos_unless_ignored(llama_engine64):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
-    ar, _ = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=200, sampling=GREEDY, method="ar", ignore_eos=True))
+    ar, _ = generate(
+        llama_engine64,
+        prompt,
+        GenerationConfig(max_new_tokens=200, sampling=GREEDY, method="ar", ignore_eos=True),
+    )
     eos = ar[57]  # pretend the 58th generated token is EOS
     from dataclasses import replace
 
     engine = replace(llama_engine64, config=replace(llama_engine64.config, eos_token_ids=(eos,)))
     first = ar.index(eos)
     for method in ("tokenswift", "ar"):
-        out, stats = generate(engine, prompt, GenerationConfig(max_new_tokens=200, sampling=GREEDY, method=method))
+        out, stats = generate(
+            engine, prompt, GenerationConfig(max_new_tokens=200, sampling=GREEDY, method=method)
+        )
         assert out == ar[: first + 1] and stats.stop_reason == "eos"
-        out, stats = generate(engine, prompt, GenerationConfig(max_new_tokens=200, sampling=GREEDY, method=method, ignore_eos=True))
+        out, stats = generate(
+            engine,
+            prompt,
+            GenerationConfig(max_new_tokens=200, sampling=GREEDY, method=method, ignore_eos=True),
+        )
         assert out == ar and stats.stop_reason == "max_new_tokens"
 
 
 def test_stops_at_engine_maximum_length_keeping_tokens(llama_engine64):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
-    config = GenerationConfig(max_new_tokens=100, sampling=GREEDY, ignore_eos=True, max_length=len(prompt) + 30)
+    config = GenerationConfig(
+        tree=PAPER_TREE, max_new_tokens=100, sampling=GREEDY, ignore_eos=True, max_length=len(prompt) + 30
+    )
     out, stats = generate(llama_engine64, prompt, config)
     assert len(out) == 30 and stats.stop_reason == "max_length"
-    full, _ = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=100, sampling=GREEDY, ignore_eos=True))
+    full, _ = generate(
+        llama_engine64,
+        prompt,
+        GenerationConfig(tree=PAPER_TREE, max_new_tokens=100, sampling=GREEDY, ignore_eos=True),
+    )
     assert out == full[:30]
 
 
@@ -123,24 +178,32 @@ def test_streaming_callback_sees_every_token_in_order(llama_engine64):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
     seen: list[int] = []
     out, stats = generate(
-        llama_engine64, prompt, GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True), on_tokens=seen.extend
+        llama_engine64,
+        prompt,
+        GenerationConfig(tree=PAPER_TREE, max_new_tokens=100, seed=3, ignore_eos=True),
+        on_tokens=seen.extend,
     )
     assert seen == out and stats.new_tokens == 100
     assert set(stats.phase_s) == {"draft", "trie", "verify", "accept", "commit"}
     assert stats.drafted_tokens == 4 * stats.iterations
     assert stats.forwards == 2 * stats.iterations  # a draft pass and a verify pass each
     assert stats.tokens_per_forward == pytest.approx(99 / stats.forwards)
-    _, ar = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True, method="ar"))
+    _, ar = generate(
+        llama_engine64, prompt, GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True, method="ar")
+    )
     assert ar.forwards == 99 and ar.tokens_per_forward == 1.0  # the first token comes from the prefill
-    _, verify = generate(llama_engine64, prompt, GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True,
-                                                                  tree="1,1", draft_source="verify"))
+    _, verify = generate(
+        llama_engine64,
+        prompt,
+        GenerationConfig(max_new_tokens=100, seed=3, ignore_eos=True, tree="1,1", draft_source="verify"),
+    )
     assert verify.forwards == verify.iterations
 
 
 @pytest.mark.parametrize("method", ["ar", "tokenswift"])
 def test_decode_steps_yields_every_iteration_and_returns_what_generate_does(llama_engine64, method):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
-    config = GenerationConfig(max_new_tokens=40, seed=3, ignore_eos=True, method=method)
+    config = GenerationConfig(tree=PAPER_TREE, max_new_tokens=40, seed=3, ignore_eos=True, method=method)
     steps = decode_steps(llama_engine64, prompt, config)
     counts = []
     while True:
@@ -183,17 +246,26 @@ def test_qwen2_tied_embeddings_greedy_lossless(qwen2_dir):
     engine = quiet_load(qwen2_dir[0], dtype=torch.float64)
     prompt = _prompts(engine.config.vocab_size, 1)[0]
     base = dict(max_new_tokens=200, sampling=GREEDY, ignore_eos=True)
-    swift, _ = generate(engine, prompt, GenerationConfig(**base, kv_budget=32))
+    swift, _ = generate(engine, prompt, GenerationConfig(tree=PAPER_TREE, **base, kv_budget=32))
     ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar
 
 
 def test_a_smaller_recent_region_reselects_more_often_and_stays_lossless(llama_engine64):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
-    base = dict(max_new_tokens=120, sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16), seed=5,
-                ignore_eos=True, kv_budget=32)
-    default, default_stats = generate(llama_engine64, prompt, GenerationConfig(**base))  # recent region 8
-    fresh, fresh_stats = generate(llama_engine64, prompt, GenerationConfig(**base, kv_recent=2))
+    base = dict(
+        max_new_tokens=120,
+        sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16),
+        seed=5,
+        ignore_eos=True,
+        kv_budget=32,
+    )
+    default, default_stats = generate(
+        llama_engine64, prompt, GenerationConfig(tree=PAPER_TREE, **base)
+    )  # recent region 8
+    fresh, fresh_stats = generate(
+        llama_engine64, prompt, GenerationConfig(tree=PAPER_TREE, **base, kv_recent=2)
+    )
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert fresh == default == ar
     assert fresh_stats.partial_selections > 2 * default_stats.partial_selections > 0
@@ -203,7 +275,9 @@ def test_a_smaller_recent_region_reselects_more_often_and_stays_lossless(llama_e
 def test_tiny_partial_budgets_stay_lossless(llama_engine64, budget):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
     base = dict(max_new_tokens=120, sampling=GREEDY, ignore_eos=True)
-    swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, kv_budget=budget))
+    swift, stats = generate(
+        llama_engine64, prompt, GenerationConfig(tree=PAPER_TREE, **base, kv_budget=budget)
+    )
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar and stats.partial_selections > 10
 
@@ -211,9 +285,15 @@ def test_tiny_partial_budgets_stay_lossless(llama_engine64, budget):
 @pytest.mark.parametrize("tree", ["3,3,3", "1,1", "auto"])
 def test_drafting_from_the_verify_pass_is_lossless(llama_engine64, tree):
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
-    base = dict(max_new_tokens=200, sampling=SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
-                seed=2, ignore_eos=True)
-    swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, tree=tree, draft_source="verify"))
+    base = dict(
+        max_new_tokens=200,
+        sampling=SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
+        seed=2,
+        ignore_eos=True,
+    )
+    swift, stats = generate(
+        llama_engine64, prompt, GenerationConfig(**base, tree=tree, draft_source="verify")
+    )
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar
     assert stats.partial_selections == 0 and "draft" in stats.phase_s
@@ -223,14 +303,14 @@ def test_verify_drafting_takes_the_next_drafts_from_the_verify_passs_head_pass(l
     """Drafting from the verify pass, the draft layers' logits at the last accepted node come out of
     the same LM-head pass as the nodes' own (one pass per iteration): a separate draft-logits pass
     runs only on the first iteration, and the candidates equal what that pass would have given."""
-    from tokenswift_trt.runtime import decoding
+    from tokenswift_trt.runtime import decoding, stages
 
     model = llama_engine64.model
     separate_passes = []
     original = model.draft_logits
     monkeypatch.setattr(model, "draft_logits", lambda *args: separate_passes.append(1) or original(*args))
     compared = []
-    original_top = decoding._top_candidates
+    original_top = stages.top_candidates
 
     def checked_top(logits, state, tree):
         expected = original(state_hidden[0][None], llama_engine64.draft_layers, tree.depth)[:, 0]
@@ -244,11 +324,15 @@ def test_verify_drafting_takes_the_next_drafts_from_the_verify_passs_head_pass(l
         state_hidden[:] = [hidden]
         return original_candidates(engine, state, hidden, tree, draft_logits)
 
-    monkeypatch.setattr(decoding, "_top_candidates", checked_top)
+    monkeypatch.setattr(stages, "top_candidates", checked_top)
     monkeypatch.setattr(decoding, "candidates_from_hidden", spy_candidates)
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
-    base = dict(max_new_tokens=60, sampling=SamplingConfig(temperature=1.0, min_p=0.1), seed=4, ignore_eos=True)
-    swift, stats = generate(llama_engine64, prompt, GenerationConfig(**base, tree="2,1", ngram_topk=0, draft_source="verify"))
+    base = dict(
+        max_new_tokens=60, sampling=SamplingConfig(temperature=1.0, min_p=0.1), seed=4, ignore_eos=True
+    )
+    swift, stats = generate(
+        llama_engine64, prompt, GenerationConfig(**base, tree="2,1", ngram_topk=0, draft_source="verify")
+    )
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar
     assert len(separate_passes) == 1  # the first iteration's (the checks call the original directly)
@@ -257,22 +341,36 @@ def test_verify_drafting_takes_the_next_drafts_from_the_verify_passs_head_pass(l
 
 def test_verify_drafting_refuses_trees_deeper_than_the_draft_layers(llama_engine64):
     with pytest.raises(GenerationError, match="at most 3 levels"):
-        generate(llama_engine64, [5, 6, 7], GenerationConfig(max_new_tokens=5, tree="1,3,3,3", draft_source="verify"))
+        generate(
+            llama_engine64,
+            [5, 6, 7],
+            GenerationConfig(max_new_tokens=5, tree="1,3,3,3", draft_source="verify"),
+        )
 
 
 @pytest.mark.parametrize("window,committed", [(6, 20), (6, 3), (0, 10)])
 def test_windows_of_many_paths_penalise_what_each_paths_own_window_does(window, committed):
-    from tokenswift_trt.runtime.decoding import DecodeState
     from tokenswift_trt.runtime.kv_cache import KVCache
     from tokenswift_trt.runtime.sampling import PositionKeyedRandom, TorchSampler, apply_penalty
+    from tokenswift_trt.runtime.stages import DecodeState
 
     sampling = SamplingConfig(penalty=1.3, penalty_window=window)
     tokens = list(range(10, 10 + committed))
     history = torch.zeros(64, dtype=torch.long)
     history[:committed] = torch.tensor(tokens)
-    state = DecodeState(tokens=tokens, history=history, prompt_length=committed, limit=64,
-                        full=KVCache(1, 1, 4, 64), partial=None, table=None, random=PositionKeyedRandom(0),
-                        sampling=sampling, stop_tokens=frozenset(), queries=[], sampler=TorchSampler(sampling))
+    state = DecodeState(
+        tokens=tokens,
+        history=history,
+        prompt_length=committed,
+        limit=64,
+        full=KVCache(1, 1, 4, 64),
+        partial=None,
+        table=None,
+        random=PositionKeyedRandom(0),
+        sampling=sampling,
+        stop_tokens=frozenset(),
+        sampler=TorchSampler(sampling),
+    )
     paths = [[], [3], [3, 4], [5, 6, 7], [12, 40, 12, 41]]
     windows = state.windows(paths)
     logits = torch.randn(len(paths), 64, generator=torch.Generator().manual_seed(1))
@@ -284,24 +382,34 @@ def test_windows_of_many_paths_penalise_what_each_paths_own_window_does(window, 
 @pytest.mark.parametrize("draft_source", ["partial", "verify"])
 def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monkeypatch, draft_source):
     """AR steps chosen by --tree auto skip the partial cache and n-gram upkeep; the next probe catches up."""
-    from tokenswift_trt.runtime import decoding
-    from tokenswift_trt.runtime.autotune import AR_PLAN, Plan
+    from tokenswift_trt.runtime import autotune
+    from tokenswift_trt.runtime.autotune import AR_PLAN, Estimate
 
     choices = iter([AR_PLAN, "1,1", AR_PLAN, "1,1", AR_PLAN, "1,1"])
-    monkeypatch.setattr(decoding, "RETUNE_EVERY", 40)
-    monkeypatch.setattr(decoding, "RETUNE_AFTER_AR", 20)  # AR steps teach nothing: probe again sooner
-    monkeypatch.setattr(decoding, "PROBE_ITERATIONS", 4)
-    monkeypatch.setattr(decoding, "choose_plan", lambda *args, **kwargs: (Plan(next(choices), 2, 1.0, 1.0), []))
+    monkeypatch.setattr(autotune, "RETUNE_EVERY", 40)
+    monkeypatch.setattr(autotune, "RETUNE_AFTER_AR", 20)  # AR steps teach nothing: probe again sooner
+    monkeypatch.setattr(autotune, "PROBE_ITERATIONS", 4)
+    monkeypatch.setattr(
+        autotune, "choose_plan", lambda *args, **kwargs: (Estimate(next(choices), 2, 1.0, 1.0), [])
+    )
     prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
-    base = dict(max_new_tokens=150, sampling=SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
-                seed=4, ignore_eos=True)
-    swift, stats = generate(llama_engine64, prompt,
-                            GenerationConfig(**base, tree="auto", kv_budget=40, draft_source=draft_source))
+    base = dict(
+        max_new_tokens=150,
+        sampling=SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
+        seed=4,
+        ignore_eos=True,
+    )
+    swift, stats = generate(
+        llama_engine64, prompt, GenerationConfig(**base, tree="auto", kv_budget=40, draft_source=draft_source)
+    )
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar
-    assert [plan.split()[0] for plan in stats.plans[:5]] == ["probe", AR_PLAN, "probe", "1,1", "probe"]
-    starts = [int(plan.rsplit(" ", 1)[1]) for plan in stats.plans[:5]]
-    assert starts[2] - starts[1] == 20 and 40 <= starts[4] - starts[3] <= 44  # a drafting iteration may pass the mark
+    assert [plan.probe for plan in stats.plans[:5]] == [True, False, True, False, True]
+    assert [plan.tree for plan in stats.plans[1:5:2]] == [AR_PLAN, "1,1"]
+    starts = [plan.from_token for plan in stats.plans[:5]]
+    assert (
+        starts[2] - starts[1] == 20 and 40 <= starts[4] - starts[3] <= 44
+    )  # a drafting iteration may pass the mark
     assert stats.phase_s["ar_step"] > 0
     if draft_source == "partial":
         assert stats.partial_selections >= 2  # after prefill, and again when drafting resumed
@@ -309,7 +417,7 @@ def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monk
 
 def test_drafted_tokens_count_the_tries_depth_when_ngram_branches_pass_the_tree(llama_engine64):
     """α = accepted / drafted stays a rate (≤ 1) when n-gram branches are deeper than the tree."""
-    from tokenswift_trt.runtime.decoding import Acceptance
+    from tokenswift_trt.runtime.stages import Acceptance
 
     depths: list[int] = []
 
@@ -321,7 +429,9 @@ def test_drafted_tokens_count_the_tries_depth_when_ngram_branches_pass_the_tree(
             path.append(node)
             node = trie.parents[node]
         nodes = path[::-1][: max(0, remaining - 1)]
-        return Acceptance(nodes, [trie.tokens[n] for n in nodes] + [targets.sample(nodes[-1] if nodes else 0)])
+        return Acceptance(
+            nodes, [trie.tokens[n] for n in nodes] + [targets.sample(nodes[-1] if nodes else 0)]
+        )
 
     config = GenerationConfig(max_new_tokens=60, sampling=GREEDY, ignore_eos=True, ngram_topk=5, tree="1")
     _, stats = generate(llama_engine64, [5, 6, 7, 8, 9] * 20, config, acceptor=accept_deepest)

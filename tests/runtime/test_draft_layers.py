@@ -6,10 +6,11 @@ import warnings
 
 import pytest
 import torch
-from conftest import quiet_load
 from safetensors.torch import load_file, save_file
 
 from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
+
+from conftest import quiet_load
 
 
 def _random_draft_tensors(hidden: int, prefix: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -41,7 +42,11 @@ def test_released_checkpoint_keys_load_and_layers_are_chained(llama_dir, tmp_pat
     eps = engine.config.rms_norm_eps
     expected, h = [], hidden
     for i in range(3):  # h_i = h_{i-1} + W_i rmsnorm_a_i(h_{i-1}); output rmsnorm_b_i(h_i)
-        h = h + _rmsnorm(h, draft[f"model.medusa_layers.{i}.input_layernorm.weight"], eps) @ draft[f"model.medusa_layers.{i}.linear.weight"].T
+        h = (
+            h
+            + _rmsnorm(h, draft[f"model.medusa_layers.{i}.input_layernorm.weight"], eps)
+            @ draft[f"model.medusa_layers.{i}.linear.weight"].T
+        )
         expected.append(_rmsnorm(h, draft[f"model.medusa_layers.{i}.post_layernorm.weight"], eps))
     with torch.no_grad():
         got = engine.draft_layers(hidden)

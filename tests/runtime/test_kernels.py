@@ -59,7 +59,9 @@ def test_tree_attention_reference_equals_naive_formula(heads, kv_heads, count, p
     packed = kernels.pack_tree_mask(mask)
     reference = kernels.tree_attention_reference(query, keys, values, packed, scale)
     assert (reference.double() - expected).abs().max() < 1e-5
-    through_op = torch.ops.tokenswift.tree_attention(query, keys, values, packed, scale)  # the custom op on CPU
+    through_op = torch.ops.tokenswift.tree_attention(
+        query, keys, values, packed, scale
+    )  # the custom op on CPU
     assert torch.equal(through_op, reference)
 
 
@@ -113,8 +115,12 @@ def test_ops_have_shapes_for_tracing():
         def forward(self, query, keys, values, mask):
             return torch.ops.tokenswift.tree_attention(query, keys, values, mask, 0.5)
 
-    args = (torch.randn(4, 3, 8), torch.randn(2, 10, 8), torch.randn(2, 10, 8),
-            kernels.pack_tree_mask(torch.ones(3, 3, dtype=torch.bool).tril()))
+    args = (
+        torch.randn(4, 3, 8),
+        torch.randn(2, 10, 8),
+        torch.randn(2, 10, 8),
+        kernels.pack_tree_mask(torch.ones(3, 3, dtype=torch.bool).tril()),
+    )
     program = torch.export.export(Attend(), args)
     targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
     assert "tokenswift.tree_attention.default" in targets

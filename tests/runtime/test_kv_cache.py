@@ -10,7 +10,11 @@ def _filled(length: int, layers: int = 2, heads: int = 2, dim: int = 4, seed: in
     cache = KVCache(layers, heads, dim, capacity=length + 16)
     generator = torch.Generator().manual_seed(seed)
     for layer in range(layers):
-        cache.attend_kv(layer, torch.randn(heads, length, dim, generator=generator), torch.randn(heads, length, dim, generator=generator))
+        cache.attend_kv(
+            layer,
+            torch.randn(heads, length, dim, generator=generator),
+            torch.randn(heads, length, dim, generator=generator),
+        )
     cache.commit()
     return cache
 

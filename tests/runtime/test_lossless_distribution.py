@@ -8,18 +8,19 @@ the same test.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-from helpers import llama_config, save_hf_model
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
-from tokenswift_trt.runtime.decoding import Acceptance, GenerationConfig, NodeTargets, accept_trie, generate
+from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.engine import load_engine
 from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.sampling import IndependentRandom, SamplingConfig, process_logits
+from tokenswift_trt.runtime.stages import Acceptance, NodeTargets, accept_trie
 from tokenswift_trt.runtime.tree import Trie
+
+from helpers import llama_config, save_hf_model
 
 VOCAB = 8
 SAMPLES = 2500
@@ -91,7 +92,9 @@ def _exact_joint_of_tokens_2_and_3(engine) -> torch.Tensor:
 
 def _sampled_joint(engine, acceptor) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    config = GenerationConfig(max_new_tokens=3, sampling=SAMPLING, tree="2,2,2,2", ngram_topk=0, ignore_eos=True)
+    config = GenerationConfig(
+        max_new_tokens=3, sampling=SAMPLING, tree="2,2,2,2", ngram_topk=0, ignore_eos=True
+    )
     for run in range(SAMPLES):
         out, _ = generate(engine, PROMPT, config, random=IndependentRandom(run), acceptor=acceptor)
         counts[out[1], out[2]] += 1

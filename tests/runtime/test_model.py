@@ -6,14 +6,15 @@ import json
 
 import pytest
 import torch
-from conftest import quiet_load
-from helpers import llama_config, save_hf_model
 from safetensors.torch import load_file, save_file
 
 from tokenswift_trt.runtime.config import ConfigError
 from tokenswift_trt.runtime.engine import WeightsError
 from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.tree import Trie
+
+from conftest import quiet_load
+from helpers import llama_config, save_hf_model
 
 TOLERANCE = 1e-4
 
@@ -32,7 +33,9 @@ def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
 def test_prefill_and_single_step_match_transformers(fixture, request):
     directory, hf_model = request.getfixturevalue(fixture)
     engine = quiet_load(directory)
-    ids = torch.randint(0, engine.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(
+        0, engine.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     reference = _hf_logits(hf_model, ids)  # [37, V]
 
     cache = _cache(engine)
@@ -65,7 +68,7 @@ def test_tree_verify_equals_causal_logits_of_every_branch(fixture, kernel, reque
     out = engine.model(torch.tensor(trie.tokens), positions, cache, tree_mask=trie.mask())
     logits = engine.model.logits(out.hidden)  # [N, V]
     for branch in branches:
-        reference = _hf_logits(hf_model, prefix + [7] + branch)[len(prefix):]  # root + branch rows
+        reference = _hf_logits(hf_model, prefix + [7] + branch)[len(prefix) :]  # root + branch rows
         node, rows = 0, [0]
         for token in branch:
             node = trie.children[node][token]
@@ -128,7 +131,9 @@ def test_grouped_sdpa_equals_attention_with_repeated_kv_heads(count):
     keys = torch.randn(kv_heads, prefix + count, dim, generator=generator)
     values = torch.randn(kv_heads, prefix + count, dim, generator=generator)
     tree = torch.rand(count, count, generator=generator) < 0.5
-    mask = torch.cat((torch.ones(count, prefix, dtype=torch.bool), tree | torch.eye(count, dtype=torch.bool)), dim=1)
+    mask = torch.cat(
+        (torch.ones(count, prefix, dtype=torch.bool), tree | torch.eye(count, dtype=torch.bool)), dim=1
+    )
     group = heads // kv_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), attn_mask=mask

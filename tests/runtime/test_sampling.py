@@ -7,14 +7,13 @@ import math
 
 import pytest
 import torch
-
 from scipy.stats import chisquare
 
 from tokenswift_trt.runtime import sampling
 from tokenswift_trt.runtime.sampling import (
+    PositionKeyedRandom,
     SamplingConfig,
     apply_penalty,
-    PositionKeyedRandom,
     choose_token,
     draft_ranking,
     eta_filter,
@@ -80,7 +79,9 @@ def test_eta_threshold_is_min_of_eta_and_sqrt_eta_times_exp_minus_entropy(seed):
     entropy = -sum(p * math.log(p) for p in probs if p > 0)
     for eta in (0.0009, 0.02, 0.3):
         threshold = min(eta, math.sqrt(eta) * math.exp(-entropy))
-        want = {i for i, p in enumerate(probs) if p >= threshold} | {max(range(len(probs)), key=probs.__getitem__)}
+        want = {i for i, p in enumerate(probs) if p >= threshold} | {
+            max(range(len(probs)), key=probs.__getitem__)
+        }
         assert _kept(eta_filter(scores, eta)) == want
 
 
@@ -153,8 +154,10 @@ def test_noise_is_hashed_ahead_so_decoding_rarely_computes_it(monkeypatch):
 
     monkeypatch.setattr(sampling, "position_gumbel_rows", counted)
     source, cpu = PositionKeyedRandom(4), torch.device("cpu")
-    asked = {root: source.gumbel_rows([root + 1, root + 2, root + 3, root + 4], 64, cpu)
-             for root in range(0, 40, 2)}  # 20 iterations committing 2 tokens each, 4 positions asked for
+    asked = {
+        root: source.gumbel_rows([root + 1, root + 2, root + 3, root + 4], 64, cpu)
+        for root in range(0, 40, 2)
+    }  # 20 iterations committing 2 tokens each, 4 positions asked for
     assert len(calls) == 3  # roots 0, 16 and 32
     monkeypatch.undo()
     for root, rows in asked.items():
@@ -202,10 +205,16 @@ def test_out_of_range_values_are_refused(field, value, match):
         SamplingConfig(**{field: value}).validate()
 
 
-@pytest.mark.parametrize("config", [
-    SamplingConfig(penalty=1.3, penalty_window=8, top_k=7), SamplingConfig(top_p=0.8, temperature=0.7),
-    SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=8), SamplingConfig(eta=0.02), SamplingConfig(temperature=0),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(penalty=1.3, penalty_window=8, top_k=7),
+        SamplingConfig(top_p=0.8, temperature=0.7),
+        SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=8),
+        SamplingConfig(eta=0.02),
+        SamplingConfig(temperature=0),
+    ],
+)
 def test_rows_processed_as_a_batch_equal_rows_processed_alone(config):
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3)) * 3
     window = torch.tensor([3, 7, 7, 12, 40, 2])

@@ -6,13 +6,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import quiet_load
 
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.static_step import StaticForward, bucket_for
 from tokenswift_trt.runtime.tree import Trie
+
+from conftest import quiet_load
+from helpers import PAPER_TREE
 
 
 def test_buckets():
@@ -49,20 +51,33 @@ def test_fixed_shape_verify_equals_dynamic_verify(llama_dir, kernel):
     assert torch.allclose(caches[0].keys[:, :, :43], caches[1].keys[:, :, :43], atol=1e-4)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(min_p=0.1, penalty=1.2,
-                                                                                     penalty_window=16)])
-@pytest.mark.parametrize("method,tree,kernel", [("tokenswift", "1,3,3,3", "sdpa"), ("tokenswift", "auto", "sdpa"),
-                                                ("ar", "1,3,3,3", "sdpa"), ("tokenswift", "1,3,3,3", "tree_attention")])
+@pytest.mark.parametrize(
+    "sampling", [SamplingConfig(temperature=0), SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16)]
+)
+@pytest.mark.parametrize(
+    "method,tree,kernel",
+    [
+        ("tokenswift", "1,3,3,3", "sdpa"),
+        ("tokenswift", "auto", "sdpa"),
+        ("ar", "1,3,3,3", "sdpa"),
+        ("tokenswift", "1,3,3,3", "tree_attention"),
+    ],
+)
 def test_generate_runs_every_step_through_the_fixed_shape_path(llama_dir, sampling, method, tree, kernel):
     directory, _ = llama_dir
     engine = quiet_load(directory)
     engine.model.use_attention_kernel(kernel)
-    config = GenerationConfig(max_new_tokens=60, method=method, sampling=sampling, tree=tree, seed=5,
-                              ignore_eos=True, kv_budget=24)
+    config = GenerationConfig(
+        max_new_tokens=60, method=method, sampling=sampling, tree=tree, seed=5, ignore_eos=True, kv_budget=24
+    )
     dynamic, _ = generate(engine, list(range(5, 40)), replace(config, static_steps=False))
     runs = []
-    fixed, stats = generate(engine, list(range(5, 40)), replace(config, static_steps=True),
-                            observer=lambda s: runs.append(s.iterations))
+    fixed, stats = generate(
+        engine,
+        list(range(5, 40)),
+        replace(config, static_steps=True),
+        observer=lambda s: runs.append(s.iterations),
+    )
     assert fixed == dynamic
     assert stats.iterations == runs[-1]
     # every decode forward went through the fixed-shape path: AR one per step; TokenSwift one
@@ -72,11 +87,15 @@ def test_generate_runs_every_step_through_the_fixed_shape_path(llama_dir, sampli
     assert stats.graph_replays == 0  # the engine is on the CPU: eager fixed-shape steps, never graphs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU and a CUDA build of torch")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU and a CUDA build of torch"
+)
 def test_cuda_graphs_are_captured_once_per_bucket_and_replayed_every_step(llama_dir):
     directory, _ = llama_dir
     engine = quiet_load(directory, device="cuda")
-    config = GenerationConfig(max_new_tokens=80, sampling=SamplingConfig(temperature=0), seed=1, ignore_eos=True)
+    config = GenerationConfig(
+        tree=PAPER_TREE, max_new_tokens=80, sampling=SamplingConfig(temperature=0), seed=1, ignore_eos=True
+    )
     eager, _ = generate(engine, list(range(5, 40)), replace(config, static_steps=False))
     graphed, stats = generate(engine, list(range(5, 40)), replace(config, static_steps=True))
     assert graphed == eager

@@ -6,13 +6,16 @@ import warnings
 
 import pytest
 import torch
-from conftest import quiet_load
 
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.transfer import copy_from_host, to_device
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch")
+from conftest import quiet_load
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch"
+)
 
 
 @pytest.mark.parametrize("values", [[3, 1, 2], [[1, 0], [0, 1]], torch.tensor([[True, False]])])
@@ -47,8 +50,15 @@ def test_to_device_does_not_wait_for_the_gpu():
 def test_a_tokenswift_iteration_waits_for_the_gpu_at_most_twice(llama_dir):
     """The candidates' read and the node samples' read are the only host waits per iteration."""
     engine = quiet_load(llama_dir[0], device="cuda", dtype=torch.bfloat16)
-    config = GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16),
-                              tree="1,3,3", ngram_topk=4, kv_budget=24, seed=3, ignore_eos=True)
+    config = GenerationConfig(
+        max_new_tokens=40,
+        sampling=SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16),
+        tree="1,3,3",
+        ngram_topk=4,
+        kv_budget=24,
+        seed=3,
+        ignore_eos=True,
+    )
     generate(engine, list(range(5, 40)), config)  # graph captures and first-use work outside the count
     torch.cuda.set_sync_debug_mode("warn")
     try:

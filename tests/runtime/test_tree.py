@@ -64,7 +64,9 @@ def test_trie_merges_tree_and_ngram_branches_without_duplicates():
 
 def test_ngrams_keyed_by_the_root_hang_their_continuation_under_it():
     tree = build_static_tree("2")
-    trie = build_trie(5, tree, [[10, 11]], ngram_paths=[(5, 10, 40, 41), (5, 12, 13, 14)], ngrams_from_root=True)
+    trie = build_trie(
+        5, tree, [[10, 11]], ngram_paths=[(5, 10, 40, 41), (5, 12, 13, 14)], ngrams_from_root=True
+    )
     assert len(trie) == 1 + 2 + 2 + 3  # 10 and 11 from the tree; 40, 41 under 10; 12, 13, 14 new
     node_10 = trie.children[0][10]
     assert trie.depths[trie.children[trie.children[node_10][40]][41]] == 3

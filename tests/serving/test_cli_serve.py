@@ -15,41 +15,118 @@ MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
 CLI = [sys.executable, "-m", "tokenswift_trt.cli"]
 
 
+@pytest.mark.slow
 def test_serve_client_and_sigterm(tmp_path):
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
     from test_triton import _free_ports
 
     http, grpc, metrics = _free_ports(3)
-    server = subprocess.Popen([*CLI, "serve", "--engine", str(MODEL), "--http-port", str(http), "--grpc-port", str(grpc),
-                               "--metrics-port", str(metrics)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            *CLI,
+            "serve",
+            "--engine",
+            str(MODEL),
+            "--http-port",
+            str(http),
+            "--grpc-port",
+            str(grpc),
+            "--metrics-port",
+            str(metrics),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = server.stdout.readline()
         assert line.startswith("ready:"), line + server.stderr.read()
-        streamed = subprocess.run([*CLI, "client", "--url", f"127.0.0.1:{grpc}", "--prompt", "It is a truth",
-                                   "--max-tokens", "16", "--seed", "3", "--ignore-eos", "--stream"],
-                                  capture_output=True, text=True, timeout=300)
+        streamed = subprocess.run(
+            [
+                *CLI,
+                "client",
+                "--url",
+                f"127.0.0.1:{grpc}",
+                "--prompt",
+                "It is a truth",
+                "--max-tokens",
+                "16",
+                "--seed",
+                "3",
+                "--ignore-eos",
+                "--stream",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert streamed.returncode == 0, streamed.stderr
         assert "acceptance_rate=" in streamed.stderr
-        over_http = subprocess.run([*CLI, "client", "--url", f"127.0.0.1:{http}", "--protocol", "http", "--prompt",
-                                    "It is a truth", "--max-tokens", "16", "--seed", "3", "--ignore-eos"],
-                                   capture_output=True, text=True, timeout=300)
+        over_http = subprocess.run(
+            [
+                *CLI,
+                "client",
+                "--url",
+                f"127.0.0.1:{http}",
+                "--protocol",
+                "http",
+                "--prompt",
+                "It is a truth",
+                "--max-tokens",
+                "16",
+                "--seed",
+                "3",
+                "--ignore-eos",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert over_http.returncode == 0 and over_http.stdout.strip() == streamed.stdout.strip()
-        bad = subprocess.run([*CLI, "client", "--url", f"127.0.0.1:{grpc}", "--prompt", "x", "--max-tokens", "40000"],
-                             capture_output=True, text=True, timeout=300)
-        assert bad.returncode == 2 and bad.stderr.startswith("tokenswift-trt: error: server error") and "maximum length" in bad.stderr
+        bad = subprocess.run(
+            [*CLI, "client", "--url", f"127.0.0.1:{grpc}", "--prompt", "x", "--max-tokens", "40000"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert (
+            bad.returncode == 2
+            and bad.stderr.startswith("tokenswift-trt: error: server error")
+            and "maximum length" in bad.stderr
+        )
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
-    unreachable = subprocess.run([*CLI, "client", "--url", f"127.0.0.1:{grpc}", "--protocol", "http", "--prompt", "x",
-                                  "--max-tokens", "4"], capture_output=True, text=True, timeout=120)
+    unreachable = subprocess.run(
+        [
+            *CLI,
+            "client",
+            "--url",
+            f"127.0.0.1:{grpc}",
+            "--protocol",
+            "http",
+            "--prompt",
+            "x",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert unreachable.returncode == 2 and "cannot reach" in unreachable.stderr
 
 
 def test_deploy_script_dry_run_prints_the_container_command():
     script = Path(__file__).resolve().parents[2] / "deploy" / "deploy.sh"
-    result = subprocess.run(["bash", str(script)], env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "PRESET": "qwen2.5-7b"},
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", str(script)],
+        env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "PRESET": "qwen2.5-7b"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "build --model qwen2.5-7b --backend torch" in result.stdout
     assert "docker run -d --name tokenswift-qwen2.5-7b --gpus all" in result.stdout

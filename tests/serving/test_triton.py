@@ -43,14 +43,37 @@ def server(tmp_path_factory):
 
 
 def _cli_text(seed: int, max_tokens: int) -> str:
-    result = CliRunner().invoke(main, ["generate", "--model-dir", str(MODEL), "--prompt", PROMPT, "--max-new-tokens",
-                                       str(max_tokens), "--seed", str(seed), "--min-p", "0.1", "--ignore-eos", "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "--model-dir",
+            str(MODEL),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            str(max_tokens),
+            "--seed",
+            str(seed),
+            "--min-p",
+            "0.1",
+            "--ignore-eos",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout.splitlines()[-1])["text"]
 
 
 def _params(seed: int, max_tokens: int = 40, **extra) -> dict:
-    return {"text_input": PROMPT, "max_tokens": max_tokens, "seed": seed, "min_p": 0.1, "ignore_eos": True, **extra}
+    return {
+        "text_input": PROMPT,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "min_p": 0.1,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def test_every_endpoint_returns_the_cli_output_for_a_fixed_seed(server):
@@ -63,8 +86,14 @@ def test_every_endpoint_returns_the_cli_output_for_a_fixed_seed(server):
     sse = generate_endpoint(server.http_url, _params(7), stream=True)
     assert sse.text == expected and sse.chunks > 2
     stats = whole.stats
-    assert 0 <= stats["acceptance_rate"] <= 1 and stats["total_draft_tokens"] > 0 and stats["tokens_per_second"] > 0
-    assert stats["acceptance_rate"] == pytest.approx(stats["total_accepted_draft_tokens"] / stats["total_draft_tokens"])
+    assert (
+        0 <= stats["acceptance_rate"] <= 1
+        and stats["total_draft_tokens"] > 0
+        and stats["tokens_per_second"] > 0
+    )
+    assert stats["acceptance_rate"] == pytest.approx(
+        stats["total_accepted_draft_tokens"] / stats["total_draft_tokens"]
+    )
     ar = grpc_generate(server.grpc_url, _params(7, method="ar"))
     assert ar.text == expected and ar.stats["total_draft_tokens"] == 0
 
@@ -82,6 +111,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params,match", BAD_REQUESTS)
 def test_bad_requests_get_errors_and_the_server_stays_healthy(server, params, match):
     with pytest.raises(ClientError, match=match):
@@ -91,6 +121,7 @@ def test_bad_requests_get_errors_and_the_server_stays_healthy(server, params, ma
     assert grpc_generate(server.grpc_url, _params(1, max_tokens=8)).text
 
 
+@pytest.mark.slow
 def test_wrong_dtypes_and_non_utf8_bytes_are_refused(server):
     import tritonclient.grpc as grpcclient
 
@@ -117,6 +148,7 @@ def test_wrong_dtypes_and_non_utf8_bytes_are_refused(server):
     assert grpc_generate(server.grpc_url, _params(2, max_tokens=8)).text
 
 
+@pytest.mark.slow
 def test_four_concurrent_streams_complete_with_correct_outputs(server):
     seeds = [11, 12, 13, 14]
     expected = {seed: _cli_text(seed, 32) for seed in seeds}
@@ -125,7 +157,9 @@ def test_four_concurrent_streams_complete_with_correct_outputs(server):
 
     def run(seed: int) -> None:
         try:
-            results[seed] = grpc_generate(server.grpc_url, _params(seed, max_tokens=32, stream=True), timeout_s=300).text
+            results[seed] = grpc_generate(
+                server.grpc_url, _params(seed, max_tokens=32, stream=True), timeout_s=300
+            ).text
         except BaseException as error:  # reported below
             failures.append(error)
 
@@ -137,6 +171,7 @@ def test_four_concurrent_streams_complete_with_correct_outputs(server):
     assert not failures and results == expected
 
 
+@pytest.mark.slow
 def test_cancel_mid_stream_then_serve_the_next_request(server):
     partial = grpc_generate(server.grpc_url, _params(5, max_tokens=3000, stream=True), cancel_after_chunks=3)
     assert partial.chunks == 3
@@ -152,6 +187,7 @@ def test_missing_engine_is_a_clear_error(tmp_path):
         TritonServer(ServerConfig(engine=tmp_path / "absent")).start()
 
 
+@pytest.mark.slow
 def test_kill_9_the_server_then_resume_by_request_id(tmp_path):
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
@@ -160,14 +196,22 @@ def test_kill_9_the_server_then_resume_by_request_id(tmp_path):
     expected = _cli_text(seed=21, max_tokens=500)
     journals = tmp_path / "journals"
     http, grpc, metrics = _free_ports(3)
-    config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics, journal_dir=journals,
-                          memory_budget_gib=0.05)
+    config = ServerConfig(
+        engine=MODEL,
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        journal_dir=journals,
+        memory_budget_gib=0.05,
+    )
     first = TritonServer(config, log_path=tmp_path / "first.log").start()
     done = threading.Event()
 
     def long_request() -> None:
         try:
-            grpc_generate(first.grpc_url, _params(21, max_tokens=500, stream=True, request_id="job-1"), timeout_s=120)
+            grpc_generate(
+                first.grpc_url, _params(21, max_tokens=500, stream=True, request_id="job-1"), timeout_s=120
+            )
         except BaseException:  # the server dies under it
             pass
         done.set()

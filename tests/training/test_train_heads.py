@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import quiet_load
 
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
@@ -21,6 +20,8 @@ from tokenswift_trt.training.train_heads import (
     write_combined,
 )
 
+from conftest import quiet_load
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -34,7 +35,9 @@ def _periodic_ids(length: int = 4000) -> torch.Tensor:
 
 def test_loss_decreases_within_a_few_steps(model_dir, tmp_path):
     engine = quiet_load(model_dir)
-    config = TrainHeadsConfig(steps=25, seq_len=48, batch=2, grad_accum=1, lr=5e-3, warmup_steps=3, checkpoint_every=100)
+    config = TrainHeadsConfig(
+        steps=25, seq_len=48, batch=2, grad_accum=1, lr=5e-3, warmup_steps=3, checkpoint_every=100
+    )
     trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
     losses = []
     trainer.run(lambda step, loss: losses.append(loss))
@@ -63,7 +66,9 @@ def test_checkpoint_resume_gives_identical_weights(model_dir, tmp_path):
     for key, value in straight.draft_layers.state_dict().items():
         assert torch.equal(value, resumed.draft_layers.state_dict()[key]), key
 
-    changed = TrainHeadsConfig(steps=6, seq_len=32, batch=1, grad_accum=2, warmup_steps=2, checkpoint_every=3, lr=1e-3)
+    changed = TrainHeadsConfig(
+        steps=6, seq_len=32, batch=1, grad_accum=2, warmup_steps=2, checkpoint_every=3, lr=1e-3
+    )
     with pytest.raises(TrainingError, match="lr"):
         HeadsTrainer(engine, _periodic_ids(), changed, tmp_path / "b").load_checkpoint()
 
@@ -93,22 +98,70 @@ def test_schedule_warms_up_then_decays_to_zero():
 
 def test_cli_trains_resumes_and_refuses_bad_input(model_dir, tmp_path):
     data = tmp_path / "data.jsonl"
-    data.write_text("\n".join('{"text": "the cat sat on the mat. the dog sat on the log."}' for _ in range(40)))
+    data.write_text(
+        "\n".join('{"text": "the cat sat on the mat. the dog sat on the log."}' for _ in range(40))
+    )
     out = tmp_path / "run"
-    args = ["train-heads", "--model-dir", str(model_dir), "--data", str(data), "--out", str(out),
-            "--seq-len", "32", "--steps", "4", "--warmup-steps", "1", "--checkpoint-every", "2", "--grad-accum", "1"]
+    args = [
+        "train-heads",
+        "--model-dir",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--seq-len",
+        "32",
+        "--steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--grad-accum",
+        "1",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert (out / HEADS_FILE).is_file() and "layer 3 (+4)" in result.stdout
 
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 2 and "--resume" in again.stderr
-    resumed = CliRunner().invoke(main, [*args[:-8], "--seq-len", "32", "--steps", "6", "--warmup-steps", "1", "--checkpoint-every", "2", "--grad-accum", "1", "--resume"])
+    resumed = CliRunner().invoke(
+        main,
+        [
+            *args[:-8],
+            "--seq-len",
+            "32",
+            "--steps",
+            "6",
+            "--warmup-steps",
+            "1",
+            "--checkpoint-every",
+            "2",
+            "--grad-accum",
+            "1",
+            "--resume",
+        ],
+    )
     assert resumed.exit_code == 2 and "steps" in resumed.stderr  # settings differ from the checkpoint
 
-    missing = CliRunner().invoke(main, ["train-heads", "--model-dir", str(model_dir), "--data", str(tmp_path / "none.txt"), "--out", str(out)])
+    missing = CliRunner().invoke(
+        main,
+        [
+            "train-heads",
+            "--model-dir",
+            str(model_dir),
+            "--data",
+            str(tmp_path / "none.txt"),
+            "--out",
+            str(out),
+        ],
+    )
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": 1}\n')
-    malformed = CliRunner().invoke(main, ["train-heads", "--model-dir", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "x")])
+    malformed = CliRunner().invoke(
+        main, ["train-heads", "--model-dir", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "x")]
+    )
     assert malformed.exit_code == 2 and "bad.jsonl:1" in malformed.stderr

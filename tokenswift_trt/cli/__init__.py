@@ -1,0 +1,55 @@
+"""`tokenswift-trt` command line: each module parses one group of commands, calls the runtime,
+builder, bench or serving packages, and prints. No algorithm here."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .bench import bench, bench_host, bench_kernels, bench_steps
+from .build import build, presets, random_model
+from .generate import demo, generate
+from .serve import client, serve
+from .train import train_heads
+
+
+class OneLineErrors(click.Group):
+    """Every usage or input error becomes one line on stderr with exit code 2, never a traceback."""
+
+    def main(self, *args, **kwargs):  # type: ignore[override]
+        kwargs["standalone_mode"] = False
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.Abort:
+            click.echo("tokenswift-trt: aborted", err=True)
+            sys.exit(130)
+        except click.exceptions.Exit as done:
+            sys.exit(done.exit_code)
+        except click.ClickException as error:
+            message = error.format_message().replace("\n", " ")
+            click.echo(f"tokenswift-trt: error: {message}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=OneLineErrors)
+@click.version_option(package_name="tokenswift-trt")
+def main() -> None:
+    """Lossless TokenSwift acceleration of ultra-long generation."""
+
+
+for command in (
+    generate,
+    demo,
+    build,
+    presets,
+    random_model,
+    serve,
+    client,
+    bench,
+    bench_steps,
+    bench_kernels,
+    bench_host,
+    train_heads,
+):
+    main.add_command(command)

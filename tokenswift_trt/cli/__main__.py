@@ -1,0 +1,3 @@
+from tokenswift_trt.cli import main
+
+main()

@@ -1,0 +1,481 @@
+"""`bench` (AR vs TokenSwift, whole generations), `bench-steps` (step costs of a model shape with
+random weights), `bench-kernels` (CUDA tree attention) and `bench-host` (host time per iteration)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import click
+
+from .common import (
+    CliError,
+    fail,
+    generation_config,
+    int_list,
+    load_source,
+    read_prompt,
+    sampling_options,
+    source_options,
+)
+
+
+@click.command()
+@source_options
+@click.option(
+    "--prompt-file", type=click.Path(path_type=Path), required=True, help="text to cut prompts from"
+)
+@click.option("--gen-len", default="2048,8192", show_default=True, help="generation lengths")
+@click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens")
+@click.option("--prompts", type=int, default=1, show_default=True, help="prompts per prefix length")
+@click.option("--repeats", type=int, default=1, show_default=True)
+@click.option(
+    "--interleave",
+    type=int,
+    default=256,
+    show_default=True,
+    help="new tokens each method decodes per turn, each timed on its own clock (0: one after another)",
+)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
+@sampling_options
+def bench(
+    model,
+    model_dir,
+    engine_dir,
+    heads,
+    prompt_file,
+    gen_len,
+    prefix_len,
+    prompts,
+    repeats,
+    interleave,
+    out,
+    **opts,
+) -> None:
+    """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG."""
+    from tqdm import tqdm
+
+    from tokenswift_trt.bench.run import BenchSpec, run_bench, write_results
+
+    gen_lens, prefix_lens = int_list(gen_len, "--gen-len"), int_list(prefix_len, "--prefix-len")
+    if prompts < 1 or repeats < 1:
+        raise CliError("--prompts and --repeats must be at least 1")
+    if interleave < 0:
+        raise CliError(f"--interleave must be >= 0 (0 runs the methods one after another), got {interleave}")
+    if opts["seed"] is None:
+        opts["seed"] = 0
+    generation_config(max(gen_lens), "tokenswift", opts)
+    text = read_prompt(None, prompt_file)
+    source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    engine = source.engine
+    config = generation_config(max(gen_lens), "tokenswift", opts, source.defaults)
+    text_ids = source.codec.encode(text)
+    longest = max(prefix_lens) + max(gen_lens)
+    limit = config.max_length or engine.config.max_position_embeddings
+    if longest > limit:
+        raise CliError(
+            f"prefix {max(prefix_lens)} + generation {max(gen_lens)} exceeds the maximum length {limit}"
+        )
+
+    def progress(label: str, total: int):
+        bar = tqdm(total=total, desc=label, unit="tok", file=sys.stderr, leave=False)
+
+        def update(ids: list[int]) -> None:
+            bar.update(len(ids))
+            if bar.n >= total:
+                bar.close()
+
+        return update
+
+    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config, interleave)
+    try:
+        rows = run_bench(engine, text_ids, spec, progress)
+    except ValueError as error:
+        raise fail(error) from None
+    meta = {
+        "command": "tokenswift-trt bench " + " ".join(sys.argv[2:]),
+        "source": str(source.model_dir or source.engine_dir),
+        "tree": config.tree,
+        "ngram_topk": config.ngram_topk,
+        "draft_source": config.resolved_draft_source,
+        "sampling": vars(config.sampling),
+        "kv_budget": config.kv_budget,
+        "device": opts["device"],
+        "dtype": str(engine.dtype),
+        "interleave": interleave,
+    }
+    written = write_results(rows, out, meta)
+    columns = [
+        "prefix_len",
+        "gen_len",
+        "ar_tokens_per_s",
+        "tokenswift_tokens_per_s",
+        "speedup",
+        "alpha",
+        "beta",
+        "tokens_per_iteration",
+        "tokens_per_forward",
+        "distinct4_penalty",
+        "distinct4_no_penalty",
+        "tokens_equal_ar",
+    ]
+    if "auto_vs_default_tree" in rows[0]:
+        columns.insert(5, "auto_vs_default_tree")
+    click.echo(" | ".join(columns))
+    for row in rows:
+        click.echo(" | ".join(str(row[c]) for c in columns))
+    click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+@click.command("bench-steps")
+@click.option(
+    "--model", required=True, help="preset name or model directory whose shape is timed (random weights)"
+)
+@click.option("--contexts", default="4096,32768,65536,102400", show_default=True, help="cached positions L")
+@click.option("--tree-sizes", default="1,41,121", show_default=True, help="tokens T per verify pass")
+@click.option("--gen-len", default=None, help="generation lengths modeled [20480,40960,61440,81920,102400]")
+@click.option("--prefix-len", type=int, default=None, help="prompt length modeled [4096]")
+@click.option(
+    "--accept-length",
+    type=float,
+    default=4.36,
+    show_default=True,
+    help="τ, tokens per iteration (4α+1; paper α 0.84)",
+)
+@click.option(
+    "--verify-accept-length",
+    type=float,
+    default=None,
+    help="τ when drafting from the verify pass [--accept-length]",
+)
+@click.option(
+    "--acceptance-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="trained model dir whose measured τ replaces --accept-length (2,048 sampled tokens)",
+)
+@click.option(
+    "--verify-tree-size", type=int, default=None, help="T of the modeled verify pass [largest --tree-sizes]"
+)
+@click.option(
+    "--host-overhead-ms",
+    type=float,
+    default=None,
+    help="host time per iteration (default: measured by a short generation, tree 1,3,3,3, k=20)",
+)
+@click.option("--step-repeats", type=int, default=20, show_default=True, help="timed runs per step (median)")
+@click.option("--kv-budget", type=int, default=None, help="partial KV cache budget B [4096]")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="default: the preset's on CUDA, float32 on a CPU",
+)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/steps"), show_default=True)
+def bench_steps(
+    model,
+    contexts,
+    tree_sizes,
+    gen_len,
+    prefix_len,
+    accept_length,
+    verify_accept_length,
+    acceptance_from,
+    verify_tree_size,
+    host_overhead_ms,
+    step_repeats,
+    kv_budget,
+    dtype,
+    device,
+    out,
+) -> None:
+    """The cost of one AR, draft and verify step per context against the memory-bandwidth floor, and
+    the speedup those costs imply (docs/gpu.md)."""
+    import torch
+    from click.core import ParameterSource
+    from tqdm import tqdm
+
+    from tokenswift_trt.bench.host import reference_host_ms
+    from tokenswift_trt.bench.kernels import device_description
+    from tokenswift_trt.bench.steps import (
+        DEFAULT_GEN_LENGTHS,
+        DEFAULT_PROMPT_LENGTH,
+        PAPER_A100_LLAMA31_8B,
+        check_step_request,
+        measure_accept_lengths,
+        measure_copy_bandwidth,
+        measure_step_costs,
+        modeled_speedup,
+        random_engine,
+        verify_step,
+        write_step_report,
+    )
+    from tokenswift_trt.runtime.decoding import GenerationConfig
+    from tokenswift_trt.runtime.engine import KernelFallbackWarning
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        reason = "this torch is CPU-only" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise CliError(f"bench-steps: --device cuda needs a CUDA GPU and a CUDA build of torch ({reason})")
+    context_list, sizes = int_list(contexts, "--contexts"), int_list(tree_sizes, "--tree-sizes")
+    gen_lens = DEFAULT_GEN_LENGTHS if gen_len is None else int_list(gen_len, "--gen-len")
+    prompt_length = DEFAULT_PROMPT_LENGTH if prefix_len is None else prefix_len
+    tree_size = verify_tree_size or max(sizes)
+    if tree_size not in sizes:
+        raise CliError(f"--verify-tree-size {tree_size} is not among --tree-sizes {tree_sizes}")
+    verify_tau = accept_length if verify_accept_length is None else verify_accept_length
+    if acceptance_from is not None:
+        if not acceptance_from.is_dir():
+            raise CliError(f"--acceptance-from: model directory {acceptance_from} does not exist")
+        try:
+            accept_length, verify_tau = measure_accept_lengths(acceptance_from)
+        except ValueError as error:
+            raise fail(error) from None
+        click.echo(
+            f"measured on {acceptance_from}: τ {accept_length:.3f} (partial-cache drafting, tree 1,3,3,3), "
+            f"{verify_tau:.3f} (verify-pass drafting, tree 3,3,3)",
+            err=True,
+        )
+    if (
+        min(accept_length, verify_tau) < 1
+        or step_repeats < 1
+        or (host_overhead_ms or 0) < 0
+        or prompt_length < 1
+    ):
+        raise CliError(
+            "--accept-length and --verify-accept-length must be >= 1, --step-repeats and --prefix-len "
+            ">= 1, --host-overhead-ms >= 0"
+        )
+    kv_budget = kv_budget or GenerationConfig(max_new_tokens=1).kv_budget
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KernelFallbackWarning)
+        try:
+            engine, dtype_name = random_engine(model, getattr(torch, dtype) if dtype else None, device)
+        except (ValueError, RuntimeError) as error:
+            raise fail(error) from None
+    for warning in caught:
+        click.echo(f"warning: {warning.message}", err=True)
+    try:
+        check_step_request(engine, context_list, sizes, kv_budget, step_repeats)
+    except ValueError as error:
+        raise fail(error) from None
+    bandwidth = measure_copy_bandwidth(engine.device)
+    bar = tqdm(
+        total=len(context_list) * (3 + len(sizes)),
+        desc="step costs",
+        unit="step",
+        file=sys.stderr,
+        leave=False,
+    )
+
+    def on_step(cost) -> None:
+        bar.set_postfix_str(f"L={cost.context} {cost.step}")
+        bar.update(1)
+
+    host_measured = host_overhead_ms is None
+    if host_overhead_ms is None:
+        host_overhead_ms = reference_host_ms(engine, kv_budget)
+        click.echo(
+            f"host overhead: {host_overhead_ms:.3f} ms per iteration (measured: 256 tokens, tree 1,3,3,3, "
+            "k=20, min-p 0.1, θ 1.2)",
+            err=True,
+        )
+    try:
+        costs = measure_step_costs(engine, context_list, sizes, kv_budget, step_repeats, bandwidth, on_step)
+        speedups = modeled_speedup(
+            costs, prompt_length, gen_lens, accept_length, verify_tau, tree_size, host_overhead_ms / 1e3
+        )
+    except ValueError as error:
+        raise fail(error) from None
+    finally:
+        bar.close()
+    ctx = click.get_current_context()
+    given = [
+        (param.opts[0], ctx.params[param.name])
+        for param in ctx.command.params
+        if param.name and ctx.get_parameter_source(param.name) != ParameterSource.DEFAULT
+    ]
+    command = " ".join(
+        ["tokenswift-trt bench-steps"]
+        + [flag if value is True else f"{flag} {value}" for flag, value in given]
+    )
+    meta = {
+        "command": command,
+        "model": model,
+        "random_weights": True,
+        "device": device_description(engine.device),
+        "dtype": dtype_name,
+        "torch": torch.__version__,
+        "attention_kernel": engine.model.torch_model.attention_kernel,
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "kv_budget": kv_budget,
+        "step_repeats": step_repeats,
+        "prompt_length": prompt_length,
+        "accept_length": round(accept_length, 4),
+        "verify_accept_length": round(verify_tau, 4),
+        "acceptance_from": str(acceptance_from) if acceptance_from else None,
+        "verify_tree_size": tree_size,
+        "host_overhead_ms": round(host_overhead_ms, 4),
+        "host_overhead_measured": host_measured,
+    }
+    written = write_step_report(costs, speedups, out, meta)
+    click.echo(
+        f"{model} ({dtype_name}, random weights) on {meta['device']}; copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s"
+    )
+    steps = ["ar", "draft", "heads"] + [verify_step(size) for size in sizes]
+    click.echo("context | " + " | ".join(f"{step} ms (floor)" for step in steps))
+    by_key = {(cost.context, cost.step): cost for cost in costs}
+    for context in sorted(context_list):
+        cells = [by_key[context, step] for step in steps]
+        click.echo(
+            f"{context} | "
+            + " | ".join(f"{c.seconds * 1e3:.3f} ({c.bandwidth_seconds * 1e3:.3f})" for c in cells)
+        )
+    click.echo(
+        f"modeled: prompt {prompt_length}, T {tree_size}, τ partial {accept_length:.3f} / verify "
+        f"{verify_tau:.3f}, host {host_overhead_ms:.3f} ms"
+    )
+    if prompt_length + max(gen_lens) > 1.25 * max(context_list):
+        click.echo(
+            f"note: the model extrapolates step costs measured up to context {max(context_list)} to "
+            f"{prompt_length + max(gen_lens)}: measure larger --contexts for figures to trust",
+            err=True,
+        )
+    click.echo("gen_len | AR s | partial s | speedup partial | verify s | speedup verify | paper A100 8B")
+    for gen_length in gen_lens:
+        partial, verify = (
+            next(s for s in speedups if s.gen_length == gen_length and s.mode == mode)
+            for mode in ("partial", "verify")
+        )
+        click.echo(
+            f"{gen_length} | {partial.ar_seconds:.1f} | {partial.tokenswift_seconds:.1f} | "
+            f"{partial.speedup:.2f} | {verify.tokenswift_seconds:.1f} | {verify.speedup:.2f} | "
+            f"{PAPER_A100_LLAMA31_8B.get(gen_length, '-')}"
+        )
+    click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+@click.command("bench-host")
+@source_options
+@click.option(
+    "--prompt-file", type=click.Path(path_type=Path), required=True, help="text the prompt is cut from"
+)
+@click.option("--prefix-len", type=int, default=512, show_default=True, help="prompt tokens")
+@click.option("--max-new-tokens", type=int, default=1024, show_default=True)
+@sampling_options
+def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max_new_tokens, **opts) -> None:
+    """Host overhead per TokenSwift iteration: decode time outside model calls (docs/gpu.md)."""
+    from tokenswift_trt.bench.host import measure_host_overhead
+
+    if prefix_len < 1 or max_new_tokens < 2:
+        raise CliError("--prefix-len must be >= 1 and --max-new-tokens >= 2")
+    if opts["seed"] is None:
+        opts["seed"] = 0
+    generation_config(max_new_tokens, "tokenswift", opts)
+    text = read_prompt(None, prompt_file)
+    source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    engine = source.engine
+    config = generation_config(max_new_tokens, "tokenswift", opts, source.defaults)
+    prompt = source.codec.encode(text)[:prefix_len]
+    try:
+        result = measure_host_overhead(engine, prompt, config)
+    except ValueError as error:
+        raise fail(error) from None
+    click.echo(
+        f"tree {config.tree}, k={config.ngram_topk}, {result.iterations} iterations, "
+        f"{result.new_tokens} tokens"
+    )
+    click.echo(
+        f"host ms/iteration: {result.host_ms_per_iteration:.3f}  model ms/iteration: "
+        f"{result.model_ms_per_iteration:.3f}"
+    )
+    click.echo(
+        f"host tensor ops/iteration: {result.host_ops_per_iteration:.1f} (outside model calls, views "
+        "excluded: each is a kernel launch on a GPU)"
+    )
+    phases = ", ".join(
+        f"{name} {seconds / result.iterations * 1e3:.3f}" for name, seconds in result.phase_s.items()
+    )
+    click.echo(f"phases (ms/iteration, model calls included): {phases}")
+
+
+@click.command("bench-kernels")
+@click.option(
+    "--device",
+    default="cuda",
+    show_default=True,
+    help="cuda: the CUDA kernel; cpu: the reference (smoke run)",
+)
+@click.option("--tree-sizes", default="1,64,128", show_default=True, help="tree tokens T")
+@click.option("--contexts", default="4096,32768,131072", show_default=True, help="cached positions L")
+@click.option("--heads", type=int, default=32, show_default=True)
+@click.option("--kv-heads", type=int, default=8, show_default=True)
+@click.option("--head-dim", type=click.Choice(["64", "128"]), default="128", show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default="bfloat16", show_default=True)
+@click.option("--repeats", type=int, default=20, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/kernels"), show_default=True)
+def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype, repeats, out) -> None:
+    """Tree attention vs masked SDPA and vs the memory-bandwidth time; CSV + JSON (docs/kernels.md)."""
+    import torch
+    from tqdm import tqdm
+
+    from tokenswift_trt.bench.kernels import bench_tree_attention, device_description, write_kernel_report
+    from tokenswift_trt.runtime import kernels
+
+    sizes, lengths = int_list(tree_sizes, "--tree-sizes"), int_list(contexts, "--contexts")
+    if max(sizes) > kernels.MAX_TREE_TOKENS:
+        raise CliError(f"--tree-sizes: the kernel takes at most {kernels.MAX_TREE_TOKENS} tree tokens")
+    if heads < 1 or kv_heads < 1 or heads % kv_heads or repeats < 1:
+        raise CliError("--heads must be a positive multiple of --kv-heads, and --repeats at least 1")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise CliError(
+                "bench-kernels --device cuda needs a CUDA GPU and a CUDA build of torch "
+                "(use --device cpu for a smoke run of the reference)"
+            )
+        status = kernels.load_cuda_kernels()
+        problem = (
+            kernels.shared_memory_problem(status, int(head_dim), torch.device(device))
+            if status.loaded
+            else status.reason
+        )
+        if problem is not None:
+            raise CliError(problem)
+    target = torch.device(device)
+    bar = tqdm(total=len(sizes) * len(lengths), desc="kernels", unit="case", file=sys.stderr, leave=False)
+    try:
+        rows, bandwidth = bench_tree_attention(
+            target,
+            sizes,
+            lengths,
+            heads,
+            kv_heads,
+            int(head_dim),
+            getattr(torch, dtype),
+            repeats,
+            on_row=lambda _: bar.update(1),
+        )
+    except torch.OutOfMemoryError:
+        raise CliError("out of device memory: lower --contexts") from None
+    finally:
+        bar.close()
+    meta = {
+        "command": "tokenswift-trt bench-kernels " + " ".join(sys.argv[2:]),
+        "device": device_description(target),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": int(head_dim),
+        "dtype": dtype,
+        "repeats": repeats,
+    }
+    written = write_kernel_report(rows, bandwidth, out, meta)
+    click.echo(f"{meta['device']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    click.echo("T | L | kernel ms | SDPA ms | speedup vs SDPA | bandwidth ms | kernel / bandwidth")
+    for row in rows:
+        click.echo(
+            f"{row.tree_tokens} | {row.context} | {row.kernel_ms:.3f} | {row.sdpa_ms:.3f} | "
+            f"{row.speedup_vs_sdpa:.2f} | {row.bandwidth_ms:.3f} | {row.kernel_over_bandwidth:.2f}"
+        )
+    click.echo("wrote " + ", ".join(str(p) for p in written))

@@ -1,0 +1,288 @@
+"""What every command shares: one-line errors, loading a model, the sampling options and the config."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+class CliError(click.ClickException):
+    exit_code = 2
+
+
+def fail(error: Exception) -> CliError:
+    """The first line of an error's message as a CLI error."""
+    return CliError(str(error).splitlines()[0] if str(error) else type(error).__name__)
+
+
+@dataclass
+class Source:
+    """A loaded model: engine, tokenizer, and the defaults its preset or manifest sets."""
+
+    engine: Any  # tokenswift_trt.runtime.engine.Engine
+    codec: Any  # tokenswift_trt.runtime.text.TextCodec
+    defaults: dict[str, Any] = field(default_factory=dict)
+    model_dir: Path | None = None
+    engine_dir: Path | None = None
+    heads: Path | None = None
+
+    def record(self) -> dict[str, str | None]:
+        """Where this model came from (a journal's header keeps it for --resume)."""
+        return {
+            "model_dir": str(self.model_dir) if self.model_dir else None,
+            "engine_dir": str(self.engine_dir) if self.engine_dir else None,
+            "heads": str(self.heads) if self.heads else None,
+        }
+
+
+def resolve_source(
+    model: str | None, model_dir: Path | None, engine_dir: Path | None, heads: Path | None
+) -> tuple[Path | None, Path | None, Path | None, dict[str, Any]]:
+    """(model_dir, engine_dir, heads, defaults) from the source options: `--model PRESET` names a
+    preset whose model directory is on this machine (bundled or prepared by `make models`)."""
+    from tokenswift_trt.builder.presets import PRESETS, PresetError, local_model_dir
+
+    given = [
+        name
+        for name, value in (("--model", model), ("--model-dir", model_dir), ("--engine", engine_dir))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise CliError("give exactly one of --model PRESET, --model-dir DIR or --engine DIR")
+    if model is None:
+        return model_dir, engine_dir, heads, {}
+    if model not in PRESETS:
+        raise CliError(f"unknown preset {model!r}; presets: {', '.join(PRESETS)} (or pass --model-dir DIR)")
+    try:
+        directory, preset_heads = local_model_dir(PRESETS[model])
+    except PresetError as error:
+        raise fail(error) from None
+    return directory, None, heads or preset_heads, dict(PRESETS[model].defaults)
+
+
+def load_source(
+    model: str | None,
+    model_dir: Path | None,
+    engine_dir: Path | None,
+    heads: Path | None,
+    dtype: str | None,
+    device: str,
+    quiet: bool,
+) -> Source:
+    """Load a preset, a Hugging Face dir or a built engine dir; every failure is one line."""
+    import torch
+
+    from tokenswift_trt.runtime.config import ConfigError
+    from tokenswift_trt.runtime.engine import (
+        KernelFallbackWarning,
+        UntrainedDraftLayersWarning,
+        WeightsError,
+        load_engine,
+    )
+    from tokenswift_trt.runtime.engine_dir import EngineDirError, load_engine_dir
+    from tokenswift_trt.runtime.request import manifest_defaults
+    from tokenswift_trt.runtime.text import TextCodec, TokenizerError
+
+    model_dir, engine_dir, heads, defaults = resolve_source(model, model_dir, engine_dir, heads)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
+    source = model_dir if model_dir is not None else engine_dir
+    assert source is not None
+    if not source.is_dir():
+        raise CliError(f"{'model' if model_dir else 'engine'} directory {source} does not exist")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UntrainedDraftLayersWarning)
+        warnings.simplefilter("always", KernelFallbackWarning)
+        try:
+            if engine_dir is not None:
+                if heads is not None:
+                    raise CliError("--heads applies to --model-dir; an engine carries its draft layers")
+                engine, manifest = load_engine_dir(
+                    engine_dir, device=device, dtype=getattr(torch, dtype) if dtype else None
+                )
+                defaults = manifest_defaults(manifest)
+                codec = TextCodec.from_dir(engine_dir / "model")
+            else:
+                assert model_dir is not None
+                if dtype is None:  # the kernel's element types on GPUs (bf16 needs compute capability 8.0+)
+                    on_gpu = device.startswith("cuda")
+                    dtype = (
+                        ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else "float32"
+                    )
+                engine = load_engine(model_dir, heads, dtype=getattr(torch, dtype), device=device)
+                codec = TextCodec.from_dir(model_dir)
+        except (ConfigError, WeightsError, TokenizerError, EngineDirError, OSError, RuntimeError) as error:
+            raise fail(error) from None
+    for warning in caught:
+        # an untrained-heads note can be silenced; running without the CUDA kernel is always said
+        if issubclass(warning.category, KernelFallbackWarning) or (
+            issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet
+        ):
+            click.echo(f"warning: {warning.message}", err=True)
+    return Source(engine, codec, defaults, model_dir, engine_dir, heads)
+
+
+def add_options(function, options):
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def source_options(function):
+    return add_options(
+        function,
+        [
+            click.option(
+                "--model",
+                "model",
+                default=None,
+                help="preset whose model is on this machine (swift-tiny, smollm2-135m after `make models`)",
+            ),
+            click.option(
+                "--model-dir",
+                type=click.Path(path_type=Path),
+                default=None,
+                help="Hugging Face model directory",
+            ),
+            click.option(
+                "--engine",
+                "engine_dir",
+                type=click.Path(path_type=Path),
+                default=None,
+                help="engine directory from `build`",
+            ),
+            click.option(
+                "--heads",
+                type=click.Path(path_type=Path),
+                default=None,
+                help="draft-layer heads file (safetensors)",
+            ),
+        ],
+    )
+
+
+def sampling_options(function):
+    """Generation options; unset ones take the model's defaults (preset or manifest), then the runtime's."""
+    return add_options(
+        function,
+        [
+            click.option("--temperature", type=float, default=None, help="0 = greedy [1.0]"),
+            click.option("--top-k", type=int, default=None, help="0 = off"),
+            click.option("--top-p", type=float, default=None, help="1 = off"),
+            click.option("--min-p", type=float, default=None, help="0 = off; keeps >= 20 tokens"),
+            click.option("--eta", type=float, default=None, help="η-sampling; 0 = off"),
+            click.option("--penalty", type=float, default=None, help="contextual penalty θ; 1 = off"),
+            click.option(
+                "--penalty-window", type=int, default=None, help="W: tokens the penalty looks back [1024]"
+            ),
+            click.option(
+                "--ngram-topk",
+                type=int,
+                default=None,
+                help="n-gram branches per first token (static trees) [20]",
+            ),
+            click.option(
+                "--tree",
+                default=None,
+                help="candidates per depth (the paper's: 1,3,3,3), or auto: tuned to this machine [auto]",
+            ),
+            click.option("--kv-budget", type=int, default=None, help="partial KV cache budget B [4096]"),
+            click.option(
+                "--kv-recent",
+                type=int,
+                default=None,
+                help="partial cache recent region; the selection is redone when it fills [B/4]",
+            ),
+            click.option(
+                "--draft-source",
+                type=click.Choice(["auto", "partial", "verify"]),
+                default=None,
+                help="partial: draft pass on the partial KV cache (paper); verify: draft layers read "
+                "the verify "
+                "pass; auto: verify with --tree auto, else partial [auto]",
+            ),
+            click.option(
+                "--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"
+            ),
+            click.option("--ignore-eos", is_flag=True, default=None, help="do not stop at EOS"),
+            click.option(
+                "--max-length", type=int, default=None, help="engine maximum length (default: model's)"
+            ),
+            click.option(
+                "--dtype",
+                type=click.Choice(DTYPES),
+                default=None,
+                help="default: float32 on a CPU, bfloat16 on CUDA, or the engine's",
+            ),
+            click.option("--device", default="cpu", show_default=True),
+        ],
+    )
+
+
+SETTING_OPTIONS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "eta",
+    "penalty",
+    "penalty_window",
+    "ngram_topk",
+    "tree",
+    "kv_budget",
+    "kv_recent",
+    "draft_source",
+    "seed",
+    "ignore_eos",
+    "max_length",
+)
+
+
+def request_settings(opts: dict[str, Any]) -> dict[str, Any]:
+    """The generation settings among a command's options (None = not given)."""
+    return {name: opts.get(name) for name in SETTING_OPTIONS}
+
+
+def generation_config(
+    max_new_tokens: int, method: str, opts: dict[str, Any], defaults: dict[str, Any] | None = None
+):
+    """The request's config, built as every entry point builds it (runtime/request.py)."""
+    from tokenswift_trt.runtime.decoding import GenerationError
+    from tokenswift_trt.runtime.request import config_from
+
+    try:
+        return config_from(
+            defaults or {}, {**request_settings(opts), "max_new_tokens": max_new_tokens, "method": method}
+        )
+    except GenerationError as error:
+        raise fail(error) from None
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise CliError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise CliError(f"cannot read prompt file {prompt_file}: {error}") from None
+    assert prompt is not None
+    if not prompt.strip():
+        raise CliError("the prompt is empty: give some text")
+    return prompt
+
+
+def int_list(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise CliError(f"{name} must be comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise CliError(f"{name} must be comma-separated positive integers, got {text!r}")
+    return values

@@ -1,0 +1,300 @@
+"""`generate` (with journals and --resume) and `demo` (AR and TokenSwift side by side)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .common import (
+    CliError,
+    fail,
+    generation_config,
+    load_source,
+    read_prompt,
+    request_settings,
+    sampling_options,
+    source_options,
+)
+
+DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
+
+
+@click.command()
+@source_options
+@click.option("--prompt", default=None, help="prompt text")
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None, help="file holding the prompt")
+@click.option(
+    "--max-new-tokens", type=int, default=None, help="tokens to generate (required unless --resume)"
+)
+@click.option("--method", type=click.Choice(["tokenswift", "ar"]), default="tokenswift", show_default=True)
+@click.option("--stream", is_flag=True, help="print text as it is accepted")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
+@click.option(
+    "--journal",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="append committed tokens to this journal (crash-safe)",
+)
+@click.option(
+    "--journal-every", type=click.IntRange(1), default=64, show_default=True, help="tokens per journal record"
+)
+@click.option(
+    "--resume",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="continue the generation recorded in this journal",
+)
+@click.option(
+    "--memory-budget", type=float, default=None, help="GiB the caches may use (default: the memory free now)"
+)
+@sampling_options
+def generate(
+    model,
+    model_dir,
+    engine_dir,
+    heads,
+    prompt,
+    prompt_file,
+    max_new_tokens,
+    method,
+    stream,
+    as_json,
+    journal,
+    journal_every,
+    resume,
+    memory_budget,
+    **opts,
+) -> None:
+    """Generate a continuation of a prompt with TokenSwift (or the AR baseline); journal and resume long
+    runs."""
+    from tqdm import tqdm
+
+    from tokenswift_trt.runtime.decoding import GenerationError
+    from tokenswift_trt.runtime.decoding import generate as run_generate
+    from tokenswift_trt.runtime.journal import (
+        JournalError,
+        JournalWriter,
+        journal_header,
+        read_journal,
+        resume_journal,
+    )
+    from tokenswift_trt.runtime.request import OUTPUT_DECIDING, SPEED_ONLY, with_fixed_seed
+    from tokenswift_trt.runtime.text import StreamDecoder
+
+    done_ids: list[int] = []
+    if resume is not None:
+        if journal is not None or prompt is not None or prompt_file is not None:
+            raise CliError("--resume continues a journal: it takes no --prompt, --prompt-file or --journal")
+        deciding = [
+            f"--{name.replace('_', '-')}" for name in OUTPUT_DECIDING if opts.get(name) not in (None, False)
+        ]
+        if max_new_tokens is not None:
+            deciding.insert(0, "--max-new-tokens")
+        if deciding:
+            raise CliError(f"--resume continues with the journal's own settings: drop {', '.join(deciding)}")
+        try:
+            recorded = read_journal(resume).header.get("source") or {}
+        except JournalError as error:
+            raise fail(error) from None
+        if model is None and model_dir is None and engine_dir is None:
+            model_dir, engine_dir, heads = (
+                Path(recorded[key]) if recorded.get(key) else None
+                for key in ("model_dir", "engine_dir", "heads")
+            )
+        source = load_source(
+            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json
+        )
+        try:
+            speed = {name: value for name, value in request_settings(opts).items() if name in SPEED_ONLY}
+            resumed = resume_journal(resume, source.engine.config.eos_token_ids, speed)
+        except JournalError as error:
+            raise fail(error) from None
+        if resumed.dropped_records and not as_json:
+            click.echo(
+                f"note: ignored {resumed.dropped_records} torn record(s) at the end of {resume}", err=True
+            )
+        if resumed.earlier_sampler and not as_json:
+            click.echo(
+                f"note: {resume} was written by an earlier version with another sampler; the continuation "
+                "is sampled correctly but differs from what the original run would have written",
+                err=True,
+            )
+        config, prompt_ids, done_ids, finished = (
+            resumed.config,
+            resumed.prompt_ids,
+            resumed.done_ids,
+            resumed.finished,
+        )
+        writer = None if finished else JournalWriter(resume, every=journal_every)
+        run_config = resumed.remaining_config()
+    else:
+        if max_new_tokens is None:
+            raise CliError("--max-new-tokens is required (unless --resume)")
+        text = read_prompt(prompt, prompt_file)
+        generation_config(max_new_tokens, method, opts)  # bad values fail before any loading
+        source = load_source(
+            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json
+        )
+        config = generation_config(max_new_tokens, method, opts, source.defaults)
+        prompt_ids = source.codec.encode(text)
+        limit = config.max_length or source.engine.config.max_position_embeddings
+        if len(prompt_ids) + max_new_tokens > limit > len(prompt_ids) and not as_json:
+            click.echo(
+                f"note: the engine's maximum length is {limit:,} tokens: this {len(prompt_ids):,}-token "
+                "prompt "
+                f"leaves room for {limit - len(prompt_ids):,} new tokens, not {max_new_tokens:,}",
+                err=True,
+            )
+        finished = False
+        writer = None
+        if journal is not None:
+            config = with_fixed_seed(config)  # the journal must know the seed to resume the same tokens
+            writer = JournalWriter(
+                journal, journal_header(prompt_ids, config, source.record()), every=journal_every
+            )
+        run_config = config
+    if memory_budget is not None:
+        run_config = dataclasses.replace(run_config, memory_budget=int(memory_budget * (1 << 30)))
+
+    codec = source.codec
+    stream_decoder = StreamDecoder(codec)
+    if stream and done_ids:
+        click.echo(stream_decoder.push(done_ids), nl=False)
+    progress = tqdm(
+        total=config.max_new_tokens,
+        initial=len(done_ids),
+        unit="tok",
+        file=sys.stderr,
+        disable=True if (as_json or stream) else None,
+    )
+
+    def on_tokens(ids: list[int]) -> None:
+        progress.update(len(ids))
+        if writer is not None:
+            writer.add(ids)
+        if stream:
+            click.echo(stream_decoder.push(ids), nl=False)
+
+    stats = None
+    try:
+        if not finished:
+            new_ids, stats = run_generate(
+                source.engine, prompt_ids + done_ids, run_config, on_tokens=on_tokens
+            )
+            done_ids = done_ids + new_ids
+    except GenerationError as error:
+        raise fail(error) from None
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close(finished=stats is not None or finished)
+    output = codec.decode(done_ids)
+    if stream:
+        click.echo(stream_decoder.flush())
+    if stats is not None and stats.stop_reason == "max_length" and not as_json:
+        click.echo(f"note: stopped at the engine's maximum length after {len(done_ids)} new tokens", err=True)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "text": output,
+                    "token_ids": done_ids,
+                    "new_tokens": len(done_ids),
+                    "acceptance_rate": stats.acceptance_rate if stats else 0.0,
+                    "ngram_acceptance_rate": stats.ngram_acceptance_rate if stats else 0.0,
+                    "tokens_per_s": stats.tokens_per_s if stats else 0.0,
+                    "elapsed_s": stats.elapsed_s if stats else 0.0,
+                    "method": config.method,
+                    "seed": stats.seed if stats else config.seed,
+                    "stop_reason": stats.stop_reason if stats else "finished",
+                    "plans": [str(plan) for plan in stats.plans] if stats else [],
+                }
+            )
+        )
+        return
+    if not stream:
+        click.echo(output)
+    if stats is not None:
+        click.echo(
+            f"[{stats.method}] {stats.new_tokens} tokens in {stats.elapsed_s:.2f}s "
+            f"({stats.tokens_per_s:.1f} tok/s), "
+            f"α {stats.acceptance_rate:.3f}, β {stats.ngram_acceptance_rate:.3f}, seed {stats.seed}, "
+            f"stop: {stats.stop_reason}",
+            err=True,
+        )
+
+
+@click.command()
+@source_options
+@click.option(
+    "--prompt", default=None, help="prompt text (default: the model dir's prompt.txt, else a fixed line)"
+)
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None)
+@click.option("--max-new-tokens", type=int, default=2048, show_default=True)
+@sampling_options
+def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, **opts) -> None:
+    """Generate with AR and with TokenSwift on the same engine, taking turns; print speedup, α, β,
+    Distinct-n and agreement."""
+    from tqdm import tqdm
+
+    from tokenswift_trt.bench.metrics import distinct_n
+    from tokenswift_trt.bench.run import take_turns
+    from tokenswift_trt.runtime.decoding import GenerationError, decode_steps
+
+    if opts["seed"] is None:
+        opts["seed"] = 0
+    loaded = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    directory = loaded.model_dir or loaded.engine_dir
+    assert directory is not None
+    if prompt is None and prompt_file is None:
+        if (directory / "prompt.txt").is_file():
+            prompt_file = directory / "prompt.txt"
+        else:
+            prompt = "It is a truth universally acknowledged, that"
+    readme = directory / "README.md"
+    if readme.is_file() and "Random weights" in readme.read_text():
+        click.echo(
+            "note: this model has RANDOM weights; its text is noise, only speed and exactness mean anything",
+            err=True,
+        )
+    prompt_text = read_prompt(prompt, prompt_file)
+    prompt_ids = loaded.codec.encode(prompt_text)
+    # the two methods take turns (256 new tokens each), each timed on its own clock: a machine whose
+    # speed drifts while the demo runs slows both alike (docs/benchmarks.md); one bar for both
+    bar = tqdm(total=2 * max_new_tokens, unit="tok", desc="AR + TokenSwift", file=sys.stderr)
+    steps = {
+        method: decode_steps(
+            loaded.engine,
+            prompt_ids,
+            generation_config(max_new_tokens, method, opts, loaded.defaults),
+            on_tokens=lambda ids: bar.update(len(ids)),
+        )
+        for method in ("ar", "tokenswift")
+    }
+    try:
+        results = take_turns(steps, DEMO_TURN_TOKENS)
+    except GenerationError as error:
+        raise fail(error) from None
+    finally:
+        bar.close()
+    for _, stats, clock in results.values():
+        stats.elapsed_s = clock
+    (ar_ids, ar, _), (ts_ids, ts, _) = results["ar"], results["tokenswift"]
+    codec = loaded.codec
+    click.echo(f"prompt ({len(prompt_ids)} tokens, last 200 chars): {prompt_text[-200:]!r}")
+    click.echo(f"TokenSwift text (first 400 chars): {codec.decode(ts_ids)[:400]!r}")
+    click.echo(f"AR          {ar.new_tokens:6d} tokens  {ar.elapsed_s:7.2f}s  {ar.tokens_per_s:8.1f} tok/s")
+    click.echo(f"TokenSwift  {ts.new_tokens:6d} tokens  {ts.elapsed_s:7.2f}s  {ts.tokens_per_s:8.1f} tok/s")
+    click.echo(
+        f"speedup {ar.elapsed_s / ts.elapsed_s:.2f}x   α {ts.acceptance_rate:.3f}   β "
+        f"{ts.ngram_acceptance_rate:.3f}   "
+        f"tokens/iteration {ts.mean_accept_length:.2f}   tokens/forward {ts.tokens_per_forward:.2f}   "
+        f"same tokens as AR: {ar_ids == ts_ids}"
+    )
+    click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
+    if ts.plans:
+        click.echo("plans (--tree auto): " + " | ".join(str(plan) for plan in ts.plans))

@@ -1,0 +1,162 @@
+"""`serve` (a real tritonserver) and `client` (Triton's gRPC/HTTP clients)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .common import CliError, fail, read_prompt
+
+
+@click.command()
+@click.option(
+    "--engine",
+    "engine_dir",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="engine directory (or Hugging Face model dir)",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--grpc-port", type=int, default=8001, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option(
+    "--instances",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="model instances (each holds the weights)",
+)
+@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--journal-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="keep a journal per request_id here, so that resume=true continues after a crash",
+)
+@click.option(
+    "--memory-budget",
+    type=float,
+    default=None,
+    help="GiB one request's caches may use (default: free memory)",
+)
+def serve(
+    engine_dir, host, http_port, grpc_port, metrics_port, instances, device, journal_dir, memory_budget
+) -> None:
+    """Serve an engine from a real tritonserver (HTTP, gRPC, metrics) until Ctrl-C or SIGTERM."""
+    import signal
+    import time
+
+    from tokenswift_trt.serving.server import ServerConfig, ServerError, TritonServer
+
+    config = ServerConfig(
+        engine=engine_dir,
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        instances=instances,
+        device=device,
+        journal_dir=journal_dir,
+        memory_budget_gib=memory_budget,
+    )
+    server = TritonServer(config)
+    click.echo(f"starting tritonserver (log: {server.log_path})", err=True)
+    try:
+        server.start()
+    except ServerError as error:
+        raise fail(error) from None
+    click.echo(f"ready: http://{server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}")
+    click.echo(
+        f"try: curl -X POST http://{server.http_url}/v2/models/tokenswift/generate "
+        '-d \'{"text_input": "Once upon a time", "max_tokens": 64}\''
+    )
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        while not stopping and server.process is not None and server.process.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        click.echo("stopping tritonserver", err=True)
+        server.stop()
+
+
+@click.command()
+@click.option(
+    "--url", default="127.0.0.1:8001", show_default=True, help="HOST:PORT of the gRPC or HTTP endpoint"
+)
+@click.option("--protocol", type=click.Choice(["grpc", "http"]), default="grpc", show_default=True)
+@click.option("--prompt", default=None)
+@click.option("--prompt-file", type=click.Path(path_type=Path), default=None)
+@click.option("--max-tokens", type=int, required=True)
+@click.option("--stream", is_flag=True, help="print text as it arrives")
+@click.option("--temperature", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--top-p", type=float, default=None)
+@click.option("--min-p", type=float, default=None)
+@click.option("--eta", type=float, default=None)
+@click.option("--penalty", type=float, default=None, help="sent as repetition_penalty (θ)")
+@click.option("--penalty-window", type=int, default=None)
+@click.option("--ngram-topk", type=int, default=None)
+@click.option("--tree", default=None, help="candidates per depth, or auto")
+@click.option("--draft-source", type=click.Choice(["auto", "partial", "verify"]), default=None)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None)
+@click.option("--method", type=click.Choice(["tokenswift", "ar"]), default=None)
+@click.option("--ignore-eos", is_flag=True)
+def client(
+    url,
+    protocol,
+    prompt,
+    prompt_file,
+    max_tokens,
+    stream,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    eta,
+    penalty,
+    penalty_window,
+    ngram_topk,
+    tree,
+    draft_source,
+    seed,
+    method,
+    ignore_eos,
+) -> None:
+    """Call a running server with Triton's clients; print text (as it arrives with --stream) and stats."""
+    from tokenswift_trt.serving.client import ClientError, generate_endpoint, grpc_generate
+
+    text = read_prompt(prompt, prompt_file)
+    params = {"text_input": text, "max_tokens": max_tokens, "stream": stream}
+    optional = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "eta": eta,
+        "repetition_penalty": penalty,
+        "penalty_window": penalty_window,
+        "ngram_topk": ngram_topk,
+        "tree": tree,
+        "draft_source": draft_source,
+        "seed": seed,
+        "method": method,
+        "ignore_eos": ignore_eos or None,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
+    try:
+        if protocol == "grpc":
+            result = grpc_generate(url, params, on_text)
+        else:
+            result = generate_endpoint(url, params, stream, on_text)
+    except ClientError as error:
+        raise CliError(f"server error: {error}") from None
+    except OSError as error:
+        raise CliError(f"cannot reach {url} over {protocol}: {error}") from None
+    click.echo("" if stream else result.text)
+    click.echo(" ".join(f"{k}={v:g}" for k, v in result.stats.items()), err=True)

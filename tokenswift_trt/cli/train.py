@@ -1,0 +1,162 @@
+"""`train-heads`: train the three chained draft layers of a model with its base frozen."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .common import DTYPES, CliError, fail, load_source
+
+
+@click.command("train-heads")
+@click.option(
+    "--model-dir", type=click.Path(path_type=Path), required=True, help="base Hugging Face model directory"
+)
+@click.option(
+    "--data",
+    "data",
+    type=click.Path(path_type=Path),
+    multiple=True,
+    required=True,
+    help=".txt/.jsonl file or folder (repeatable)",
+)
+@click.option(
+    "--eval-data",
+    type=click.Path(path_type=Path),
+    multiple=True,
+    help="held-out text (default: last 5% of --data)",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="output folder (heads file, checkpoint, report)",
+)
+@click.option("--steps", type=int, default=400, show_default=True)
+@click.option("--seq-len", type=int, default=2048, show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True, help="sequences per micro-batch")
+@click.option("--grad-accum", type=int, default=4, show_default=True)
+@click.option("--lr", type=float, default=5e-3, show_default=True)
+@click.option("--warmup-steps", type=int, default=50, show_default=True)
+@click.option("--checkpoint-every", type=int, default=100, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
+@click.option("--force", is_flag=True, help="start over even if OUT holds a checkpoint")
+@click.option(
+    "--combined",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="also write base + heads in the released TokenSwift format here",
+)
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+def train_heads(
+    model_dir,
+    data,
+    eval_data,
+    out,
+    steps,
+    seq_len,
+    batch,
+    grad_accum,
+    lr,
+    warmup_steps,
+    checkpoint_every,
+    seed,
+    resume,
+    force,
+    combined,
+    dtype,
+    device,
+) -> None:
+    """Train the 3 chained draft layers of a model with its base frozen."""
+    from tqdm import tqdm
+
+    from tokenswift_trt.training.train_heads import (
+        CHECKPOINT,
+        HEADS_FILE,
+        HeadsTrainer,
+        TrainHeadsConfig,
+        TrainingError,
+        draft_accuracy,
+        evaluation_sequences,
+        read_texts,
+        save_heads,
+        token_splits,
+        write_combined,
+    )
+
+    config = TrainHeadsConfig(
+        steps=steps,
+        seq_len=seq_len,
+        batch=batch,
+        grad_accum=grad_accum,
+        lr=lr,
+        warmup_steps=warmup_steps,
+        checkpoint_every=checkpoint_every,
+        seed=seed,
+    )
+    try:
+        config.validate()
+        texts = read_texts(list(data))
+        eval_texts = read_texts(list(eval_data)) if eval_data else []
+    except TrainingError as error:
+        raise fail(error) from None
+    if not model_dir.is_dir():
+        raise CliError(f"model directory {model_dir} does not exist")
+    if (out / CHECKPOINT).exists() and not (resume or force):
+        raise CliError(f"{out} holds a checkpoint: pass --resume to continue it or --force to start over")
+    source = load_source(None, model_dir, None, None, dtype, device, quiet=True)
+    engine = source.engine
+    train_ids, eval_ids = token_splits(
+        texts, eval_texts, source.codec.encode, engine.config.eos_token_ids[:1]
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        trainer = HeadsTrainer(engine, train_ids, config, out)
+        if resume:
+            trainer.load_checkpoint()
+    except TrainingError as error:
+        raise fail(error) from None
+    click.echo(
+        f"training {len(engine.draft_layers)} draft layers on {train_ids.numel():,} tokens, "
+        f"from step {trainer.step}",
+        err=True,
+    )
+    with tqdm(total=steps, initial=trainer.step, desc="train-heads", unit="step", file=sys.stderr) as bar:
+
+        def on_step(step: int, loss: float) -> None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+        trainer.run(on_step)
+    heads_path = out / HEADS_FILE
+    save_heads(trainer.draft_layers, heads_path)
+    trainer.draft_layers.eval()
+    base_acc, accuracy = draft_accuracy(
+        engine, trainer.draft_layers, evaluation_sequences(eval_ids, seq_len, 8)
+    )
+    report = {
+        "steps": trainer.step,
+        "final_loss": trainer.last_loss,
+        "base_top1": base_acc,
+        "draft_top1": accuracy,
+        "train_tokens": train_ids.numel(),
+        "eval_tokens": eval_ids.numel(),
+        "config": dict(vars(config)),
+    }
+    (out / "train_heads.json").write_text(json.dumps(report, indent=2) + "\n")
+    if combined is not None:
+        try:
+            write_combined(model_dir, heads_path, combined)
+        except TrainingError as error:
+            raise fail(error) from None
+        click.echo(f"combined checkpoint (released TokenSwift format): {combined}")
+    click.echo(f"heads file: {heads_path}")
+    click.echo(
+        f"held-out top-1 accuracy: base (+1) {base_acc:.3f}, "
+        + ", ".join(f"layer {i} (+{i + 1}) {a:.3f}" for i, a in enumerate(accuracy, start=1))
+    )

@@ -1,0 +1,392 @@
+"""`--tree auto`: choose the draft tree and n-gram k that maximise tokens per second here.
+
+During a probe phase decoding runs with the largest tree (PROBE_TREE, k = PROBE_TOPK). For each
+probe iteration we know, for every trie node, whether a smaller tree or k would also have had it
+(its static-tree rank path and n-gram rank), so the acceptance length and trie size of every
+candidate plan follow exactly from the probe's accepted path: the target's samples along a path
+do not depend on which other nodes are in the trie. Then the verify forward is timed at the
+current context for several trie sizes, and the plan with the most expected tokens per second
+wins (plain AR steps are a candidate too). Every plan is lossless; only speed depends on it.
+
+Between probes, the iterations of the chosen plan are recorded too, for the candidates that fit
+inside it (their nodes are all in its trie): a probe's 32 iterations estimate acceptance to about
+±0.08 tokens, and the plan that runs, with its smaller variants, gets thousands of samples more.
+
+`Tuner` holds all of that state; the decode loop asks it for the plan to run and reports each
+iteration to it, and knows nothing of probes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Engine
+from .stages import (
+    BATCHED_NODES_MAX,
+    DecodeState,
+    NodeTargets,
+    forward_full,
+    sample_next,
+    sampled_in_one_batch,
+    top_candidates,
+)
+from .tree import StaticTree, Trie, build_static_tree, build_trie, parse_tree
+
+PROBE_TREE = "1,3,3,3"  # drafting with a separate pass on the partial cache (the paper's tree)
+VERIFY_PROBE_TREE = "3,3,3"  # drafting from the verify pass: depth d uses draft layer d
+PROBE_TOPK = 20
+PROBE_ITERATIONS = 32  # probe iterations with the largest tree (acceptance counts add up over probes)
+RETUNE_EVERY = 4096  # probe again after this many new tokens
+RETUNE_AFTER_AR = 1024  # ... or this many after choosing plain AR steps (which teach the tuner nothing)
+# Candidate trees; a probe considers those that fit inside its own tree (the paper's drafting probes
+# 1,3,3,3, whose first level is the base model's one draft; drafting from the verify pass probes
+# 3,3,3, whose first level is draft layer 1's, where a few first-level candidates can pay).
+CANDIDATE_TREES = (
+    "1",
+    "1,1",
+    "1,1,1",
+    "1,1,1,1",
+    "1,2,1,1",
+    "1,2,2,1",
+    "1,2,2,2",
+    "1,3,2,2",
+    "1,3,3,2",
+    "1,3,3,3",
+    "2",
+    "3",
+    "2,1",
+    "3,1",
+    "2,2",
+    "3,2",
+    "3,3",
+    "2,1,1",
+    "3,1,1",
+    "3,2,1",
+)
+CANDIDATE_TOPK = (0, 1, 2, 4, 8, 20)
+AR_PLAN = "ar"  # tree value of the plan that drafts nothing
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the decode loop runs: a static tree and n-gram k, or plain AR steps (tree AR_PLAN)."""
+
+    tree: str  # a tree string ("1,3,3,3"), or AR_PLAN
+    ngram_topk: int
+    from_token: int = 0  # new-token count when the plan started (Stats.plans)
+    probe: bool = False  # the tuner's probe, run to measure acceptance
+
+    def static_tree(self) -> StaticTree | None:
+        return None if self.tree == AR_PLAN else build_static_tree(self.tree)
+
+    def __str__(self) -> str:
+        return f"{'probe ' if self.probe else ''}{self.tree} k={self.ngram_topk} from token {self.from_token}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A candidate plan's expected tokens and seconds per iteration (`choose_plan`)."""
+
+    tree: str  # a tree string, or AR_PLAN
+    ngram_topk: int
+    tokens_per_iteration: float
+    seconds_per_iteration: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_iteration / self.seconds_per_iteration if self.seconds_per_iteration else 0.0
+
+
+def _available(
+    tree_path: tuple[int, ...] | None, ngram_rank: int | None, branching: tuple[int, ...], k: int
+) -> bool:
+    in_tree = (
+        tree_path is not None
+        and len(tree_path) <= len(branching)
+        and all(rank < branching[depth] for depth, rank in enumerate(tree_path))
+    )
+    return in_tree or (ngram_rank is not None and ngram_rank < k)
+
+
+class ProbeRecorder:
+    """Accumulates, per candidate plan, accepted length and trie size over probe iterations."""
+
+    def __init__(self, max_depth: int, probe_tree: str | None = None) -> None:
+        """Candidates: CANDIDATE_TREES at most `max_depth` deep and, given the probe's tree, inside it."""
+        probe = parse_tree(probe_tree) if probe_tree is not None else None
+
+        def fits(branching: tuple[int, ...]) -> bool:
+            if len(branching) > max_depth:
+                return False
+            return probe is None or (
+                len(branching) <= len(probe) and all(b <= p for b, p in zip(branching, probe))
+            )
+
+        self.candidates = [
+            (tree, parse_tree(tree), k)
+            for tree in CANDIDATE_TREES
+            if fits(parse_tree(tree))
+            for k in CANDIDATE_TOPK
+        ]
+        self.accepted = {(tree, k): 0 for tree, _, k in self.candidates}
+        self.nodes = {(tree, k): 0 for tree, _, k in self.candidates}
+        self.counts = {(tree, k): 0 for tree, _, k in self.candidates}  # iterations recorded per candidate
+        self.iterations = 0  # probe iterations
+        self._inside: dict[tuple[tuple[int, ...], int], list[tuple[str, tuple[int, ...], int]]] = {}
+
+    def record(
+        self, trie: Trie, accepted_nodes: Sequence[int], plan: tuple[tuple[int, ...], int] | None = None
+    ) -> None:
+        """One iteration: a probe's (every candidate), or with `plan` = (branching, k) one of that
+        plan's, which informs only the candidates inside it (every node they would verify was verified)."""
+        if plan is None:
+            self.iterations += 1
+            candidates = self.candidates
+        else:
+            candidates = self._candidates_inside(*plan)
+        features = list(zip(trie.tree_paths, trie.ngram_ranks))
+        for tree, branching, k in candidates:
+            self.counts[(tree, k)] += 1
+            size = 1 + sum(_available(p, r, branching, k) for p, r in features[1:])
+            length = 0
+            for node in accepted_nodes:
+                if not _available(trie.tree_paths[node], trie.ngram_ranks[node], branching, k):
+                    break
+                length += 1
+            self.accepted[(tree, k)] += length
+            self.nodes[(tree, k)] += size
+
+    def _candidates_inside(
+        self, branching: tuple[int, ...], k: int
+    ) -> list[tuple[str, tuple[int, ...], int]]:
+        key = (branching, k)
+        if key not in self._inside:
+            self._inside[key] = [
+                (tree, b, candidate_k)
+                for tree, b, candidate_k in self.candidates
+                if candidate_k <= k and len(b) <= len(branching) and all(x <= y for x, y in zip(b, branching))
+            ]
+        return self._inside[key]
+
+    def mean_nodes(self) -> dict[tuple[str, int], float]:
+        return {key: value / max(1, self.counts[key]) for key, value in self.nodes.items()}
+
+    def mean_accepted(self, key: tuple[str, int]) -> float:
+        return self.accepted[key] / max(1, self.counts[key])
+
+
+def interpolate(costs: dict[int, float], size: float) -> float:
+    """Piecewise-linear cost at `size` from measured {trie size: seconds}."""
+    points = sorted(costs.items())
+    if size <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if size <= x1:
+            return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (size - x1) / (x1 - x0)
+
+
+def time_verify(forward, sizes: Sequence[int], repeats: int = 3) -> dict[int, float]:
+    """Median seconds of `forward(size)` for each size (forward runs one masked verify pass).
+
+    Rounds go over every size in turn (not all repeats of one size, then the next), so that a
+    machine whose speed drifts between moments charges the drift to every size alike: plans are
+    chosen on ratios of these costs, and a few percent decide between drafting and AR steps.
+    """
+    for size in sizes:
+        forward(size)  # warm
+    samples: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(repeats):
+        for size in sizes:
+            if torch.cuda.is_available():  # queued work (the warm-up, the last sample) is not this sample's
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            forward(size)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            samples[size].append(time.perf_counter() - start)
+    return {size: statistics.median(values) for size, values in samples.items()}
+
+
+def choose_plan(
+    recorder: ProbeRecorder,
+    verify_costs: dict[int, float],
+    draft_s: float,
+    overhead_s: float,
+    sampling_costs: dict[int, float] | None = None,
+    device: torch.device = torch.device("cuda"),
+    per_node_s: float = 0.0,
+    batched_draft_s: float | None = None,
+) -> tuple[Estimate, list[Estimate]]:
+    """Best plan (and all, best first) from probe acceptance, verify costs and per-iteration costs.
+
+    `sampling_costs` {N: seconds} is what sampling N verified nodes as one batch costs (measured);
+    tries that `sampled_in_one_batch` says no to on `device` sample one node per visit instead,
+    i.e. about one single-node cost per committed token. Without it the sampling is taken to be
+    inside `overhead_s`, an AR step paying half of that. `per_node_s` is host work per trie node.
+    `batched_draft_s`, when given, replaces `draft_s` for tries sampled as one batch (drafting from
+    the verify pass, their drafts come out of that batch's head pass: only the ranking is left).
+    """
+
+    def sampling(nodes: float, tokens: float) -> float:
+        if sampling_costs is None:
+            return 0.0
+        if not sampled_in_one_batch(nodes, device):
+            return interpolate(sampling_costs, 1) * tokens
+        return interpolate(sampling_costs, nodes)
+
+    ar_overhead = sampling(1, 1) if sampling_costs is not None else overhead_s / 2
+    plans = [Estimate(AR_PLAN, 0, 1.0, interpolate(verify_costs, 1) + ar_overhead)]
+    for (tree, k), nodes in recorder.mean_nodes().items():
+        tokens = 1 + recorder.mean_accepted((tree, k))
+        batched = sampled_in_one_batch(nodes, device)
+        draft = batched_draft_s if batched_draft_s is not None and batched else draft_s
+        seconds = (
+            draft
+            + overhead_s
+            + per_node_s * nodes
+            + interpolate(verify_costs, nodes)
+            + sampling(nodes, tokens)
+        )
+        plans.append(Estimate(tree, k, tokens, seconds))
+    plans.sort(key=lambda plan: -plan.tokens_per_s)
+    return plans[0], plans
+
+
+# ---------------------------------------------------------------- measured costs
+
+
+def measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[int, float]:
+    """Seconds of one verify forward at the current context for several trie sizes."""
+    device = engine.device
+    root_position = state.root_position
+
+    def forward(size: int) -> None:
+        tokens = torch.full((size,), state.tokens[-1], dtype=torch.long, device=device)
+        positions = torch.arange(root_position, root_position + size, device=device)
+        forward_full(engine, state, tokens, positions)
+        state.full.pending = 0  # timing only: nothing written is kept
+
+    # small sizes too: with a tree-attention kernel a few tokens cost what one does (not a straight line to
+    # 16)
+    sizes = sorted({s for s in (1, 2, 4, 8, 16, 48) if s <= max_size} | {max_size})
+    return time_verify(forward, sizes, repeats=5)
+
+
+def measure_ranking(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> float:
+    """Seconds to draft from logits the verify pass's head pass already holds (transforms and
+    noise ranking of one draft level): the whole drafting cost of a batched trie in verify mode."""
+    logits = engine.model.draft_logits(hidden[None], engine.draft_layers, 1)[:, 0]  # [1, V]
+    tree = build_static_tree("3")
+    return time_verify(lambda _: top_candidates(logits, state, tree), [1], repeats=3)[1]
+
+
+def measure_sampling(
+    engine: Engine, state: DecodeState, hidden: torch.Tensor, draft_depth: int
+) -> dict[int, float]:
+    """Seconds to turn verified rows into the target's samples: N = 1 is an AR step's (`sample_next`);
+    N = 2..BATCHED_NODES_MAX a trie of N nodes sampled as one batch (LM-head pass with `draft_depth`
+    draft rows per node, transforms, noise, one read). hidden [hidden] stands in for every node."""
+
+    def sample(size: int) -> None:
+        if size == 1:
+            sample_next(engine, state, hidden)
+            return
+        trie = build_trie(state.tokens[-1], build_static_tree(str(size - 1)), [list(range(size - 1))])
+        NodeTargets(engine, state, trie, hidden.expand(size, -1).contiguous(), draft_depth).sample(0)
+
+    return time_verify(sample, [1, 2, 4, 8, BATCHED_NODES_MAX], repeats=5)
+
+
+# ---------------------------------------------------------------- the tuner
+
+
+@dataclass
+class IterationCosts:
+    """Host work of one drafting iteration, as the loop timed it."""
+
+    draft_s: float
+    trie_s: float
+    commit_s: float
+    nodes: int
+
+
+class Tuner:
+    """`--tree auto`: probes, records acceptance, prices plans and says which plan runs next.
+
+    The loop calls `plan` before an iteration and `observe` after it; every plan is lossless, so
+    the tuner decides speed only.
+    """
+
+    def __init__(
+        self, engine: Engine, state: DecodeState, from_verify: bool, max_trie: int, clock: Callable[[], int]
+    ) -> None:
+        self.engine, self.state, self.from_verify, self.max_trie = engine, state, from_verify, max_trie
+        self.clock = clock  # new tokens so far (plans are logged by it)
+        self.probe_tree = VERIFY_PROBE_TREE if from_verify else PROBE_TREE
+        max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
+        self.recorder = ProbeRecorder(max_depth=max_depth, probe_tree=self.probe_tree)  # kept over all probes
+        self.history: list[Plan] = []
+        self._probe_costs = IterationCosts(0.0, 0.0, 0.0, 0)
+        self._probe_iterations = 0
+        self._next_probe = 0
+        self._start_probe()
+
+    @property
+    def plan(self) -> Plan:
+        return self.history[-1]
+
+    def _start_probe(self) -> None:
+        self.history.append(Plan(self.probe_tree, PROBE_TOPK, max(1, self.clock()), probe=True))
+        self._probe_costs, self._probe_iterations = IterationCosts(0.0, 0.0, 0.0, 0), 0
+
+    def observe(
+        self,
+        trie: Trie | None,
+        accepted_nodes: Sequence[int],
+        costs: IterationCosts | None,
+        last_hidden: torch.Tensor,
+        done: bool,
+    ) -> Plan:
+        """Record one finished iteration (trie None: a plain AR step); returns the plan to run next."""
+        plan = self.plan
+        if plan.probe and trie is not None and costs is not None:
+            self.recorder.record(trie, accepted_nodes)
+            totals = self._probe_costs
+            totals.draft_s += costs.draft_s
+            totals.trie_s += costs.trie_s
+            totals.commit_s += costs.commit_s
+            totals.nodes += costs.nodes
+            self._probe_iterations += 1
+            if self._probe_iterations >= PROBE_ITERATIONS and not done:
+                self._choose(last_hidden)
+        elif trie is not None and not done:  # the chosen plan's iterations count too
+            self.recorder.record(trie, accepted_nodes, (parse_tree(plan.tree), plan.ngram_topk))
+        if not self.plan.probe and len(self.state.tokens) >= self._next_probe:
+            self._start_probe()
+        return self.plan
+
+    def _choose(self, last_hidden: torch.Tensor) -> None:
+        engine, state, count = self.engine, self.state, self._probe_iterations
+        totals = self._probe_costs
+        verify_costs = measure_verify(engine, state, self.max_trie)
+        # drafting from the verify pass the head pass carries draft rows (one level: the trees CPUs pick)
+        sampling = measure_sampling(engine, state, last_hidden, 1 if self.from_verify else 0)
+        best, _ = choose_plan(
+            self.recorder,
+            verify_costs,
+            totals.draft_s / count,
+            totals.commit_s / count,
+            sampling,
+            engine.device,
+            per_node_s=totals.trie_s / totals.nodes,  # building a trie (n-grams included)
+            batched_draft_s=measure_ranking(engine, state, last_hidden) if self.from_verify else None,
+        )
+        self.history.append(Plan(best.tree, best.ngram_topk, self.clock()))
+        self._next_probe = len(state.tokens) + (RETUNE_AFTER_AR if best.tree == AR_PLAN else RETUNE_EVERY)

@@ -1,0 +1,83 @@
+"""Linear layers whose inference on a CPU runs through oneDNN with a prepacked weight.
+
+Why: with PyTorch's default CPU path (MKL sgemm) a float32 linear over M rows costs about M times
+one row on the machines this project is developed on (AMD EPYC: MKL takes its generic code path),
+so verifying a 4-token tree paid 3-4x an AR step in its matmuls. With the weight reordered once
+into oneDNN's blocked layout, 1 to 8 rows cost about what one does, which is what speculative
+verification needs. A decoder's weights stream from memory in every forward, and there the packed
+layout is faster for single rows too (`scripts/cpu_step_costs.py`, docs/runtime.md).
+
+`Linear` is `nn.Linear` (same parameters, same state-dict keys, same autograd, export and GPU
+behaviour) plus `pack()`. Once packed, a CPU forward under `torch.inference_mode()` uses the
+packed copy. It is dropped as soon as the weight changes (a new Parameter, an in-place update,
+another device or dtype), so training and reloading stay correct.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def packing_available() -> bool:
+    """oneDNN (mkldnn) with the linear-prepack ops is part of this torch build."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class Linear(nn.Linear):
+    """nn.Linear with an optional oneDNN-prepacked copy of its weight for CPU inference."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._packed: torch.Tensor | None = None
+        self._packed_from: tuple[int, int, torch.dtype] | None = None  # _identity of the packed weight
+
+    def pack(self) -> bool:
+        """Prepack the weight for CPU inference; False (nothing changes) where it cannot be done."""
+        weight = self.weight
+        if (
+            weight.device.type != "cpu"
+            or weight.dtype not in (torch.float32, torch.bfloat16)
+            or not packing_available()
+        ):
+            self._packed = None
+            return False
+        try:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)
+        except RuntimeError:  # e.g. bfloat16 on a CPU without AVX-512 / AVX-NE-CONVERT: plain F.linear
+            self._packed = None
+            return False
+        self._packed_from = _identity(weight)
+        return True
+
+    @property
+    def packed(self) -> bool:
+        """The packed copy exists and still matches the weight."""
+        return self._packed is not None and self._packed_from == _identity(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        usable = self._packed is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
+        if not usable or not torch.is_inference_mode_enabled():
+            return F.linear(x, self.weight, self.bias)
+        if not self.packed:  # the weight changed since pack(): never use a stale copy
+            self._packed = None
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")  # [rows, out]
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """What changes when a weight does: the Parameter, its in-place version, its dtype. (Weights
+    created under inference mode carry no version; they cannot be changed outside it.)"""
+    return id(weight), -1 if weight.is_inference() else weight._version, weight.dtype
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Prepack every `Linear` inside `module` (CPU float32/bfloat16); returns how many were packed."""
+    return sum(1 for child in module.modules() if isinstance(child, Linear) and child.pack())

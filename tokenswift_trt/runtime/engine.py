@@ -1,0 +1,214 @@
+"""Load a Hugging Face model directory (+ optional draft-layer heads file) into a runnable engine.
+
+Every checkpoint key and shape is checked against the model built from `config.json` before any
+weight is used; tensors are read through safetensors' memory map onto a meta-initialised model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import kernels
+from .config import ModelConfig, load_config
+from .cpu_linear import pack_linears
+from .draft_layers import DraftLayers, draft_key
+from .model import Decoder, LlamaModel
+
+
+class WeightsError(ValueError):
+    """A checkpoint does not match the model its config describes."""
+
+
+class UntrainedDraftLayersWarning(UserWarning):
+    """The engine runs with zero-initialised draft layers: lossless, but acceptance will be low."""
+
+
+class KernelFallbackWarning(UserWarning):
+    """On CUDA, the tree-attention kernel could not be used; attention runs through SDPA (same results)."""
+
+
+@dataclass
+class Engine:
+    config: ModelConfig
+    model: Decoder  # LlamaModel, or an exported-graph decoder (engine_dir.py)
+    draft_layers: DraftLayers
+    trained_draft_layers: bool
+    dtype: torch.dtype
+    device: torch.device
+
+    def model_parameters(self) -> list[torch.nn.Parameter]:
+        """Base and draft-layer parameters (for memory accounting; onnx/TensorRT keep the torch copy too)."""
+        model = self.model.torch_model
+        return list(model.parameters()) + list(self.draft_layers.parameters())
+
+
+DEFAULT_HEADS_FILE = "heads.safetensors"  # picked up from the model directory when present
+_IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / name for name in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        files = [f for f in files if not f.name.startswith("heads")]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightsError(f"missing weight shard(s): {', '.join(missing)}")
+    if not files:
+        raise WeightsError(
+            f"no *.safetensors weights in {model_dir}: expected model.safetensors or a sharded index"
+        )
+    return files
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def _check_and_assign(
+    module: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    what: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise WeightsError(f"{what}: {len(missing)} missing weight(s), first: {', '.join(missing[:3])}")
+    if unexpected:
+        raise WeightsError(
+            f"{what}: {len(unexpected)} unexpected weight(s), first: {', '.join(unexpected[:3])}"
+        )
+    for key, tensor in tensors.items():
+        want = tuple(expected[key].shape)
+        if tuple(tensor.shape) != want:
+            raise WeightsError(f"{what}: {key} has shape {tuple(tensor.shape)}, the config implies {want}")
+    module.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, assign=True)
+
+
+def load_engine(
+    model_dir: str | Path,
+    heads_file: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Engine:
+    """Load base weights and draft layers; zero-initialised draft layers (with a warning) when none exist.
+
+    Draft layers come from `heads_file`, else from the checkpoint's released-format keys, else
+    from `heads.safetensors` in the model directory.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise WeightsError(f"model directory {model_dir} does not exist")
+    config = load_config(model_dir)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaModel(config, device="meta")
+    tensors = _read_tensors(_safetensors_files(model_dir))
+    base = {k: v for k, v in tensors.items() if draft_key(k) is None and not _IGNORED_KEYS.match(k)}
+    draft = {draft_key(k): v for k, v in tensors.items() if draft_key(k) is not None}
+    if config.tie_word_embeddings:
+        base.pop("lm_head.weight", None)
+    _check_and_assign_base(model, base, config, dtype, device)
+
+    if heads_file is None and not draft and (model_dir / DEFAULT_HEADS_FILE).is_file():
+        heads_file = model_dir / DEFAULT_HEADS_FILE
+    if heads_file is not None:
+        heads_path = Path(heads_file)
+        if not heads_path.is_file():
+            raise WeightsError(f"heads file {heads_path} does not exist")
+        draft = {draft_key(k) or k: v for k, v in _read_tensors([heads_path]).items()}
+    num_draft = len({k.split(".")[1] for k in draft}) if draft else config.num_draft_layers
+    draft_layers = DraftLayers(config, num_draft).to(device=device, dtype=dtype)
+    if draft:
+        _check_and_assign(draft_layers, draft, "draft layers", dtype, device)
+    else:
+        draft_layers.zero_()
+        warnings.warn(
+            f"{model_dir} has no draft layers: running with zero-initialised ones, output stays exact "
+            "but acceptance will be low (train them with `tokenswift-trt train-heads`)",
+            UntrainedDraftLayersWarning,
+            stacklevel=2,
+        )
+    model.rotary.to(device)
+    model.eval()
+    draft_layers.eval()
+    choose_attention_kernel(model, config, dtype, device)
+    pack_linears(model)  # CPU only: oneDNN-prepacked weights (cpu_linear.py)
+    pack_linears(draft_layers)
+    return Engine(config, model, draft_layers, bool(draft), dtype, device)
+
+
+def choose_attention_kernel(
+    model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Verify through a tree-attention kernel: on CUDA with fp16/bf16 and a supported head size; on a
+    CPU with float32 and head_dim 16/32/64/128 (compiled on first use; TOKENSWIFT_CPU_KERNEL=0 keeps SDPA)."""
+    if device.type == "cpu":
+        if not kernels.cpu_kernel_supports(dtype, config.head_dim) or kernels.cpu_kernels_switched_off():
+            return
+        status = kernels.load_cpu_kernels()
+        if status.loaded:
+            model.use_attention_kernel("cpu_tree_attention")
+            return
+        warnings.warn(
+            f"CPU tree-attention kernel not used ({status.reason}); attention runs through SDPA",
+            KernelFallbackWarning,
+            stacklevel=3,
+        )
+        return
+    if device.type != "cuda":
+        return
+    if not kernels.kernel_supports(dtype, config.head_dim):
+        reason = f"the kernel covers float16/bfloat16 and head_dim {kernels.SUPPORTED_HEAD_DIMS}"
+    else:
+        status = kernels.load_cuda_kernels()
+        problem = (
+            kernels.shared_memory_problem(status, config.head_dim, device) if status.loaded else status.reason
+        )
+        if problem is None:
+            model.use_attention_kernel("tree_attention")
+            return
+        reason = problem
+    warnings.warn(
+        f"tree-attention kernel not used ({reason}); attention runs through SDPA",
+        KernelFallbackWarning,
+        stacklevel=3,
+    )
+
+
+def _check_and_assign_base(
+    model: LlamaModel,
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    if config.tie_word_embeddings:
+        # the tied head is not a separate tensor: check and load the rest, then re-tie
+        head = model.lm_head
+        model.lm_head = torch.nn.Identity()  # type: ignore[assignment]
+        try:
+            _check_and_assign(model, tensors, "base model", dtype, device)
+        finally:
+            model.lm_head = head
+        model.tie_weights()
+    else:
+        _check_and_assign(model, tensors, "base model", dtype, device)

@@ -1,0 +1,166 @@
+"""Fixed-shape forwards on a preallocated cache: the unit CUDA graphs capture.
+
+A dynamic forward's shapes change every iteration (tree size T, context length L). Here every
+forward runs at a bucketed size Tb >= T over the cache's whole capacity, with everything that
+varies held in device tensors at fixed addresses:
+- tokens / positions [Tb] (padding: token 0 at the root's position, seeing only itself),
+- the tree mask [Tb, Tb] among the new tokens,
+- the committed length, a 0-d tensor: the attention mask [Tb, capacity] and the cache slots the
+  new K/V go to (length .. length + Tb - 1) are computed from it on the device.
+So one graph per bucket, captured once, replays for every iteration at any context. On a CPU (or
+with capture off) the same fixed-shape forward runs eagerly: identical arithmetic, which is what
+the CPU tests compare against the dynamic path.
+
+Attention reads the whole capacity (masked beyond the length), as static-cache decoders do; the
+new tokens' K/V land in the cache's pending slots, so `commit`/`keep` work unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache, PartialKVCache
+from .model import ForwardOutput, LlamaModel, StaticAttention
+from .transfer import copy_from_host
+
+# Tree sizes a fixed-shape step is padded to. Padding nodes cost as much as real ones (each attends
+# to the whole cache), so the steps are fine: a 1,3,3,3 trie (41 nodes) runs at 48, not 64 (on an
+# H100 the tree-attention kernel took 0.48 ms for a 41-token tree and 0.95 ms for 64 over 128K keys).
+BUCKETS = (1, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+def bucket_for(count: int) -> int:
+    """Smallest bucket holding `count` tokens; beyond the largest bucket, `count` itself."""
+    return next((bucket for bucket in BUCKETS if bucket >= count), count)
+
+
+class _SlotWriter:
+    """Cache adapter for one fixed-shape forward: writes new K/V at device-side slots, reads all slots."""
+
+    def __init__(self, cache: KVCache | PartialKVCache, slots: torch.Tensor) -> None:
+        self.cache, self.slots = cache, slots  # slots [Tb] int64 on the cache's device
+
+    @property
+    def prefix_length(self) -> int:  # not used: the forward is given its full mask
+        raise AttributeError("a fixed-shape forward takes an explicit attention mask")
+
+    def attend_kv(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.keys[layer].index_copy_(1, self.slots, keys)  # keys [kv_heads, Tb, head_dim]
+        self.cache.values[layer].index_copy_(1, self.slots, values)
+        return self.cache.keys[layer], self.cache.values[layer]  # [kv_heads, capacity, head_dim]
+
+
+@dataclass
+class _Bucket:
+    tokens: torch.Tensor  # [Tb] int64
+    positions: torch.Tensor  # [Tb] int64
+    tree_mask: torch.Tensor  # [Tb, Tb] bool
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    output: ForwardOutput | None = None  # the graph's static outputs
+
+
+@dataclass
+class StepCounters:
+    eager_runs: int = 0
+    graph_replays: int = 0
+    captures: int = 0
+    buckets_used: set[int] = field(default_factory=set)
+
+
+class StaticForward:
+    """Fixed-shape forwards of `model` on `cache` (a full or partial KV cache), by bucket."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache | PartialKVCache, capture: bool) -> None:
+        self.model, self.cache = model, cache
+        device = cache.keys.device
+        self.capacity = cache.keys.shape[2]
+        self.capture = capture and device.type == "cuda"
+        self.columns = torch.arange(self.capacity, device=device)  # [capacity]
+        self.length = torch.zeros((), dtype=torch.long, device=device)  # committed slots, set before each run
+        self.buckets: dict[int, _Bucket] = {}
+        self.counters = StepCounters()
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def fits(self, count: int) -> bool:
+        return self.cache.length + bucket_for(count) <= self.capacity
+
+    def run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None = None
+    ) -> ForwardOutput:
+        """tokens/positions [T] (device), tree_mask [T, T] bool on the host (None = causal) -> hidden
+        [T, hidden], queries [T, heads, head_dim] per layer.
+
+        Leaves T pending slots in the cache, as a dynamic forward does.
+        """
+        count = tokens.shape[0]
+        size = bucket_for(count)
+        if not self.fits(count):
+            raise ValueError(f"fixed-shape forward of {size} tokens past cache capacity {self.capacity}")
+        bucket = self.buckets.get(size) or self._new_bucket(size)
+        bucket.tokens[:count].copy_(tokens)
+        bucket.tokens[count:].zero_()
+        bucket.positions[:count].copy_(positions)
+        bucket.positions[count:].copy_(positions[:1].expand(size - count))
+        mask = torch.eye(size, dtype=torch.bool)  # built on the host (small), one copy to the device
+        mask[:count, :count] = (
+            torch.ones(count, count, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+        )
+        copy_from_host(bucket.tree_mask, mask)
+        self.length.fill_(self.cache.length)
+        self.counters.buckets_used.add(size)
+        if self.capture:
+            with torch.cuda.device(
+                self.columns.device
+            ):  # streams and graphs belong to the cache's GPU (cuda:N)
+                if bucket.graph is None:
+                    self._capture(bucket)
+                bucket.graph.replay()
+            self.counters.graph_replays += 1
+            output = bucket.output
+        else:
+            output = self._forward(bucket)
+            self.counters.eager_runs += 1
+        assert output is not None and output.queries is not None
+        if isinstance(self.cache, KVCache):  # the partial cache never commits draft tokens
+            self.cache.pending = count
+        # copies: the graph's output buffers are overwritten by the next replay
+        return ForwardOutput(
+            hidden=output.hidden[:count].clone(), queries=[q[:count].clone() for q in output.queries]
+        )
+
+    def _new_bucket(self, size: int) -> _Bucket:
+        device = self.columns.device
+        bucket = _Bucket(
+            tokens=torch.zeros(size, dtype=torch.long, device=device),
+            positions=torch.zeros(size, dtype=torch.long, device=device),
+            tree_mask=torch.eye(size, dtype=torch.bool, device=device),
+        )
+        self.buckets[size] = bucket
+        return bucket
+
+    def _forward(self, bucket: _Bucket) -> ForwardOutput:
+        size = bucket.tokens.shape[0]
+        slots = self.length + torch.arange(size, device=self.columns.device)  # [Tb]
+        mask = (self.columns[None, :] < self.length).expand(size, -1).clone()  # [Tb, capacity]: committed
+        mask[:, slots] = bucket.tree_mask  # the new tokens among themselves
+        static = StaticAttention(full_mask=mask, tree_mask=bucket.tree_mask, prefix_length=self.length)
+        return self.model.decode(
+            bucket.tokens, bucket.positions, _SlotWriter(self.cache, slots), keep_queries=True, static=static
+        )
+
+    def _capture(self, bucket: _Bucket) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (allocator, kernel selection)
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            bucket.output = self._forward(bucket)
+        bucket.graph = graph
+        self.counters.captures += 1

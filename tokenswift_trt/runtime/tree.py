@@ -1,0 +1,181 @@
+"""Draft trees: the static tree over draft-head candidates, and the per-iteration trie.
+
+Terms: the *root* is the last sampled token (not yet in the KV cache); node 0 of every tree is the
+root. A node at depth d proposes a token for position root + d. In the static tree a node at
+depth d takes the candidate of rank `rank` from head d-1 (head 0 is the base model's own head).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class TreeSpecError(ValueError):
+    """A tree string such as `1,3,3,3` is malformed."""
+
+
+def parse_tree(spec: str | Sequence[int]) -> tuple[int, ...]:
+    """'1,3,3,3' -> (1, 3, 3, 3): candidates per node at each depth."""
+    if isinstance(spec, str):
+        parts = [p.strip() for p in spec.strip().strip("[]").split(",")]
+        try:
+            branching = tuple(int(p) for p in parts)
+        except ValueError:
+            raise TreeSpecError(
+                f"tree {spec!r} must be comma-separated positive integers, e.g. 1,3,3,3"
+            ) from None
+    else:
+        branching = tuple(int(b) for b in spec)
+    if not branching or any(b < 1 for b in branching):
+        raise TreeSpecError(f"tree {spec!r} must be comma-separated positive integers, e.g. 1,3,3,3")
+    if len(branching) > 8:
+        raise TreeSpecError(f"tree {spec!r} is deeper than 8")
+    return branching
+
+
+def ancestor_mask(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """parents [N] (root's parent = -1) -> mask [N, N] bool, node i sees itself and its ancestors."""
+    count = parents.numel()
+    mask = torch.eye(count, dtype=torch.bool)
+    rows = torch.arange(count)
+    ancestor = parents.clamp(min=0)
+    for _ in range(depth):
+        mask[rows, ancestor] = True
+        ancestor = parents.clamp(min=0)[ancestor]
+    return mask
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    branching: tuple[int, ...]
+    parents: torch.Tensor  # [N] int64, -1 for the root
+    depths: torch.Tensor  # [N] int64
+    ranks: torch.Tensor  # [N] int64, candidate rank in head depth-1; -1 for the root
+    mask: torch.Tensor  # [N, N] bool
+    paths: tuple[tuple[int, ...], ...]  # [N] candidate ranks from depth 1 to the node
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return len(self.branching)
+
+
+def build_static_tree(spec: str | Sequence[int]) -> StaticTree:
+    """Every node at depth d has branching[d] children (ranks 0..b-1), breadth first."""
+    branching = parse_tree(spec)
+    paths: list[tuple[int, ...]] = [()]
+    parents, frontier = [-1], [0]
+    for width in branching:
+        next_frontier = []
+        for parent in frontier:
+            for rank in range(width):
+                paths.append(paths[parent] + (rank,))
+                parents.append(parent)
+                next_frontier.append(len(paths) - 1)
+        frontier = next_frontier
+    parent_tensor = torch.tensor(parents, dtype=torch.long)
+    return StaticTree(
+        branching=branching,
+        parents=parent_tensor,
+        depths=torch.tensor([len(p) for p in paths], dtype=torch.long),
+        ranks=torch.tensor([p[-1] if p else -1 for p in paths], dtype=torch.long),
+        mask=ancestor_mask(parent_tensor, len(branching)),
+        paths=tuple(paths),
+    )
+
+
+class Trie:
+    """De-duplicated merge of candidate paths after the root; one verification forward covers it.
+
+    from_tree[i] is True when node i belongs to the static tree (else it came from an n-gram);
+    tree_paths[i] is its candidate-rank path in the static tree (None if not in it) and
+    ngram_ranks[i] the best rank of an n-gram branch through it (None if none), which lets the
+    tree tuner tell which nodes a smaller tree or k would also have had.
+    """
+
+    def __init__(self, root_token: int) -> None:
+        self.tokens: list[int] = [root_token]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self.children: list[dict[int, int]] = [{}]
+        self.from_tree: list[bool] = [True]
+        self.tree_paths: list[tuple[int, ...] | None] = [()]
+        self.ngram_ranks: list[int | None] = [None]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add_path(
+        self,
+        tokens: Iterable[int],
+        from_tree: bool,
+        tree_path: tuple[int, ...] = (),
+        ngram_rank: int | None = None,
+    ) -> int:
+        """Insert the path root -> tokens...; returns its last node."""
+        node = 0
+        for depth, token in enumerate(tokens, start=1):
+            child = self.children[node].get(token)
+            if child is None:
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(depth)
+                self.children.append({})
+                self.from_tree.append(False)
+                self.tree_paths.append(None)
+                self.ngram_ranks.append(None)
+                self.children[node][token] = child
+            if from_tree:
+                self.from_tree[child] = True
+                self.tree_paths[child] = tree_path[:depth] if tree_path else None
+            if ngram_rank is not None:
+                best = self.ngram_ranks[child]
+                self.ngram_ranks[child] = ngram_rank if best is None else min(best, ngram_rank)
+            node = child
+        return node
+
+    def mask(self) -> torch.Tensor:
+        """[N, N] bool ancestor mask (shared between tries of one shape: read it, do not modify it)."""
+        return _ancestor_mask_of(tuple(self.parents), max(self.depths))
+
+
+@functools.lru_cache(maxsize=256)
+def _ancestor_mask_of(parents: tuple[int, ...], depth: int) -> torch.Tensor:
+    """`ancestor_mask` memoised by the parents list (`depth` follows from it): a static tree
+    without n-gram branches has the same shape every iteration, and building the mask cost ~30 µs
+    on a CPU."""
+    return ancestor_mask(torch.tensor(parents, dtype=torch.long), depth)
+
+
+def build_trie(
+    root_token: int,
+    tree: StaticTree,
+    head_candidates: list[list[int]],  # [heads][candidates] token ids, best first
+    ngram_paths: Sequence[Sequence[int]] = (),
+    ngrams_from_root: bool = False,
+) -> Trie:
+    """Static tree filled from each head's candidates, plus n-gram branches, merged into one trie.
+
+    N-gram paths start with a depth-1 token, or with the root itself when `ngrams_from_root`
+    (drafting from the verify pass, where the root is head 0's token): that first token is then
+    dropped.
+    """
+    trie = Trie(root_token)
+    for path in tree.paths:
+        if len(path) == tree.depth:  # leaves; their ancestors come with them
+            tokens = [head_candidates[depth][rank] for depth, rank in enumerate(path)]
+            trie.add_path(tokens, from_tree=True, tree_path=path)
+    ranks: dict[int, int] = {}
+    for path in ngram_paths:  # rank = position among the grams of the same first token
+        rank = ranks.get(path[0], 0)
+        ranks[path[0]] = rank + 1
+        trie.add_path(path[1:] if ngrams_from_root else path, from_tree=False, ngram_rank=rank)
+    return trie

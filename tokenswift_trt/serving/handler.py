@@ -1,0 +1,208 @@
+"""Request handling for the Triton model, free of Triton types so that it is testable on its own.
+
+`parse_request` turns named numpy inputs into a `GenerationConfig` (or raises `RequestError` with
+a message for the client); `Session.run` generates and streams text increments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats, generate
+from tokenswift_trt.runtime.engine import Engine, load_engine
+from tokenswift_trt.runtime.engine_dir import MANIFEST, load_engine_dir
+from tokenswift_trt.runtime.journal import JournalError, JournalWriter, journal_header, resume_journal
+from tokenswift_trt.runtime.request import config_from, manifest_defaults, with_fixed_seed
+from tokenswift_trt.runtime.text import StreamDecoder, TextCodec
+
+# Triton request inputs that set generation settings: input name -> (setting, type). Unset ones take
+# the engine's defaults (its manifest), then GenerationConfig's; max_tokens is max_new_tokens.
+REQUEST_SETTINGS: dict[str, tuple[str, type]] = {
+    "temperature": ("temperature", float),
+    "top_k": ("top_k", int),
+    "top_p": ("top_p", float),
+    "min_p": ("min_p", float),
+    "eta": ("eta", float),
+    "repetition_penalty": ("penalty", float),
+    "penalty_window": ("penalty_window", int),
+    "ngram_topk": ("ngram_topk", int),
+    "seed": ("seed", int),
+    "method": ("method", str),
+    "ignore_eos": ("ignore_eos", bool),
+    "tree": ("tree", str),
+    "draft_source": ("draft_source", str),
+}
+
+
+class RequestError(ValueError):
+    """A bad request: the message goes back to the client; the server stays up."""
+
+
+class Cancelled(Exception):
+    """The client cancelled or disconnected."""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    config: GenerationConfig
+    stream: bool
+    journal: Path | None = None  # journal of this request id (journaling enabled)
+    done_ids: list[int] = field(default_factory=list)  # tokens generated before a resume
+    finished: bool = False  # a resumed journal that had already finished
+
+
+def _scalar(inputs: dict[str, np.ndarray], name: str, kind: type, default: Any) -> Any:
+    value = inputs.get(name)
+    if value is None:
+        return default
+    if value.size != 1:
+        raise RequestError(f"{name} must hold exactly one value, got {value.size}")
+    item = value.reshape(-1)[0]
+    if kind is str:
+        if not isinstance(item, bytes | str):
+            raise RequestError(f"{name} must be a string")
+        try:
+            return item.decode("utf-8") if isinstance(item, bytes) else item
+        except UnicodeDecodeError:
+            raise RequestError(f"{name} is not valid UTF-8") from None
+    return kind(item)
+
+
+class Session:
+    """A loaded engine and tokenizer, with the engine's sampling defaults."""
+
+    def __init__(
+        self,
+        source: str | Path,
+        device: str = "cpu",
+        journal_dir: str | Path | None = None,
+        memory_budget: int | None = None,
+    ) -> None:
+        source = Path(source)
+        self.memory_budget = memory_budget  # bytes the caches of one request may use; None = free memory
+        self.journal_dir = Path(journal_dir) if journal_dir else None
+        if self.journal_dir is not None:
+            self.journal_dir.mkdir(parents=True, exist_ok=True)
+        if (source / MANIFEST).is_file():
+            self.engine, manifest = load_engine_dir(source, device=device)
+            self.codec = TextCodec.from_dir(source / "model")
+            self.defaults = manifest_defaults(manifest)
+            self.max_length = manifest.max_sequence_length
+        else:
+            self.engine: Engine = load_engine(source, device=device)
+            self.codec = TextCodec.from_dir(source)
+            self.defaults: dict[str, Any] = {}
+            self.max_length = self.engine.config.max_position_embeddings
+
+    def _journal_path(self, inputs: dict[str, np.ndarray]) -> Path | None:
+        request_id = _scalar(inputs, "request_id", str, None)
+        if request_id is None:
+            return None
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", request_id):
+            raise RequestError("request_id must be 1-128 characters of A-Z a-z 0-9 . _ -")
+        if self.journal_dir is None:
+            raise RequestError("this server keeps no journals: start it with --journal-dir to use request_id")
+        return self.journal_dir / f"{request_id}.journal"
+
+    def _resume(self, path: Path, stream: bool) -> Request:
+        if not path.is_file():
+            raise RequestError(f"no journal for this request_id to resume ({path.name})")
+        try:
+            resumed = resume_journal(path, self.engine.config.eos_token_ids)
+        except JournalError as error:
+            raise RequestError(f"cannot resume {path.name}: {error}") from None
+        return Request(resumed.prompt_ids, resumed.config, stream, path, resumed.done_ids, resumed.finished)
+
+    def parse(self, inputs: dict[str, np.ndarray]) -> Request:
+        journal = self._journal_path(inputs)
+        if _scalar(inputs, "resume", bool, False):
+            if journal is None:
+                raise RequestError("resume needs the request_id of the interrupted request")
+            return self._resume(journal, _scalar(inputs, "stream", bool, False))
+        if "text_input" not in inputs:
+            raise RequestError("text_input is required")
+        text = _scalar(inputs, "text_input", str, "")
+        if not text.strip():
+            raise RequestError("text_input is empty")
+        if "max_tokens" not in inputs:
+            raise RequestError("max_tokens is required")
+        max_tokens = _scalar(inputs, "max_tokens", int, 0)
+        if max_tokens <= 0:
+            raise RequestError(f"max_tokens must be positive, got {max_tokens}")
+        overrides = {
+            setting: _scalar(inputs, name, kind, None) for name, (setting, kind) in REQUEST_SETTINGS.items()
+        }
+        try:
+            config = config_from(self.defaults, {**overrides, "max_new_tokens": max_tokens})
+        except GenerationError as error:
+            raise RequestError(str(error)) from None
+        prompt_ids = self.codec.encode(text)
+        if len(prompt_ids) + max_tokens > self.max_length:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's "
+                f"maximum length {self.max_length}"
+            )
+        if journal is not None:
+            config = with_fixed_seed(config)
+        return Request(prompt_ids, config, _scalar(inputs, "stream", bool, False), journal)
+
+    def run(
+        self, request: Request, on_text: Callable[[str], None], cancelled: Callable[[], bool]
+    ) -> tuple[str, Stats]:
+        """Generate; `on_text` gets text increments (streaming), `cancelled` is polled every iteration.
+
+        A resumed request first streams the text generated before the interruption.
+        """
+        decoder = StreamDecoder(self.codec)
+        writer = None
+        if request.journal is not None:
+            header = (
+                None
+                if request.done_ids or request.finished
+                else journal_header(request.prompt_ids, request.config)
+            )
+            writer = JournalWriter(request.journal, header, every=16)
+
+        def on_tokens(ids: list[int]) -> None:
+            if cancelled():
+                raise Cancelled()
+            if writer is not None:
+                writer.add(ids)
+            piece = decoder.push(ids)
+            if piece:
+                on_text(piece)
+
+        if request.done_ids:
+            piece = decoder.push(request.done_ids)
+            if piece:
+                on_text(piece)
+        stats = Stats(method=request.config.method, seed=request.config.seed or 0)
+        completed = False
+        try:
+            ids: list[int] = []
+            if not request.finished:
+                remaining = request.config.max_new_tokens - len(request.done_ids)
+                config = dataclasses.replace(
+                    request.config, max_new_tokens=max(1, remaining), memory_budget=self.memory_budget
+                )
+                ids, stats = generate(
+                    self.engine, request.prompt_ids + request.done_ids, config, on_tokens=on_tokens
+                )
+            completed = True
+        except GenerationError as error:
+            raise RequestError(str(error)) from None
+        finally:
+            if writer is not None:
+                writer.close(finished=completed)
+        rest = decoder.flush()
+        if rest:
+            on_text(rest)
+        return self.codec.decode(request.done_ids + ids), stats

@@ -1,0 +1,194 @@
+"""Start and stop a real `tritonserver` on the `model_repo/` repository.
+
+Locally the binary comes from the `nvidia-pytriton` wheel, with the Python-backend stub for the
+running interpreter copied into a private backend folder; on GPU nodes a `tritonserver` on PATH
+(NGC container) is used with its own backends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_REPO = Path(__file__).resolve().parents[2] / "model_repo"
+
+
+class ServerError(RuntimeError):
+    """tritonserver is missing, failed to start, or did not become ready."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: Path  # engine directory (or Hugging Face model directory)
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    instances: int = 1
+    device: str = "cpu"
+    journal_dir: Path | None = None  # request journals (request_id / resume); None = no journals
+    memory_budget_gib: float | None = None  # per-request cache memory cap; None = the free memory
+
+
+def _bundled() -> tuple[Path, Path] | None:
+    """(tritonserver binary, pytriton's tritonserver folder) from the nvidia-pytriton wheel."""
+    try:
+        import pytriton
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    return (binary, root) if binary.is_file() else None
+
+
+def _backends(root: Path, workdir: Path) -> Path:
+    """A backend folder with the Python backend and the stub for this interpreter."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+    target = workdir / "backends"
+    shutil.copytree(root / "backends", target)
+    shutil.copy2(stub, target / "python" / "triton_python_backend_stub")
+    return target
+
+
+def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
+    """Copy model_repo/ with the engine path, device and instance count filled in."""
+    if not config.engine.is_dir():
+        raise ServerError(
+            f"engine directory {config.engine} does not exist: build one with `tokenswift-trt build`"
+        )
+    repo = workdir / "model_repo"
+    shutil.copytree(MODEL_REPO, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    pbtxt = repo / "tokenswift" / "config.pbtxt"
+    text = pbtxt.read_text().replace("ENGINE_DIR", str(config.engine.resolve()))
+    text = re.sub(r'(key: "device" value: \{ string_value: )"[^"]*"', rf'\1"{config.device}"', text)
+    text = re.sub(r"count: \d+", f"count: {config.instances}", text)
+    journal = str(config.journal_dir.resolve()) if config.journal_dir else ""
+    text = re.sub(r'(key: "journal_dir" value: \{ string_value: )"[^"]*"', rf'\1"{journal}"', text)
+    budget = "" if config.memory_budget_gib is None else str(config.memory_budget_gib)
+    text = re.sub(r'(key: "memory_budget_gib" value: \{ string_value: )"[^"]*"', rf'\1"{budget}"', text)
+    pbtxt.write_text(text)
+    return repo
+
+
+class TritonServer:
+    """A tritonserver child process; use as a context manager or call start()/stop()."""
+
+    def __init__(self, config: ServerConfig, log_path: Path | None = None) -> None:
+        self.config = config
+        self.workdir = Path(tempfile.mkdtemp(prefix="tokenswift-serve-"))
+        self.log_path = log_path or self.workdir / "tritonserver.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.config.host}:{self.config.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.config.host}:{self.config.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.metrics_port}/metrics"
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        env = dict(os.environ)
+        # the Python-backend stub finds its environment through the `python3` first on PATH
+        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+        on_path = shutil.which("tritonserver")
+        bundled = _bundled()
+        if on_path:
+            binary, backend_args = Path(on_path), []
+        elif bundled:
+            binary, root = bundled
+            libs = root.parent.parent / "nvidia_pytriton.libs"
+            env["LD_LIBRARY_PATH"] = f"{libs}:{env.get('LD_LIBRARY_PATH', '')}"
+            backend_args = [f"--backend-directory={_backends(root, self.workdir)}"]
+        else:
+            raise ServerError(
+                "no tritonserver found: pip install nvidia-pytriton, or run inside Triton's NGC container"
+            )
+        repo = prepare_repository(self.config, self.workdir)
+        c = self.config
+        args = [
+            str(binary),
+            f"--model-repository={repo}",
+            *backend_args,
+            f"--http-address={c.host}",
+            f"--http-port={c.http_port}",
+            f"--grpc-address={c.host}",
+            f"--grpc-port={c.grpc_port}",
+            f"--metrics-address={c.host}",
+            f"--metrics-port={c.metrics_port}",
+            "--allow-metrics=true",
+            "--log-verbose=0",
+        ]
+        return args, env
+
+    def start(self, timeout_s: float = 180.0) -> TritonServer:
+        args, env = self.command()
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(
+                    f"tritonserver exited with code {self.process.returncode}: {self._log_tail()}"
+                )
+            if self.ready():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"tritonserver was not ready after {timeout_s:.0f}s: {self._log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def _log_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        errors = [line for line in lines if line.startswith("E") or "error" in line.lower()]
+        return " | ".join((errors or lines)[-3:])
+
+    def kill(self) -> None:
+        """SIGKILL the server (crash simulation); nothing is flushed."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=timeout_s)
+        for staged in ("model_repo", "backends"):  # the log stays for inspection
+            shutil.rmtree(self.workdir / staged, ignore_errors=True)
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,304 @@
+"""Train the three chained draft layers with the base model frozen.
+
+Loss: for draft layer i (1..3), cross-entropy of lm_head(layer_i(h_t)) against the token i + 1
+positions after the base head's target, i.e. x[t + 1 + i]; the mean over layers is minimised.
+AdamW (0.9, 0.999), weight decay 0.1, linear warm-up then cosine decay, gradient accumulation.
+The base forward runs without gradients; only the draft layers' parameters train.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from tokenswift_trt.runtime.draft_layers import HEADS_PREFIX, RELEASED_PREFIX, DraftLayers
+from tokenswift_trt.runtime.engine import Engine
+from tokenswift_trt.runtime.kv_cache import KVCache
+
+CHECKPOINT = "checkpoint.pt"
+HEADS_FILE = "heads.safetensors"
+
+
+class TrainingError(ValueError):
+    """Training cannot start as asked (the message says what to change)."""
+
+
+@dataclass(frozen=True)
+class TrainHeadsConfig:
+    steps: int = 400
+    seq_len: int = 2048
+    batch: int = 1  # sequences per micro-batch
+    grad_accum: int = 4
+    lr: float = 5e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    checkpoint_every: int = 100
+    eval_sequences: int = 8
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("steps", "seq_len", "batch", "grad_accum", "checkpoint_every"):
+            if getattr(self, name) <= 0:
+                raise TrainingError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        if self.seq_len < 8:
+            raise TrainingError(f"sequence length must be at least 8, got {self.seq_len}")
+        if not self.lr > 0:
+            raise TrainingError(f"learning rate must be positive, got {self.lr}")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    accuracy: list[float]  # held-out top-1 accuracy per draft layer
+    base_accuracy: float  # held-out top-1 accuracy of the base head (next token)
+    heads_file: Path
+
+
+def read_texts(paths: Sequence[Path]) -> list[str]:
+    """Text from .txt files, .jsonl files (field "text"), or directories of them."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files.extend(sorted(p for p in path.iterdir() if p.suffix in (".txt", ".jsonl")))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise TrainingError(f"training data {path} does not exist")
+    texts = []
+    for file in files:
+        if file.suffix == ".jsonl":
+            for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+                if line.strip():
+                    try:
+                        texts.append(json.loads(line)["text"])
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise TrainingError(
+                            f'{file}:{number} is not a JSON object with a "text" field'
+                        ) from None
+        else:
+            texts.append(file.read_text(encoding="utf-8"))
+    if not texts:
+        raise TrainingError("no training text found (give .txt or .jsonl files)")
+    return texts
+
+
+def token_splits(
+    texts: Sequence[str],
+    eval_texts: Sequence[str],
+    encode: Callable[[str], list[int]],
+    eos: Sequence[int],
+    eval_fraction: float = 0.05,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training ids, held-out ids): every text encoded and closed by EOS. Without `eval_texts`
+    the last `eval_fraction` of the training tokens is held out."""
+
+    def tokens_of(items: Sequence[str]) -> torch.Tensor:
+        ids: list[int] = []
+        for text in items:
+            ids.extend(encode(text) + list(eos))
+        return torch.tensor(ids, dtype=torch.long)
+
+    train_ids = tokens_of(texts)
+    if eval_texts:
+        return train_ids, tokens_of(eval_texts)
+    split = int(train_ids.numel() * (1 - eval_fraction))
+    return train_ids[:split], train_ids[split:]
+
+
+def lr_at(step: int, config: TrainHeadsConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay to 0 at `steps`."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def base_hidden(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
+    """ids [T] -> the frozen base model's last hidden states [T, hidden] (pre-norm, float32).
+
+    The copy is a normal tensor (not an inference tensor), usable as an autograd input.
+    """
+    c = engine.config
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, ids.numel(), engine.dtype, engine.device)
+    hidden = engine.model(
+        ids.to(engine.device), torch.arange(ids.numel(), device=engine.device), cache
+    ).hidden
+    return hidden.to(torch.float32, copy=True)
+
+
+def head_weight(engine: Engine) -> torch.Tensor:
+    """The shared, frozen lm_head weight [V, hidden] in float32 (draft layers train in float32)."""
+    return engine.model.lm_head.weight.detach().to(torch.float32, copy=True)
+
+
+def draft_logits(weight: torch.Tensor, draft_layers: DraftLayers, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """hidden [T, hidden] -> per draft layer logits [T, V] through the shared lm_head weight [V, hidden]."""
+    return [F.linear(state, weight) for state in draft_layers(hidden)]
+
+
+def draft_loss(
+    engine: Engine, weight: torch.Tensor, draft_layers: DraftLayers, ids: torch.Tensor
+) -> torch.Tensor:
+    """Mean over layers of CE(layer i at t, x[t + 1 + i]) for one sequence ids [T]."""
+    hidden = base_hidden(engine, ids)
+    targets = ids.to(engine.device)
+    losses = []
+    for i, logits in enumerate(draft_logits(weight, draft_layers, hidden), start=1):
+        shift = i + 1
+        losses.append(F.cross_entropy(logits[:-shift].float(), targets[shift:]))
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def draft_accuracy(
+    engine: Engine, draft_layers: DraftLayers, sequences: Sequence[torch.Tensor]
+) -> tuple[float, list[float]]:
+    """Held-out top-1 accuracy of the base head (+1) and of each draft layer (+2, +3, +4)."""
+    weight = head_weight(engine)
+    hits = [0] * (1 + len(draft_layers))
+    totals = [0] * (1 + len(draft_layers))
+    for ids in sequences:
+        hidden = base_hidden(engine, ids)
+        targets = ids.to(engine.device)
+        base = F.linear(engine.model.model.norm(hidden), weight)
+        heads = [base] + draft_logits(weight, draft_layers, hidden)
+        for i, logits in enumerate(heads):
+            shift = i + 1
+            hits[i] += int((logits[:-shift].argmax(-1) == targets[shift:]).sum())
+            totals[i] += targets.numel() - shift
+    rates = [h / t if t else 0.0 for h, t in zip(hits, totals)]
+    return rates[0], rates[1:]
+
+
+def save_heads(draft_layers: DraftLayers, path: Path) -> None:
+    tensors = {
+        HEADS_PREFIX + k.removeprefix("layers."): v.detach().cpu().float().contiguous()
+        for k, v in draft_layers.state_dict().items()
+    }
+    save_file(tensors, str(path))
+
+
+def write_combined(model_dir: Path, heads_file: Path, out_dir: Path) -> Path:
+    """A copy of the base model directory with the draft layers inside, in the released format."""
+    if out_dir.resolve() == model_dir.resolve():
+        raise TrainingError("the combined checkpoint must go to a new directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    for key, value in load_file(str(heads_file)).items():
+        tensors[RELEASED_PREFIX + key.removeprefix(HEADS_PREFIX)] = value
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    for file in model_dir.iterdir():
+        if (
+            file.is_file()
+            and not file.name.endswith(".safetensors")
+            and file.name != "model.safetensors.index.json"
+        ):
+            shutil.copy2(file, out_dir / file.name)
+    config = json.loads((out_dir / "config.json").read_text())
+    config["medusa_heads"] = len({k.split(".")[1] for k in load_file(str(heads_file))})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+class HeadsTrainer:
+    """Owns the draft layers, optimiser, data order and checkpoints of one training run."""
+
+    def __init__(
+        self, engine: Engine, train_ids: torch.Tensor, config: TrainHeadsConfig, out_dir: Path
+    ) -> None:
+        config.validate()
+        if train_ids.numel() <= config.seq_len:
+            raise TrainingError(
+                f"only {train_ids.numel()} training tokens for sequences of {config.seq_len}: add text "
+                "or lower --seq-len"
+            )
+        self.engine, self.train_ids, self.config, self.out_dir = engine, train_ids, config, out_dir
+        engine.model.requires_grad_(False)
+        self.head_weight = head_weight(engine)
+        torch.manual_seed(config.seed)
+        self.draft_layers = (
+            DraftLayers(engine.config, len(engine.draft_layers)).to(engine.device, torch.float32).zero_()
+        )
+        self.draft_layers.train()
+        self.optimizer = torch.optim.AdamW(
+            self.draft_layers.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=config.weight_decay
+        )
+        self.data_order = torch.Generator().manual_seed(config.seed)
+        self.step = 0
+        self.last_loss = float("nan")
+
+    def _batch(self) -> list[torch.Tensor]:
+        high = self.train_ids.numel() - self.config.seq_len
+        starts = torch.randint(0, high, (self.config.batch,), generator=self.data_order)
+        return [self.train_ids[s : s + self.config.seq_len] for s in starts.tolist()]
+
+    def train_step(self) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.config)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        scale = 1.0 / (self.config.grad_accum * self.config.batch)
+        for _ in range(self.config.grad_accum):
+            for ids in self._batch():
+                loss = draft_loss(self.engine, self.head_weight, self.draft_layers, ids) * scale
+                loss.backward()
+                total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.draft_layers.parameters(), 1.0)
+        self.optimizer.step()
+        self.step += 1
+        self.last_loss = total
+        return total
+
+    def save_checkpoint(self) -> Path:
+        path = self.out_dir / CHECKPOINT
+        temporary = path.with_suffix(".tmp")
+        torch.save(
+            {
+                "step": self.step,
+                "draft_layers": self.draft_layers.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "data_order": self.data_order.get_state(),
+                "config": asdict(self.config),
+            },
+            temporary,
+        )
+        temporary.replace(path)  # atomic: a crash never leaves a torn checkpoint
+        return path
+
+    def load_checkpoint(self) -> None:
+        path = self.out_dir / CHECKPOINT
+        if not path.is_file():
+            raise TrainingError(f"--resume: no checkpoint at {path}")
+        state = torch.load(path, weights_only=True)
+        saved = dict(state["config"])
+        if saved != asdict(self.config):
+            changed = sorted(k for k in saved if saved[k] != asdict(self.config).get(k))
+            raise TrainingError(f"--resume: settings differ from the checkpoint's ({', '.join(changed)})")
+        self.draft_layers.load_state_dict(state["draft_layers"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.data_order.set_state(state["data_order"])
+        self.step = int(state["step"])
+
+    def run(self, on_step: Callable[[int, float], None] | None = None) -> None:
+        while self.step < self.config.steps:
+            loss = self.train_step()
+            if on_step:
+                on_step(self.step, loss)
+            if self.step % self.config.checkpoint_every == 0 or self.step == self.config.steps:
+                self.save_checkpoint()
+
+
+def evaluation_sequences(ids: torch.Tensor, seq_len: int, count: int) -> list[torch.Tensor]:
+    usable = ids.numel() // seq_len
+    return [ids[i * seq_len : (i + 1) * seq_len] for i in range(min(count, usable))] or [ids]
