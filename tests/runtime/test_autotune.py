@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenswift_trt.runtime.autotune import AR_PLAN, CANDIDATE_TREES, ProbeRecorder, choose_plan, interpolate
+from tokenswift_trt.runtime.autotune import (
+    AR_PLAN,
+    CANDIDATE_TREES,
+    ProbeRecorder,
+    choose_plan,
+    interpolate,
+    probe_plan,
+)
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.tree import build_static_tree, build_trie, parse_tree
@@ -179,6 +186,56 @@ def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):
     auto, stats = generate(llama_engine64, prompt, GenerationConfig(**base, tree="auto"))
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert auto == ar
-    assert stats.plans[0].probe and stats.plans[0].tree == "3,3,3" and len(stats.plans) >= 2
+    assert stats.plans[0].probe and len(stats.plans) >= 2
+    assert (stats.plans[0].tree, stats.plans[0].ngram_topk) == probe_plan("verify", torch.device("cpu"))
     chosen = stats.plans[1].tree
     assert chosen == AR_PLAN or parse_tree(chosen)
+
+
+def test_candidates_need_no_more_ngrams_than_the_probe_had():
+    recorder = ProbeRecorder(max_depth=3, probe_tree="3,2,1", probe_topk=4)
+    assert {k for _, _, k in recorder.candidates} == {0, 1, 2, 4}
+    assert {tree for tree, _, _ in recorder.candidates} >= {"1", "2", "3", "2,1", "3,2", "3,2,1"}
+    assert "3,3" not in {tree for tree, _, _ in recorder.candidates}
+
+
+def test_a_cpu_probes_a_smaller_trie_than_a_gpu():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    for source in ("partial", "verify"):
+        (cpu_tree, cpu_k), (gpu_tree, gpu_k) = probe_plan(source, cpu), probe_plan(source, gpu)
+        assert build_static_tree(cpu_tree).num_nodes < build_static_tree(gpu_tree).num_nodes and cpu_k < gpu_k
+    assert probe_plan("partial", gpu) == ("1,3,3,3", 20)  # the paper's tree and k where a verify is cheap
+
+
+def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_engine64, monkeypatch):
+    from tokenswift_trt.runtime import autotune
+    from tokenswift_trt.runtime.autotune import Estimate, IterationCosts, Tuner
+    from tokenswift_trt.runtime.decoding import new_decode_state
+    from tokenswift_trt.runtime.sampling import PositionKeyedRandom
+
+    monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
+    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
+    engine = llama_engine64
+    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
+    probe = build_trie(5, build_static_tree("3,2,1"), [[10, 11, 12], [20, 21], [30]])
+    small = build_trie(5, build_static_tree("1,1"), [[10], [20]])
+
+    def settle(drafting_seconds_per_token: float):
+        state = new_decode_state(
+            engine, [5, 6, 7], GenerationConfig(max_new_tokens=900), PositionKeyedRandom(0)
+        )
+        tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens))
+        costs = IterationCosts(0.0, 0.0, 0.0, len(probe))
+        while tuner.plan.probe:
+            tuner.observe(probe, [], costs, hidden, False, 1.0, 1)
+        assert (tuner.plan.tree, tuner.plan.trial) == ("1,1", True)  # the model's pick, on trial
+        while tuner.plan.tree == "1,1":  # 2 tokens an iteration
+            tuner.observe(small, [], costs, hidden, False, 2 * drafting_seconds_per_token, 2)
+        assert (tuner.plan.tree, tuner.plan.trial) == (AR_PLAN, True)  # then plain AR steps, 1 s a token
+        while tuner.plan.trial:
+            tuner.observe(None, [], None, hidden, False, 1.0, 1)
+        return tuner.plan
+
+    assert settle(0.5).tree == "1,1" and settle(2.0).tree == AR_PLAN

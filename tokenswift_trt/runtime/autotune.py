@@ -1,6 +1,6 @@
 """`--tree auto`: choose the draft tree and n-gram k that maximise tokens per second here.
 
-During a probe phase decoding runs with the largest tree (PROBE_TREE, k = PROBE_TOPK). For each
+During a probe phase decoding runs with the largest tree and k (`probe_plan`). For each
 probe iteration we know, for every trie node, whether a smaller tree or k would also have had it
 (its static-tree rank path and n-gram rank), so the acceptance length and trie size of every
 candidate plan follow exactly from the probe's accepted path: the target's samples along a path
@@ -9,8 +9,13 @@ current context for several trie sizes, and the plan with the most expected toke
 wins (plain AR steps are a candidate too). Every plan is lossless; only speed depends on it.
 
 Between probes, the iterations of the chosen plan are recorded too, for the candidates that fit
-inside it (their nodes are all in its trie): a probe's 32 iterations estimate acceptance to about
-±0.08 tokens, and the plan that runs, with its smaller variants, gets thousands of samples more.
+inside it (their nodes are all in its trie): a probe's 16 iterations estimate acceptance to about
+±0.1 tokens, and the plan that runs, with its smaller variants, gets thousands of samples more.
+
+A cost model can be wrong (a verify pass timed at one context, trie shapes it did not time), and
+plain AR steps are always a candidate, so a drafting plan the model picks is then tried for real:
+it runs TRIAL_ITERATIONS iterations, plain AR steps run AR_TRIAL_STEPS, and the one with the lower
+measured seconds per token is kept until the next probe.
 
 `Tuner` holds all of that state; the decode loop asks it for the plan to run and reports each
 iteration to it, and knows nothing of probes.
@@ -37,12 +42,25 @@ from .stages import (
 )
 from .tree import StaticTree, Trie, build_static_tree, build_trie, parse_tree
 
-PROBE_TREE = "1,3,3,3"  # drafting with a separate pass on the partial cache (the paper's tree)
-VERIFY_PROBE_TREE = "3,3,3"  # drafting from the verify pass: depth d uses draft layer d
-PROBE_TOPK = 20
-PROBE_ITERATIONS = 32  # probe iterations with the largest tree (acceptance counts add up over probes)
+# The probe's tree and n-gram k by device type and drafting source ("partial": a separate draft pass
+# on the partial cache, whose first level is the base model's one draft; "verify": depth d uses draft
+# layer d). Probe iterations are the tuner's own overhead. On a GPU a verify of ~120 nodes costs
+# about one step, so the largest tree and k are probed; on a CPU a verify costs about its node count
+# and the plans that win are small (2, 3, 2,1, ...), so a smaller probe pays for itself.
+PROBES: dict[tuple[str, str], tuple[str, int]] = {
+    ("cuda", "partial"): ("1,3,3,3", 20),
+    ("cuda", "verify"): ("3,3,3", 20),
+    ("cpu", "partial"): ("1,3,2,1", 4),
+    ("cpu", "verify"): ("3,2,1", 4),
+}
+# probe iterations with the largest tree: acceptance counts add up over probes and over the iterations of
+# the plans that run; a probe is the tuner's overhead, and the trial catches a plan chosen on too few
+PROBE_ITERATIONS = 16
 RETUNE_EVERY = 4096  # probe again after this many new tokens
-RETUNE_AFTER_AR = 1024  # ... or this many after choosing plain AR steps (which teach the tuner nothing)
+RETUNE_AFTER_AR = 2048  # ... or this many after choosing plain AR steps (which teach the tuner nothing),
+# doubling for every further probe in a row that ends in AR steps
+TRIAL_ITERATIONS = 48  # the model's drafting plan, timed for real ...
+AR_TRIAL_STEPS = 32  # ... against this many plain AR steps
 # Candidate trees; a probe considers those that fit inside its own tree (the paper's drafting probes
 # 1,3,3,3, whose first level is the base model's one draft; drafting from the verify pass probes
 # 3,3,3, whose first level is draft layer 1's, where a few first-level candidates can pay).
@@ -72,6 +90,11 @@ CANDIDATE_TOPK = (0, 1, 2, 4, 8, 20)
 AR_PLAN = "ar"  # tree value of the plan that drafts nothing
 
 
+def probe_plan(draft_source: str, device: torch.device) -> tuple[str, int]:
+    """(tree, n-gram k) the tuner probes with for this drafting source ("partial" / "verify") here."""
+    return PROBES["cuda" if device.type == "cuda" else "cpu", draft_source]
+
+
 @dataclass(frozen=True)
 class Plan:
     """What the decode loop runs: a static tree and n-gram k, or plain AR steps (tree AR_PLAN)."""
@@ -80,12 +103,14 @@ class Plan:
     ngram_topk: int
     from_token: int = 0  # new-token count when the plan started (Stats.plans)
     probe: bool = False  # the tuner's probe, run to measure acceptance
+    trial: bool = False  # run to time it against the other candidate (the model's pick, or AR steps)
 
     def static_tree(self) -> StaticTree | None:
         return None if self.tree == AR_PLAN else build_static_tree(self.tree)
 
     def __str__(self) -> str:
-        return f"{'probe ' if self.probe else ''}{self.tree} k={self.ngram_topk} from token {self.from_token}"
+        kind = "probe " if self.probe else "trial " if self.trial else ""
+        return f"{kind}{self.tree} k={self.ngram_topk} from token {self.from_token}"
 
 
 @dataclass(frozen=True)
@@ -116,8 +141,9 @@ def _available(
 class ProbeRecorder:
     """Accumulates, per candidate plan, accepted length and trie size over probe iterations."""
 
-    def __init__(self, max_depth: int, probe_tree: str | None = None) -> None:
-        """Candidates: CANDIDATE_TREES at most `max_depth` deep and, given the probe's tree, inside it."""
+    def __init__(self, max_depth: int, probe_tree: str | None = None, probe_topk: int | None = None) -> None:
+        """Candidates: CANDIDATE_TREES at most `max_depth` deep and, given the probe's tree and k,
+        inside it (a candidate's nodes must all be in the probe's trie to be scored from it)."""
         probe = parse_tree(probe_tree) if probe_tree is not None else None
 
         def fits(branching: tuple[int, ...]) -> bool:
@@ -132,6 +158,7 @@ class ProbeRecorder:
             for tree in CANDIDATE_TREES
             if fits(parse_tree(tree))
             for k in CANDIDATE_TOPK
+            if probe_topk is None or k <= probe_topk
         ]
         self.accepted = {(tree, k): 0 for tree, _, k in self.candidates}
         self.nodes = {(tree, k): 0 for tree, _, k in self.candidates}
@@ -273,10 +300,12 @@ def measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[in
         forward_full(engine, state, tokens, positions)
         state.full.pending = 0  # timing only: nothing written is kept
 
-    # small sizes too: with a tree-attention kernel a few tokens cost what one does (not a straight line to
-    # 16)
-    sizes = sorted({s for s in (1, 2, 4, 8, 16, 48) if s <= max_size} | {max_size})
-    return time_verify(forward, sizes, repeats=5)
+    # small sizes too: with a tree-attention kernel a few tokens cost what one does (not a straight line
+    # to 16). On a CPU a verify costs about its size beyond a few tokens and the tries that can pay
+    # are small, so larger sizes are extrapolated instead of timed (they cost the tuner several steps each)
+    largest = max_size if device.type == "cuda" else min(max_size, 16)
+    sizes = sorted({s for s in (1, 2, 4, 8, 16, 48) if s <= largest} | {largest})
+    return time_verify(forward, sizes, repeats=5 if device.type == "cuda" else 3)
 
 
 def measure_ranking(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> float:
@@ -329,13 +358,19 @@ class Tuner:
     ) -> None:
         self.engine, self.state, self.from_verify, self.max_trie = engine, state, from_verify, max_trie
         self.clock = clock  # new tokens so far (plans are logged by it)
-        self.probe_tree = VERIFY_PROBE_TREE if from_verify else PROBE_TREE
+        self.probe_tree, self.probe_topk = probe_plan("verify" if from_verify else "partial", engine.device)
         max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
-        self.recorder = ProbeRecorder(max_depth=max_depth, probe_tree=self.probe_tree)  # kept over all probes
+        # kept over all probes
+        self.recorder = ProbeRecorder(max_depth, self.probe_tree, self.probe_topk)
         self.history: list[Plan] = []
         self._probe_costs = IterationCosts(0.0, 0.0, 0.0, 0)
         self._probe_iterations = 0
         self._next_probe = 0
+        self._ar_streak = 0  # probes in a row that ended in AR steps
+        self._trial = [0.0, 0, 0]  # the running trial: seconds, tokens, iterations
+        self._drafting_trial: tuple[Plan, float] | None = (
+            None  # the drafting plan tried, its seconds per token
+        )
         self._start_probe()
 
     @property
@@ -343,8 +378,18 @@ class Tuner:
         return self.history[-1]
 
     def _start_probe(self) -> None:
-        self.history.append(Plan(self.probe_tree, PROBE_TOPK, max(1, self.clock()), probe=True))
+        self.history.append(Plan(self.probe_tree, self.probe_topk, max(1, self.clock()), probe=True))
         self._probe_costs, self._probe_iterations = IterationCosts(0.0, 0.0, 0.0, 0), 0
+
+    def _switch(self, tree: str, ngram_topk: int, trial: bool = False) -> None:
+        self.history.append(Plan(tree, ngram_topk, self.clock(), trial=trial))
+        self._trial = [0.0, 0, 0]
+
+    def _settle(self, plan: Plan) -> None:
+        self._switch(plan.tree, plan.ngram_topk)
+        self._ar_streak = self._ar_streak + 1 if plan.tree == AR_PLAN else 0
+        wait = RETUNE_AFTER_AR * 2 ** (self._ar_streak - 1) if plan.tree == AR_PLAN else RETUNE_EVERY
+        self._next_probe = len(self.state.tokens) + wait
 
     def observe(
         self,
@@ -353,10 +398,28 @@ class Tuner:
         costs: IterationCosts | None,
         last_hidden: torch.Tensor,
         done: bool,
+        seconds: float = 0.0,
+        tokens: int = 1,
     ) -> Plan:
-        """Record one finished iteration (trie None: a plain AR step); returns the plan to run next."""
+        """Record one finished iteration (trie None: a plain AR step) that took `seconds` and
+        committed `tokens`; returns the plan to run next."""
         plan = self.plan
-        if plan.probe and trie is not None and costs is not None:
+        if plan.trial:
+            self._trial[0] += seconds
+            self._trial[1] += tokens
+            self._trial[2] += 1
+        if plan.trial and trie is not None and not done:
+            self.recorder.record(trie, accepted_nodes, (parse_tree(plan.tree), plan.ngram_topk))
+        if plan.trial and plan.tree != AR_PLAN and self._trial[2] >= TRIAL_ITERATIONS:
+            self._drafting_trial = (plan, self._trial[0] / self._trial[1])
+            self._switch(AR_PLAN, 0, trial=True)
+        elif plan.trial and plan.tree == AR_PLAN and self._trial[2] >= AR_TRIAL_STEPS:
+            assert self._drafting_trial is not None
+            drafting, drafting_s = self._drafting_trial
+            self._settle(drafting if drafting_s < self._trial[0] / self._trial[1] else plan)
+        elif plan.trial:
+            pass
+        elif plan.probe and trie is not None and costs is not None:
             self.recorder.record(trie, accepted_nodes)
             totals = self._probe_costs
             totals.draft_s += costs.draft_s
@@ -368,7 +431,8 @@ class Tuner:
                 self._choose(last_hidden)
         elif trie is not None and not done:  # the chosen plan's iterations count too
             self.recorder.record(trie, accepted_nodes, (parse_tree(plan.tree), plan.ngram_topk))
-        if not self.plan.probe and len(self.state.tokens) >= self._next_probe:
+        settled = not (self.plan.probe or self.plan.trial)
+        if settled and len(self.state.tokens) >= self._next_probe:
             self._start_probe()
         return self.plan
 
@@ -388,5 +452,7 @@ class Tuner:
             per_node_s=totals.trie_s / totals.nodes,  # building a trie (n-grams included)
             batched_draft_s=measure_ranking(engine, state, last_hidden) if self.from_verify else None,
         )
-        self.history.append(Plan(best.tree, best.ngram_topk, self.clock()))
-        self._next_probe = len(state.tokens) + (RETUNE_AFTER_AR if best.tree == AR_PLAN else RETUNE_EVERY)
+        if best.tree == AR_PLAN:
+            self._settle(Plan(AR_PLAN, 0))
+        else:  # timed for real against plain AR steps before it is kept
+            self._switch(best.tree, best.ngram_topk, trial=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .admission import AdmissionError, admit, available_bytes, plan_memory
-from .autotune import PROBE_TOPK, PROBE_TREE, VERIFY_PROBE_TREE, IterationCosts, Plan, Tuner
+from .autotune import IterationCosts, Plan, Tuner, probe_plan
 from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
 from .ngram import NgramTable
@@ -248,7 +248,8 @@ def new_decode_state(
     drafting = config.method == "tokenswift"
     from_verify = config.resolved_draft_source == "verify"
     auto = config.tree == AUTO
-    tree = build_static_tree((VERIFY_PROBE_TREE if from_verify else PROBE_TREE) if auto else config.tree)
+    probe_tree, probe_topk = probe_plan(config.resolved_draft_source, engine.device)
+    tree = build_static_tree(probe_tree if auto else config.tree)
     max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
     if drafting and tree.depth > max_depth:
         raise GenerationError(
@@ -256,7 +257,7 @@ def new_decode_state(
             "draft layers "
             f"(at most {max_depth} levels when drafting from the {config.resolved_draft_source} pass)"
         )
-    ngram_topk = (PROBE_TOPK if auto else config.ngram_topk) if drafting else 0
+    ngram_topk = (probe_topk if auto else config.ngram_topk) if drafting else 0
     limit = min(len(prompt) + config.max_new_tokens, max_length)
     max_trie = tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH
     cfg, dtype, device = engine.config, engine.dtype, engine.device
@@ -431,6 +432,7 @@ def _tokenswift_loop(
                 stats.add_time(phase, end - begin)
             costs = IterationCosts(t_draft - tick, t_trie - t_draft, t_commit - t_accept, len(trie))
             _count_drafts(stats, trie, acceptance, 1 if from_verify else 2)
+        iteration_s = time.perf_counter() - tick
         stats.iterations += 1
         stats.new_tokens, stats.elapsed_s = new_tokens(), time.perf_counter() - started
         if on_tokens:
@@ -438,7 +440,9 @@ def _tokenswift_loop(
         yield stats
         done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
         if tuner is not None:
-            next_plan = tuner.observe(trie, acceptance.nodes, costs, last_hidden, done)
+            next_plan = tuner.observe(
+                trie, acceptance.nodes, costs, last_hidden, done, iteration_s, len(acceptance.tokens)
+            )
             if next_plan is not plan:
                 plan, tree = next_plan, next_plan.static_tree()
 
