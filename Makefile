@@ -10,7 +10,7 @@ RANDOM_MODEL := demo/random-tiny
 DEMO_ARGS := --ignore-eos --max-new-tokens 4096 --seed 1
 SMOLLM2_DIR := models/smollm2-135m
 
-.PHONY: install test test-slow test-all models demo demo-random deploy plugins clean
+.PHONY: install test test-slow test-all models demo demo-smollm2 demo-random deploy plugins clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ demo: install
 
 $(RANDOM_MODEL)/config.json: | install
 	$(CLI) random-model --out $(RANDOM_MODEL)
+
+# SmolLM2-135M-Instruct with its draft layers (models/heads/smollm2-135m.safetensors), a held-out
+# Pride and Prejudice prompt, the preset's paper settings; `make demo` moves here once it is fast
+demo-smollm2: models
+	$(CLI) demo --model smollm2-135m --prompt-file models/swift-tiny/prompt.txt --ignore-eos --max-new-tokens 2048 --seed 1
 
 # the same comparison on random weights (no training needed; text is noise)
 demo-random: install $(RANDOM_MODEL)/config.json

@@ -47,6 +47,7 @@ def _tensorrt_include() -> Path | None:
 
 @needs_nvcc
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not found")
+@pytest.mark.slow
 def test_cmake_builds_the_kernels_for_sm80_and_sm90(tmp_path):
     build = tmp_path / "build"
     configure = subprocess.run(
@@ -81,6 +82,7 @@ def test_cmake_builds_the_kernels_for_sm80_and_sm90(tmp_path):
 
 
 @needs_nvcc
+@pytest.mark.slow
 def test_torch_bindings_compile_against_torch_headers(tmp_path):
     """Syntax-checks torch_ops/ops.cpp with torch's headers, as torch.utils.cpp_extension would
     compile it on a GPU machine (C++20 for torch 2.13's headers)."""

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .bench import bench, bench_host, bench_kernels, bench_steps
+from .bench import bench, bench_ar, bench_host, bench_kernels, bench_steps
 from .build import build, presets, random_model
 from .generate import demo, generate
 from .serve import client, serve
@@ -48,6 +48,7 @@ for command in (
     client,
     bench,
     bench_steps,
+    bench_ar,
     bench_kernels,
     bench_host,
     train_heads,

@@ -479,3 +479,63 @@ def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype
             f"{row.speedup_vs_sdpa:.2f} | {row.bandwidth_ms:.3f} | {row.kernel_over_bandwidth:.2f}"
         )
     click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+@click.command("bench-ar")
+@source_options
+@click.option(
+    "--prompt-file", type=click.Path(path_type=Path), required=True, help="text the prompt is cut from"
+)
+@click.option("--prefix-len", type=int, default=128, show_default=True, help="prompt tokens")
+@click.option("--gen-len", type=int, default=512, show_default=True, help="new tokens per run")
+@click.option(
+    "--repeats", type=int, default=2, show_default=True, help="runs each, alternating who goes first"
+)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench-ar"), show_default=True)
+def bench_ar(model, model_dir, engine_dir, heads, prompt_file, prefix_len, gen_len, repeats, out) -> None:
+    """Our AR baseline vs transformers' greedy generate: same model, prompt and machine (float32, CPU)."""
+    import json
+
+    from tokenswift_trt.bench.reference import ReferenceError, compare_with_reference, load_reference
+    from tokenswift_trt.bench.report import machine_meta, write_csv
+
+    if prefix_len < 1 or gen_len < 1 or repeats < 1:
+        raise CliError("--prefix-len, --gen-len and --repeats must be at least 1")
+    if engine_dir is not None:
+        raise CliError("bench-ar compares against transformers: give --model PRESET or --model-dir DIR")
+    text = read_prompt(None, prompt_file)
+    source = load_source(model, model_dir, None, heads, "float32", "cpu", quiet=True)
+    assert source.model_dir is not None
+    try:
+        reference = load_reference(source.model_dir)
+    except (ReferenceError, OSError, ValueError) as error:
+        raise fail(error) from None
+    prompt = source.codec.encode(text)[:prefix_len]
+    result = compare_with_reference(source.engine, reference, prompt, gen_len, repeats)
+    row = {
+        "model": str(source.model_dir),
+        "prefix_len": len(prompt),
+        "gen_len": gen_len,
+        "repeats": repeats,
+        "ours_tokens_per_s": round(result.ours_median, 2),
+        "transformers_tokens_per_s": round(result.reference_median, 2),
+        "ours_over_transformers": round(result.ratio, 3),
+        "same_tokens": result.same_tokens,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "bench_ar.csv", [row])
+    meta = {"command": "tokenswift-trt bench-ar " + " ".join(sys.argv[2:]), **machine_meta()}
+    (out / "bench_ar.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "row": row,
+                "ours": result.ours_tokens_per_s,
+                "transformers": result.reference_tokens_per_s,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    click.echo(" | ".join(row))
+    click.echo(" | ".join(str(value) for value in row.values()))

@@ -107,6 +107,13 @@ class TritonServer:
         env = dict(os.environ)
         # the Python-backend stub finds its environment through the `python3` first on PATH
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+        # The stub builds the CPU kernels with another command line than this interpreter does, and
+        # torch keeps one build per extension name and folder: sharing the folder rebuilt the kernels
+        # (about a minute) every time the other side loaded them. Each keeps its own build instead.
+        if "TORCH_EXTENSIONS_DIR" not in env:
+            env["TORCH_EXTENSIONS_DIR"] = str(
+                Path.home() / ".cache" / "torch_extensions" / "tokenswift-triton-stub"
+            )
         on_path = shutil.which("tritonserver")
         bundled = _bundled()
         if on_path:

@@ -1,0 +1,47 @@
+"""`bench-ar`: our AR against transformers' own greedy generate, side by side."""
+
+from __future__ import annotations
+
+import csv
+
+from click.testing import CliRunner
+
+from tokenswift_trt.bench.reference import compare_with_reference, load_reference
+from tokenswift_trt.builder.presets import PRESETS, local_model_dir
+from tokenswift_trt.cli import main
+
+
+def test_both_generate_the_same_greedy_tokens_and_are_timed(llama_dir):
+    from conftest import quiet_load
+
+    directory, _ = llama_dir
+    engine = quiet_load(directory)
+    result = compare_with_reference(engine, load_reference(directory), [5, 6, 7, 8], 24, repeats=2)
+    assert result.same_tokens and len(result.ours_tokens_per_s) == len(result.reference_tokens_per_s) == 2
+    assert result.ratio > 0 and result.ours_median > 0 and result.reference_median > 0
+
+
+def test_cli_writes_a_row(tmp_path):
+    directory, _ = local_model_dir(PRESETS["swift-tiny"])
+    out = tmp_path / "ar"
+    args = [
+        "bench-ar",
+        "--model",
+        "swift-tiny",
+        "--prompt-file",
+        str(directory / "prompt.txt"),
+        "--prefix-len",
+        "32",
+        "--gen-len",
+        "16",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (row,) = list(csv.DictReader(open(out / "bench_ar.csv")))
+    assert row["same_tokens"] == "True" and float(row["ours_over_transformers"]) > 0
+    engine = CliRunner().invoke(main, ["bench-ar", "--engine", str(tmp_path), "--prompt-file", "x"])
+    assert engine.exit_code == 2 and "transformers" in engine.stderr
