@@ -31,7 +31,7 @@ from tokenswift_trt.runtime.engine_dir import BACKENDS, Manifest, record_artifac
 from tokenswift_trt.runtime.model import LlamaModel
 
 from .gguf_import import GGUFImportError, import_gguf, read_source
-from .presets import PRESETS, Preset
+from .presets import PRESETS, REPOSITORY, Preset
 from .random_model import byte_level_tokenizer
 
 TOKENIZER_FILES = (
@@ -40,7 +40,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-REPOSITORY = Path(__file__).resolve().parents[2]  # where a source checkout keeps models/
 SHAPE_KEYS = (
     "vocab_size",
     "hidden_size",

@@ -225,28 +225,11 @@ def sampling_options(function):
     )
 
 
-SETTING_OPTIONS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "eta",
-    "penalty",
-    "penalty_window",
-    "ngram_topk",
-    "tree",
-    "kv_budget",
-    "kv_recent",
-    "draft_source",
-    "seed",
-    "ignore_eos",
-    "max_length",
-)
-
-
 def request_settings(opts: dict[str, Any]) -> dict[str, Any]:
     """The generation settings among a command's options (None = not given)."""
-    return {name: opts.get(name) for name in SETTING_OPTIONS}
+    from tokenswift_trt.runtime.request import SETTINGS
+
+    return {name: value for name, value in opts.items() if name in SETTINGS}
 
 
 def generation_config(

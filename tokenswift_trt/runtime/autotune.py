@@ -23,6 +23,7 @@ iteration to it, and knows nothing of probes.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -105,8 +106,13 @@ class Plan:
     probe: bool = False  # the tuner's probe, run to measure acceptance
     trial: bool = False  # run to time it against the other candidate (the model's pick, or AR steps)
 
+    @functools.cached_property
+    def branching(self) -> tuple[int, ...]:
+        """Candidates per depth (parsed once: the tuner reads it every iteration of a drafting plan)."""
+        return () if self.tree == AR_PLAN else parse_tree(self.tree)
+
     def static_tree(self) -> StaticTree | None:
-        return None if self.tree == AR_PLAN else build_static_tree(self.tree)
+        return None if self.tree == AR_PLAN else build_static_tree(self.branching)
 
     def __str__(self) -> str:
         kind = "probe " if self.probe else "trial " if self.trial else ""
@@ -346,6 +352,17 @@ class IterationCosts:
     nodes: int
 
 
+@dataclass
+class _Trial:
+    seconds: float = 0.0
+    tokens: int = 0
+    iterations: int = 0
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / self.tokens
+
+
 class Tuner:
     """`--tree auto`: probes, records acceptance, prices plans and says which plan runs next.
 
@@ -367,7 +384,7 @@ class Tuner:
         self._probe_iterations = 0
         self._next_probe = 0
         self._ar_streak = 0  # probes in a row that ended in AR steps
-        self._trial = [0.0, 0, 0]  # the running trial: seconds, tokens, iterations
+        self._trial = _Trial()  # the running trial's timing
         self._drafting_trial: tuple[Plan, float] | None = (
             None  # the drafting plan tried, its seconds per token
         )
@@ -383,7 +400,7 @@ class Tuner:
 
     def _switch(self, tree: str, ngram_topk: int, trial: bool = False) -> None:
         self.history.append(Plan(tree, ngram_topk, self.clock(), trial=trial))
-        self._trial = [0.0, 0, 0]
+        self._trial = _Trial()
 
     def _settle(self, plan: Plan) -> None:
         self._switch(plan.tree, plan.ngram_topk)
@@ -404,37 +421,43 @@ class Tuner:
         """Record one finished iteration (trie None: a plain AR step) that took `seconds` and
         committed `tokens`; returns the plan to run next."""
         plan = self.plan
-        if plan.trial:
-            self._trial[0] += seconds
-            self._trial[1] += tokens
-            self._trial[2] += 1
-        if plan.trial and trie is not None and not done:
-            self.recorder.record(trie, accepted_nodes, (parse_tree(plan.tree), plan.ngram_topk))
-        if plan.trial and plan.tree != AR_PLAN and self._trial[2] >= TRIAL_ITERATIONS:
-            self._drafting_trial = (plan, self._trial[0] / self._trial[1])
-            self._switch(AR_PLAN, 0, trial=True)
-        elif plan.trial and plan.tree == AR_PLAN and self._trial[2] >= AR_TRIAL_STEPS:
-            assert self._drafting_trial is not None
-            drafting, drafting_s = self._drafting_trial
-            self._settle(drafting if drafting_s < self._trial[0] / self._trial[1] else plan)
-        elif plan.trial:
-            pass
-        elif plan.probe and trie is not None and costs is not None:
-            self.recorder.record(trie, accepted_nodes)
-            totals = self._probe_costs
-            totals.draft_s += costs.draft_s
-            totals.trie_s += costs.trie_s
-            totals.commit_s += costs.commit_s
-            totals.nodes += costs.nodes
-            self._probe_iterations += 1
-            if self._probe_iterations >= PROBE_ITERATIONS and not done:
-                self._choose(last_hidden)
-        elif trie is not None and not done:  # the chosen plan's iterations count too
-            self.recorder.record(trie, accepted_nodes, (parse_tree(plan.tree), plan.ngram_topk))
+        if plan.probe:
+            if trie is not None and costs is not None:
+                self._record_probe(trie, accepted_nodes, costs)
+                if self._probe_iterations >= PROBE_ITERATIONS and not done:
+                    self._choose(last_hidden)
+        else:
+            if trie is not None and not done:  # the running plan's iterations count too
+                self.recorder.record(trie, accepted_nodes, (plan.branching, plan.ngram_topk))
+            if plan.trial:
+                self._time_trial(plan, seconds, tokens)
         settled = not (self.plan.probe or self.plan.trial)
         if settled and len(self.state.tokens) >= self._next_probe:
             self._start_probe()
         return self.plan
+
+    def _record_probe(self, trie: Trie, accepted_nodes: Sequence[int], costs: IterationCosts) -> None:
+        self.recorder.record(trie, accepted_nodes)
+        totals = self._probe_costs
+        totals.draft_s += costs.draft_s
+        totals.trie_s += costs.trie_s
+        totals.commit_s += costs.commit_s
+        totals.nodes += costs.nodes
+        self._probe_iterations += 1
+
+    def _time_trial(self, plan: Plan, seconds: float, tokens: int) -> None:
+        """The model's drafting pick runs TRIAL_ITERATIONS, then AR steps AR_TRIAL_STEPS; the faster stays."""
+        trial = self._trial
+        trial.seconds += seconds
+        trial.tokens += tokens
+        trial.iterations += 1
+        if plan.tree != AR_PLAN and trial.iterations >= TRIAL_ITERATIONS:
+            self._drafting_trial = (plan, trial.seconds_per_token)
+            self._switch(AR_PLAN, 0, trial=True)
+        elif plan.tree == AR_PLAN and trial.iterations >= AR_TRIAL_STEPS:
+            assert self._drafting_trial is not None
+            drafting, drafting_s = self._drafting_trial
+            self._settle(drafting if drafting_s < trial.seconds_per_token else plan)
 
     def _choose(self, last_hidden: torch.Tensor) -> None:
         engine, state, count = self.engine, self.state, self._probe_iterations

@@ -232,10 +232,7 @@ def decode_steps(
         if config.method == "ar":
             yield from _ar_loop(engine, state, stats, started, on_tokens)
         else:
-            if state.partial is not None:
-                state.partial.select(state.full, state.queries)
-            if state.table is not None:
-                state.table.update(state.tokens, len(state.tokens) - state.ngram_exclusion)
+            _refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
             yield from _tokenswift_loop(engine, state, config, stats, started, hidden, on_tokens, acceptor)
     return _finish(state, config, stats, started)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .decoding import GenerationConfig, GenerationError
-from .request import SPEED_ONLY, config_from, settings_of
+from .request import SPEED_ONLY, config_from
 
 FORMAT = "tokenswift-journal/2"  # 2: Gumbel-max sampling with position-keyed noise
 EARLIER_SAMPLER_FORMATS = ("tokenswift-journal/1",)  # inverse-CDF sampling: readable, resumable
@@ -42,10 +42,14 @@ class JournalState:
         text, but not the tokens the original run would have written."""
         return self.header.get("format") in EARLIER_SAMPLER_FORMATS
 
+    def settings(self) -> dict[str, Any]:
+        """The header's settings as flat setting names (runtime/request.py)."""
+        settings = dict(self.header["settings"])
+        return {**settings.pop("sampling"), **settings}
+
     def config(self) -> GenerationConfig:
         """The generation settings recorded in the header."""
-        settings = dict(self.header["settings"])
-        return config_from({}, {**settings.pop("sampling"), **settings})
+        return config_from({}, self.settings())
 
     def complete(self, eos_token_ids: Sequence[int]) -> bool:
         """True when nothing is left to generate (finished record, max tokens reached, or EOS)."""
@@ -188,7 +192,7 @@ def resume_journal(
     if deciding:
         raise JournalError(f"a resumed run keeps the journal's own settings: drop {', '.join(deciding)}")
     try:
-        config = config_from(settings_of(state.config()), given)
+        config = config_from(state.settings(), given)
     except GenerationError as error:
         raise JournalError(str(error)) from None
     finished = state.complete(eos_token_ids)
