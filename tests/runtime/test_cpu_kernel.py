@@ -95,7 +95,18 @@ def test_custom_op_on_cpu_runs_the_kernel_and_keeps_the_reference_for_the_rest(c
     assert torch.equal(op(*args), kernels.tree_attention_reference(*args))
 
 
-def test_fp32_cpu_engine_verifies_through_the_kernel_with_sdpa_logits(cpu_kernels, llama_dir):
+def test_the_kernel_is_chosen_only_where_it_beats_sdpa(cpu_kernels, llama_dir, monkeypatch):
+    # AVX-512 holds a 16-row tile in one register; on AVX2 the kernel measured 4-7x slower than SDPA
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert quiet_load(llama_dir[0]).model.attention_kernel == "cpu_tree_attention"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert quiet_load(llama_dir[0]).model.attention_kernel == "sdpa"
+    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "1")
+    assert quiet_load(llama_dir[0]).model.attention_kernel == "cpu_tree_attention"
+
+
+def test_fp32_cpu_engine_verifies_through_the_kernel_with_sdpa_logits(cpu_kernels, llama_dir, monkeypatch):
+    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "1")  # the kernel on any x86 CPU
     engine = quiet_load(llama_dir[0])  # float32, head_dim 16
     model, config = engine.model, engine.config
     assert model.attention_kernel == "cpu_tree_attention"

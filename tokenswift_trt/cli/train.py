@@ -43,6 +43,19 @@ from .common import DTYPES, CliError, fail, load_source
 @click.option("--warmup-steps", type=int, default=50, show_default=True)
 @click.option("--checkpoint-every", type=int, default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--loss",
+    type=click.Choice(["distill", "tokens"]),
+    default="distill",
+    show_default=True,
+    help="distill: the base model's own distribution per token; tokens: the corpus token (the paper's)",
+)
+@click.option(
+    "--init-heads",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="start from these trained draft layers (a heads .safetensors file) instead of zero",
+)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 @click.option("--force", is_flag=True, help="start over even if OUT holds a checkpoint")
 @click.option(
@@ -66,6 +79,8 @@ def train_heads(
     warmup_steps,
     checkpoint_every,
     seed,
+    loss,
+    init_heads,
     resume,
     force,
     combined,
@@ -98,6 +113,7 @@ def train_heads(
         warmup_steps=warmup_steps,
         checkpoint_every=checkpoint_every,
         seed=seed,
+        loss=loss,
     )
     try:
         config.validate()
@@ -116,7 +132,7 @@ def train_heads(
     )
     out.mkdir(parents=True, exist_ok=True)
     try:
-        trainer = HeadsTrainer(engine, train_ids, config, out)
+        trainer = HeadsTrainer(engine, train_ids, config, out, init_heads)
         if resume:
             trainer.load_checkpoint()
     except TrainingError as error:
@@ -136,14 +152,14 @@ def train_heads(
     heads_path = out / HEADS_FILE
     save_heads(trainer.draft_layers, heads_path)
     trainer.draft_layers.eval()
-    base_acc, accuracy = draft_accuracy(
-        engine, trainer.draft_layers, evaluation_sequences(eval_ids, seq_len, 8)
-    )
+    accuracy = draft_accuracy(engine, trainer.draft_layers, evaluation_sequences(eval_ids, seq_len, 8))
     report = {
         "steps": trainer.step,
         "final_loss": trainer.last_loss,
-        "base_top1": base_acc,
-        "draft_top1": accuracy,
+        "base_top1": accuracy.base,
+        "draft_top1": accuracy.layers,
+        "draft_agrees_with_base": accuracy.agreement,
+        "init_heads": None if init_heads is None else str(init_heads),
         "train_tokens": train_ids.numel(),
         "eval_tokens": eval_ids.numel(),
         "config": dict(vars(config)),
@@ -157,6 +173,10 @@ def train_heads(
         click.echo(f"combined checkpoint (released TokenSwift format): {combined}")
     click.echo(f"heads file: {heads_path}")
     click.echo(
-        f"held-out top-1 accuracy: base (+1) {base_acc:.3f}, "
-        + ", ".join(f"layer {i} (+{i + 1}) {a:.3f}" for i, a in enumerate(accuracy, start=1))
+        f"held-out top-1 accuracy: base (+1) {accuracy.base:.3f}, "
+        + ", ".join(f"layer {i} (+{i + 1}) {a:.3f}" for i, a in enumerate(accuracy.layers, start=1))
+    )
+    click.echo(
+        "held-out agreement with the base model's top-1: "
+        + ", ".join(f"layer {i} {a:.3f}" for i, a in enumerate(accuracy.agreement, start=1))
     )

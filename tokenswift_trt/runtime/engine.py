@@ -160,9 +160,14 @@ def choose_attention_kernel(
     model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> None:
     """Verify through a tree-attention kernel: on CUDA with fp16/bf16 and a supported head size; on a
-    CPU with float32 and head_dim 16/32/64/128 (compiled on first use; TOKENSWIFT_CPU_KERNEL=0 keeps SDPA)."""
+    CPU with float32, head_dim 16/32/64/128 and AVX-512 (compiled on first use; TOKENSWIFT_CPU_KERNEL=0
+    keeps SDPA, =1 takes the kernel without AVX-512)."""
     if device.type == "cpu":
-        if not kernels.cpu_kernel_supports(dtype, config.head_dim) or kernels.cpu_kernels_switched_off():
+        if (
+            not kernels.cpu_kernel_supports(dtype, config.head_dim)
+            or kernels.cpu_kernels_switched_off()
+            or not kernels.cpu_attention_kernel_pays()
+        ):
             return
         status = kernels.load_cpu_kernels()
         if status.loaded:

@@ -238,6 +238,16 @@ def cpu_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype == torch.float32 and head_dim in CPU_HEAD_DIMS
 
 
+def cpu_attention_kernel_pays() -> bool:
+    """Whether the CPU tree-attention kernel beats SDPA on this processor: with AVX-512 (its 16-lane
+    tiles are one register, 32 of them). On AVX2 a tile is two of 16 registers and the kernel spills:
+    measured 4-7x slower than SDPA on SmolLM2's attention (head_dim 64, 2-16 tokens, 512-4K keys;
+    docs/runtime.md). TOKENSWIFT_CPU_KERNEL=1 uses it anyway (tests, comparisons)."""
+    if os.environ.get("TOKENSWIFT_CPU_KERNEL") == "1":
+        return True
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 @functools.cache
 def load_cpu_kernels(verbose: bool = False) -> KernelStatus:
     """Compile (once per process; torch caches the build on disk) and register the CPU

@@ -1,7 +1,12 @@
 """Train the three chained draft layers with the base model frozen.
 
-Loss: for draft layer i (1..3), cross-entropy of lm_head(layer_i(h_t)) against the token i + 1
-positions after the base head's target, i.e. x[t + 1 + i]; the mean over layers is minimised.
+Loss: for draft layer i (1..3), the prediction lm_head(layer_i(h_t)) of the token i + 1 positions
+after the base head's target, x[t + 1 + i], is scored by cross-entropy against
+- "distill" (default): the frozen base model's own distribution for that token, softmax of its
+  logits at t + i (self-distillation: acceptance asks the draft to agree with the target model,
+  not with the corpus, and a full distribution teaches more per position than one token);
+- "tokens": the corpus token x[t + 1 + i] (the paper's objective);
+the mean over layers is minimised.
 AdamW (0.9, 0.999), weight decay 0.1, linear warm-up then cosine decay, gradient accumulation.
 The base forward runs without gradients; only the draft layers' parameters train.
 """
@@ -25,6 +30,7 @@ from tokenswift_trt.runtime.kv_cache import KVCache
 
 CHECKPOINT = "checkpoint.pt"
 HEADS_FILE = "heads.safetensors"
+LOSSES = ("distill", "tokens")
 
 
 class TrainingError(ValueError):
@@ -43,8 +49,11 @@ class TrainHeadsConfig:
     checkpoint_every: int = 100
     eval_sequences: int = 8
     seed: int = 0
+    loss: str = "distill"  # see LOSSES and the module docstring
 
     def validate(self) -> None:
+        if self.loss not in LOSSES:
+            raise TrainingError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         for name in ("steps", "seq_len", "batch", "grad_accum", "checkpoint_every"):
             if getattr(self, name) <= 0:
                 raise TrainingError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
@@ -146,37 +155,61 @@ def draft_logits(weight: torch.Tensor, draft_layers: DraftLayers, hidden: torch.
 
 
 def draft_loss(
-    engine: Engine, weight: torch.Tensor, draft_layers: DraftLayers, ids: torch.Tensor
+    engine: Engine, weight: torch.Tensor, draft_layers: DraftLayers, ids: torch.Tensor, loss: str = "distill"
 ) -> torch.Tensor:
-    """Mean over layers of CE(layer i at t, x[t + 1 + i]) for one sequence ids [T]."""
+    """Mean over layers of the loss of layer i at t for x[t + 1 + i] (see the module docstring), one
+    sequence ids [T]."""
     hidden = base_hidden(engine, ids)
     targets = ids.to(engine.device)
+    teacher = None
+    if loss == "distill":
+        with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
+            teacher = F.softmax(F.linear(engine.model.model.norm(hidden), weight), dim=-1)
     losses = []
     for i, logits in enumerate(draft_logits(weight, draft_layers, hidden), start=1):
         shift = i + 1
-        losses.append(F.cross_entropy(logits[:-shift].float(), targets[shift:]))
+        if teacher is None:
+            losses.append(F.cross_entropy(logits[:-shift].float(), targets[shift:]))
+        else:  # layer i at t predicts x[t + 1 + i]: the base's row t + i
+            soft = teacher[i : teacher.shape[0] - 1]  # [T - shift, V]
+            losses.append(-(soft * F.log_softmax(logits[:-shift].float(), dim=-1)).sum(-1).mean())
     return torch.stack(losses).mean()
+
+
+@dataclass
+class DraftAccuracy:
+    """Held-out top-1 rates: the base head (+1) against the corpus, and per draft layer (+2, +3, +4)
+    against the corpus and against the base model's own top-1 for that token (what greedy
+    verification accepts)."""
+
+    base: float
+    layers: list[float]
+    agreement: list[float]
 
 
 @torch.no_grad()
 def draft_accuracy(
     engine: Engine, draft_layers: DraftLayers, sequences: Sequence[torch.Tensor]
-) -> tuple[float, list[float]]:
-    """Held-out top-1 accuracy of the base head (+1) and of each draft layer (+2, +3, +4)."""
+) -> DraftAccuracy:
     weight = head_weight(engine)
-    hits = [0] * (1 + len(draft_layers))
-    totals = [0] * (1 + len(draft_layers))
+    layers = len(draft_layers)
+    hits, agree, totals = [0] * (1 + layers), [0] * layers, [0] * (1 + layers)
     for ids in sequences:
         hidden = base_hidden(engine, ids)
         targets = ids.to(engine.device)
         base = F.linear(engine.model.model.norm(hidden), weight)
+        base_top = base.argmax(-1)  # [T]: the base's pick for x[t + 1]
         heads = [base] + draft_logits(weight, draft_layers, hidden)
         for i, logits in enumerate(heads):
             shift = i + 1
-            hits[i] += int((logits[:-shift].argmax(-1) == targets[shift:]).sum())
+            top = logits[:-shift].argmax(-1)
+            hits[i] += int((top == targets[shift:]).sum())
             totals[i] += targets.numel() - shift
+            if i:
+                agree[i - 1] += int((top == base_top[i:-1]).sum())
     rates = [h / t if t else 0.0 for h, t in zip(hits, totals)]
-    return rates[0], rates[1:]
+    agreement = [a / t if t else 0.0 for a, t in zip(agree, totals[1:])]
+    return DraftAccuracy(rates[0], rates[1:], agreement)
 
 
 def save_heads(draft_layers: DraftLayers, path: Path) -> None:
@@ -185,6 +218,25 @@ def save_heads(draft_layers: DraftLayers, path: Path) -> None:
         for k, v in draft_layers.state_dict().items()
     }
     save_file(tensors, str(path))
+
+
+def load_heads(path: Path, draft_layers: DraftLayers) -> dict[str, torch.Tensor]:
+    """A heads file (`save_heads`' format) as a state dict for `draft_layers`; a file of another
+    shape or naming is a TrainingError."""
+    if not path.is_file():
+        raise TrainingError(f"heads file {path} does not exist")
+    state = {
+        "layers." + key.removeprefix(HEADS_PREFIX): value
+        for key, value in load_file(str(path)).items()
+        if key.startswith(HEADS_PREFIX)
+    }
+    expected = {key: value.shape for key, value in draft_layers.state_dict().items()}
+    if {key: value.shape for key, value in state.items()} != expected:
+        raise TrainingError(
+            f"{path} does not hold {len(draft_layers)} draft layers of this model's hidden size "
+            f"({draft_layers.layers[0].linear.weight.shape[0]})"
+        )
+    return state
 
 
 def write_combined(model_dir: Path, heads_file: Path, out_dir: Path) -> Path:
@@ -215,7 +267,12 @@ class HeadsTrainer:
     """Owns the draft layers, optimiser, data order and checkpoints of one training run."""
 
     def __init__(
-        self, engine: Engine, train_ids: torch.Tensor, config: TrainHeadsConfig, out_dir: Path
+        self,
+        engine: Engine,
+        train_ids: torch.Tensor,
+        config: TrainHeadsConfig,
+        out_dir: Path,
+        init_heads: Path | None = None,
     ) -> None:
         config.validate()
         if train_ids.numel() <= config.seq_len:
@@ -230,6 +287,8 @@ class HeadsTrainer:
         self.draft_layers = (
             DraftLayers(engine.config, len(engine.draft_layers)).to(engine.device, torch.float32).zero_()
         )
+        if init_heads is not None:  # warm start: go on from trained layers (a new schedule)
+            self.draft_layers.load_state_dict(load_heads(init_heads, self.draft_layers))
         self.draft_layers.train()
         self.optimizer = torch.optim.AdamW(
             self.draft_layers.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=config.weight_decay
@@ -251,7 +310,10 @@ class HeadsTrainer:
         scale = 1.0 / (self.config.grad_accum * self.config.batch)
         for _ in range(self.config.grad_accum):
             for ids in self._batch():
-                loss = draft_loss(self.engine, self.head_weight, self.draft_layers, ids) * scale
+                loss = (
+                    draft_loss(self.engine, self.head_weight, self.draft_layers, ids, self.config.loss)
+                    * scale
+                )
                 loss.backward()
                 total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.draft_layers.parameters(), 1.0)
