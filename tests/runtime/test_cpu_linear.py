@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from tokenswift_trt.runtime.cpu_linear import Linear, pack_linears, packing_available
+from tokenswift_trt.runtime.cpu_linear import FusedLinears, Linear, pack_linears, packing_available
+from tokenswift_trt.runtime.kv_cache import KVCache
 
 from conftest import quiet_load
 
@@ -85,7 +86,14 @@ def test_cpu_engines_pack_every_linear(llama_dir):
     layers = [
         m for m in list(engine.model.modules()) + list(engine.draft_layers.modules()) if isinstance(m, Linear)
     ]
-    assert layers and all(layer.packed for layer in layers)
+    fused = {
+        id(part)
+        for module in engine.model.modules()
+        if getattr(module, "fused", None) is not None
+        for part in module.fused.parts
+    }
+    assert len(fused) == 5 * engine.config.num_layers  # Q, K, V, gate, up of every layer
+    assert layers and all(layer.packed or id(layer) in fused for layer in layers)
     assert pack_linears(engine.model) == len([m for m in engine.model.modules() if isinstance(m, Linear)])
     assert not any(
         layer.packed
@@ -100,3 +108,48 @@ def test_engines_loaded_under_inference_mode_are_packed(llama_dir):
         x = torch.randn(3, engine.config.hidden_size)
         assert engine.model.lm_head.packed
         assert torch.allclose(engine.model.lm_head(x), F.linear(x, engine.model.lm_head.weight), atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_a_fused_product_equals_its_packed_parts_bit_for_bit(bias, rows):
+    torch.manual_seed(1)
+    parts = [Linear(64, size, bias=bias) for size in (64, 16, 16)]
+    fused = FusedLinears.pack(parts)
+    assert fused is not None and not any(part.packed for part in parts)  # the fused copy replaces theirs
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        assert fused.usable(x)
+        outputs = fused(x)
+        for part in parts:
+            part.pack()
+        for out, part in zip(outputs, parts):
+            assert torch.equal(out, part(x))
+    assert not fused.usable(x)  # outside inference mode (training, export) the parts run
+
+
+def test_engine_logits_are_the_same_with_and_without_fusion_and_never_stale(llama_dir):
+    engine = quiet_load(llama_dir[0])
+    model, config = engine.model, engine.config
+    tokens = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+
+    def logits() -> torch.Tensor:
+        cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 16)
+        return model.logits(model(tokens, torch.arange(12), cache).hidden)
+
+    fused = logits()
+    attention = model.model.layers[0].self_attn
+    with torch.inference_mode():
+        assert attention.fused.usable(torch.randn(1, config.hidden_size))
+    saved = [(layer.self_attn.fused, layer.mlp.fused) for layer in model.model.layers]
+    for layer in model.model.layers:
+        layer.self_attn.fused = layer.mlp.fused = None
+    pack_linears(model)
+    assert torch.equal(fused, logits())
+    for layer, (attention_fused, mlp_fused) in zip(model.model.layers, saved):
+        layer.self_attn.fused, layer.mlp.fused = attention_fused, mlp_fused
+    with torch.no_grad():
+        attention.k_proj.weight.mul_(0.5)  # in place: the fused copy is now stale
+    with torch.inference_mode():
+        assert not attention.fused.usable(torch.randn(1, config.hidden_size))
+    assert not torch.equal(fused, logits())

@@ -129,7 +129,7 @@ def random_engine(
     base.eval()
     draft_layers.eval()
     choose_attention_kernel(base, config, dtype, device)
-    pack_linears(base)  # CPU only, as load_engine does
+    base.pack()  # CPU only, as load_engine does
     pack_linears(draft_layers)
     return Engine(config, base, draft_layers, False, dtype, device), str(dtype).removeprefix("torch.")
 

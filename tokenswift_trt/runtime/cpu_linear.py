@@ -15,6 +15,8 @@ another device or dtype), so training and reloading stay correct.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,3 +83,57 @@ def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
 def pack_linears(module: nn.Module) -> int:
     """Prepack every `Linear` inside `module` (CPU float32/bfloat16); returns how many were packed."""
     return sum(1 for child in module.modules() if isinstance(child, Linear) and child.pack())
+
+
+class FusedLinears:
+    """Linears that read the same input (a layer's Q/K/V projections, an MLP's gate and up) as one
+    prepacked product for CPU inference: one oneDNN call and one pass over the input instead of
+    several, each output equal bit for bit to its own Linear's (every output element is the same
+    dot product). Not a module: the parts keep their parameters and state-dict keys; this holds a
+    packed copy of their concatenated weights, used only while none of them has changed."""
+
+    def __init__(self, parts: Sequence[Linear], packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.parts = list(parts)
+        self.sizes = [part.out_features for part in parts]
+        self._packed, self._bias = packed, bias
+        self._from = [_identity(part.weight) for part in parts]
+
+    @classmethod
+    def pack(cls, parts: Sequence[Linear]) -> FusedLinears | None:
+        """The fused product of `parts` (same input size, all with or all without bias); None where it
+        cannot be packed (not CPU float32/bfloat16, no oneDNN). The parts' own packed copies are
+        dropped: the fused one replaces them."""
+        first = parts[0]
+        if (
+            any(part.in_features != first.in_features for part in parts)
+            or len({part.bias is None for part in parts}) != 1
+            or first.weight.device.type != "cpu"
+            or first.weight.dtype not in (torch.float32, torch.bfloat16)
+            or not packing_available()
+        ):
+            return None
+        with torch.no_grad():
+            weight = torch.cat([part.weight.detach() for part in parts])  # [sum(out), in]
+            bias = None if first.bias is None else torch.cat([part.bias.detach() for part in parts])
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
+            except RuntimeError:  # as in Linear.pack: no packed layout for this dtype on this CPU
+                return None
+        for part in parts:
+            part._packed = None
+        return cls(parts, packed, bias)
+
+    def usable(self, x: torch.Tensor) -> bool:
+        return (
+            x.device.type == "cpu"
+            and torch.is_inference_mode_enabled()
+            and x.dtype == self.parts[0].weight.dtype
+            and all(_identity(part.weight) == before for part, before in zip(self.parts, self._from))
+        )
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in] -> one output per part [..., part.out] (views of one product)."""
+        rows = x.numel() // self.parts[0].in_features
+        flat = x.reshape(rows, self.parts[0].in_features)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self._bias, "none", [], "")
+        return tuple(piece.view(*x.shape[:-1], -1) for piece in out.split(self.sizes, dim=-1))

@@ -151,7 +151,7 @@ def load_engine(
     model.eval()
     draft_layers.eval()
     choose_attention_kernel(model, config, dtype, device)
-    pack_linears(model)  # CPU only: oneDNN-prepacked weights (cpu_linear.py)
+    model.pack()  # CPU only: oneDNN-prepacked, fused weights (cpu_linear.py)
     pack_linears(draft_layers)
     return Engine(config, model, draft_layers, bool(draft), dtype, device)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from . import kernels
 from .config import ModelConfig
-from .cpu_linear import Linear
+from .cpu_linear import FusedLinears, Linear, pack_linears
 from .rope import RotaryEmbedding, apply_rotary
 
 # How attention runs: "sdpa" (torch's scaled_dot_product_attention with a boolean mask; CPU and any
@@ -132,6 +132,10 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.v_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.fused: FusedLinears | None = None  # Q/K/V as one packed product on a CPU (`pack`)
+
+    def pack(self) -> None:
+        self.fused = FusedLinears.pack([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -143,9 +147,13 @@ class Attention(nn.Module):
         layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         count = x.shape[0]
-        q = self.q_proj(x).view(count, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, head_dim]
-        k = self.k_proj(x).view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        if self.fused is not None and self.fused.usable(x):
+            q, k, v = self.fused(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(count, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, head_dim]
+        k = k.view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v = v.view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         keys, values = cache.attend_kv(layer, k, v)  # [kv_heads, prefix + T, head_dim]
@@ -211,9 +219,17 @@ class MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.fused: FusedLinears | None = None  # gate and up as one packed product on a CPU (`pack`)
+
+    def pack(self) -> None:
+        self.fused = FusedLinears.pack([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused is not None and self.fused.usable(x):
+            gate, up = self.fused(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -304,6 +320,15 @@ class LlamaModel(nn.Module):
                 f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}"
             )
         self.attention_kernel = kernel
+
+    def pack(self) -> int:
+        """For CPU inference: prepack every linear (cpu_linear.py), then fuse each layer's Q/K/V and
+        gate/up products; returns how many linears were packed (0 off the CPU)."""
+        count = pack_linears(self)
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        return count
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
