@@ -123,7 +123,8 @@ def test_bench_drafting_from_the_verify_pass_compares_auto_with_the_papers_stati
     assert result.exit_code == 0, result.output
     (row,) = list(csv.DictReader(open(out / "bench.csv")))
     assert row["tokens_equal_ar"] == "True"
-    assert row["auto_plans"].startswith("probe 3,2,1 k=4")  # the verify pass's probe on a CPU: layers 1-3
+    # drafting from the verify pass the probe scores the probe trie (3,2,1 k=4 on a CPU) on AR steps
+    assert row["auto_plans"].startswith("probe on ar steps from token 1")
     assert float(row["default_tree_tokens_per_s"]) > 0  # 1,3,3,3 is 4 deep: it ran with the paper's drafting
 
 
@@ -229,3 +230,17 @@ def test_repeats_alternate_which_of_ar_and_tokenswift_runs_first():
     assert run_order(names, 0) == names
     assert run_order(names, 1) == ["tokenswift", "ar", "no_penalty", "default_tree"]
     assert run_order(names, 2) == names and names == ["ar", "tokenswift", "no_penalty", "default_tree"]
+
+
+@pytest.mark.slow
+def test_bench_without_extras_runs_ar_and_tokenswift_only(model_dir, tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 40)
+    args = ["bench", "--model-dir", str(model_dir), "--prompt-file", str(text), "--gen-len", "24"]
+    args += ["--prefix-len", "32", "--no-extras", "--out", str(tmp_path / "bench")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    row = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"][0]
+    assert row["tokens_equal_ar"] and "distinct4_penalty" in row and row["auto_plans"]
+    assert "distinct4_no_penalty" not in row and "auto_vs_default_tree" not in row
+    assert "distinct4_no_penalty" not in result.stdout

@@ -187,7 +187,14 @@ def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert auto == ar
     assert stats.plans[0].probe and len(stats.plans) >= 2
-    assert (stats.plans[0].tree, stats.plans[0].ngram_topk) == probe_plan("verify", torch.device("cpu"))
+    # drafting from the verify pass, the probe runs AR steps and scores the probe trie's drafts
+    assert (stats.plans[0].tree, str(stats.plans[0])) == (AR_PLAN, "probe on ar steps from token 1")
+    paper, paper_stats = generate(
+        llama_engine64, prompt, GenerationConfig(**base, tree="auto", draft_source="partial")
+    )
+    assert paper == ar
+    probe = paper_stats.plans[0]  # a separate draft pass: the probe tree runs for real
+    assert probe.probe and (probe.tree, probe.ngram_topk) == probe_plan("partial", torch.device("cpu"))
     chosen = stats.plans[1].tree
     assert chosen == AR_PLAN or parse_tree(chosen)
 
@@ -228,8 +235,10 @@ def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_
         )
         tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens))
         costs = IterationCosts(0.0, 0.0, 0.0, len(probe))
-        while tuner.plan.probe:
-            tuner.observe(probe, [], costs, hidden, False, 1.0, 1)
+        while tuner.plan.probe:  # on AR steps: each one appends a token
+            state.append([len(state.tokens) % 50])
+            tuner.observe(None, [], None, hidden, False, 1.0, 1)
+        assert tuner.recorder.iterations == autotune.SHADOW_PROBE_STEPS
         assert (tuner.plan.tree, tuner.plan.trial) == ("1,1", True)  # the model's pick, on trial
         while tuner.plan.tree == "1,1":  # 2 tokens an iteration
             tuner.observe(small, [], costs, hidden, False, 2 * drafting_seconds_per_token, 2)
@@ -239,3 +248,17 @@ def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_
         return tuner.plan
 
     assert settle(0.5).tree == "1,1" and settle(2.0).tree == AR_PLAN
+
+
+def test_ar_tokens_walk_the_trie_as_lossless_verification_would():
+    from tokenswift_trt.runtime.autotune import accepted_path
+
+    trie = build_trie(5, build_static_tree("3,2,1"), [[10, 11, 12], [20, 21], [30]], [(5, 11, 40, 41)], True)
+    assert accepted_path(trie, [11, 21, 30, 7]) == [
+        trie.children[0][11],
+        trie.children[trie.children[0][11]][21],
+        trie.children[trie.children[trie.children[0][11]][21]][30],
+    ]
+    assert len(accepted_path(trie, [11, 40, 41])) == 3  # along the n-gram branch
+    assert accepted_path(trie, [13, 20]) == []  # the first token missed: nothing accepted
+    assert len(accepted_path(trie, [10, 22, 30])) == 1

@@ -295,8 +295,11 @@ def test_drafting_from_the_verify_pass_is_lossless(llama_engine64, tree):
         llama_engine64, prompt, GenerationConfig(**base, tree=tree, draft_source="verify")
     )
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
-    assert swift == ar
-    assert stats.partial_selections == 0 and "draft" in stats.phase_s
+    assert swift == ar and stats.partial_selections == 0
+    if tree == "auto":  # probed on AR steps; untrained layers on a random model rarely earn a tree
+        assert stats.plans[0].probe and stats.plans[0].tree == "ar"
+    else:
+        assert "draft" in stats.phase_s
 
 
 def test_verify_drafting_takes_the_next_drafts_from_the_verify_passs_head_pass(llama_engine64, monkeypatch):

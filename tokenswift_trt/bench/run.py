@@ -161,6 +161,7 @@ class BenchSpec:
     repeats: int
     config: GenerationConfig  # sampling, tree, k, budget, seed of the TokenSwift runs
     interleave: int = 256  # new tokens per method per turn; 0 = the methods one after another
+    extras: bool = True  # also the penalty-off run (Distinct-n) and the paper's tree (auto vs paper)
 
 
 def prompt_windows(text_ids: Sequence[int], prefix_len: int, count: int) -> list[list[int]]:
@@ -191,9 +192,11 @@ def run_bench(
     rows = []
     base = spec.config
     no_penalty = replace(base, sampling=replace(base.sampling, penalty=1.0))
-    variants = {"ar": replace(base, method="ar"), "tokenswift": base, "no_penalty": no_penalty}
+    variants = {"ar": replace(base, method="ar"), "tokenswift": base}
+    if spec.extras:
+        variants["no_penalty"] = no_penalty
     if (
-        base.tree == "auto"
+        spec.extras and base.tree == "auto"
     ):  # against the paper's static configuration: tree 1,3,3,3 drafted on the partial cache
         variants["default_tree"] = replace(base, tree=DEFAULT_TREE, draft_source="partial")
     for prefix_len in spec.prefix_lens:
@@ -279,10 +282,13 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
         row["auto_vs_default_tree"] = round(
             spread([s.tokens_per_s / d.tokens_per_s for s, d in zip(swift, default)])[0], 3
         )
+    if runs["tokenswift"][0].plans:
         row["auto_plans"] = " | ".join(
             str(plan) for plan in plans_before(runs["tokenswift"][0].plans, gen_len)
         )
     for name, key in (("tokenswift", "penalty"), ("no_penalty", "no_penalty")):
+        if name not in runs:
+            continue
         for n in range(1, 5):
             values = [distinct_n(r.tokens[:gen_len], n) for r in runs[name]]
             row[f"distinct{n}_{key}"] = round(sum(values) / len(values), 4)

@@ -37,6 +37,11 @@ from .common import (
     show_default=True,
     help="new tokens each method decodes per turn, each timed on its own clock (0: one after another)",
 )
+@click.option(
+    "--no-extras",
+    is_flag=True,
+    help="AR and TokenSwift only: skip the penalty-off and paper-tree runs (half the time)",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @sampling_options
 def bench(
@@ -50,6 +55,7 @@ def bench(
     prompts,
     repeats,
     interleave,
+    no_extras,
     out,
     **opts,
 ) -> None:
@@ -88,7 +94,7 @@ def bench(
 
         return update
 
-    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config, interleave)
+    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config, interleave, not no_extras)
     try:
         rows = run_bench(engine, text_ids, spec, progress)
     except ValueError as error:
@@ -122,6 +128,7 @@ def bench(
     ]
     if "auto_vs_default_tree" in rows[0]:
         columns.insert(5, "auto_vs_default_tree")
+    columns = [column for column in columns if column in rows[0]]
     click.echo(" | ".join(columns))
     for row in rows:
         click.echo(" | ".join(str(row[c]) for c in columns))

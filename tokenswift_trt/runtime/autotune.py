@@ -17,6 +17,16 @@ plain AR steps are always a candidate, so a drafting plan the model picks is the
 it runs TRIAL_ITERATIONS iterations, plain AR steps run AR_TRIAL_STEPS, and the one with the lower
 measured seconds per token is kept until the next probe.
 
+Drafting from the verify pass, the probe costs (almost) nothing: decoding runs plain AR steps,
+and after each one the tuner drafts the probe's trie from that step's hidden state, exactly as a
+verify-mode iteration rooted at the new token would (same draft layers, same noise ranking, same
+n-grams), then waits for the next tokens. Lossless verification accepts a node exactly when it is
+the token AR sampling puts there, so the path the AR tokens take through that trie is the path a
+real probe iteration would have accepted. What it costs is the draft layers' head pass and the
+ranking per AR step (~10% of a SmolLM2 step on a CPU) instead of verifying a 16-node trie, which
+on a CPU costs 2-3 AR steps. A separate draft pass (the paper's partial-cache drafting) is a whole
+forward, so that probe still runs the probe tree for real.
+
 `Tuner` holds all of that state; the decode loop asks it for the plan to run and reports each
 iteration to it, and knows nothing of probes.
 """
@@ -26,6 +36,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +47,9 @@ from .stages import (
     BATCHED_NODES_MAX,
     DecodeState,
     NodeTargets,
+    candidates_from_hidden,
     forward_full,
+    retrieve_ngrams,
     sample_next,
     sampled_in_one_batch,
     top_candidates,
@@ -57,6 +70,7 @@ PROBES: dict[tuple[str, str], tuple[str, int]] = {
 # probe iterations with the largest tree: acceptance counts add up over probes and over the iterations of
 # the plans that run; a probe is the tuner's overhead, and the trial catches a plan chosen on too few
 PROBE_ITERATIONS = 16
+SHADOW_PROBE_STEPS = 32  # a probe on AR steps (drafting from the verify pass): cheap, so twice as long
 RETUNE_EVERY = 4096  # probe again after this many new tokens
 RETUNE_AFTER_AR = 2048  # ... or this many after choosing plain AR steps (which teach the tuner nothing),
 # doubling for every further probe in a row that ends in AR steps
@@ -115,6 +129,8 @@ class Plan:
         return None if self.tree == AR_PLAN else build_static_tree(self.branching)
 
     def __str__(self) -> str:
+        if self.probe and self.tree == AR_PLAN:
+            return f"probe on ar steps from token {self.from_token}"
         kind = "probe " if self.probe else "trial " if self.trial else ""
         return f"{kind}{self.tree} k={self.ngram_topk} from token {self.from_token}"
 
@@ -342,6 +358,19 @@ def measure_sampling(
 # ---------------------------------------------------------------- the tuner
 
 
+def accepted_path(trie: Trie, continuation: Sequence[int]) -> list[int]:
+    """The nodes lossless verification of `trie` accepts when the target samples `continuation`
+    after its root: each node whose token is the next one sampled, from the root down."""
+    nodes, node = [], 0
+    for token in continuation:
+        child = trie.children[node].get(token)
+        if child is None:
+            break
+        nodes.append(child)
+        node = child
+    return nodes
+
+
 @dataclass
 class IterationCosts:
     """Host work of one drafting iteration, as the loop timed it."""
@@ -376,6 +405,8 @@ class Tuner:
         self.engine, self.state, self.from_verify, self.max_trie = engine, state, from_verify, max_trie
         self.clock = clock  # new tokens so far (plans are logged by it)
         self.probe_tree, self.probe_topk = probe_plan("verify" if from_verify else "partial", engine.device)
+        self._probe_static = build_static_tree(self.probe_tree)
+        self._shadows: deque[tuple[Trie, int, IterationCosts]] = deque()  # (trie, root index, costs)
         max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
         # kept over all probes
         self.recorder = ProbeRecorder(max_depth, self.probe_tree, self.probe_topk)
@@ -395,8 +426,11 @@ class Tuner:
         return self.history[-1]
 
     def _start_probe(self) -> None:
-        self.history.append(Plan(self.probe_tree, self.probe_topk, max(1, self.clock()), probe=True))
+        """Drafting from the verify pass, on AR steps (see the module docstring); else the probe tree."""
+        tree, topk = (AR_PLAN, 0) if self.from_verify else (self.probe_tree, self.probe_topk)
+        self.history.append(Plan(tree, topk, max(1, self.clock()), probe=True))
         self._probe_costs, self._probe_iterations = IterationCosts(0.0, 0.0, 0.0, 0), 0
+        self._shadows.clear()
 
     def _switch(self, tree: str, ngram_topk: int, trial: bool = False) -> None:
         self.history.append(Plan(tree, ngram_topk, self.clock(), trial=trial))
@@ -422,10 +456,14 @@ class Tuner:
         committed `tokens`; returns the plan to run next."""
         plan = self.plan
         if plan.probe:
-            if trie is not None and costs is not None:
+            if plan.tree == AR_PLAN:
+                self._shadow_probe(last_hidden)
+                needed = SHADOW_PROBE_STEPS
+            elif trie is not None and costs is not None:
                 self._record_probe(trie, accepted_nodes, costs)
-                if self._probe_iterations >= PROBE_ITERATIONS and not done:
-                    self._choose(last_hidden)
+                needed = PROBE_ITERATIONS
+            if self._probe_iterations >= needed and not done:
+                self._choose(last_hidden)
         else:
             if trie is not None and not done:  # the running plan's iterations count too
                 self.recorder.record(trie, accepted_nodes, (plan.branching, plan.ngram_topk))
@@ -435,6 +473,28 @@ class Tuner:
         if settled and len(self.state.tokens) >= self._next_probe:
             self._start_probe()
         return self.plan
+
+    def _shadow_probe(self, hidden: torch.Tensor) -> None:
+        """After an AR step (hidden [hidden]: the step's input token's, which sampled the new root):
+        draft the probe trie at the new root as a verify-mode iteration would, and record every
+        earlier one whose continuation the AR tokens now cover."""
+        engine, state = self.engine, self.state
+        if state.table is not None:  # AR steps leave the n-gram table behind; the trie needs it
+            state.table.update(state.tokens, len(state.tokens) - state.ngram_exclusion)
+        tick = time.perf_counter()
+        candidates = candidates_from_hidden(engine, state, hidden, self._probe_static)
+        drafted = time.perf_counter()
+        ngrams = retrieve_ngrams(state, state.tokens[-1:], self.probe_topk)
+        trie = build_trie(state.tokens[-1], self._probe_static, candidates, ngrams, ngrams_from_root=True)
+        costs = IterationCosts(drafted - tick, time.perf_counter() - drafted, 0.0, len(trie))
+        self._shadows.append((trie, len(state.tokens) - 1, costs))
+        while self._shadows:
+            trie, root, costs = self._shadows[0]
+            continuation = state.tokens[root + 1 :]
+            if len(continuation) < max(trie.depths):
+                break
+            self._shadows.popleft()
+            self._record_probe(trie, accepted_path(trie, continuation), costs)
 
     def _record_probe(self, trie: Trie, accepted_nodes: Sequence[int], costs: IterationCosts) -> None:
         self.recorder.record(trie, accepted_nodes)
