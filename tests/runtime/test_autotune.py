@@ -224,6 +224,7 @@ def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_
     monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
     monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
     monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)  # the cost model decides here
     engine = llama_engine64
     hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
     probe = build_trie(5, build_static_tree("3,2,1"), [[10, 11, 12], [20, 21], [30]])
@@ -262,3 +263,29 @@ def test_ar_tokens_walk_the_trie_as_lossless_verification_would():
     assert len(accepted_path(trie, [11, 40, 41])) == 3  # along the n-gram branch
     assert accepted_path(trie, [13, 20]) == []  # the first token missed: nothing accepted
     assert len(accepted_path(trie, [10, 22, 30])) == 1
+
+
+def test_a_probe_that_accepts_almost_nothing_settles_on_ar_steps_without_timing_verifies(
+    llama_engine64, monkeypatch
+):
+    from tokenswift_trt.runtime import autotune
+    from tokenswift_trt.runtime.autotune import Tuner
+    from tokenswift_trt.runtime.decoding import new_decode_state
+    from tokenswift_trt.runtime.sampling import PositionKeyedRandom
+
+    def never(*args, **kwargs):
+        raise AssertionError(f"verify passes were timed: {max(tuner.recorder.accepted.values())} accepted")
+
+    monkeypatch.setattr(autotune, "measure_verify", never)
+    monkeypatch.setattr(autotune, "choose_plan", never)
+    drafts = [[1, 2, 3], [4, 5], [6]]  # the probe trie's drafts at every root: never the token sampled
+    monkeypatch.setattr(autotune, "candidates_from_hidden", lambda *args: drafts)
+    engine = llama_engine64
+    state = new_decode_state(engine, [5, 6, 7], GenerationConfig(max_new_tokens=900), PositionKeyedRandom(0))
+    tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens))
+    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
+    while tuner.plan.probe:
+        state.append([10 + len(state.tokens) % 100])  # no draft, and no 4-gram repeats
+        tuner.observe(None, [], None, hidden, False, 1.0, 1)
+    assert tuner.plan.tree == AR_PLAN and not tuner.plan.trial
+    assert tuner.recorder.iterations == autotune.SHADOW_PROBE_STEPS

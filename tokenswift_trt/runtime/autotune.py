@@ -103,6 +103,10 @@ CANDIDATE_TREES = (
 )
 CANDIDATE_TOPK = (0, 1, 2, 4, 8, 20)
 AR_PLAN = "ar"  # tree value of the plan that drafts nothing
+# A drafting iteration costs at least an AR step (its verify pass) plus the drafting, so a probe whose
+# best candidate commits fewer tokens per iteration than this settles on AR steps without timing
+# verify passes (~20 forwards of the tuner's own overhead)
+MIN_TOKENS_PER_ITERATION = 1.05
 
 
 def probe_plan(draft_source: str, device: torch.device) -> tuple[str, int]:
@@ -521,6 +525,10 @@ class Tuner:
 
     def _choose(self, last_hidden: torch.Tensor) -> None:
         engine, state, count = self.engine, self.state, self._probe_iterations
+        recorder = self.recorder
+        if max(1 + recorder.mean_accepted(key) for key in recorder.accepted) < MIN_TOKENS_PER_ITERATION:
+            self._settle(Plan(AR_PLAN, 0))
+            return
         totals = self._probe_costs
         verify_costs = measure_verify(engine, state, self.max_trie)
         # drafting from the verify pass the head pass carries draft rows (one level: the trees CPUs pick)
