@@ -249,6 +249,7 @@ def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_
         return tuner.plan
 
     assert settle(0.5).tree == "1,1" and settle(2.0).tree == AR_PLAN
+    assert settle(0.99).tree == AR_PLAN  # within the trials' noise: plain AR steps stay
 
 
 def test_ar_tokens_walk_the_trie_as_lossless_verification_would():

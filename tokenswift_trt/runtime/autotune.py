@@ -14,8 +14,8 @@ inside it (their nodes are all in its trie): a probe's 16 iterations estimate ac
 
 A cost model can be wrong (a verify pass timed at one context, trie shapes it did not time), and
 plain AR steps are always a candidate, so a drafting plan the model picks is then tried for real:
-it runs TRIAL_ITERATIONS iterations, plain AR steps run AR_TRIAL_STEPS, and the one with the lower
-measured seconds per token is kept until the next probe.
+it runs TRIAL_ITERATIONS iterations, plain AR steps run AR_TRIAL_STEPS, and the drafting plan is
+kept until the next probe only if it measured at least 3% fewer seconds per token (TRIAL_MARGIN).
 
 Drafting from the verify pass, the probe costs (almost) nothing: decoding runs plain AR steps,
 and after each one the tuner drafts the probe's trie from that step's hidden state, exactly as a
@@ -76,6 +76,10 @@ RETUNE_AFTER_AR = 2048  # ... or this many after choosing plain AR steps (which 
 # doubling for every further probe in a row that ends in AR steps
 TRIAL_ITERATIONS = 48  # the model's drafting plan, timed for real ...
 AR_TRIAL_STEPS = 32  # ... against this many plain AR steps
+# ... and kept only if it is this much faster per token: trials of ~50 tokens on a machine whose speed
+# drifts by several percent cannot tell closer plans apart (SmolLM2 on the AVX2 CPU kept a tree `1`
+# whose trial measured it faster, and it ran 3% slower than AR steps over 4,096 tokens)
+TRIAL_MARGIN = 0.97
 # Candidate trees; a probe considers those that fit inside its own tree (the paper's drafting probes
 # 1,3,3,3, whose first level is the base model's one draft; drafting from the verify pass probes
 # 3,3,3, whose first level is draft layer 1's, where a few first-level candidates can pay).
@@ -521,7 +525,7 @@ class Tuner:
         elif plan.tree == AR_PLAN and trial.iterations >= AR_TRIAL_STEPS:
             assert self._drafting_trial is not None
             drafting, drafting_s = self._drafting_trial
-            self._settle(drafting if drafting_s < trial.seconds_per_token else plan)
+            self._settle(drafting if drafting_s < TRIAL_MARGIN * trial.seconds_per_token else plan)
 
     def _choose(self, last_hidden: torch.Tensor) -> None:
         engine, state, count = self.engine, self.state, self._probe_iterations
