@@ -37,6 +37,16 @@ def _periodic_ids(length: int = 4000) -> torch.Tensor:
     return pattern.repeat(length // len(pattern) + 1)[:length]
 
 
+def _trained_and_saved(model_dir, tmp_path):
+    """(engine, config, trainer) after 2 steps, its layers saved as tmp_path / HEADS_FILE."""
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(steps=2, seq_len=32, grad_accum=1, warmup_steps=1)
+    trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
+    trainer.run()
+    save_heads(trainer.draft_layers, tmp_path / HEADS_FILE)
+    return engine, config, trainer
+
+
 @pytest.mark.parametrize("loss", ["tokens", "distill"])
 def test_loss_decreases_within_a_few_steps(model_dir, tmp_path, loss):
     engine = quiet_load(model_dir)
@@ -72,11 +82,7 @@ def test_agreement_counts_the_base_models_own_pick_for_the_same_token(model_dir)
 
 
 def test_training_can_start_from_trained_layers_and_refuses_a_wrong_file(model_dir, tmp_path):
-    engine = quiet_load(model_dir)
-    config = TrainHeadsConfig(steps=2, seq_len=32, grad_accum=1, warmup_steps=1)
-    first = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
-    first.run()
-    save_heads(first.draft_layers, tmp_path / HEADS_FILE)
+    engine, config, first = _trained_and_saved(model_dir, tmp_path)
     warm = HeadsTrainer(engine, _periodic_ids(), config, tmp_path, init_heads=tmp_path / HEADS_FILE)
     for key, value in first.draft_layers.state_dict().items():
         assert torch.equal(warm.draft_layers.state_dict()[key], value)
@@ -117,11 +123,7 @@ def test_checkpoint_resume_gives_identical_weights(model_dir, tmp_path):
 
 
 def test_heads_file_and_combined_checkpoint_load_as_trained_draft_layers(model_dir, tmp_path):
-    engine = quiet_load(model_dir)
-    config = TrainHeadsConfig(steps=2, seq_len=32, grad_accum=1, warmup_steps=1)
-    trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
-    trainer.run()
-    save_heads(trainer.draft_layers, tmp_path / HEADS_FILE)
+    _, _, trainer = _trained_and_saved(model_dir, tmp_path)
     with_heads = load_engine(model_dir, heads_file=tmp_path / HEADS_FILE)
     combined = load_engine(write_combined(model_dir, tmp_path / HEADS_FILE, tmp_path / "combined"))
     for engine_with in (with_heads, combined):

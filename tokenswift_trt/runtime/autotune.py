@@ -414,7 +414,8 @@ class Tuner:
         self.clock = clock  # new tokens so far (plans are logged by it)
         self.probe_tree, self.probe_topk = probe_plan("verify" if from_verify else "partial", engine.device)
         self._probe_static = build_static_tree(self.probe_tree)
-        self._shadows: deque[tuple[Trie, int, IterationCosts]] = deque()  # (trie, root index, costs)
+        # probe tries drafted on AR steps, waiting for their tokens: (trie, root index, depth, costs)
+        self._shadows: deque[tuple[Trie, int, int, IterationCosts]] = deque()
         max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
         # kept over all probes
         self.recorder = ProbeRecorder(max_depth, self.probe_tree, self.probe_topk)
@@ -467,7 +468,8 @@ class Tuner:
             if plan.tree == AR_PLAN:
                 self._shadow_probe(last_hidden)
                 needed = SHADOW_PROBE_STEPS
-            elif trie is not None and costs is not None:
+            else:  # a probe tree runs every iteration
+                assert trie is not None and costs is not None
                 self._record_probe(trie, accepted_nodes, costs)
                 needed = PROBE_ITERATIONS
             if self._probe_iterations >= needed and not done:
@@ -495,14 +497,10 @@ class Tuner:
         ngrams = retrieve_ngrams(state, state.tokens[-1:], self.probe_topk)
         trie = build_trie(state.tokens[-1], self._probe_static, candidates, ngrams, ngrams_from_root=True)
         costs = IterationCosts(drafted - tick, time.perf_counter() - drafted, 0.0, len(trie))
-        self._shadows.append((trie, len(state.tokens) - 1, costs))
-        while self._shadows:
-            trie, root, costs = self._shadows[0]
-            continuation = state.tokens[root + 1 :]
-            if len(continuation) < max(trie.depths):
-                break
-            self._shadows.popleft()
-            self._record_probe(trie, accepted_path(trie, continuation), costs)
+        self._shadows.append((trie, len(state.tokens) - 1, max(trie.depths), costs))
+        while self._shadows and len(state.tokens) - 1 - self._shadows[0][1] >= self._shadows[0][2]:
+            trie, root, depth, costs = self._shadows.popleft()  # the next `depth` tokens settle its path
+            self._record_probe(trie, accepted_path(trie, state.tokens[root + 1 : root + 1 + depth]), costs)
 
     def _record_probe(self, trie: Trie, accepted_nodes: Sequence[int], costs: IterationCosts) -> None:
         self.recorder.record(trie, accepted_nodes)

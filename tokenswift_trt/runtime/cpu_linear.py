@@ -39,21 +39,10 @@ class Linear(nn.Linear):
 
     def pack(self) -> bool:
         """Prepack the weight for CPU inference; False (nothing changes) where it cannot be done."""
-        weight = self.weight
-        if (
-            weight.device.type != "cpu"
-            or weight.dtype not in (torch.float32, torch.bfloat16)
-            or not packing_available()
-        ):
-            self._packed = None
+        self._packed = _prepack(self.weight)
+        if self._packed is None:
             return False
-        try:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)
-        except RuntimeError:  # e.g. bfloat16 on a CPU without AVX-512 / AVX-NE-CONVERT: plain F.linear
-            self._packed = None
-            return False
-        self._packed_from = _identity(weight)
+        self._packed_from = _identity(self.weight)
         return True
 
     @property
@@ -72,6 +61,23 @@ class Linear(nn.Linear):
         flat = x.reshape(rows, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")  # [rows, out]
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed layout of a weight [out, in] for CPU inference, or None where there is none
+    (not a CPU float32/bfloat16 weight, no oneDNN, or e.g. bfloat16 on a CPU without AVX-512 /
+    AVX-NE-CONVERT: plain F.linear then)."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not packing_available()
+    ):
+        return None
+    try:
+        with torch.no_grad():
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)
+    except RuntimeError:
+        return None
 
 
 def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
@@ -107,18 +113,13 @@ class FusedLinears:
         if (
             any(part.in_features != first.in_features for part in parts)
             or len({part.bias is None for part in parts}) != 1
-            or first.weight.device.type != "cpu"
-            or first.weight.dtype not in (torch.float32, torch.bfloat16)
-            or not packing_available()
         ):
             return None
         with torch.no_grad():
-            weight = torch.cat([part.weight.detach() for part in parts])  # [sum(out), in]
+            packed = _prepack(torch.cat([part.weight.detach() for part in parts]))  # [sum(out), in]
             bias = None if first.bias is None else torch.cat([part.bias.detach() for part in parts])
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
-            except RuntimeError:  # as in Linear.pack: no packed layout for this dtype on this CPU
-                return None
+        if packed is None:
+            return None
         for part in parts:
             part._packed = None
         return cls(parts, packed, bias)

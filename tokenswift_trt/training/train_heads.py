@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tokenswift_trt.runtime.draft_layers import HEADS_PREFIX, RELEASED_PREFIX, DraftLayers
+from tokenswift_trt.runtime.draft_layers import HEADS_PREFIX, RELEASED_PREFIX, DraftLayers, draft_key
 from tokenswift_trt.runtime.engine import Engine
 from tokenswift_trt.runtime.kv_cache import KVCache
 
@@ -149,6 +149,11 @@ def head_weight(engine: Engine) -> torch.Tensor:
     return engine.model.lm_head.weight.detach().to(torch.float32, copy=True)
 
 
+def base_logits(engine: Engine, weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [T, hidden] -> the base head's logits [T, V] through the float32 lm_head weight."""
+    return F.linear(engine.model.model.norm(hidden), weight)
+
+
 def draft_logits(weight: torch.Tensor, draft_layers: DraftLayers, hidden: torch.Tensor) -> list[torch.Tensor]:
     """hidden [T, hidden] -> per draft layer logits [T, V] through the shared lm_head weight [V, hidden]."""
     return [F.linear(state, weight) for state in draft_layers(hidden)]
@@ -164,7 +169,7 @@ def draft_loss(
     teacher = None
     if loss == "distill":
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
-            teacher = F.softmax(F.linear(engine.model.model.norm(hidden), weight), dim=-1)
+            teacher = F.softmax(base_logits(engine, weight, hidden), dim=-1)
     losses = []
     for i, logits in enumerate(draft_logits(weight, draft_layers, hidden), start=1):
         shift = i + 1
@@ -197,7 +202,7 @@ def draft_accuracy(
     for ids in sequences:
         hidden = base_hidden(engine, ids)
         targets = ids.to(engine.device)
-        base = F.linear(engine.model.model.norm(hidden), weight)
+        base = base_logits(engine, weight, hidden)
         base_top = base.argmax(-1)  # [T]: the base's pick for x[t + 1]
         heads = [base] + draft_logits(weight, draft_layers, hidden)
         for i, logits in enumerate(heads):
@@ -225,11 +230,8 @@ def load_heads(path: Path, draft_layers: DraftLayers) -> dict[str, torch.Tensor]
     shape or naming is a TrainingError."""
     if not path.is_file():
         raise TrainingError(f"heads file {path} does not exist")
-    state = {
-        "layers." + key.removeprefix(HEADS_PREFIX): value
-        for key, value in load_file(str(path)).items()
-        if key.startswith(HEADS_PREFIX)
-    }
+    tensors = load_file(str(path))
+    state = {draft_key(key): value for key, value in tensors.items() if draft_key(key) is not None}
     expected = {key: value.shape for key, value in draft_layers.state_dict().items()}
     if {key: value.shape for key, value in state.items()} != expected:
         raise TrainingError(
