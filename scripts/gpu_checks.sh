@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
-#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host profile syncs
-#                                                      (default: env tests kernels steps host)
+#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop profile syncs
+#                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
 # so one failing stage does not hide the others' results. Needs a CUDA build of torch, nvcc and
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:?usage: scripts/gpu_checks.sh OUT_DIR [STAGE ...]}
 shift
-STAGES=${*:-env tests kernels steps host}
+STAGES=${*:-env tests kernels steps host loop}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tokenswift_torch_ext}
@@ -50,7 +50,8 @@ EOF"
         stage tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
             tests/plugins_cuda/test_cuda_kernels.py tests/runtime/test_static_step.py tests/runtime/test_sampling.py \
             tests/runtime/test_kernels.py tests/runtime/test_model.py tests/bench/test_kernel_bench.py \
-            tests/bench/test_steps.py tests/runtime/test_kv_cache.py tests/runtime/test_transfer.py
+            tests/bench/test_steps.py tests/runtime/test_kv_cache.py tests/runtime/test_transfer.py \
+            tests/runtime/test_device_loop.py
         ;;
     kernels)
         stage kernels 100 "${CLI[@]}" bench-kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
@@ -68,12 +69,18 @@ EOF"
             --penalty-window 256 --kv-budget 1024 --tree \$tree --ignore-eos --seed 1 --device cuda \
             --dtype bfloat16; done"
         ;;
+    loop)  # host time per iteration: the host loop vs the device loop (one CUDA graph per iteration)
+        stage loop 200 bash -c "for flags in '--tree 3,3,3 --draft-source verify' '--tree 3,3,3 --device-loop'; do \
+            ${CLI[*]} bench-host --model-dir models/swift-tiny --prompt-file models/swift-tiny/prompt.txt \
+            --max-new-tokens 1024 --min-p 0.1 --penalty 1.2 --penalty-window 256 --ignore-eos --seed 1 \
+            --device cuda --dtype bfloat16 \$flags; done"
+        ;;
     profile)
         stage profile 400 "$PYTHON" scripts/gpu_profile.py
         ;;
     syncs)
         stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host profile syncs)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop profile syncs)"; exit 2 ;;
     esac
 done

@@ -23,19 +23,9 @@ def _run(*args: str):
 
 
 def test_generate_json_reports_tokens_and_rates(model_dir):
-    result = _run(
-        "generate",
-        "--model-dir",
-        str(model_dir),
-        "--prompt",
-        "Hello there",
-        "--max-new-tokens",
-        "64",
-        "--temperature",
-        "0",
-        "--ignore-eos",
-        "--json",
-    )
+    args = ["--model-dir", str(model_dir), "--prompt", "Hello there", "--max-new-tokens", "64"]
+    args += ["--temperature", "0", "--ignore-eos", "--json"]
+    result = _run("generate", *args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(report) >= {
@@ -67,6 +57,9 @@ def test_generate_json_reports_tokens_and_rates(model_dir):
         "ar",
     )
     assert json.loads(ar.stdout.strip().splitlines()[-1])["token_ids"] == report["token_ids"]
+
+    device_loop = _run("generate", *args, "--tree", "3,3,3", "--device-loop")
+    assert json.loads(device_loop.stdout.strip().splitlines()[-1])["token_ids"] == report["token_ids"]
 
 
 def test_seeded_sampling_is_reproducible_and_streams_the_same_text(model_dir):
@@ -114,6 +107,7 @@ def test_seeded_sampling_is_reproducible_and_streams_the_same_text(model_dir):
             ["--prompt", "x", "--max-new-tokens", "5", "--kv-budget", "64", "--kv-recent", "64"],
             "recent region",
         ),
+        (["--prompt", "x", "--max-new-tokens", "5", "--device-loop"], "fixed tree"),
         (["--max-new-tokens", "5"], "exactly one of --prompt"),
         (["--prompt", "x", "--max-new-tokens", "five"], "five"),
         (["--prompt-file", "/nonexistent/prompt.txt", "--max-new-tokens", "5"], "cannot read prompt file"),

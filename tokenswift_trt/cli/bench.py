@@ -364,6 +364,28 @@ def bench_steps(
     click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
+def _device_loop_host_time(engine, prompt: list[int], config) -> None:
+    """bench-host --device-loop: the host's own time per iteration (queue the graph, queue the
+    report's copy) and its wait for the report of the iteration before."""
+    from tokenswift_trt.runtime.decoding import GenerationError, generate
+
+    try:
+        tokens, stats = generate(engine, prompt, config)
+    except GenerationError as error:
+        raise fail(error) from None
+    per_iteration = {name: seconds / stats.iterations * 1e3 for name, seconds in stats.phase_s.items()}
+    click.echo(
+        f"device loop, tree {config.tree}, k={config.ngram_topk}, {stats.iterations} iterations, "
+        f"{len(tokens)} tokens, {stats.mean_accept_length:.2f} tokens/iteration, "
+        f"{stats.graph_replays} graph replays"
+    )
+    click.echo(
+        f"host ms/iteration: {per_iteration.get('host', 0.0):.3f} (queue the iteration and its report)  "
+        f"wait ms/iteration: {per_iteration.get('wait', 0.0):.3f} (for the report one iteration late)"
+    )
+    click.echo(f"{stats.tokens_per_s:.1f} tokens/s")
+
+
 @click.command("bench-host")
 @source_options
 @click.option(
@@ -386,6 +408,9 @@ def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max
     engine = source.engine
     config = generation_config(max_new_tokens, "tokenswift", opts, source.defaults)
     prompt = source.codec.encode(text)[:prefix_len]
+    if config.device_loop:
+        _device_loop_host_time(engine, prompt, config)
+        return
     try:
         result = measure_host_overhead(engine, prompt, config)
     except ValueError as error:

@@ -208,6 +208,13 @@ def sampling_options(function):
                 "pass; auto: verify with --tree auto, else partial [auto]",
             ),
             click.option(
+                "--device-loop",
+                is_flag=True,
+                default=None,
+                help="run each iteration on the device, one CUDA graph per iteration on a GPU "
+                "(a static --tree, drafting from the verify pass)",
+            ),
+            click.option(
                 "--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"
             ),
             click.option("--ignore-eos", is_flag=True, default=None, help="do not stop at EOS"),

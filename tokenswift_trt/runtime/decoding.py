@@ -16,6 +16,7 @@ import torch
 
 from .admission import AdmissionError, admit, available_bytes, plan_memory
 from .autotune import IterationCosts, Plan, Tuner, probe_plan
+from .device_loop import DeviceLoop, run_device_loop
 from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
 from .ngram import NgramTable
@@ -74,12 +75,15 @@ class GenerationConfig:
     # fixed-shape steps over the whole cache (static_step.py), CUDA-graph captured on a GPU;
     # None = on for CUDA torch engines, off elsewhere
     static_steps: bool | None = None
+    # the whole iteration on the device (device_loop.py), one CUDA graph per iteration on a GPU;
+    # needs a static tree and drafting from the verify pass (the draft source it resolves to)
+    device_loop: bool = False
 
     @property
     def resolved_draft_source(self) -> str:
         if self.draft_source != AUTO:
             return self.draft_source
-        return "verify" if self.tree == AUTO else "partial"
+        return "verify" if self.tree == AUTO or self.device_loop else "partial"
 
     def validate(self) -> None:
         """Engine-independent checks; raise GenerationError naming the bad value."""
@@ -108,6 +112,13 @@ class GenerationConfig:
             )
         if self.prefill_chunk < 1:
             raise GenerationError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+        if self.device_loop and self.method == "tokenswift":
+            if self.tree == AUTO:
+                raise GenerationError("the device loop runs a fixed tree: give --tree (e.g. 3,3,3)")
+            if self.resolved_draft_source != "verify":
+                raise GenerationError(
+                    "the device loop drafts from the verify pass: use --draft-source verify"
+                )
 
 
 @dataclass
@@ -231,6 +242,8 @@ def decode_steps(
     if first not in state.stop_tokens and len(state.tokens) < state.limit:
         if config.method == "ar":
             yield from _ar_loop(engine, state, stats, started, on_tokens)
+        elif config.device_loop:
+            yield from _device_loop(engine, state, config, stats, started, hidden, on_tokens)
         else:
             _refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
             yield from _tokenswift_loop(engine, state, config, stats, started, hidden, on_tokens, acceptor)
@@ -442,6 +455,43 @@ def _tokenswift_loop(
             )
             if next_plan is not plan:
                 plan, tree = next_plan, next_plan.static_tree()
+
+
+def _device_loop(
+    engine: Engine,
+    state: DecodeState,
+    config: GenerationConfig,
+    stats: Stats,
+    started: float,
+    last_hidden: torch.Tensor,  # [hidden] of the last committed token
+    on_tokens: Callable[[list[int]], None] | None,
+) -> Generator[Stats, None, None]:
+    """Iterations run by device_loop.py; the host only reads each one's report, one iteration late."""
+    if not engine.model.fixed_shape_steps:
+        raise GenerationError("the device loop runs PyTorch engines: drop --device-loop for this engine")
+    capture = engine.device.type == "cuda" and config.sampling.eta == 0  # η reads its entropy back
+    try:
+        loop = DeviceLoop(
+            engine, state, build_static_tree(config.tree), config.ngram_topk, last_hidden, capture
+        )
+    except ValueError as error:
+        raise GenerationError(str(error)) from None
+    for report in run_device_loop(loop, stats.add_time):
+        state.tokens.extend(report.tokens)
+        stats.iterations += 1
+        stats.forwards += 1
+        stats.drafted_tokens += loop.slots.max_depth
+        stats.accepted_tokens += report.accepted
+        stats.ngram_accepted_tokens += report.ngram_accepted
+        stats.ngram_hit_iterations += report.ngram_accepted > 0
+        stats.new_tokens = len(state.tokens) - state.prompt_length
+        stats.elapsed_s = time.perf_counter() - started
+        if on_tokens and report.tokens:
+            on_tokens(report.tokens)
+        yield stats
+    state.full.length = len(state.tokens) - 1  # the device's committed slots
+    stats.graph_replays += loop.replays
+    stats.graph_captures += loop.graph is not None
 
 
 def _refresh_drafting_state(state: DecodeState) -> None:

@@ -31,6 +31,7 @@ SPEED_ONLY = (
     "draft_source",
     "prefill_chunk",
     "static_steps",
+    "device_loop",
     "memory_budget",
 )
 

@@ -188,8 +188,17 @@ class TorchSampler:
 
     def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
         """One token per row (None noise only when greedy)."""
+        return self.sample_rows(logits, window, noise).tolist()
+
+    def sample_rows(
+        self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`samples` left on the device: [N] int64 (nothing read back, so a CUDA graph can hold it)."""
         scores = process_logits(logits, window, self.config)  # [N, V]
-        return scores.argmax(dim=-1).tolist() if self.config.greedy else gumbel_max_rows(scores, noise)
+        if self.config.greedy:
+            return scores.argmax(dim=-1)
+        assert noise is not None, "sampling needs noise"
+        return torch.argmax(scores.to(torch.float64) + noise, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -230,7 +239,13 @@ class FusedSampler:
 
     def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
         """One token per row (None noise only when greedy)."""
-        return self.rank(logits, window, noise, 1)[:, 0].tolist()
+        return self.sample_rows(logits, window, noise).tolist()
+
+    def sample_rows(
+        self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`samples` as a tensor: [N] int64."""
+        return self.rank(logits, window, noise, 1)[:, 0]
 
 
 Sampler = TorchSampler | FusedSampler
@@ -306,6 +321,14 @@ def position_gumbel_rows(seed: int, positions: Sequence[int], index: torch.Tenso
     """`position_gumbel` of several positions in one batch: [len(positions), V] on index's device,
     index = arange(V) int64 (callers keep it)."""
     keys = to_device([_position_key(seed, p) for p in positions], torch.int64, index.device)
+    return -torch.log(-torch.log(keyed_uniform_rows(keys, index)))
+
+
+def position_gumbel_tensor(seed: int, positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`position_gumbel_rows` with the positions [P] int64 already on the device (nothing read back):
+    [P, V] float64, bit-identical to the host-keyed rows."""
+    seed_key = _signed(_splitmix64(seed & _MASK64))
+    keys = _splitmix64_tensor(positions ^ seed_key)  # = _position_key(seed, p) for every p
     return -torch.log(-torch.log(keyed_uniform_rows(keys, index)))
 
 

@@ -71,6 +71,27 @@ class StepCounters:
     buckets_used: set[int] = field(default_factory=set)
 
 
+def fixed_shape_forward(
+    model: LlamaModel,
+    cache: KVCache | PartialKVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    tree_mask: torch.Tensor,
+    length: torch.Tensor,
+    columns: torch.Tensor,
+) -> ForwardOutput:
+    """One forward of tokens/positions [Tb] (device) with tree_mask [Tb, Tb] bool (device) after the
+    `length` (0-d int64, device) committed slots of `cache`, over its whole capacity (columns =
+    arange(capacity) on the device): no value is read back to the host, so a CUDA graph can hold it.
+    The new K/V land in slots length .. length + Tb - 1."""
+    size = tokens.shape[0]
+    slots = length + torch.arange(size, device=columns.device)  # [Tb]
+    mask = (columns[None, :] < length).expand(size, -1).clone()  # [Tb, capacity]: committed
+    mask[:, slots] = tree_mask  # the new tokens among themselves
+    static = StaticAttention(full_mask=mask, tree_mask=tree_mask, prefix_length=length)
+    return model.decode(tokens, positions, _SlotWriter(cache, slots), keep_queries=True, static=static)
+
+
 class StaticForward:
     """Fixed-shape forwards of `model` on `cache` (a full or partial KV cache), by bucket."""
 
@@ -143,13 +164,9 @@ class StaticForward:
         return bucket
 
     def _forward(self, bucket: _Bucket) -> ForwardOutput:
-        size = bucket.tokens.shape[0]
-        slots = self.length + torch.arange(size, device=self.columns.device)  # [Tb]
-        mask = (self.columns[None, :] < self.length).expand(size, -1).clone()  # [Tb, capacity]: committed
-        mask[:, slots] = bucket.tree_mask  # the new tokens among themselves
-        static = StaticAttention(full_mask=mask, tree_mask=bucket.tree_mask, prefix_length=self.length)
-        return self.model.decode(
-            bucket.tokens, bucket.positions, _SlotWriter(self.cache, slots), keep_queries=True, static=static
+        tokens, positions, tree_mask = bucket.tokens, bucket.positions, bucket.tree_mask
+        return fixed_shape_forward(
+            self.model, self.cache, tokens, positions, tree_mask, self.length, self.columns
         )
 
     def _capture(self, bucket: _Bucket) -> None:

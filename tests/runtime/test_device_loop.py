@@ -1,0 +1,222 @@
+"""The device-resident iteration (device_loop.py), run eagerly on the CPU: its tokens equal AR's and the
+host loop's, its trie and walk equal the host's, its noise and n-gram table do what they claim."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, generate
+from tokenswift_trt.runtime.device_loop import DeviceNgramTable, TrieSlots, walk
+from tokenswift_trt.runtime.sampling import PositionKeyedRandom, SamplingConfig, position_gumbel_tensor
+from tokenswift_trt.runtime.stages import accept_trie
+from tokenswift_trt.runtime.tree import build_static_tree, build_trie
+
+from conftest import quiet_load
+
+GREEDY = SamplingConfig(temperature=0)
+PAPER_SAMPLING = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16)
+
+
+def _prompt(vocab: int, length: int = 48) -> list[int]:
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("tree,ngram_topk", [("3,3,3", 20), ("1,1", 0)])
+def test_device_loop_tokens_equal_ar_and_the_host_loop(llama_engine64, sampling, tree, ngram_topk):
+    prompt = _prompt(llama_engine64.config.vocab_size)
+    base = dict(max_new_tokens=160, sampling=sampling, seed=2, ignore_eos=True)
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    config = GenerationConfig(**base, tree=tree, ngram_topk=ngram_topk, draft_source="verify")
+    host, host_stats = generate(llama_engine64, prompt, config)
+    streamed: list[int] = []
+    device, stats = generate(
+        llama_engine64, prompt, replace(config, device_loop=True), on_tokens=streamed.extend
+    )
+    assert device == ar == host and streamed == device
+    assert stats.stop_reason == "max_new_tokens" and stats.new_tokens == len(device)
+    # the same trie contents (up to the n-gram table's rule) accept about as much as the host's
+    assert stats.iterations < len(device) and stats.forwards == stats.iterations
+    assert "host" in stats.phase_s and "wait" in stats.phase_s
+    assert abs(stats.accepted_tokens - host_stats.accepted_tokens) <= 0.2 * host_stats.accepted_tokens + 3
+
+
+def test_device_loop_accepts_ngram_branches_on_a_repetitive_prompt(llama_engine64):
+    prompt = [5, 6, 7, 8, 9] * 20
+    base = dict(max_new_tokens=200, sampling=GREEDY, ignore_eos=True)
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    config = GenerationConfig(**base, tree="1,1,1", ngram_topk=20, draft_source="verify")
+    _, host = generate(llama_engine64, prompt, config)
+    device, stats = generate(llama_engine64, prompt, replace(config, device_loop=True))
+    assert device == ar
+    assert stats.ngram_accepted_tokens > 0 and stats.mean_accept_length > 1.3
+    assert stats.accepted_tokens >= 0.8 * host.accepted_tokens  # the device table serves as well
+
+
+def test_device_loop_stops_at_eos_and_at_the_maximum_length(llama_engine64):
+    prompt = _prompt(llama_engine64.config.vocab_size)
+    ar, _ = generate(
+        llama_engine64,
+        prompt,
+        GenerationConfig(max_new_tokens=120, sampling=GREEDY, method="ar", ignore_eos=True),
+    )
+    eos = ar[57]
+    engine = replace(llama_engine64, config=replace(llama_engine64.config, eos_token_ids=(eos,)))
+    config = GenerationConfig(max_new_tokens=120, sampling=GREEDY, tree="3,3,3", device_loop=True)
+    out, stats = generate(engine, prompt, config)
+    assert out == ar[: ar.index(eos) + 1] and stats.stop_reason == "eos"
+    out, stats = generate(
+        llama_engine64, prompt, replace(config, ignore_eos=True, max_length=len(prompt) + 30)
+    )
+    assert out == ar[:30] and stats.stop_reason == "max_length"
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(tree="auto"), "fixed tree"),
+        (dict(tree="3,3,3", draft_source="partial"), "verify pass"),
+    ],
+)
+def test_device_loop_refuses_what_it_does_not_run(llama_engine64, changes, match):
+    config = GenerationConfig(max_new_tokens=8, device_loop=True, **changes)
+    with pytest.raises(GenerationError, match=match):
+        generate(llama_engine64, [5, 6, 7], config)
+
+
+def test_device_noise_is_the_host_keyed_noise_bit_for_bit():
+    positions = [0, 1, 17, 4095, 2**40]
+    host = PositionKeyedRandom(seed=12345).gumbel_rows(positions, 300, torch.device("cpu"))
+    device = position_gumbel_tensor(12345, torch.tensor(positions), torch.arange(300))
+    assert torch.equal(host, device)
+
+
+def test_device_ngram_table_counts_and_ranks_grams():
+    table = DeviceNgramTable(vocab=10, k=2, device=torch.device("cpu"))
+    on = torch.ones((), dtype=torch.bool)
+    for gram in ([1, 2, 3, 4], [1, 5, 6, 7], [1, 5, 6, 7], [2, 3, 4, 5]):
+        table.add(torch.tensor(gram), on)
+    table.add(torch.tensor([1, 9, 9, 9]), torch.zeros((), dtype=torch.bool))  # not valid: ignored
+    grams, valid = table.top(torch.tensor(1))
+    assert grams.tolist() == [[5, 6, 7], [2, 3, 4]] and valid.tolist() == [True, True]
+    assert table.counts[1].sort(descending=True).values.tolist() == [2, 1]
+    # full row: a new gram replaces the least counted one and takes its count + 1 (Space-Saving)
+    table.add(torch.tensor([1, 8, 8, 8]), on)
+    grams, _ = table.top(torch.tensor(1))
+    assert sorted(grams.tolist()) == [[5, 6, 7], [8, 8, 8]] and table.counts[1].tolist() == [2, 2]
+    grams, valid = table.top(torch.tensor(3))
+    assert valid.tolist() == [False, False]
+
+
+def _random_trie_case(generator: torch.Generator, vocab: int = 6):
+    """A static tree filled with candidates from a small vocabulary (many duplicates), and n-grams."""
+    tree = build_static_tree("2,2,1")
+    ranked = torch.randint(0, vocab, (3, 2), generator=generator)
+    grams = torch.randint(0, vocab, (4, 3), generator=generator)
+    valid = torch.rand(4, generator=generator) < 0.7
+    return tree, ranked, grams, valid
+
+
+def test_device_trie_holds_the_host_tries_paths_once_each():
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        tree, ranked, grams, valid = _random_trie_case(generator)
+        slots = TrieSlots(tree, ngram_topk=4, size=32, device=torch.device("cpu"))
+        trie = slots.assemble(torch.tensor(0), ranked, grams, valid)
+        host = build_trie(
+            0,
+            tree,
+            ranked.tolist(),
+            [[0] + g for g, v in zip(grams.tolist(), valid.tolist()) if v],
+            ngrams_from_root=True,
+        )
+
+        live = [slot for slot in range(32) if trie.live[slot]]
+        device_paths = sorted(_device_path(trie, slot) for slot in live)
+        host_paths = sorted(
+            tuple(host.tokens[a] for a in _host_path(host, node)) for node in range(len(host))
+        )
+        assert device_paths == host_paths  # every path once, the same paths
+
+
+def _device_path(trie, slot: int) -> tuple[int, ...]:
+    """The tokens after the root on a device trie slot's path, read from its mask row."""
+    ancestors = [j for j in range(trie.mask.shape[0]) if trie.mask[slot, j] and j != 0]
+    return tuple(trie.tokens[j].item() for j in sorted(ancestors, key=lambda j: trie.depths[j].item()))
+
+
+def _host_path(trie, node: int) -> list[int]:
+    nodes = []
+    while node > 0:
+        nodes.append(node)
+        node = trie.parents[node]
+    return nodes[::-1]
+
+
+class _Samples:
+    def __init__(self, table: dict[tuple[int, ...], int]) -> None:
+        self.table, self.trie = table, None
+
+    def sample(self, node: int) -> int:
+        return self.table[tuple(self.trie.tokens[n] for n in _host_path(self.trie, node))]
+
+
+def test_device_walk_accepts_what_the_host_walk_accepts():
+    """Samples are a function of the path (as the target's are); the device walk's emitted tokens
+    equal accept_trie's on the host trie, including the stop-token and limit cuts."""
+    generator = torch.Generator().manual_seed(4)
+    for case in range(200):
+        tree, ranked, grams, valid = _random_trie_case(generator, vocab=3)
+        slots = TrieSlots(tree, ngram_topk=4, size=32, device=torch.device("cpu"))
+        trie = slots.assemble(torch.tensor(0), ranked, grams, valid)
+        paths = {}
+        samples = []
+        for slot in range(32):
+            key = _device_path(trie, slot)
+            paths.setdefault(key, int(torch.randint(0, 3, (1,), generator=generator)))
+            samples.append(paths[key])
+        remaining = 2 + case % 4
+        stops = frozenset({case % 5}) if case % 3 == 0 else frozenset()
+        result = walk(trie, torch.tensor(samples), torch.tensor(remaining), torch.tensor(sorted(stops)), 3)
+        host = build_trie(
+            0,
+            tree,
+            ranked.tolist(),
+            [[0] + g for g, v in zip(grams.tolist(), valid.tolist()) if v],
+            ngrams_from_root=True,
+        )
+        targets = _Samples(paths)
+        targets.trie = host
+        expected = accept_trie(host, targets, remaining, stops)
+        count = int(result.count)
+        assert result.emitted[:count].tolist() == expected.tokens
+        stopped = expected.tokens[-1] in stops or len(expected.tokens) >= remaining
+        assert bool(result.stopped) == stopped
+
+
+def test_device_loop_with_the_compiled_cpu_sampler(llama_dir):
+    """float32 on a CPU samples through the compiled sampler (FusedSampler) with per-slot windows."""
+    engine = quiet_load(llama_dir[0])
+    prompt = _prompt(engine.config.vocab_size)
+    base = dict(max_new_tokens=100, sampling=PAPER_SAMPLING, seed=7, ignore_eos=True)
+    ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
+    device, _ = generate(engine, prompt, GenerationConfig(**base, tree="3,3,3", device_loop=True))
+    assert device == ar
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU and a CUDA build of torch"
+)
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
+def test_device_loop_is_one_graph_replayed_every_iteration_on_cuda(llama_dir, sampling):
+    engine = quiet_load(llama_dir[0], dtype=torch.float64, device="cuda")  # float64: no near-ties
+    prompt = _prompt(engine.config.vocab_size)
+    base = dict(max_new_tokens=160, sampling=sampling, seed=3, ignore_eos=True)
+    ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
+    device, stats = generate(engine, prompt, GenerationConfig(**base, tree="3,3,3", device_loop=True))
+    assert device == ar
+    assert stats.graph_captures == 1
+    assert stats.graph_replays == stats.iterations + 1  # the one queued after the last is a no-op
