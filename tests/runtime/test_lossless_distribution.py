@@ -23,7 +23,7 @@ from tokenswift_trt.runtime.tree import Trie
 from helpers import llama_config, save_hf_model
 
 VOCAB = 8
-SAMPLES = 2500
+SAMPLES = 1200  # the biased rule: p ~ 1e-116 at 2,500 samples, 4e-52 at 1,200 (the bar is 1e-6)
 SAMPLING = SamplingConfig(temperature=1.0, top_p=0.95, penalty=1.5, penalty_window=3)
 PROMPT = [1, 2, 3, 1, 2, 3, 4, 5]
 

@@ -290,6 +290,7 @@ def new_decode_state(
             recent=config.kv_recent,
             dtype=dtype,
             device=device,
+            longest=limit,
         )
         if with_partial
         else None

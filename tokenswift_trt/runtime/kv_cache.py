@@ -114,7 +114,11 @@ class PartialKVCache:
         scratch: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        longest: int | None = None,
     ) -> None:
+        """`longest`: the most positions the sequence will ever commit, when known; below the
+        budget the cache only ever mirrors them, so only that many slots are allocated (a short
+        request does not pay for a 4K-slot cache)."""
         if budget < 2:
             raise ValueError(f"partial KV budget must be at least 2, got {budget}")
         self.budget = budget
@@ -122,13 +126,14 @@ class PartialKVCache:
         self.recent = max(1, budget // 4) if recent is None else recent
         if not 1 <= self.recent < budget:
             raise ValueError(f"recent region {self.recent} must be in [1, budget)")
-        shape = (num_layers, num_kv_heads, budget + scratch, head_dim)
+        held = budget if longest is None else max(1, min(budget, longest))
+        shape = (num_layers, num_kv_heads, held + scratch, head_dim)
         self.keys = torch.zeros(
             shape, dtype=dtype, device=device
         )  # [layers, kv_heads, budget + scratch, head_dim]
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         # positions[l, h, s]: absolute position held in slot s (for inspection and tests)
-        self.positions = torch.full((num_layers, num_kv_heads, budget), -1, dtype=torch.long, device=device)
+        self.positions = torch.full((num_layers, num_kv_heads, held), -1, dtype=torch.long, device=device)
         self.length = 0
         self.selections = 0  # how many times the selection ran
 

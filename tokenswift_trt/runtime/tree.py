@@ -68,8 +68,13 @@ class StaticTree:
 
 
 def build_static_tree(spec: str | Sequence[int]) -> StaticTree:
-    """Every node at depth d has branching[d] children (ranks 0..b-1), breadth first."""
-    branching = parse_tree(spec)
+    """Every node at depth d has branching[d] children (ranks 0..b-1), breadth first. Memoised by
+    shape (every request builds its tree; the tensors are shared: read them, do not modify them)."""
+    return _static_tree_of(parse_tree(spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _static_tree_of(branching: tuple[int, ...]) -> StaticTree:
     paths: list[tuple[int, ...]] = [()]
     parents, frontier = [-1], [0]
     for width in branching:

@@ -15,6 +15,8 @@
 #include "kernels_cpu.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>

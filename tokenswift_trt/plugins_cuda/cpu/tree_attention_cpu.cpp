@@ -17,8 +17,10 @@
 // scores are a finite sentinel, and a row with no visible key in a range skips it.
 #include "kernels_cpu.h"
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
