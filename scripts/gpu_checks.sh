@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
-#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop profile syncs
+#   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -75,12 +75,16 @@ EOF"
             --max-new-tokens 1024 --min-p 0.1 --penalty 1.2 --penalty-window 256 --ignore-eos --seed 1 \
             --device cuda --dtype bfloat16 \$flags; done"
         ;;
+    compile)  # AR and verify steps through torch.compile inside the graphs, against the floor (#20 item 1)
+        stage compile 500 "${CLI[@]}" bench-steps --model llama3.1-8b --device cuda --dtype bfloat16 \
+            --contexts 4096,102400 --tree-sizes 1,64 --kv-budget 4096 --compile-steps --out "$OUT_DIR/steps-compiled"
+        ;;
     profile)
         stage profile 400 "$PYTHON" scripts/gpu_profile.py
         ;;
     syncs)
         stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop profile syncs)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs)"; exit 2 ;;
     esac
 done

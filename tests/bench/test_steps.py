@@ -71,6 +71,18 @@ def test_fixed_shape_steps_are_measured_too(engine):
     assert all(c.seconds > 0 for c in costs)
 
 
+@pytest.mark.slow  # one torch.compile per bucket: ~10 s each on 2 cores
+def test_compiled_steps_are_measured_through_the_compiler(engine):
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    costs = measure_step_costs(
+        engine, [64], [1, 16], kv_budget=32, repeats=2, bandwidth=BANDWIDTH, compile_steps=True
+    )
+    assert {c.step for c in costs} == {"ar", "draft", "heads", "verify_T1", "verify_T16"}
+    assert counters["stats"]["unique_graphs"] > graphs
+
+
 def test_bad_contexts_are_one_line_errors(engine):
     with pytest.raises(StepBenchError, match="maximum length"):
         measure_step_costs(engine, [engine.config.max_position_embeddings], [8], 128, 1, bandwidth=BANDWIDTH)

@@ -101,3 +101,24 @@ def test_cuda_graphs_are_captured_once_per_bucket_and_replayed_every_step(llama_
     assert graphed == eager
     assert stats.graph_replays == stats.fixed_shape_steps >= 2 * stats.iterations
     assert 2 <= stats.graph_captures <= 8  # a few buckets for verify, one for the draft
+
+
+@pytest.mark.slow  # torch.compile builds one graph per tree size: ~10 s each on 2 cores
+def test_compiled_steps_generate_ars_tokens(llama_engine64):
+    """--compile-steps: the fixed-shape forwards run through torch.compile (fusions change float
+    rounding, so float64 keeps greedy clear of near-ties) and still give AR's tokens."""
+    from torch._dynamo.utils import counters
+
+    prompt = list(range(5, 40))
+    sampling = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16)
+    base = dict(max_new_tokens=60, sampling=sampling, seed=5, ignore_eos=True)
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    graphs = counters["stats"]["unique_graphs"]
+    for config in (
+        GenerationConfig(**base, method="ar", compile_steps=True),
+        GenerationConfig(**base, tree="1,1", ngram_topk=0, draft_source="verify", compile_steps=True),
+        GenerationConfig(**base, tree="1,1", ngram_topk=0, device_loop=True, compile_steps=True),
+    ):
+        tokens, stats = generate(llama_engine64, prompt, config)
+        assert tokens == ar
+    assert counters["stats"]["unique_graphs"] > graphs  # the compiler did run

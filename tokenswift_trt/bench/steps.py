@@ -234,18 +234,21 @@ def _measure_context(
     sizes: StepBytes,
     record: Record,
     static: bool,
+    compiled: bool = False,
 ) -> None:
     """Fill the caches for one context and time every step on them; they are freed on return.
 
-    static: run the forwards as generate() does with static_steps (fixed shapes; CUDA graphs on a GPU).
+    static: run the forwards as generate() does with static_steps (fixed shapes; CUDA graphs on a GPU);
+    compiled: those forwards through torch.compile (generate's compile_steps).
     """
     config, device, model, draft_layers = engine.config, engine.device, engine.model, engine.draft_layers
     full, partial = _filled_caches(engine, context, capacity, budget)
     token = torch.randint(config.vocab_size, (1,), device=device)
     position = torch.tensor([context], device=device)
     hidden_row = torch.randn(1, config.hidden_size, dtype=engine.dtype, device=device)
-    full_runner = StaticForward(model, full, capture=device.type == "cuda") if static else None
-    partial_runner = StaticForward(model, partial, capture=device.type == "cuda") if static else None
+    capture = device.type == "cuda"
+    full_runner = StaticForward(model, full, capture, compiled) if static else None
+    partial_runner = StaticForward(model, partial, capture, compiled) if static else None
 
     def forward_full(
         tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
@@ -298,11 +301,12 @@ def measure_step_costs(
     bandwidth: float | None = None,  # bytes/s; measured with `measure_copy_bandwidth` when None
     on_step: Callable[[StepCost], None] | None = None,
     static_steps: bool | None = None,  # fixed-shape / CUDA-graph steps; None = on for CUDA
+    compile_steps: bool = False,  # those steps through torch.compile (implies static steps)
 ) -> list[StepCost]:
     """Median seconds (after 2 warm-ups) of the ar, draft, heads and verify_T steps at each context."""
     check_step_request(engine, contexts, tree_sizes, kv_budget, repeats)
     device = engine.device
-    static = device.type == "cuda" if static_steps is None else static_steps
+    static = (device.type == "cuda" if static_steps is None else static_steps) or compile_steps
     longest_tree = bucket_for(max(tree_sizes)) if static else max(tree_sizes)
     bandwidth = bandwidth or measure_copy_bandwidth(device)
     sizes = StepBytes.of(engine)
@@ -336,6 +340,7 @@ def measure_step_costs(
                     sizes,
                     functools.partial(record, context),
                     static,
+                    compile_steps,
                 )
         except torch.OutOfMemoryError:
             raise StepBenchError(

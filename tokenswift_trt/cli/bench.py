@@ -180,6 +180,9 @@ def bench(
     help="default: the preset's on CUDA, float32 on a CPU",
 )
 @click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--compile-steps", is_flag=True, help="fixed-shape steps through torch.compile (as generate's flag)"
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/steps"), show_default=True)
 def bench_steps(
     model,
@@ -196,6 +199,7 @@ def bench_steps(
     kv_budget,
     dtype,
     device,
+    compile_steps,
     out,
 ) -> None:
     """The cost of one AR, draft and verify step per context against the memory-bandwidth floor, and
@@ -289,7 +293,10 @@ def bench_steps(
             err=True,
         )
     try:
-        costs = measure_step_costs(engine, context_list, sizes, kv_budget, step_repeats, bandwidth, on_step)
+        costs = measure_step_costs(
+            engine, context_list, sizes, kv_budget, step_repeats, bandwidth, on_step,
+            compile_steps=compile_steps,
+        )
         speedups = modeled_speedup(
             costs, prompt_length, gen_lens, accept_length, verify_tau, tree_size, host_overhead_ms / 1e3
         )

@@ -215,6 +215,13 @@ def sampling_options(function):
                 "(a static --tree, drafting from the verify pass)",
             ),
             click.option(
+                "--compile-steps",
+                is_flag=True,
+                default=None,
+                help="fixed-shape forwards through torch.compile (fused norms, rotary, SiLU; compiles "
+                "once per tree size)",
+            ),
+            click.option(
                 "--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"
             ),
             click.option("--ignore-eos", is_flag=True, default=None, help="do not stop at EOS"),

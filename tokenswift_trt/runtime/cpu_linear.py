@@ -52,7 +52,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         usable = self._packed is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
-        if not usable or not torch.is_inference_mode_enabled():
+        # torch.compile traces the plain product (the compiler does its own packing and fusion)
+        if not usable or not torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         if not self.packed:  # the weight changed since pack(): never use a stale copy
             self._packed = None
@@ -128,6 +129,7 @@ class FusedLinears:
         return (
             x.device.type == "cpu"
             and torch.is_inference_mode_enabled()
+            and not torch.compiler.is_compiling()
             and x.dtype == self.parts[0].weight.dtype
             and all(_identity(part.weight) == before for part, before in zip(self.parts, self._from))
         )

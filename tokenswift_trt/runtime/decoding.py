@@ -78,6 +78,8 @@ class GenerationConfig:
     # the whole iteration on the device (device_loop.py), one CUDA graph per iteration on a GPU;
     # needs a static tree and drafting from the verify pass (the draft source it resolves to)
     device_loop: bool = False
+    # fixed-shape steps through torch.compile (static_step.compiled_forward; implies static steps)
+    compile_steps: bool = False
 
     @property
     def resolved_draft_source(self) -> str:
@@ -112,6 +114,8 @@ class GenerationConfig:
             )
         if self.prefill_chunk < 1:
             raise GenerationError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+        if self.compile_steps and self.static_steps is False:
+            raise GenerationError("compiled steps are fixed-shape steps: they need static steps on")
         if self.device_loop and self.method == "tokenswift":
             if self.tree == AUTO:
                 raise GenerationError("the device loop runs a fixed tree: give --tree (e.g. 3,3,3)")
@@ -272,6 +276,9 @@ def new_decode_state(
     max_trie = tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH
     cfg, dtype, device = engine.config, engine.dtype, engine.device
     static = config.static_steps if config.static_steps is not None else device.type == "cuda"
+    static = static or config.compile_steps
+    if config.compile_steps and not engine.model.fixed_shape_steps:
+        raise GenerationError("--compile-steps compiles PyTorch engines: drop it for this engine")
     static = static and engine.model.fixed_shape_steps  # exported graphs (onnx, TensorRT) have their own
     max_trie = bucket_for(max_trie) if static else max_trie  # slots a padded forward writes
     with_partial = drafting and not from_verify
@@ -297,8 +304,11 @@ def new_decode_state(
     )
     history = torch.zeros(limit + max_trie, dtype=torch.long, device=device)
     history[: len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+    compiled = config.compile_steps
     static_full = (
-        StaticForward(engine.model.torch_model, full, capture=device.type == "cuda") if static else None
+        StaticForward(engine.model.torch_model, full, capture=device.type == "cuda", compiled=compiled)
+        if static
+        else None
     )
     return DecodeState(
         tokens=list(prompt),
@@ -314,7 +324,9 @@ def new_decode_state(
         sampler=fused_sampler(config.sampling, device, dtype) or TorchSampler(config.sampling),
         ngram_exclusion=config.sampling.penalty_window if config.sampling.penalty > 1 else 0,
         static_full=static_full,
-        static_partial=StaticForward(engine.model.torch_model, partial, capture=static_full.capture)
+        static_partial=StaticForward(
+            engine.model.torch_model, partial, capture=static_full.capture, compiled=compiled
+        )
         if static_full is not None and partial is not None
         else None,
     )
@@ -472,9 +484,8 @@ def _device_loop(
         raise GenerationError("the device loop runs PyTorch engines: drop --device-loop for this engine")
     capture = engine.device.type == "cuda" and config.sampling.eta == 0  # η reads its entropy back
     try:
-        loop = DeviceLoop(
-            engine, state, build_static_tree(config.tree), config.ngram_topk, last_hidden, capture
-        )
+        tree = build_static_tree(config.tree)
+        loop = DeviceLoop(engine, state, tree, config.ngram_topk, last_hidden, capture, config.compile_steps)
     except ValueError as error:
         raise GenerationError(str(error)) from None
     for report in run_device_loop(loop, stats.add_time):

@@ -41,7 +41,7 @@ import torch
 from .engine import Engine
 from .sampling import PositionKeyedRandom, position_gumbel_tensor
 from .stages import DecodeState
-from .static_step import bucket_for, fixed_shape_forward
+from .static_step import bucket_for, compiled_forward, fixed_shape_forward
 from .tree import StaticTree
 
 GRAM = 4  # n-gram length: a start token and 3 continuation tokens
@@ -221,6 +221,7 @@ class DeviceLoop:
         ngram_topk: int,
         last_hidden: torch.Tensor,  # [hidden] of the last committed token
         capture: bool,
+        compiled: bool = False,  # the verify forward through torch.compile (static_step.compiled_forward)
     ) -> None:
         device = engine.device
         self.engine, self.state, self.tree = engine, state, tree
@@ -228,6 +229,7 @@ class DeviceLoop:
         used = tree.num_nodes + ngram_topk * (GRAM - 1)
         self.slots = TrieSlots(tree, ngram_topk, bucket_for(used) if capture else used, device)
         self.columns = torch.arange(state.full.capacity, device=device)
+        self.forward = compiled_forward() if compiled else fixed_shape_forward
         self.vocab = engine.config.vocab_size
         self.index = torch.arange(self.vocab, dtype=torch.long, device=device)
         self.levels = torch.arange(self.slots.max_depth + 1, device=device)
@@ -300,7 +302,7 @@ class DeviceLoop:
         trie = slots.assemble(root, ranked, grams, gram_valid)
         # verify
         length = count - 1  # the root is not cached yet
-        out = fixed_shape_forward(
+        out = self.forward(
             engine.model.torch_model,
             state.full,
             trie.tokens,

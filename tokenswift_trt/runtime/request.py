@@ -32,6 +32,7 @@ SPEED_ONLY = (
     "prefill_chunk",
     "static_steps",
     "device_loop",
+    "compile_steps",
     "memory_budget",
 )
 

@@ -17,6 +17,7 @@ new tokens' K/V land in the cache's pending slots, so `commit`/`keep` work uncha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,11 +93,24 @@ def fixed_shape_forward(
     return model.decode(tokens, positions, _SlotWriter(cache, slots), keep_queries=True, static=static)
 
 
-class StaticForward:
-    """Fixed-shape forwards of `model` on `cache` (a full or partial KV cache), by bucket."""
+def compiled_forward() -> Callable[..., ForwardOutput]:
+    """`fixed_shape_forward` through torch.compile (gpt-fast's route to a step near the bandwidth
+    floor: norms, rotary, SiLU·mul and the cache write fused around the matrix products), one
+    compiled graph per bucket shape; on CUDA it runs inside our own captured graphs."""
+    # every bucket is a shape of its own: allow one compiled graph per bucket, full and partial
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(BUCKETS))
+    return torch.compile(fixed_shape_forward, dynamic=False)
 
-    def __init__(self, model: LlamaModel, cache: KVCache | PartialKVCache, capture: bool) -> None:
+
+class StaticForward:
+    """Fixed-shape forwards of `model` on `cache` (a full or partial KV cache), by bucket;
+    `compiled`: through torch.compile (`compiled_forward`)."""
+
+    def __init__(
+        self, model: LlamaModel, cache: KVCache | PartialKVCache, capture: bool, compiled: bool = False
+    ) -> None:
         self.model, self.cache = model, cache
+        self.forward = compiled_forward() if compiled else fixed_shape_forward
         device = cache.keys.device
         self.capacity = cache.keys.shape[2]
         self.capture = capture and device.type == "cuda"
@@ -165,9 +179,7 @@ class StaticForward:
 
     def _forward(self, bucket: _Bucket) -> ForwardOutput:
         tokens, positions, tree_mask = bucket.tokens, bucket.positions, bucket.tree_mask
-        return fixed_shape_forward(
-            self.model, self.cache, tokens, positions, tree_mask, self.length, self.columns
-        )
+        return self.forward(self.model, self.cache, tokens, positions, tree_mask, self.length, self.columns)
 
     def _capture(self, bucket: _Bucket) -> None:
         side = torch.cuda.Stream()
