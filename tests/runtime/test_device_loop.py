@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tokenswift_trt.runtime import sampling
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, generate
 from tokenswift_trt.runtime.device_loop import DeviceNgramTable, TrieSlots, walk
 from tokenswift_trt.runtime.sampling import PositionKeyedRandom, SamplingConfig, position_gumbel_tensor
@@ -88,10 +89,17 @@ def test_device_loop_refuses_what_it_does_not_run(llama_engine64, changes, match
 
 
 def test_device_noise_is_the_host_keyed_noise_bit_for_bit():
+    """Keys hashed on the device equal the pure-Python hash of (seed, position) the noise was
+    defined with (seeded outputs and journals depend on it), and PositionKeyedRandom serves them."""
     positions = [0, 1, 17, 4095, 2**40]
-    host = PositionKeyedRandom(seed=12345).gumbel_rows(positions, 300, torch.device("cpu"))
+    mask = (1 << 64) - 1
+    keys = [
+        sampling._signed(sampling._splitmix64(sampling._splitmix64(12345) ^ (p & mask))) for p in positions
+    ]
+    python_keyed = -torch.log(-torch.log(sampling.keyed_uniform_rows(torch.tensor(keys), torch.arange(300))))
     device = position_gumbel_tensor(12345, torch.tensor(positions), torch.arange(300))
-    assert torch.equal(host, device)
+    host = PositionKeyedRandom(seed=12345).gumbel_rows(positions, 300, torch.device("cpu"))
+    assert torch.equal(python_keyed, device) and torch.equal(host, device)
 
 
 def test_device_ngram_table_counts_and_ranks_grams():

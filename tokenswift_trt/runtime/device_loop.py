@@ -88,6 +88,7 @@ class Trie:
     parents: torch.Tensor  # [S] int64: canonical parent slot (0 for the root and dead slots)
     live: torch.Tensor  # [S] bool
     mask: torch.Tensor  # [S, S] bool: a live slot sees itself and its live ancestors
+    paths: torch.Tensor  # [S, Dmax] each slot's tokens after the root, -1 past its depth
 
 
 class TrieSlots:
@@ -126,7 +127,6 @@ class TrieSlots:
         self.ancestors = torch.tensor(ancestors, dtype=torch.long, device=device)  # [S, Dmax]
         self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [S]
         self.parents = torch.tensor(parents, dtype=torch.long, device=device).clamp(min=0)  # [S]
-        self.padding = torch.arange(size, device=device) >= used  # [S]
         self.arange = torch.arange(size, device=device)
 
     def assemble(
@@ -160,7 +160,7 @@ class TrieSlots:
         mask.scatter_(1, chain, known)  # slot 0 (root) may receive a False from an unknown entry
         mask[:, 0] = True
         mask |= torch.eye(size, dtype=torch.bool, device=root.device)
-        return Trie(tokens, self.depths, canonical[self.parents], live, mask)
+        return Trie(tokens, self.depths, canonical[self.parents], live, mask, paths)
 
 
 @dataclass
@@ -233,10 +233,12 @@ class DeviceLoop:
         self.vocab = engine.config.vocab_size
         self.index = torch.arange(self.vocab, dtype=torch.long, device=device)
         self.levels = torch.arange(self.slots.max_depth + 1, device=device)
+        self.gram_offsets = torch.arange(-GRAM, 0, device=device)  # a gram ending before `stop`
         self.stop_ids = torch.tensor(sorted(state.stop_tokens), dtype=torch.long, device=device)
         self.limit = state.limit
         sampling = state.sampling
         self.window = sampling.penalty_window if sampling.penalty > 1 else 0
+        self.window_offsets = torch.arange(-self.window, 0, device=device)  # the window before `count`
         self.exclusion = state.ngram_exclusion
         keyed = isinstance(state.random, PositionKeyedRandom)
         if not sampling.greedy and not keyed:
@@ -271,12 +273,11 @@ class DeviceLoop:
         history = self.state.history
         if self.window == 0:
             return history[:0]
-        offsets = torch.arange(-self.window, 0, device=history.device)
-        committed = history[(self.count + offsets).clamp(min=0)]  # [W]
+        committed = history[(self.count + self.window_offsets).clamp(min=0)]  # [W]
         if paths is None or depths is None:
             return committed
         rows = torch.cat((committed.expand(paths.shape[0], -1), paths.clamp(min=0)), dim=1)  # [S, W + Dmax]
-        columns = depths[:, None] + torch.arange(self.window, device=history.device)[None, :]
+        columns = depths[:, None] + (self.window_offsets + self.window)[None, :]
         return rows.gather(1, columns)
 
     def step(self) -> None:
@@ -313,9 +314,8 @@ class DeviceLoop:
         )
         heads = engine.model.head_logits(out.hidden, engine.draft_layers, self.depth)  # [1 + D, S, V]
         # accept
-        paths = torch.where(slots.ancestors >= 0, trie.tokens[slots.ancestors.clamp(min=0)], 0)
         samples = sampler.sample_rows(
-            heads[0], self._windows(paths, trie.depths), None if noise is None else noise[trie.depths]
+            heads[0], self._windows(trie.paths, trie.depths), None if noise is None else noise[trie.depths]
         )  # [S]
         result = walk(trie, samples, self.limit - count, self.stop_ids, slots.max_depth)
         committed = torch.where(self.done, 0, result.count)
@@ -333,7 +333,7 @@ class DeviceLoop:
         if self.table is not None:
             for offset in range(slots.max_depth + 1):
                 stop = count - self.exclusion + 1 + offset  # exclusive end of the gram
-                gram = history[(stop - GRAM + torch.arange(GRAM, device=history.device)).clamp(min=0)]
+                gram = history[(stop + self.gram_offsets).clamp(min=0)]
                 self.table.add(gram, (offset < committed) & (stop >= GRAM))
         self.report.copy_(
             torch.cat(
@@ -361,35 +361,25 @@ class DeviceLoop:
         self.replays += 1
 
     def _capture(self) -> None:
-        # warm-up outside the graph (allocator, kernel choice) must not change the sequence:
-        # snapshot what an iteration writes and restore it after
-        snapshot = self._snapshot()
+        # The warm-up outside the graph (allocator, kernel choice) must not change the sequence:
+        # what it writes to read state is put back. Its cache and history writes land past the
+        # committed `count`, which the real iteration rewrites before reading, so those (the KV
+        # cache is most of the GPU's memory) need no copy.
+        written = [self.count, self.done, self.draft_logits]
+        if self.table is not None:
+            written += [self.table.ids, self.table.counts]
+        saved = [tensor.clone() for tensor in written]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self.step()
         torch.cuda.current_stream().wait_stream(side)
-        self._restore(snapshot)
+        for tensor, before in zip(written, saved):
+            tensor.copy_(before)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph):  # records the iteration without running it
             self.step()
-        self._restore(snapshot)  # capture records the work; on some builds it also runs it
         self.graph = graph
-
-    def _snapshot(self) -> list[torch.Tensor]:
-        tensors = [self.count, self.done, self.draft_logits, self.state.history]
-        tensors += [self.state.full.keys, self.state.full.values]
-        if self.table is not None:
-            tensors += [self.table.ids, self.table.counts]
-        return [t.clone() for t in tensors]
-
-    def _restore(self, snapshot: list[torch.Tensor]) -> None:
-        tensors = [self.count, self.done, self.draft_logits, self.state.history]
-        tensors += [self.state.full.keys, self.state.full.values]
-        if self.table is not None:
-            tensors += [self.table.ids, self.table.counts]
-        for tensor, saved in zip(tensors, snapshot):
-            tensor.copy_(saved)
 
 
 def read_report(values: list[int], max_depth: int) -> Report:

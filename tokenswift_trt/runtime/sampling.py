@@ -308,10 +308,6 @@ def keyed_uniform_rows(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (_shift_right(bits, 11).to(torch.float64) + 0.5) * 2.0**-53
 
 
-def _position_key(seed: int, position: int) -> int:
-    return _signed(_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)))
-
-
 def position_gumbel(seed: int, position: int, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard Gumbel noise [size] float64 for sampling `position`: a pure function of (seed, position)."""
     return position_gumbel_rows(seed, [position], torch.arange(size, dtype=torch.int64, device=device))[0]
@@ -320,15 +316,14 @@ def position_gumbel(seed: int, position: int, size: int, device: torch.device | 
 def position_gumbel_rows(seed: int, positions: Sequence[int], index: torch.Tensor) -> torch.Tensor:
     """`position_gumbel` of several positions in one batch: [len(positions), V] on index's device,
     index = arange(V) int64 (callers keep it)."""
-    keys = to_device([_position_key(seed, p) for p in positions], torch.int64, index.device)
-    return -torch.log(-torch.log(keyed_uniform_rows(keys, index)))
+    return position_gumbel_tensor(seed, to_device(list(positions), torch.int64, index.device), index)
 
 
 def position_gumbel_tensor(seed: int, positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`position_gumbel_rows` with the positions [P] int64 already on the device (nothing read back):
     [P, V] float64, bit-identical to the host-keyed rows."""
     seed_key = _signed(_splitmix64(seed & _MASK64))
-    keys = _splitmix64_tensor(positions ^ seed_key)  # = _position_key(seed, p) for every p
+    keys = _splitmix64_tensor(positions ^ seed_key)  # the key of (seed, p) for every position p
     return -torch.log(-torch.log(keyed_uniform_rows(keys, index)))
 
 
