@@ -44,3 +44,23 @@ def quiet_load(directory, **kwargs):
 def llama_engine64(llama_dir):
     """float64 engine: exact-equality tests are then free of fp32 near-ties."""
     return quiet_load(llama_dir[0], dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def rooted_engine64(llama_dir, tmp_path_factory):
+    """float64 engine whose random draft layers are root-conditioned (runtime/draft_layers.py)."""
+    from tokenswift_trt.runtime.draft_layers import DraftLayers
+    from tokenswift_trt.training.train_heads import save_heads
+
+    engine = quiet_load(llama_dir[0], dtype=torch.float64)
+    layers = DraftLayers(engine.config, 3, root_conditioned=True)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, value in layers.state_dict().items():
+            value.copy_(
+                torch.randn(value.shape, generator=generator) * (0.3 if "linear" in name else 0.05)
+                + (1.0 if "norm" in name else 0.0)
+            )
+    path = tmp_path_factory.mktemp("rooted") / "heads.safetensors"
+    save_heads(layers, path)
+    return quiet_load(llama_dir[0], dtype=torch.float64, heads_file=path)

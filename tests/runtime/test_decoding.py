@@ -446,3 +446,39 @@ def test_drafted_tokens_count_the_tries_depth_when_ngram_branches_pass_the_tree(
     assert max(depths) == 4 > 1  # a 4-gram branch under a one-level tree
     assert stats.drafted_tokens == sum(depths) and stats.accepted_tokens <= stats.drafted_tokens
     assert stats.acceptance_rate <= 1
+
+
+@pytest.mark.parametrize("draft_source", ["verify", "partial"])
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16)]
+)
+def test_root_conditioned_drafts_read_the_root_and_stay_lossless(
+    rooted_engine64, draft_source, sampling, monkeypatch
+):
+    """Drafting from the verify pass, every draft pass reads the root: the last token committed
+    when it runs (the target's own sample); tokens equal AR's either way."""
+    engine = rooted_engine64
+    assert engine.draft_layers.root_conditioned
+    prompt = _prompts(engine.config.vocab_size, 1)[0]
+    committed = list(prompt)
+    roots_seen: list[tuple[int, int]] = []
+    original = engine.model.draft_logits
+
+    def spy(hidden, layers, depth, roots=None):
+        if roots is not None:
+            roots_seen.append((int(roots[-1]), committed[-1]))
+        return original(hidden, layers, depth, roots)
+
+    monkeypatch.setattr(engine.model, "draft_logits", spy)
+    base = dict(max_new_tokens=120, sampling=sampling, seed=6, ignore_eos=True)
+    swift, stats = generate(
+        engine,
+        prompt,
+        GenerationConfig(**base, tree="3,3,3", ngram_topk=0, draft_source=draft_source),
+        on_tokens=committed.extend,
+    )
+    ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
+    assert swift == ar and stats.iterations < len(ar)
+    if draft_source == "verify":  # one draft pass per iteration, each after the root it reads
+        assert len(roots_seen) == stats.iterations
+        assert all(root == last for root, last in roots_seen)

@@ -45,6 +45,20 @@ def test_device_loop_tokens_equal_ar_and_the_host_loop(llama_engine64, sampling,
     assert abs(stats.accepted_tokens - host_stats.accepted_tokens) <= 0.2 * host_stats.accepted_tokens + 3
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
+def test_device_loop_with_root_conditioned_layers_drafts_what_the_host_loop_does(rooted_engine64, sampling):
+    """Root-conditioned layers read the last slot's sample after the walk: the device loop offers
+    the host loop's drafts (same acceptance, no n-grams) and both give AR's tokens."""
+    prompt = _prompt(rooted_engine64.config.vocab_size)
+    base = dict(max_new_tokens=120, sampling=sampling, seed=2, ignore_eos=True)
+    ar, _ = generate(rooted_engine64, prompt, GenerationConfig(**base, method="ar"))
+    config = GenerationConfig(**base, tree="3,3,3", ngram_topk=0, draft_source="verify")
+    host, host_stats = generate(rooted_engine64, prompt, config)
+    device, stats = generate(rooted_engine64, prompt, replace(config, device_loop=True))
+    assert device == ar == host
+    assert stats.accepted_tokens == host_stats.accepted_tokens and stats.iterations == host_stats.iterations
+
+
 def test_device_loop_accepts_ngram_branches_on_a_repetitive_prompt(llama_engine64):
     prompt = [5, 6, 7, 8, 9] * 20
     base = dict(max_new_tokens=200, sampling=GREEDY, ignore_eos=True)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenswift_trt.runtime.draft_layers import DraftLayers, draft_key, draft_layout
 from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
 
 from conftest import quiet_load
@@ -92,3 +94,70 @@ def test_heads_file_inside_the_model_dir_is_picked_up(llama_dir, tmp_path):
     engine = load_engine(tmp_path)
     assert engine.trained_draft_layers
     assert torch.equal(engine.draft_layers.layers[0].linear.weight, heads["draft_layers.0.linear.weight"])
+
+
+def _root_tensors(hidden: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "draft_layers.root.linear.weight": torch.randn(hidden, hidden, generator=generator) * 0.3,
+        "draft_layers.root.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+    }
+
+
+def test_root_conditioned_layers_start_from_the_root_tokens_embedding(llama_dir, tmp_path):
+    directory, _ = llama_dir
+    heads = {**_random_draft_tensors(64, "draft_layers.", seed=5), **_root_tensors(64)}
+    save_file(heads, str(tmp_path / "heads.safetensors"))
+    engine = load_engine(directory, heads_file=tmp_path / "heads.safetensors", dtype=torch.float64)
+    layers, model = engine.draft_layers, engine.model.torch_model
+    assert layers.root_conditioned and len(layers) == 3
+    eps = engine.config.rms_norm_eps
+
+    hidden = torch.randn(4, 64, dtype=torch.float64)
+    roots = torch.tensor([5, 9, 5, 70])
+    embedding = model.model.embed_tokens.weight[roots]
+    # h_0 = h + U rmsnorm_r(embed(root)), then the chained layers
+    h = hidden + _rmsnorm(embedding, heads["draft_layers.root.norm.weight"].double(), eps) @ (
+        heads["draft_layers.root.linear.weight"].double().T
+    )
+    expected = []
+    for i in range(3):
+        h = h + _rmsnorm(h, heads[f"draft_layers.{i}.input_layernorm.weight"].double(), eps) @ (
+            heads[f"draft_layers.{i}.linear.weight"].double().T
+        )
+        expected.append(
+            model.lm_head(_rmsnorm(h, heads[f"draft_layers.{i}.post_layernorm.weight"].double(), eps))
+        )
+    got = engine.model.draft_logits(hidden, layers, 3, roots)  # [3, T, V]
+    assert torch.allclose(got, torch.stack(expected), atol=1e-5)  # the norms compute in float32
+    assert torch.allclose(got[:, 2], engine.model.draft_logits(hidden[2:3], layers, 3, roots[2:3])[:, 0])
+    other_root = engine.model.draft_logits(hidden[:1], layers, 3, torch.tensor([9]))[:, 0]
+    assert (other_root - got[:, 0]).abs().max() > 0.1  # the same state after another root drafts otherwise
+    with pytest.raises(ValueError, match="root token"):
+        layers(hidden)
+    # no root known (the paper's draft pass): the base head's own pick stands in
+    base = engine.model.logits(hidden)  # [T, V]
+    heads_out = engine.model.head_logits(hidden, layers)  # [1 + 3, T, V]
+    assert torch.allclose(heads_out[0], base, atol=1e-9)
+    assert torch.allclose(
+        heads_out[1:], engine.model.draft_logits(hidden, layers, 3, base.argmax(-1)), atol=1e-9
+    )
+
+
+def test_zero_root_input_repeats_the_plain_layers(llama_engine64):
+    config = replace(llama_engine64.config, hidden_size=16)
+    plain, rooted = DraftLayers(config, 3), DraftLayers(config, 3, root_conditioned=True).zero_()
+    generator = torch.Generator().manual_seed(1)
+    state = {
+        key: torch.randn(value.shape, generator=generator) if "linear" in key else value
+        for key, value in plain.state_dict().items()
+    }
+    plain.load_state_dict(state)
+    rooted.load_state_dict({**rooted.state_dict(), **state})
+    hidden, embedding = torch.randn(3, 16), torch.randn(3, 16)
+    with torch.no_grad():
+        for a, b in zip(plain(hidden), rooted(hidden, None, embedding)):
+            assert torch.equal(a, b)  # U = 0: the root adds nothing
+    assert draft_layout(rooted.state_dict()) == (3, True) and draft_layout(plain.state_dict()) == (3, False)
+    assert draft_key("draft_layers.root.linear.weight") == "root.linear.weight"
+    assert draft_key("model.medusa_layers.2.linear.weight") == "layers.2.linear.weight"

@@ -56,6 +56,11 @@ from .common import DTYPES, CliError, fail, load_source
     default=None,
     help="start from these trained draft layers (a heads .safetensors file) instead of zero",
 )
+@click.option(
+    "--root-conditioned",
+    is_flag=True,
+    help="draft layers that also read the root token (the target's sample they follow); beyond the paper",
+)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 @click.option("--force", is_flag=True, help="start over even if OUT holds a checkpoint")
 @click.option(
@@ -81,6 +86,7 @@ def train_heads(
     seed,
     loss,
     init_heads,
+    root_conditioned,
     resume,
     force,
     combined,
@@ -114,6 +120,7 @@ def train_heads(
         checkpoint_every=checkpoint_every,
         seed=seed,
         loss=loss,
+        root_conditioned=root_conditioned,
     )
     try:
         config.validate()

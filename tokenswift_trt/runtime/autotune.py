@@ -543,7 +543,12 @@ class Tuner:
             sampling,
             engine.device,
             per_node_s=totals.trie_s / totals.nodes,  # building a trie (n-grams included)
-            batched_draft_s=measure_ranking(engine, state, last_hidden) if self.from_verify else None,
+            # root-conditioned layers read each node's sample: their head pass is not batched
+            batched_draft_s=(
+                measure_ranking(engine, state, last_hidden)
+                if self.from_verify and not getattr(engine.draft_layers, "root_conditioned", False)
+                else None
+            ),
         )
         if best.tree == AR_PLAN:
             self._settle(Plan(AR_PLAN, 0))

@@ -248,7 +248,9 @@ class DeviceLoop:
         self.count = torch.tensor(len(state.tokens), dtype=torch.long, device=device)  # committed tokens
         self.done = torch.zeros((), dtype=torch.bool, device=device)
         model, layers = engine.model, engine.draft_layers
-        self.draft_logits = model.draft_logits(last_hidden[None], layers, self.depth)[:, 0]  # [D, V]
+        self.root_conditioned = getattr(layers, "root_conditioned", False)
+        root = state.history[len(state.tokens) - 1 : len(state.tokens)]  # [1]: the root follows last_hidden
+        self.draft_logits = model.draft_logits(last_hidden[None], layers, self.depth, root)[:, 0]  # [D, V]
         self.table = DeviceNgramTable(self.vocab, ngram_topk, device) if ngram_topk > 0 else None
         if self.table is not None:
             end = len(state.tokens) - self.exclusion  # grams ending before the penalty window
@@ -312,10 +314,15 @@ class DeviceLoop:
             length,
             self.columns,
         )
-        heads = engine.model.head_logits(out.hidden, engine.draft_layers, self.depth)  # [1 + D, S, V]
+        if self.root_conditioned:  # the drafts read the last slot's sample: a head pass of their own below
+            target_logits = engine.model.logits(out.hidden)  # [S, V]
+        else:  # one head pass for the target and the draft layers at every slot
+            heads = engine.model.head_logits(out.hidden, engine.draft_layers, self.depth)  # [1 + D, S, V]
+            target_logits = heads[0]
         # accept
+        windows = self._windows(trie.paths, trie.depths)
         samples = sampler.sample_rows(
-            heads[0], self._windows(trie.paths, trie.depths), None if noise is None else noise[trie.depths]
+            target_logits, windows, None if noise is None else noise[trie.depths]
         )  # [S]
         result = walk(trie, samples, self.limit - count, self.stop_ids, slots.max_depth)
         committed = torch.where(self.done, 0, result.count)
@@ -324,7 +331,13 @@ class DeviceLoop:
         for cache_tensor in (state.full.keys, state.full.values):
             cache_tensor.index_copy_(2, target, cache_tensor.index_select(2, source))
         history.index_copy_(0, count + self.levels, result.emitted)
-        self.draft_logits.copy_(heads[1:].index_select(1, result.last.reshape(1))[:, 0])
+        last = result.last.reshape(1)
+        if self.root_conditioned:  # the new root is the last slot's sample
+            hidden, root = out.hidden.index_select(0, last), samples.index_select(0, last)  # [1, H], [1]
+            drafts = engine.model.draft_logits(hidden, engine.draft_layers, self.depth, root)  # [D, 1, V]
+        else:
+            drafts = heads[1:].index_select(1, last)  # [D, 1, V]
+        self.draft_logits.copy_(drafts[:, 0])
         accepted = committed - 1
         from_ngrams = (
             (result.chain >= slots.tree_nodes) & (self.levels >= 1) & (self.levels <= accepted)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from . import kernels
 from .config import ModelConfig, load_config
 from .cpu_linear import pack_linears
-from .draft_layers import DraftLayers, draft_key
+from .draft_layers import DraftLayers, draft_key, draft_layout
 from .model import Decoder, LlamaModel
 
 
@@ -135,8 +135,8 @@ def load_engine(
         if not heads_path.is_file():
             raise WeightsError(f"heads file {heads_path} does not exist")
         draft = {draft_key(k) or k: v for k, v in _read_tensors([heads_path]).items()}
-    num_draft = len({k.split(".")[1] for k in draft}) if draft else config.num_draft_layers
-    draft_layers = DraftLayers(config, num_draft).to(device=device, dtype=dtype)
+    num_draft, root_conditioned = draft_layout(draft) if draft else (config.num_draft_layers, False)
+    draft_layers = DraftLayers(config, num_draft, root_conditioned).to(device=device, dtype=dtype)
     if draft:
         _check_and_assign(draft_layers, draft, "draft layers", dtype, device)
     else:

@@ -74,7 +74,9 @@ class Decoder(Protocol):
         self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None
     ) -> torch.Tensor: ...
 
-    def draft_logits(self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int) -> torch.Tensor: ...
+    def draft_logits(
+        self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int, roots: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def draft(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: AttentionCache, draft_layers: nn.Module
@@ -289,8 +291,10 @@ class GraphDecoder:
     ) -> torch.Tensor:
         return self.torch_model.head_logits(hidden, draft_layers, depth)
 
-    def draft_logits(self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int) -> torch.Tensor:
-        return self.torch_model.draft_logits(hidden, draft_layers, depth)
+    def draft_logits(
+        self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int, roots: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.torch_model.draft_logits(hidden, draft_layers, depth, roots)
 
 
 class LlamaModel(nn.Module):
@@ -435,15 +439,29 @@ class LlamaModel(nn.Module):
         self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None
     ) -> torch.Tensor:
         """hidden [T, hidden] (pre-norm) -> logits of the base head and each draft layer [1 + n, T, vocab]
-        (n = `depth` when given: only the first `depth` draft layers)."""
+        (n = `depth` when given: only the first `depth` draft layers). Root-conditioned layers are
+        conditioned on the base head's most likely token (the token they follow is not known yet)."""
+        if getattr(draft_layers, "root_conditioned", False):
+            base = self.lm_head(self.model.norm(hidden))  # [T, V]
+            drafts = self.draft_logits(hidden, draft_layers, len(draft_layers) if depth is None else depth,
+                                       base.argmax(dim=-1))  # [n, T, V]
+            return torch.cat((base[None], drafts))
         states = torch.stack(
             [self.model.norm(hidden)] + list(draft_layers(hidden, depth))
         )  # [1 + n, T, hidden]
         return self.lm_head(states)  # one pass over the head's weights for all heads
 
     @torch.inference_mode()
-    def draft_logits(self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int) -> torch.Tensor:
+    def draft_logits(
+        self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int, roots: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """hidden [T, hidden] (pre-norm) -> logits of the first `depth` draft layers only [depth, T, vocab]
         (drafting from the verify pass: the base head's row is the verify pass's own, and a tree
-        `depth` deep reads no deeper layer)."""
-        return self.lm_head(torch.stack(draft_layers(hidden, depth)))
+        `depth` deep reads no deeper layer). `roots` [T]: the token after each row's own, which
+        root-conditioned layers read (the base head's most likely token when None)."""
+        embedding = None
+        if getattr(draft_layers, "root_conditioned", False):
+            if roots is None:
+                roots = self.lm_head(self.model.norm(hidden)).argmax(dim=-1)  # [T]
+            embedding = self.model.embed_tokens(roots)  # [T, hidden]
+        return self.lm_head(torch.stack(draft_layers(hidden, depth, embedding)))

@@ -135,7 +135,8 @@ class NodeTargets:
         self.engine, self.state, self.trie, self.hidden = engine, state, trie, hidden  # hidden [N, hidden]
         # drafting from the verify pass: the batched LM-head pass also gives the first `draft_depth`
         # draft layers' logits at every node, so the next iteration's drafts cost no head pass of their own
-        self.draft_depth = draft_depth
+        # (not for root-conditioned layers: they read each node's sample, known only after this pass)
+        self.draft_depth = 0 if getattr(engine.draft_layers, "root_conditioned", False) else draft_depth
         self.all_draft_logits: torch.Tensor | None = None  # [draft_depth, N, V] when batched
         self.batched = sampled_in_one_batch(len(trie), engine.device)
         self.all_logits: torch.Tensor | None = None  # [N, V] when batched
@@ -304,7 +305,8 @@ def candidates_from_hidden(
     `draft_logits` [≥ depth, V], when the verify pass's LM-head pass already computed them, saves
     the head pass."""
     if draft_logits is None or draft_logits.shape[0] < tree.depth:
-        draft_logits = engine.model.draft_logits(hidden[None], engine.draft_layers, tree.depth)[
+        root = to_device(state.tokens[-1:], torch.long, hidden.device)  # [1]: the root follows `hidden`
+        draft_logits = engine.model.draft_logits(hidden[None], engine.draft_layers, tree.depth, root)[
             :, 0
         ]  # [depth, V]
     return top_candidates(draft_logits, state, tree)

@@ -6,7 +6,8 @@ after the base head's target, x[t + 1 + i], is scored by cross-entropy against
   logits at t + i (self-distillation: acceptance asks the draft to agree with the target model,
   not with the corpus, and a full distribution teaches more per position than one token);
 - "tokens": the corpus token x[t + 1 + i] (the paper's objective);
-the mean over layers is minimised.
+the mean over layers is minimised. Root-conditioned layers (`root_conditioned`) also read, at t,
+the embedding of x[t + 1]: the corpus token there, the target's own sample at inference.
 AdamW (0.9, 0.999), weight decay 0.1, linear warm-up then cosine decay, gradient accumulation.
 The base forward runs without gradients; only the draft layers' parameters train.
 """
@@ -24,7 +25,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tokenswift_trt.runtime.draft_layers import HEADS_PREFIX, RELEASED_PREFIX, DraftLayers, draft_key
+from tokenswift_trt.runtime.draft_layers import (
+    HEADS_PREFIX,
+    RELEASED_PREFIX,
+    ROOT_PREFIX,
+    DraftLayers,
+    draft_key,
+    draft_layout,
+)
 from tokenswift_trt.runtime.engine import Engine
 from tokenswift_trt.runtime.kv_cache import KVCache
 
@@ -50,6 +58,7 @@ class TrainHeadsConfig:
     eval_sequences: int = 8
     seed: int = 0
     loss: str = "distill"  # see LOSSES and the module docstring
+    root_conditioned: bool = False  # layers that read the root token (runtime/draft_layers.py)
 
     def validate(self) -> None:
         if self.loss not in LOSSES:
@@ -154,9 +163,20 @@ def base_logits(engine: Engine, weight: torch.Tensor, hidden: torch.Tensor) -> t
     return F.linear(engine.model.model.norm(hidden), weight)
 
 
-def draft_logits(weight: torch.Tensor, draft_layers: DraftLayers, hidden: torch.Tensor) -> list[torch.Tensor]:
-    """hidden [T, hidden] -> per draft layer logits [T, V] through the shared lm_head weight [V, hidden]."""
-    return [F.linear(state, weight) for state in draft_layers(hidden)]
+def root_embeddings(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
+    """ids [T] -> the input embedding of x[t + 1] for every t [T, hidden] (float32; the last row
+    repeats x[T - 1] and is never scored): what root-conditioned layers read at t."""
+    roots = torch.cat((ids[1:], ids[-1:])).to(engine.device)
+    with torch.no_grad():
+        return engine.model.model.embed_tokens.weight[roots].to(torch.float32, copy=True)
+
+
+def draft_logits(
+    weight: torch.Tensor, draft_layers: DraftLayers, hidden: torch.Tensor, roots: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """hidden [T, hidden] -> per draft layer logits [T, V] through the shared lm_head weight [V, hidden]
+    (`roots` [T, hidden]: `root_embeddings`, for root-conditioned layers)."""
+    return [F.linear(state, weight) for state in draft_layers(hidden, None, roots)]
 
 
 def draft_loss(
@@ -170,8 +190,9 @@ def draft_loss(
     if loss == "distill":
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
             teacher = F.softmax(base_logits(engine, weight, hidden), dim=-1)
+    roots = root_embeddings(engine, ids) if draft_layers.root_conditioned else None
     losses = []
-    for i, logits in enumerate(draft_logits(weight, draft_layers, hidden), start=1):
+    for i, logits in enumerate(draft_logits(weight, draft_layers, hidden, roots), start=1):
         shift = i + 1
         if teacher is None:
             losses.append(F.cross_entropy(logits[:-shift].float(), targets[shift:]))
@@ -204,7 +225,8 @@ def draft_accuracy(
         targets = ids.to(engine.device)
         base = base_logits(engine, weight, hidden)
         base_top = base.argmax(-1)  # [T]: the base's pick for x[t + 1]
-        heads = [base] + draft_logits(weight, draft_layers, hidden)
+        roots = root_embeddings(engine, ids) if draft_layers.root_conditioned else None
+        heads = [base] + draft_logits(weight, draft_layers, hidden, roots)
         for i, logits in enumerate(heads):
             shift = i + 1
             top = logits[:-shift].argmax(-1)
@@ -232,7 +254,13 @@ def load_heads(path: Path, draft_layers: DraftLayers) -> dict[str, torch.Tensor]
         raise TrainingError(f"heads file {path} does not exist")
     tensors = load_file(str(path))
     state = {draft_key(key): value for key, value in tensors.items() if draft_key(key) is not None}
-    expected = {key: value.shape for key, value in draft_layers.state_dict().items()}
+    current = draft_layers.state_dict()
+    if draft_layers.root_conditioned and not any(key.startswith(ROOT_PREFIX) for key in state):
+        # plain layers as the start of root-conditioned ones: the root input starts as it is (zero)
+        state.update({key: value for key, value in current.items() if key.startswith(ROOT_PREFIX)})
+    elif not draft_layers.root_conditioned and any(key.startswith(ROOT_PREFIX) for key in state):
+        raise TrainingError(f"{path} holds root-conditioned draft layers: train on with --root-conditioned")
+    expected = {key: value.shape for key, value in current.items()}
     if {key: value.shape for key, value in state.items()} != expected:
         raise TrainingError(
             f"{path} does not hold {len(draft_layers)} draft layers of this model's hidden size "
@@ -260,7 +288,8 @@ def write_combined(model_dir: Path, heads_file: Path, out_dir: Path) -> Path:
         ):
             shutil.copy2(file, out_dir / file.name)
     config = json.loads((out_dir / "config.json").read_text())
-    config["medusa_heads"] = len({k.split(".")[1] for k in load_file(str(heads_file))})
+    state = {draft_key(k) or k: v for k, v in load_file(str(heads_file)).items()}
+    config["medusa_heads"] = draft_layout(state)[0]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
@@ -287,7 +316,9 @@ class HeadsTrainer:
         self.head_weight = head_weight(engine)
         torch.manual_seed(config.seed)
         self.draft_layers = (
-            DraftLayers(engine.config, len(engine.draft_layers)).to(engine.device, torch.float32).zero_()
+            DraftLayers(engine.config, len(engine.draft_layers), config.root_conditioned)
+            .to(engine.device, torch.float32)
+            .zero_()
         )
         if init_heads is not None:  # warm start: go on from trained layers (a new schedule)
             self.draft_layers.load_state_dict(load_heads(init_heads, self.draft_layers))
