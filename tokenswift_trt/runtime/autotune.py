@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine
+from .model import reads_root
 from .stages import (
     BATCHED_NODES_MAX,
     DecodeState,
@@ -546,7 +547,7 @@ class Tuner:
             # root-conditioned layers read each node's sample: their head pass is not batched
             batched_draft_s=(
                 measure_ranking(engine, state, last_hidden)
-                if self.from_verify and not getattr(engine.draft_layers, "root_conditioned", False)
+                if self.from_verify and not reads_root(engine.draft_layers)
                 else None
             ),
         )

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine
+from .model import reads_root
 from .sampling import PositionKeyedRandom, position_gumbel_tensor
 from .stages import DecodeState
 from .static_step import bucket_for, compiled_forward, fixed_shape_forward
@@ -248,7 +249,7 @@ class DeviceLoop:
         self.count = torch.tensor(len(state.tokens), dtype=torch.long, device=device)  # committed tokens
         self.done = torch.zeros((), dtype=torch.bool, device=device)
         model, layers = engine.model, engine.draft_layers
-        self.root_conditioned = getattr(layers, "root_conditioned", False)
+        self.root_conditioned = reads_root(layers)
         root = state.history[len(state.tokens) - 1 : len(state.tokens)]  # [1]: the root follows last_hidden
         self.draft_logits = model.draft_logits(last_hidden[None], layers, self.depth, root)[:, 0]  # [D, V]
         self.table = DeviceNgramTable(self.vocab, ngram_topk, device) if ngram_topk > 0 else None

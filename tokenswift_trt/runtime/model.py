@@ -83,6 +83,12 @@ class Decoder(Protocol):
     ) -> torch.Tensor: ...
 
 
+def reads_root(draft_layers: nn.Module) -> bool:
+    """Whether draft layers are root-conditioned (`draft_layers.DraftLayers(root_conditioned=True)`):
+    they then also read the token after each row's own."""
+    return bool(getattr(draft_layers, "root_conditioned", False))
+
+
 @dataclass
 class AttentionMask:
     """What attention needs besides Q/K/V, by kernel:
@@ -441,10 +447,10 @@ class LlamaModel(nn.Module):
         """hidden [T, hidden] (pre-norm) -> logits of the base head and each draft layer [1 + n, T, vocab]
         (n = `depth` when given: only the first `depth` draft layers). Root-conditioned layers are
         conditioned on the base head's most likely token (the token they follow is not known yet)."""
-        if getattr(draft_layers, "root_conditioned", False):
+        if reads_root(draft_layers):
             base = self.lm_head(self.model.norm(hidden))  # [T, V]
-            drafts = self.draft_logits(hidden, draft_layers, len(draft_layers) if depth is None else depth,
-                                       base.argmax(dim=-1))  # [n, T, V]
+            depth = len(draft_layers) if depth is None else depth
+            drafts = self.draft_logits(hidden, draft_layers, depth, base.argmax(dim=-1))  # [n, T, V]
             return torch.cat((base[None], drafts))
         states = torch.stack(
             [self.model.norm(hidden)] + list(draft_layers(hidden, depth))
@@ -460,7 +466,7 @@ class LlamaModel(nn.Module):
         `depth` deep reads no deeper layer). `roots` [T]: the token after each row's own, which
         root-conditioned layers read (the base head's most likely token when None)."""
         embedding = None
-        if getattr(draft_layers, "root_conditioned", False):
+        if reads_root(draft_layers):
             if roots is None:
                 roots = self.lm_head(self.model.norm(hidden)).argmax(dim=-1)  # [T]
             embedding = self.model.embed_tokens(roots)  # [T, hidden]

@@ -23,7 +23,7 @@ import torch
 
 from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
-from .model import ForwardOutput
+from .model import ForwardOutput, reads_root
 from .ngram import NgramTable
 from .sampling import RandomSource, Sampler, SamplingConfig
 from .static_step import StaticForward
@@ -136,7 +136,7 @@ class NodeTargets:
         # drafting from the verify pass: the batched LM-head pass also gives the first `draft_depth`
         # draft layers' logits at every node, so the next iteration's drafts cost no head pass of their own
         # (not for root-conditioned layers: they read each node's sample, known only after this pass)
-        self.draft_depth = 0 if getattr(engine.draft_layers, "root_conditioned", False) else draft_depth
+        self.draft_depth = 0 if reads_root(engine.draft_layers) else draft_depth
         self.all_draft_logits: torch.Tensor | None = None  # [draft_depth, N, V] when batched
         self.batched = sampled_in_one_batch(len(trie), engine.device)
         self.all_logits: torch.Tensor | None = None  # [N, V] when batched
