@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tokenswift_trt.runtime.config import ConfigError, config_from_dict
-from tokenswift_trt.runtime.draft_layers import HEADS_PREFIX, DraftLayers, draft_key
+from tokenswift_trt.runtime.draft_layers import DraftLayers, draft_key, heads_file_key
 from tokenswift_trt.runtime.engine import DEFAULT_HEADS_FILE, UntrainedDraftLayersWarning, load_engine
 from tokenswift_trt.runtime.engine_dir import BACKENDS, Manifest, record_artifacts, write_manifest
 from tokenswift_trt.runtime.model import LlamaModel
@@ -142,7 +142,7 @@ def _write_random_weights(config_dict: dict, dtype: torch.dtype, model_dir: Path
         progress("random weights", index + 1, len(shapes))
     save_file(tensors, str(model_dir / "model.safetensors"))
     heads = {
-        HEADS_PREFIX + k.removeprefix("layers."): (torch.ones(s) if "norm" in k else torch.zeros(s)).to(dtype)
+        heads_file_key(k): (torch.ones(s) if "norm" in k else torch.zeros(s)).to(dtype)
         for k, s in draft_shapes.items()
     }
     save_file(heads, str(model_dir / DEFAULT_HEADS_FILE))
@@ -172,7 +172,7 @@ def _convert_weights(
         if mapped is None:
             base[key] = tensor
         else:
-            draft[HEADS_PREFIX + mapped.removeprefix("layers.")] = tensor
+            draft[heads_file_key(mapped)] = tensor
         progress("convert weights", index + 1, len(names))
     heads_source = heads or (
         checkpoint / DEFAULT_HEADS_FILE if (checkpoint / DEFAULT_HEADS_FILE).is_file() else None
@@ -182,7 +182,7 @@ def _convert_weights(
             raise BuildError(f"heads file {heads_source} does not exist")
         with safe_open(str(heads_source), framework="pt") as handle:
             draft = {
-                HEADS_PREFIX + (draft_key(k) or k).removeprefix("layers."): handle.get_tensor(k).to(dtype)
+                heads_file_key(draft_key(k) or k): handle.get_tensor(k).to(dtype)
                 for k in handle.keys()
             }
     save_file(base, str(model_dir / "model.safetensors"))

@@ -464,10 +464,8 @@ class LlamaModel(nn.Module):
         """hidden [T, hidden] (pre-norm) -> logits of the first `depth` draft layers only [depth, T, vocab]
         (drafting from the verify pass: the base head's row is the verify pass's own, and a tree
         `depth` deep reads no deeper layer). `roots` [T]: the token after each row's own, which
-        root-conditioned layers read (the base head's most likely token when None)."""
+        root-conditioned layers read (and require)."""
         embedding = None
-        if reads_root(draft_layers):
-            if roots is None:
-                roots = self.lm_head(self.model.norm(hidden)).argmax(dim=-1)  # [T]
+        if reads_root(draft_layers) and roots is not None:
             embedding = self.model.embed_tokens(roots)  # [T, hidden]
         return self.lm_head(torch.stack(draft_layers(hidden, depth, embedding)))

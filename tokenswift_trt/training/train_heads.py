@@ -32,6 +32,7 @@ from tokenswift_trt.runtime.draft_layers import (
     DraftLayers,
     draft_key,
     draft_layout,
+    heads_file_key,
 )
 from tokenswift_trt.runtime.engine import Engine
 from tokenswift_trt.runtime.kv_cache import KVCache
@@ -163,9 +164,12 @@ def base_logits(engine: Engine, weight: torch.Tensor, hidden: torch.Tensor) -> t
     return F.linear(engine.model.model.norm(hidden), weight)
 
 
-def root_embeddings(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
+def root_embeddings(engine: Engine, draft_layers: DraftLayers, ids: torch.Tensor) -> torch.Tensor | None:
     """ids [T] -> the input embedding of x[t + 1] for every t [T, hidden] (float32; the last row
-    repeats x[T - 1] and is never scored): what root-conditioned layers read at t."""
+    repeats x[T - 1] and is never scored): what root-conditioned layers read at t; None for
+    layers that read no root."""
+    if not draft_layers.root_conditioned:
+        return None
     roots = torch.cat((ids[1:], ids[-1:])).to(engine.device)
     with torch.no_grad():
         return engine.model.model.embed_tokens.weight[roots].to(torch.float32, copy=True)
@@ -190,7 +194,7 @@ def draft_loss(
     if loss == "distill":
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
             teacher = F.softmax(base_logits(engine, weight, hidden), dim=-1)
-    roots = root_embeddings(engine, ids) if draft_layers.root_conditioned else None
+    roots = root_embeddings(engine, draft_layers, ids)
     losses = []
     for i, logits in enumerate(draft_logits(weight, draft_layers, hidden, roots), start=1):
         shift = i + 1
@@ -225,7 +229,7 @@ def draft_accuracy(
         targets = ids.to(engine.device)
         base = base_logits(engine, weight, hidden)
         base_top = base.argmax(-1)  # [T]: the base's pick for x[t + 1]
-        roots = root_embeddings(engine, ids) if draft_layers.root_conditioned else None
+        roots = root_embeddings(engine, draft_layers, ids)
         heads = [base] + draft_logits(weight, draft_layers, hidden, roots)
         for i, logits in enumerate(heads):
             shift = i + 1
@@ -241,7 +245,7 @@ def draft_accuracy(
 
 def save_heads(draft_layers: DraftLayers, path: Path) -> None:
     tensors = {
-        HEADS_PREFIX + k.removeprefix("layers."): v.detach().cpu().float().contiguous()
+        heads_file_key(k): v.detach().cpu().float().contiguous()
         for k, v in draft_layers.state_dict().items()
     }
     save_file(tensors, str(path))
@@ -255,10 +259,11 @@ def load_heads(path: Path, draft_layers: DraftLayers) -> dict[str, torch.Tensor]
     tensors = load_file(str(path))
     state = {draft_key(key): value for key, value in tensors.items() if draft_key(key) is not None}
     current = draft_layers.state_dict()
-    if draft_layers.root_conditioned and not any(key.startswith(ROOT_PREFIX) for key in state):
+    file_reads_root = draft_layout(state)[1]
+    if draft_layers.root_conditioned and not file_reads_root:
         # plain layers as the start of root-conditioned ones: the root input starts as it is (zero)
         state.update({key: value for key, value in current.items() if key.startswith(ROOT_PREFIX)})
-    elif not draft_layers.root_conditioned and any(key.startswith(ROOT_PREFIX) for key in state):
+    elif not draft_layers.root_conditioned and file_reads_root:
         raise TrainingError(f"{path} holds root-conditioned draft layers: train on with --root-conditioned")
     expected = {key: value.shape for key, value in current.items()}
     if {key: value.shape for key, value in state.items()} != expected:
