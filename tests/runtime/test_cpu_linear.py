@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linear layers: same function as nn.Linear, used only for CPU inference, never stale."""
+"""Prepacked linear layers (our tiled kernel for float32, oneDNN otherwise): same function as
+nn.Linear, used only for CPU inference, never stale; the tiled kernel is batch-invariant."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from tokenswift_trt.runtime.cpu_linear import FusedLinears, Linear, pack_linears, packing_available
+from tokenswift_trt.runtime.cpu_linear import (
+    FusedLinears,
+    Linear,
+    pack_linears,
+    packing_available,
+    tiled_kernels,
+)
 from tokenswift_trt.runtime.kv_cache import KVCache
 
 from conftest import quiet_load
@@ -22,10 +29,19 @@ def _layer(dtype: torch.dtype, bias: bool) -> Linear:
     return Linear(64, 48, bias=bias).to(dtype)
 
 
+PLAIN_PRODUCTS = ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
+
+
+def _uses_plain_product(run) -> bool:
+    """Whether `run()` went through PyTorch's own matrix product (F.linear) rather than a packed copy."""
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        run()
+    return any(event.key in PLAIN_PRODUCTS for event in trace.key_averages())
+
+
 def _uses_packed_op(layer: Linear, x: torch.Tensor) -> bool:
-    with profile(activities=[ProfilerActivity.CPU]) as trace, torch.inference_mode():
-        layer(x)
-    return any("_linear_pointwise" in event.key for event in trace.key_averages())
+    with torch.inference_mode():
+        return not _uses_plain_product(lambda: layer(x))
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -66,9 +82,7 @@ def test_training_takes_the_autograd_path():
     layer = _layer(torch.float32, bias=True)
     layer.pack()
     x = torch.randn(4, 64, requires_grad=True)
-    with profile(activities=[ProfilerActivity.CPU]) as trace:
-        layer(x).square().sum().backward()
-    assert not any("_linear_pointwise" in event.key for event in trace.key_averages())
+    assert _uses_plain_product(lambda: layer(x).square().sum().backward())
     reference = _layer(torch.float32, bias=True)
     x2 = x.detach().clone().requires_grad_(True)
     reference(x2).square().sum().backward()
@@ -153,3 +167,36 @@ def test_engine_logits_are_the_same_with_and_without_fusion_and_never_stale(llam
     with torch.inference_mode():
         assert not attention.fused.usable(torch.randn(1, config.hidden_size))
     assert not torch.equal(fused, logits())
+
+
+tiled = pytest.mark.skipif(
+    tiled_kernels() is None, reason="the tiled kernel needs an x86 CPU with AVX2 and a C++ compiler"
+)
+
+
+@tiled
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_tiled_kernel_is_batch_invariant(bias):
+    """Every row's outputs are the same bits whatever else is in the call: one row alone, the first
+    rows of a tree, all of a prompt. Shapes off the kernel's tiles (100 outputs: 4 blocks of 24 and a
+    padded one; 300 inputs: one full 256-deep pass and a partial one)."""
+    torch.manual_seed(2)
+    layer = Linear(300, 100, bias=bias)
+    assert layer.pack() and layer._packed.kind == "tiled"
+    x = torch.randn(37, 300)
+    with torch.inference_mode():
+        together = layer(x)
+        assert torch.allclose(together, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        for rows in (1, 2, 3, 5, 8, 13, 16):
+            assert torch.equal(layer(x[:rows]), together[:rows]), rows
+        assert all(torch.equal(layer(x[i : i + 1]), together[i : i + 1]) for i in range(37))
+
+
+@tiled
+def test_the_kernel_switch_falls_back_to_onednn(monkeypatch):
+    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")
+    layer = _layer(torch.float32, bias=True)
+    assert layer.pack() and layer._packed.kind == "onednn"
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)

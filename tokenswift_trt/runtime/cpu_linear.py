@@ -1,11 +1,18 @@
-"""Linear layers whose inference on a CPU runs through oneDNN with a prepacked weight.
+"""Linear layers whose inference on a CPU runs on a prepacked weight.
 
 Why: with PyTorch's default CPU path (MKL sgemm) a float32 linear over M rows costs about M times
 one row on the machines this project is developed on (AMD EPYC: MKL takes its generic code path),
-so verifying a 4-token tree paid 3-4x an AR step in its matmuls. With the weight reordered once
-into oneDNN's blocked layout, 1 to 8 rows cost about what one does, which is what speculative
-verification needs. A decoder's weights stream from memory in every forward, and there the packed
-layout is faster for single rows too (`scripts/cpu_step_costs.py`, docs/runtime.md).
+so verifying a 4-token tree paid 3-4x an AR step in its matmuls. Two packed layouts:
+
+- "tiled" (float32 on x86 with AVX2, the default where the CPU kernels build): our own kernel,
+  plugins_cuda/cpu/linear_cpu.cpp. On SmolLM2-135M's layer shapes (2-core EPYC) one row streams
+  the weights ~2x faster than oneDNN, 4 rows cost about what one does, and it is batch-invariant:
+  a row's outputs are the same bits whatever other rows share the call, so an AR step and a tree
+  verification compute a token's logits identically.
+- "onednn" (bfloat16, other processors, or `TOKENSWIFT_CPU_KERNEL=0`): the weight reordered once
+  into oneDNN's blocked layout; 1 to 8 rows cost about 1-1.5x one row.
+
+Measured with `scripts/cpu_step_costs.py` (docs/runtime.md).
 
 `Linear` is `nn.Linear` (same parameters, same state-dict keys, same autograd, export and GPU
 behaviour) plus `pack()`. Once packed, a CPU forward under `torch.inference_mode()` uses the
@@ -16,6 +23,7 @@ another device or dtype), so training and reloading stay correct.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +35,44 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out, in] in one of the CPU layouts: "tiled" ([ceil(out / 24), in, 24], our kernel)
+    or "onednn" (oneDNN's opaque blocked layout)."""
+
+    kind: str
+    data: torch.Tensor
+    out_features: int
+    kernels: object | None = None  # the compiled CPU kernels' module ("tiled")
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] -> [rows, out] (+ bias)."""
+        if self.kernels is not None:
+            bias = x.new_empty(0) if bias is None else bias
+            return self.kernels.linear(x, self.data, bias, self.out_features)  # type: ignore[attr-defined]
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+
+def tiled_kernels():
+    """The compiled CPU kernels' module when the tiled layout applies here, else None: an x86 CPU
+    with AVX2 (the kernel's register tiles; elsewhere oneDNN is faster) whose kernels build, and not
+    switched off with TOKENSWIFT_CPU_KERNEL=0."""
+    from . import kernels  # kernels imports nothing from here; lazily, so no compile at import
+
+    if kernels.cpu_kernels_switched_off() or not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        return None
+    status = kernels.load_cpu_kernels()
+    return status.module if status.loaded else None
+
+
 class Linear(nn.Linear):
-    """nn.Linear with an optional oneDNN-prepacked copy of its weight for CPU inference."""
+    """nn.Linear with an optional prepacked copy of its weight for CPU inference."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._packed: torch.Tensor | None = None
+        self._packed: PackedWeight | None = None
         self._packed_from: tuple[int, int, torch.dtype] | None = None  # _identity of the packed weight
 
     def pack(self) -> bool:
@@ -60,25 +98,27 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")  # [rows, out]
+        out = self._packed.product(flat, self.bias)  # [rows, out]
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def _prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed layout of a weight [out, in] for CPU inference, or None where there is none
-    (not a CPU float32/bfloat16 weight, no oneDNN, or e.g. bfloat16 on a CPU without AVX-512 /
-    AVX-NE-CONVERT: plain F.linear then)."""
-    if (
-        weight.device.type != "cpu"
-        or weight.dtype not in (torch.float32, torch.bfloat16)
-        or not packing_available()
-    ):
+def _prepack(weight: torch.Tensor) -> PackedWeight | None:
+    """A packed copy of a weight [out, in] for CPU inference: tiled for float32 where our kernel
+    applies, else oneDNN's layout; None where there is none (not a CPU float32/bfloat16 weight, no
+    oneDNN, or e.g. bfloat16 on a CPU without AVX-512 / AVX-NE-CONVERT: plain F.linear then)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    try:
-        with torch.no_grad():
-            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)
-    except RuntimeError:
-        return None
+    with torch.no_grad():
+        tiled = tiled_kernels() if weight.dtype == torch.float32 else None
+        if tiled is not None:
+            return PackedWeight("tiled", tiled.pack_linear(weight.detach()), weight.shape[0], tiled)
+        if not packing_available():
+            return None
+        try:
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)
+            return PackedWeight("onednn", onednn, weight.shape[0])
+        except RuntimeError:
+            return None
 
 
 def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
@@ -94,12 +134,12 @@ def pack_linears(module: nn.Module) -> int:
 
 class FusedLinears:
     """Linears that read the same input (a layer's Q/K/V projections, an MLP's gate and up) as one
-    prepacked product for CPU inference: one oneDNN call and one pass over the input instead of
+    prepacked product for CPU inference: one kernel call and one pass over the input instead of
     several, each output equal bit for bit to its own Linear's (every output element is the same
     dot product). Not a module: the parts keep their parameters and state-dict keys; this holds a
     packed copy of their concatenated weights, used only while none of them has changed."""
 
-    def __init__(self, parts: Sequence[Linear], packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, parts: Sequence[Linear], packed: PackedWeight, bias: torch.Tensor | None) -> None:
         self.parts = list(parts)
         self.sizes = [part.out_features for part in parts]
         self._packed, self._bias = packed, bias
@@ -108,7 +148,7 @@ class FusedLinears:
     @classmethod
     def pack(cls, parts: Sequence[Linear]) -> FusedLinears | None:
         """The fused product of `parts` (same input size, all with or all without bias); None where it
-        cannot be packed (not CPU float32/bfloat16, no oneDNN). The parts' own packed copies are
+        cannot be packed (not CPU float32/bfloat16, no kernel and no oneDNN). The parts' own packed copies are
         dropped: the fused one replaces them."""
         first = parts[0]
         if (
@@ -138,5 +178,5 @@ class FusedLinears:
         """x [..., in] -> one output per part [..., part.out] (views of one product)."""
         rows = x.numel() // self.parts[0].in_features
         flat = x.reshape(rows, self.parts[0].in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self._bias, "none", [], "")
+        out = self._packed.product(flat, self._bias)
         return tuple(piece.view(*x.shape[:-1], -1) for piece in out.split(self.sizes, dim=-1))

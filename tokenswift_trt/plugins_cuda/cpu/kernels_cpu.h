@@ -15,3 +15,9 @@ at::Tensor tree_attention_cpu(const at::Tensor& query, const at::Tensor& keys, c
 at::Tensor gumbel_topk_cpu(const at::Tensor& logits, const at::Tensor& windows, const at::Tensor& noise,
                            double penalty, bool greedy, double temperature, double log_min_p, int64_t keep,
                            int64_t width);
+
+// linear_cpu.cpp: weight [N, K] float32 -> packed [ceil(N / 24), K, 24];
+// input [M, K] float32, bias [N] or empty -> [M, N], every element one in-order chain over k (the same
+// bits for any M).
+at::Tensor pack_linear_cpu(const at::Tensor& weight);
+at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs);

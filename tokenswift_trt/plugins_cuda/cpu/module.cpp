@@ -7,4 +7,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("tree_attention", &tree_attention_cpu, "tree attention over a float32 KV cache (CPU)");
     module.def("gumbel_topk", &gumbel_topk_cpu,
                "penalty, temperature and min-p over float32 logits, then the best tokens of scores + noise (CPU)");
+    module.def("pack_linear", &pack_linear_cpu, "a float32 weight [out, in] in the small-batch linear's layout");
+    module.def("linear", &linear_cpu, "x[M, in] times a packed weight, batch-invariant (CPU, float32)");
 }

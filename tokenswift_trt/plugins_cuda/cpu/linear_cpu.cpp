@@ -1,0 +1,149 @@
+// Float32 linear layers for CPU decoding and verification: y[M, N] = x[M, K] · Wᵀ + b, made for the few
+// rows of an AR step (M = 1) and a tree verification (M = 2..16 nodes); a prompt's M rows work too.
+//
+// Why not oneDNN: a decoder's weights stream from memory at every step, so one row costs one read
+// of the weights; with oneDNN's packed layout 8 rows cost ~1.5x one row on the development machine
+// (2-core AMD EPYC, AVX2), where the arithmetic of 8 rows is still well under the memory time. Here
+// each weight vector, once loaded, is used for 4 rows from registers and for the other rows from L1
+// (a block's 256 k at a time), so up to ~4 rows cost about one read of the weights; beyond that the
+// arithmetic of 2 AVX2 cores is the limit (~120 GFLOP/s measured, as with oneDNN).
+//
+// Batch invariance: every output element is one chain of fused multiply-adds over k = 0 .. K-1 in
+// order, whatever M is, however the rows are tiled and however the outputs are split over threads.
+// A token's logits are therefore the same bits in an AR step (M = 1) and in a verification (M = T):
+// speculation cannot change a near-tie, so TokenSwift's tokens equal AR's by construction, not only
+// in practice.
+//
+// Weight layout (pack_linear_cpu): [ceil(N / 24), K, 24]: blocks of 24 outputs (3 AVX2 vectors), each
+// k's 24 weights contiguous, so the first row tile streams a block front to back (what the hardware
+// prefetcher follows best); the last block is zero-padded.
+#include "kernels_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kVector = 8;                 // floats per AVX2 register
+constexpr int64_t kColumns = 3;                // vectors per block
+constexpr int64_t kWidth = kColumns * kVector; // outputs per block: 24
+constexpr int64_t kDepth = 256;                // k per pass: a block's 256 x 24 weights (24 KB) stay in L1
+constexpr int64_t kTileRows = 4;               // 4 rows x 3 vectors = 12 accumulators
+
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[R][24] += x[R][k0:k1] · w[k0:k1][24]: R x 3 independent chains of fused multiply-adds
+template <int R>
+inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc) {
+    __m256 sum[R][kColumns];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kColumns; ++c) sum[r][c] = _mm256_loadu_ps(acc + r * kWidth + c * kVector);
+    for (int64_t k = k0; k < k1; ++k) {
+        __m256 weights[kColumns];
+        for (int c = 0; c < kColumns; ++c) weights[c] = _mm256_loadu_ps(w + k * kWidth + c * kVector);
+        for (int r = 0; r < R; ++r) {
+            const __m256 value = _mm256_broadcast_ss(x + r * x_stride + k);
+            for (int c = 0; c < kColumns; ++c) sum[r][c] = _mm256_fmadd_ps(value, weights[c], sum[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kColumns; ++c) _mm256_storeu_ps(acc + r * kWidth + c * kVector, sum[r][c]);
+}
+#else
+// Portable version: the same chain of fused multiply-adds per output element.
+template <int R>
+inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc) {
+    for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < kWidth; ++j) {
+            float sum = acc[r * kWidth + j];
+            for (int64_t k = k0; k < k1; ++k) sum = std::fma(x[r * x_stride + k], w[k * kWidth + j], sum);
+            acc[r * kWidth + j] = sum;
+        }
+}
+#endif
+
+inline void tile_rows(int64_t rows, const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1,
+                      float* acc) {
+    switch (rows) {
+        case 1: return tile<1>(x, x_stride, w, k0, k1, acc);
+        case 2: return tile<2>(x, x_stride, w, k0, k1, acc);
+        case 3: return tile<3>(x, x_stride, w, k0, k1, acc);
+        default: return tile<4>(x, x_stride, w, k0, k1, acc);
+    }
+}
+
+}  // namespace
+
+at::Tensor pack_linear_cpu(const at::Tensor& weight) {
+    TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+                "pack_linear: weight must be a float32 CPU matrix [out, in]");
+    const at::Tensor source = weight.contiguous();
+    const int64_t outputs = source.size(0), depth = source.size(1);
+    const int64_t blocks = (outputs + kWidth - 1) / kWidth;
+    at::Tensor packed = at::zeros({blocks, depth, kWidth}, source.options());
+    const float* from = source.data_ptr<float>();
+    float* to = packed.data_ptr<float>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t block = begin; block < end; ++block) {
+            const int64_t width = std::min(kWidth, outputs - block * kWidth);
+            for (int64_t j = 0; j < width; ++j) {
+                const float* row = from + (block * kWidth + j) * depth;
+                for (int64_t k = 0; k < depth; ++k) to[(block * depth + k) * kWidth + j] = row[k];
+            }
+        }
+    });
+    return packed;
+}
+
+at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs) {
+    TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat && input.dim() == 2,
+                "linear: input must be a float32 CPU matrix [rows, in]");
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == input.size(1) && packed.size(2) == kWidth &&
+                    packed.size(0) * kWidth >= outputs && packed.is_contiguous(),
+                "linear: packed weight does not match the input (pack it with pack_linear)");
+    const bool has_bias = bias.defined() && bias.numel() > 0;
+    TORCH_CHECK(!has_bias || (bias.numel() == outputs && bias.scalar_type() == at::kFloat),
+                "linear: bias must be float32 [out]");
+    const at::Tensor x = input.contiguous();
+    const int64_t rows = x.size(0), depth = x.size(1), blocks = packed.size(0);
+    at::Tensor out = at::empty({rows, outputs}, x.options());
+    const float* x_data = x.data_ptr<float>();
+    const float* w_data = packed.data_ptr<float>();
+    const at::Tensor b = has_bias ? bias.contiguous() : at::Tensor();
+    const float* b_data = has_bias ? b.data_ptr<float>() : nullptr;
+    float* out_data = out.data_ptr<float>();
+    if (rows == 0) return out;
+    // balanced row tiles of at most 4 (6 rows: 3 + 3, not 4 + 2: a small tile has too few chains)
+    const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> sums(rows * kWidth);
+        float* acc = sums.data();
+        for (int64_t block = begin; block < end; ++block) {
+            std::fill(acc, acc + rows * kWidth, 0.0f);
+            const float* w = w_data + block * depth * kWidth;
+            for (int64_t k0 = 0; k0 < depth; k0 += kDepth) {
+                const int64_t k1 = std::min(depth, k0 + kDepth);
+                for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+                    const int64_t count = (rows - r0) / (tiles - t);
+                    tile_rows(count, x_data + r0 * depth, depth, w, k0, k1, acc + r0 * kWidth);
+                    r0 += count;
+                }
+            }
+            const int64_t first = block * kWidth, width = std::min(kWidth, outputs - first);
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t j = 0; j < width; ++j)
+                    out_data[r * outputs + first + j] = acc[r * kWidth + j] + (b_data ? b_data[first + j] : 0.0f);
+        }
+    });
+    return out;
+}
