@@ -1,51 +1,71 @@
-"""What one forward costs on this CPU as a function of its new tokens T, with and without the
-prepacked linear layers (runtime/cpu_linear.py), and what attention alone costs per layer.
+"""What one forward costs on this CPU as a function of its new tokens T with each linear-layer path
+(runtime/cpu_linear.py: PyTorch's own product, oneDNN prepacked, our tiled kernel), and what
+attention alone costs per layer.
 
-    .venv/bin/python scripts/cpu_step_costs.py [--model-dir models/swift-tiny] [--contexts 2048,8192]
+    .venv/bin/python scripts/cpu_step_costs.py [--model-dir models/smollm2-135m] [--contexts 512,4096]
 
 The K/V cache is filled with random values (the cost does not depend on them); each row is the
-median of `--repeats` runs, packed and unpacked runs interleaved so that the machine's drift hits
-both alike. Prints a Markdown table.
+median of `--repeats` runs, the three paths' runs interleaved so that the machine's drift hits all
+alike. Prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from tokenswift_trt.runtime.cpu_linear import Linear
+from tokenswift_trt.runtime.cpu_linear import Linear, tiled_kernels
 from tokenswift_trt.runtime.engine import load_engine
 from tokenswift_trt.runtime.kv_cache import KVCache
 
 TOKENS = (1, 2, 4, 8, 16)
+PATHS = ("nn.Linear (MKL)", "oneDNN prepacked", "tiled kernel")
 
 
-def forward_costs(model_dir: str, context: int, repeats: int) -> dict[tuple[int, bool], float]:
-    """(T, packed) -> median ms of forward + LM head over all T rows at `context` cached positions."""
+def load_with(model_dir: str, path: str):
+    """The engine with every linear on one path (Q/K/V and gate/up fused except for MKL); attention
+    and sampling as `load_engine` chose them, the same for all paths."""
     engine = load_engine(model_dir)
-    model, config = engine.model, engine.config
+    if path == "oneDNN prepacked":
+        os.environ["TOKENSWIFT_CPU_KERNEL"] = "0"  # packs in oneDNN's layout
+        try:
+            engine.model.pack()
+        finally:
+            del os.environ["TOKENSWIFT_CPU_KERNEL"]
+    if path == "nn.Linear (MKL)":
+        for module in engine.model.modules():
+            if isinstance(module, Linear):
+                module._packed = None
+            if hasattr(module, "fused"):
+                module.fused = None
+    return engine
+
+
+def forward_costs(
+    model_dir: str, context: int, repeats: int, paths: list[str]
+) -> dict[tuple[int, str], float]:
+    """(T, path) -> median ms of forward + LM head over all T rows at `context` cached positions."""
+    engines = {path: load_with(model_dir, path) for path in paths}
+    config = next(iter(engines.values())).config
     cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, context + max(TOKENS))
     cache.keys[:, :, :context].normal_()
     cache.values[:, :, :context].normal_()
     cache.length = context
-    layers = [module for module in model.modules() if isinstance(module, Linear)]
-    packs = [layer._packed for layer in layers]
-    times: dict[tuple[int, bool], list[float]] = {}
+    times: dict[tuple[int, str], list[float]] = {}
     for count in TOKENS:
         tokens = torch.randint(0, config.vocab_size, (count,))
         positions = torch.arange(context, context + count)
         for run in range(repeats + 3):
-            for packed in (False, True):
-                for layer, pack in zip(layers, packs):
-                    layer._packed = pack if packed else None
+            for path, engine in engines.items():
                 start = time.perf_counter()
-                model.logits(model(tokens, positions, cache).hidden)
+                engine.model.logits(engine.model(tokens, positions, cache).hidden)
                 if run >= 3:  # warm-up
-                    times.setdefault((count, packed), []).append((time.perf_counter() - start) * 1e3)
+                    times.setdefault((count, path), []).append((time.perf_counter() - start) * 1e3)
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -70,8 +90,8 @@ def attention_costs(config, context: int, repeats: int) -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", default="models/swift-tiny")
-    parser.add_argument("--contexts", default="2048,8192")
+    parser.add_argument("--model-dir", default="models/smollm2-135m")
+    parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -80,15 +100,12 @@ def main() -> None:
     print("|---|---|" + "---|" * len(TOKENS))
     config = None
     with torch.inference_mode():
+        paths = [path for path in PATHS if path != "tiled kernel" or tiled_kernels() is not None]
         for context in contexts:
-            costs = forward_costs(args.model_dir, context, args.repeats)
-            for packed in (False, True):
-                name = "oneDNN prepacked" if packed else "nn.Linear (MKL)"
-                print(
-                    f"| {context:,} | {name} | "
-                    + " | ".join(f"{costs[(t, packed)]:.2f}" for t in TOKENS)
-                    + " |"
-                )
+            costs = forward_costs(args.model_dir, context, args.repeats, paths)
+            for path in paths:
+                row = " | ".join(f"{costs[(t, path)]:.2f}" for t in TOKENS)
+                print(f"| {context:,} | {path} | {row} |")
         config = load_engine(args.model_dir).config
         for context in contexts:
             attention = attention_costs(config, context, args.repeats)

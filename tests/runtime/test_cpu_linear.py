@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from tokenswift_trt.runtime.cpu_linear import (
+    TILED_MAX_ROWS,
     FusedLinears,
     Linear,
     pack_linears,
@@ -59,7 +60,8 @@ def test_packed_forward_equals_nn_linear(dtype, tolerance, shape, bias):
         out = layer(x)
     assert out.shape == expected.shape and out.dtype == dtype
     assert torch.allclose(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
-    assert _uses_packed_op(layer, x) == packed
+    rows = x.numel() // 64
+    assert _uses_packed_op(layer, x) == (packed and layer._packed.takes(rows))
 
 
 def test_a_changed_weight_is_never_served_from_the_stale_pack():
@@ -177,19 +179,23 @@ tiled = pytest.mark.skipif(
 @tiled
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_tiled_kernel_is_batch_invariant(bias):
-    """Every row's outputs are the same bits whatever else is in the call: one row alone, the first
-    rows of a tree, all of a prompt. Shapes off the kernel's tiles (100 outputs: 4 blocks of 24 and a
-    padded one; 300 inputs: one full 256-deep pass and a partial one)."""
+    """Every row's outputs are the same bits whatever else is in the call: one row alone (an AR
+    step) or the first rows of a tree. Shapes off the kernel's tiles (100 outputs: 4 blocks of 24
+    and a padded one; 300 inputs: one full 256-deep pass and a partial one). More rows than the
+    kernel takes (a prompt) run PyTorch's product, with the same values within rounding."""
     torch.manual_seed(2)
     layer = Linear(300, 100, bias=bias)
     assert layer.pack() and layer._packed.kind == "tiled"
-    x = torch.randn(37, 300)
+    x = torch.randn(TILED_MAX_ROWS + 21, 300)
     with torch.inference_mode():
-        together = layer(x)
-        assert torch.allclose(together, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-        for rows in (1, 2, 3, 5, 8, 13, 16):
+        together = layer(x[:TILED_MAX_ROWS])
+        assert torch.allclose(together, F.linear(x[:TILED_MAX_ROWS], layer.weight, layer.bias), atol=1e-5)
+        for rows in (1, 2, 3, 5, 8, 13):
             assert torch.equal(layer(x[:rows]), together[:rows]), rows
-        assert all(torch.equal(layer(x[i : i + 1]), together[i : i + 1]) for i in range(37))
+        assert all(torch.equal(layer(x[i : i + 1]), together[i : i + 1]) for i in range(TILED_MAX_ROWS))
+        assert not _uses_plain_product(lambda: layer(x[:TILED_MAX_ROWS]))
+        assert _uses_plain_product(lambda: layer(x))  # a prompt's rows
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
 
 
 @tiled

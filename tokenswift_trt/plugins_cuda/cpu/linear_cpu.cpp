@@ -44,11 +44,16 @@ constexpr int64_t kTileRows = 4;               // 4 rows x 3 vectors = 12 accumu
 #if defined(__AVX2__) && defined(__FMA__)
 // acc[R][24] += x[R][k0:k1] · w[k0:k1][24]: R x 3 independent chains of fused multiply-adds
 template <int R>
-inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc) {
+inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc,
+                 const char* ahead) {
     __m256 sum[R][kColumns];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < kColumns; ++c) sum[r][c] = _mm256_loadu_ps(acc + r * kWidth + c * kVector);
     for (int64_t k = k0; k < k1; ++k) {
+        if (ahead != nullptr) {  // two cache lines of the next pass's weights per k
+            _mm_prefetch(ahead + (k - k0) * 128, _MM_HINT_T0);
+            _mm_prefetch(ahead + (k - k0) * 128 + 64, _MM_HINT_T0);
+        }
         __m256 weights[kColumns];
         for (int c = 0; c < kColumns; ++c) weights[c] = _mm256_loadu_ps(w + k * kWidth + c * kVector);
         for (int r = 0; r < R; ++r) {
@@ -62,7 +67,8 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, i
 #else
 // Portable version: the same chain of fused multiply-adds per output element.
 template <int R>
-inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc) {
+inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc,
+                 const char*) {
     for (int r = 0; r < R; ++r)
         for (int64_t j = 0; j < kWidth; ++j) {
             float sum = acc[r * kWidth + j];
@@ -73,12 +79,12 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, i
 #endif
 
 inline void tile_rows(int64_t rows, const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1,
-                      float* acc) {
+                      float* acc, const char* ahead) {
     switch (rows) {
-        case 1: return tile<1>(x, x_stride, w, k0, k1, acc);
-        case 2: return tile<2>(x, x_stride, w, k0, k1, acc);
-        case 3: return tile<3>(x, x_stride, w, k0, k1, acc);
-        default: return tile<4>(x, x_stride, w, k0, k1, acc);
+        case 1: return tile<1>(x, x_stride, w, k0, k1, acc, ahead);
+        case 2: return tile<2>(x, x_stride, w, k0, k1, acc, ahead);
+        case 3: return tile<3>(x, x_stride, w, k0, k1, acc, ahead);
+        default: return tile<4>(x, x_stride, w, k0, k1, acc, ahead);
     }
 }
 
@@ -133,9 +139,14 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const a
             const float* w = w_data + block * depth * kWidth;
             for (int64_t k0 = 0; k0 < depth; k0 += kDepth) {
                 const int64_t k1 = std::min(depth, k0 + kDepth);
+                // the first tile streams this pass's weights from memory (the hardware prefetcher
+                // follows it); the second, reading them from L1, prefetches the next pass's (the
+                // following 24 KB: this block's next k, or the next block) so that fetching them
+                // overlaps the arithmetic of the tiles after the first
+                const char* next = reinterpret_cast<const char*>(w + k1 * kWidth);
                 for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
                     const int64_t count = (rows - r0) / (tiles - t);
-                    tile_rows(count, x_data + r0 * depth, depth, w, k0, k1, acc + r0 * kWidth);
+                    tile_rows(count, x_data + r0 * depth, depth, w, k0, k1, acc + r0 * kWidth, t == 1 ? next : nullptr);
                     r0 += count;
                 }
             }
