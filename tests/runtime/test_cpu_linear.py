@@ -180,8 +180,9 @@ tiled = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_tiled_kernel_is_batch_invariant(bias):
     """Every row's outputs are the same bits whatever else is in the call: one row alone (an AR
-    step) or the first rows of a tree. Shapes off the kernel's tiles (100 outputs: 4 blocks of 24
-    and a padded one; 300 inputs: one full 256-deep pass and a partial one). More rows than the
+    step) or the first rows of a tree, one row tile or several (4 rows per tile on AVX2, 8 on
+    AVX-512). Shapes off the kernel's blocks: 100 outputs (blocks of 24 or 48, the last padded), 300
+    inputs (passes of 256 or 128 k, the last partial). More rows than the
     kernel takes (a prompt) run PyTorch's product, with the same values within rounding."""
     torch.manual_seed(2)
     layer = Linear(300, 100, bias=bias)
@@ -190,7 +191,7 @@ def test_the_tiled_kernel_is_batch_invariant(bias):
     with torch.inference_mode():
         together = layer(x[:TILED_MAX_ROWS])
         assert torch.allclose(together, F.linear(x[:TILED_MAX_ROWS], layer.weight, layer.bias), atol=1e-5)
-        for rows in (1, 2, 3, 5, 8, 13):
+        for rows in (1, 2, 3, 5, 8, 9, 13):
             assert torch.equal(layer(x[:rows]), together[:rows]), rows
         assert all(torch.equal(layer(x[i : i + 1]), together[i : i + 1]) for i in range(TILED_MAX_ROWS))
         assert not _uses_plain_product(lambda: layer(x[:TILED_MAX_ROWS]))

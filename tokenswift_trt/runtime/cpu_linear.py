@@ -41,8 +41,8 @@ TILED_MAX_ROWS = 16  # rows per call the tiled kernel takes (the largest CPU ver
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight [out, in] in one of the CPU layouts: "tiled" ([ceil(out / 24), in, 24], our kernel)
-    or "onednn" (oneDNN's opaque blocked layout)."""
+    """A weight [out, in] in one of the CPU layouts: "tiled" ([ceil(out / W), in, W], our kernel;
+    W = 48 with AVX-512, else 24) or "onednn" (oneDNN's opaque blocked layout)."""
 
     kind: str
     data: torch.Tensor

@@ -16,7 +16,7 @@ at::Tensor gumbel_topk_cpu(const at::Tensor& logits, const at::Tensor& windows, 
                            double penalty, bool greedy, double temperature, double log_min_p, int64_t keep,
                            int64_t width);
 
-// linear_cpu.cpp: weight [N, K] float32 -> packed [ceil(N / 24), K, 24];
+// linear_cpu.cpp: weight [N, K] float32 -> packed [ceil(N / W), K, W] (W = 48 with AVX-512, else 24);
 // input [M, K] float32, bias [N] or empty -> [M, N], every element one in-order chain over k (the same
 // bits for any M).
 at::Tensor pack_linear_cpu(const at::Tensor& weight);

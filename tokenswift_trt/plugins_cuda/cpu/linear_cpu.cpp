@@ -2,11 +2,11 @@
 // rows of an AR step (M = 1) and a tree verification (M = 2..16 nodes); a prompt's M rows work too.
 //
 // Why not oneDNN: a decoder's weights stream from memory at every step, so one row costs one read
-// of the weights; with oneDNN's packed layout 8 rows cost ~1.5x one row on the development machine
-// (2-core AMD EPYC, AVX2), where the arithmetic of 8 rows is still well under the memory time. Here
-// each weight vector, once loaded, is used for 4 rows from registers and for the other rows from L1
-// (a block's 256 k at a time), so up to ~4 rows cost about one read of the weights; beyond that the
-// arithmetic of 2 AVX2 cores is the limit (~120 GFLOP/s measured, as with oneDNN).
+// of the weights, and oneDNN's packed layout streamed them ~1.5x slower than this kernel on SmolLM2's
+// shapes (2-core AMD EPYC). Here each weight vector, once loaded, is used for a tile of rows (4 on
+// AVX2, 8 on AVX-512) from registers and for the other tiles from L1 (24 KB of weights at a time),
+// so a few rows cost about one read of the weights; beyond that the arithmetic of 2 cores is the
+// limit (docs/runtime.md, "CPU linear layers").
 //
 // Batch invariance: every output element is one chain of fused multiply-adds over k = 0 .. K-1 in
 // order, whatever M is, however the rows are tiled and however the outputs are split over threads.
@@ -14,9 +14,10 @@
 // speculation cannot change a near-tie, so TokenSwift's tokens equal AR's by construction, not only
 // in practice.
 //
-// Weight layout (pack_linear_cpu): [ceil(N / 24), K, 24]: blocks of 24 outputs (3 AVX2 vectors), each
-// k's 24 weights contiguous, so the first row tile streams a block front to back (what the hardware
-// prefetcher follows best); the last block is zero-padded.
+// Weight layout (pack_linear_cpu): [ceil(N / W), K, W]: blocks of W = 3 vectors of outputs (48 on
+// AVX-512, 24 on AVX2), each k's W weights contiguous, so the first row tile streams a block front to
+// back (what the hardware prefetcher follows best); the last block is zero-padded. The layout is the
+// compiling machine's (-march=native): packed weights are made at load time, never stored.
 #include "kernels_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -35,34 +36,60 @@
 
 namespace {
 
-constexpr int64_t kVector = 8;                 // floats per AVX2 register
-constexpr int64_t kColumns = 3;                // vectors per block
-constexpr int64_t kWidth = kColumns * kVector; // outputs per block: 24
-constexpr int64_t kDepth = 256;                // k per pass: a block's 256 x 24 weights (24 KB) stay in L1
-constexpr int64_t kTileRows = 4;               // 4 rows x 3 vectors = 12 accumulators
+// One register type per instruction set: AVX-512 (32 registers of 16 floats) takes 8-row tiles,
+// AVX2 (16 registers of 8) 4-row tiles; both 3 vectors wide, so a tile is R x 3 independent chains
+// of fused multiply-adds (24 or 12), enough to hide their latency with the weights and the
+// broadcast input still in registers.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kVector = 16;   // floats per register
+constexpr int64_t kTileRows = 8;  // 8 x 3 = 24 accumulators of 32 registers
+constexpr int64_t kDepth = 128;   // k per pass: a block's 128 x 48 weights (24 KB) stay in L1
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec splat(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+#define TOKENSWIFT_VECTOR_TILES 1
+#elif defined(__AVX2__) && defined(__FMA__)
+using Vec = __m256;
+constexpr int64_t kVector = 8;
+constexpr int64_t kTileRows = 4;  // 4 x 3 = 12 accumulators of 16 registers
+constexpr int64_t kDepth = 256;   // 256 x 24 weights: 24 KB
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec splat(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+#define TOKENSWIFT_VECTOR_TILES 1
+#else
+constexpr int64_t kVector = 8;
+constexpr int64_t kTileRows = 4;
+constexpr int64_t kDepth = 256;
+#endif
+constexpr int64_t kColumns = 3;                  // vectors per block
+constexpr int64_t kWidth = kColumns * kVector;   // outputs per block: 48 (AVX-512) or 24
+constexpr int64_t kLine = 64;                    // bytes per cache line
 
-#if defined(__AVX2__) && defined(__FMA__)
-// acc[R][24] += x[R][k0:k1] · w[k0:k1][24]: R x 3 independent chains of fused multiply-adds
+#if defined(TOKENSWIFT_VECTOR_TILES)
+// acc[R][kWidth] += x[R][k0:k1] · w[k0:k1][kWidth]
 template <int R>
 inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc,
                  const char* ahead) {
-    __m256 sum[R][kColumns];
+    Vec sum[R][kColumns];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < kColumns; ++c) sum[r][c] = _mm256_loadu_ps(acc + r * kWidth + c * kVector);
+        for (int c = 0; c < kColumns; ++c) sum[r][c] = load(acc + r * kWidth + c * kVector);
     for (int64_t k = k0; k < k1; ++k) {
-        if (ahead != nullptr) {  // two cache lines of the next pass's weights per k
-            _mm_prefetch(ahead + (k - k0) * 128, _MM_HINT_T0);
-            _mm_prefetch(ahead + (k - k0) * 128 + 64, _MM_HINT_T0);
-        }
-        __m256 weights[kColumns];
-        for (int c = 0; c < kColumns; ++c) weights[c] = _mm256_loadu_ps(w + k * kWidth + c * kVector);
+        if (ahead != nullptr)  // the next pass's weights, as many bytes per k as this pass reads
+            for (int64_t offset = 0; offset < kWidth * int64_t(sizeof(float)); offset += kLine)
+                _mm_prefetch(ahead + (k - k0) * kWidth * int64_t(sizeof(float)) + offset, _MM_HINT_T0);
+        Vec weights[kColumns];
+        for (int c = 0; c < kColumns; ++c) weights[c] = load(w + k * kWidth + c * kVector);
         for (int r = 0; r < R; ++r) {
-            const __m256 value = _mm256_broadcast_ss(x + r * x_stride + k);
-            for (int c = 0; c < kColumns; ++c) sum[r][c] = _mm256_fmadd_ps(value, weights[c], sum[r][c]);
+            const Vec value = splat(x + r * x_stride + k);
+            for (int c = 0; c < kColumns; ++c) sum[r][c] = vfma(value, weights[c], sum[r][c]);
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < kColumns; ++c) _mm256_storeu_ps(acc + r * kWidth + c * kVector, sum[r][c]);
+        for (int c = 0; c < kColumns; ++c) store(acc + r * kWidth + c * kVector, sum[r][c]);
 }
 #else
 // Portable version: the same chain of fused multiply-adds per output element.
@@ -84,7 +111,11 @@ inline void tile_rows(int64_t rows, const float* x, int64_t x_stride, const floa
         case 1: return tile<1>(x, x_stride, w, k0, k1, acc, ahead);
         case 2: return tile<2>(x, x_stride, w, k0, k1, acc, ahead);
         case 3: return tile<3>(x, x_stride, w, k0, k1, acc, ahead);
-        default: return tile<4>(x, x_stride, w, k0, k1, acc, ahead);
+        case 4: return tile<4>(x, x_stride, w, k0, k1, acc, ahead);
+        case 5: return tile<5>(x, x_stride, w, k0, k1, acc, ahead);
+        case 6: return tile<6>(x, x_stride, w, k0, k1, acc, ahead);
+        case 7: return tile<7>(x, x_stride, w, k0, k1, acc, ahead);
+        default: return tile<8>(x, x_stride, w, k0, k1, acc, ahead);
     }
 }
 
@@ -129,7 +160,8 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const a
     const float* b_data = has_bias ? b.data_ptr<float>() : nullptr;
     float* out_data = out.data_ptr<float>();
     if (rows == 0) return out;
-    // balanced row tiles of at most 4 (6 rows: 3 + 3, not 4 + 2: a small tile has too few chains)
+    // balanced row tiles of at most kTileRows (6 rows on AVX2: 3 + 3, not 4 + 2: a small tile has too
+    // few chains)
     const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> sums(rows * kWidth);
