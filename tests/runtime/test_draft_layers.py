@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tokenswift_trt.runtime.draft_layers import DraftLayers, draft_key, draft_layout
+from tokenswift_trt.runtime.draft_layers import DraftLayers, DraftLayout, draft_key, draft_layout
 from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
 
 from conftest import quiet_load
@@ -158,6 +158,48 @@ def test_zero_root_input_repeats_the_plain_layers(llama_engine64):
     with torch.no_grad():
         for a, b in zip(plain(hidden), rooted(hidden, None, embedding)):
             assert torch.equal(a, b)  # U = 0: the root adds nothing
-    assert draft_layout(rooted.state_dict()) == (3, True) and draft_layout(plain.state_dict()) == (3, False)
+    assert draft_layout(rooted.state_dict()) == DraftLayout(3, True, 0)
+    assert draft_layout(plain.state_dict()) == DraftLayout(3, False, 0)
     assert draft_key("draft_layers.root.linear.weight") == "root.linear.weight"
     assert draft_key("model.medusa_layers.2.linear.weight") == "layers.2.linear.weight"
+
+
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_leaves_the_output_unchanged(llama_dir, tmp_path):
+    from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+    from tokenswift_trt.runtime.sampling import SamplingConfig
+
+    directory, _ = llama_dir
+    vocab = torch.arange(0, 96, 3)  # every third id of the model's 96
+    heads = {**_random_draft_tensors(64, "draft_layers.", seed=5), **_root_tensors(64)}
+    save_file(heads, str(tmp_path / "plain.safetensors"))
+    save_file({**heads, "draft_layers.vocab": vocab}, str(tmp_path / "vocab.safetensors"))
+    whole = load_engine(directory, heads_file=tmp_path / "plain.safetensors")
+    engine = load_engine(directory, heads_file=tmp_path / "vocab.safetensors")
+    layers = engine.draft_layers
+    assert draft_layout(layers.state_dict()) == DraftLayout(3, True, vocab.numel())
+    assert torch.equal(layers.vocab, vocab) and layers.vocab_head is not None
+
+    hidden, roots = torch.randn(4, 64), torch.tensor([5, 9, 5, 70])
+    full = whole.model.draft_logits(hidden, whole.draft_layers, 3, roots)  # [3, T, V]
+    restricted = engine.model.draft_logits(hidden, layers, 3, roots)
+    outside = torch.ones(96, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.allclose(restricted[..., vocab], full[..., vocab], atol=1e-5)
+    assert torch.isneginf(restricted[..., outside]).all()
+    heads_out = engine.model.head_logits(hidden, layers)  # the base row keeps the whole vocabulary
+    assert torch.allclose(heads_out[0], whole.model.logits(hidden), atol=1e-6)
+    assert torch.isneginf(heads_out[1:][..., outside]).all()
+
+    prompt = list(range(3, 40))  # ids < 96
+    for sampling in (
+        SamplingConfig(temperature=0.0),
+        SamplingConfig(temperature=1.0, min_p=0.05, penalty=1.2),
+    ):
+        settings = dict(max_new_tokens=48, sampling=sampling, seed=3, ignore_eos=True)
+        ar = generate(engine, prompt, GenerationConfig(**settings, method="ar"))[0]
+        swift = GenerationConfig(**settings, tree="3,2,1", draft_source="verify")
+        assert generate(engine, prompt, swift)[0] == ar  # drafting reads fewer tokens; output is AR's
+
+    save_file({**heads, "draft_layers.vocab": torch.tensor([1, 2, 96])}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(WeightsError, match="draft vocabulary holds ids outside 0..95"):
+        load_engine(directory, heads_file=tmp_path / "bad.safetensors")

@@ -261,3 +261,60 @@ def test_root_conditioned_layers_learn_what_follows_the_root(model_dir, tmp_path
     assert not warm.draft_layers.root.linear.weight.any()
     with pytest.raises(TrainingError, match="--root-conditioned"):
         HeadsTrainer(engine, _pair_ids(), config, tmp_path, init_heads=tmp_path / "rooted.safetensors")
+
+
+def test_training_counts_a_draft_vocabulary_that_the_heads_file_and_engine_carry(model_dir, tmp_path):
+    from tokenswift_trt.training.train_heads import frequent_tokens
+
+    counts = torch.tensor([5, 5, 5, 9, 9, 2, 7, 7, 7, 7])
+    assert frequent_tokens(counts, 12, 3).tolist() == [5, 7, 9]
+    assert frequent_tokens(counts, 12, 6).tolist() == [0, 1, 2, 5, 7, 9]  # unseen ids fill up, lowest first
+    assert frequent_tokens(counts, 12, 0) is None and frequent_tokens(counts, 12, 12) is None
+
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(steps=1, seq_len=32, grad_accum=1, warmup_steps=1, draft_vocab=16)
+    trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
+    assert set([17, 40, 99, 3, 250, 61, 8]) <= set(trainer.draft_layers.vocab.tolist())
+    trainer.run()
+    save_heads(trainer.draft_layers, tmp_path / HEADS_FILE)
+    loaded = load_engine(model_dir, heads_file=tmp_path / HEADS_FILE)
+    assert torch.equal(loaded.draft_layers.vocab, trainer.draft_layers.vocab)
+    assert loaded.draft_layers.vocab.dtype == torch.int64 and loaded.draft_layers.vocab_head is not None
+    combined = load_engine(write_combined(model_dir, tmp_path / HEADS_FILE, tmp_path / "combined"))
+    assert torch.equal(combined.draft_layers.vocab, trainer.draft_layers.vocab)
+    # a warm start keeps the vocabulary of its own training text
+    other = HeadsTrainer(
+        engine, _periodic_ids() + 1, config, tmp_path / "b", init_heads=tmp_path / HEADS_FILE
+    )
+    assert 18 in other.draft_layers.vocab.tolist() and 17 not in other.draft_layers.vocab.tolist()
+    with pytest.raises(TrainingError, match="draft vocabulary size"):
+        TrainHeadsConfig(draft_vocab=-1).validate()
+
+
+def test_cli_gives_a_heads_file_a_draft_vocabulary(model_dir, tmp_path):
+    _, _, trainer = _trained_and_saved(model_dir, tmp_path)
+    data = tmp_path / "data.txt"
+    data.write_text("the cat sat on the mat. " * 50)
+    out = tmp_path / "with-vocab.safetensors"
+    args = [
+        "draft-vocab",
+        "--model-dir",
+        str(model_dir),
+        "--heads",
+        str(tmp_path / HEADS_FILE),
+        "--data",
+        str(data),
+    ]
+    result = CliRunner().invoke(main, [*args, "--size", "20", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "draft vocabulary of 20 tokens" in result.stdout and "covers 100.0%" in result.stdout
+    engine = load_engine(model_dir, heads_file=out)
+    assert engine.draft_layers.vocab.numel() == 20
+    for key, value in trainer.draft_layers.state_dict().items():  # the layers themselves are unchanged
+        assert torch.equal(engine.draft_layers.state_dict()[key], value)
+    for bad, message in (
+        (["--size", "0"], "--size must be positive"),
+        (["--data", str(tmp_path / "no.txt")], "does not exist"),
+    ):
+        failed = CliRunner().invoke(main, [*args, *bad])
+        assert failed.exit_code == 2 and message in failed.stderr and "Traceback" not in failed.output

@@ -167,7 +167,7 @@ def _convert_weights(
             names.extend((path, key) for key in handle.keys())
     for index, (path, key) in enumerate(names):
         with safe_open(str(path), framework="pt") as handle:
-            tensor = handle.get_tensor(key).to(dtype)
+            tensor = _in_dtype(handle.get_tensor(key), dtype)
         mapped = draft_key(key)
         if mapped is None:
             base[key] = tensor
@@ -182,12 +182,17 @@ def _convert_weights(
             raise BuildError(f"heads file {heads_source} does not exist")
         with safe_open(str(heads_source), framework="pt") as handle:
             draft = {
-                heads_file_key(draft_key(k) or k): handle.get_tensor(k).to(dtype)
+                heads_file_key(draft_key(k) or k): _in_dtype(handle.get_tensor(k), dtype)
                 for k in handle.keys()
             }
     save_file(base, str(model_dir / "model.safetensors"))
     if draft:
         save_file(draft, str(model_dir / DEFAULT_HEADS_FILE))
+
+
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Weights in the engine's dtype; integer tensors (a draft vocabulary's token ids) as they are."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def is_gguf(model: str) -> bool:

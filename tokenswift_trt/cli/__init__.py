@@ -11,7 +11,7 @@ from .bench import bench, bench_ar, bench_host, bench_kernels, bench_steps
 from .build import build, presets, random_model
 from .generate import demo, generate
 from .serve import client, serve
-from .train import train_heads
+from .train import draft_vocab, train_heads
 
 
 class OneLineErrors(click.Group):
@@ -52,5 +52,6 @@ for command in (
     bench_kernels,
     bench_host,
     train_heads,
+    draft_vocab,
 ):
     main.add_command(command)

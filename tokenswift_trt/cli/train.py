@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import click
 
-from .common import DTYPES, CliError, fail, load_source
+from .common import DTYPES, CliError, fail, load_source, resolve_source
 
 
 @click.command("train-heads")
@@ -61,6 +62,13 @@ from .common import DTYPES, CliError, fail, load_source
     is_flag=True,
     help="draft layers that also read the root token (the target's sample they follow); beyond the paper",
 )
+@click.option(
+    "--draft-vocab",
+    type=int,
+    default=16384,
+    show_default=True,
+    help="the layers draft only this many of the training text's most frequent tokens (0: all of them)",
+)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 @click.option("--force", is_flag=True, help="start over even if OUT holds a checkpoint")
 @click.option(
@@ -87,6 +95,7 @@ def train_heads(
     loss,
     init_heads,
     root_conditioned,
+    draft_vocab,
     resume,
     force,
     combined,
@@ -121,6 +130,7 @@ def train_heads(
         seed=seed,
         loss=loss,
         root_conditioned=root_conditioned,
+        draft_vocab=draft_vocab,
     )
     try:
         config.validate()
@@ -186,4 +196,73 @@ def train_heads(
     click.echo(
         "held-out agreement with the base model's top-1: "
         + ", ".join(f"layer {i} {a:.3f}" for i, a in enumerate(accuracy.agreement, start=1))
+    )
+
+
+@click.command("draft-vocab")
+@click.option("--model", default=None, help="preset name (see `tokenswift-trt presets`)")
+@click.option(
+    "--model-dir", type=click.Path(path_type=Path), default=None, help="Hugging Face model directory"
+)
+@click.option(
+    "--heads", type=click.Path(path_type=Path), default=None, help="heads file (default: the preset's)"
+)
+@click.option(
+    "--data",
+    "data",
+    type=click.Path(path_type=Path),
+    multiple=True,
+    required=True,
+    help=".txt/.jsonl file or folder whose tokens are counted (repeatable)",
+)
+@click.option("--size", type=int, default=16384, show_default=True, help="tokens in the draft vocabulary")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="heads file to write (default: --heads)"
+)
+def draft_vocab(model, model_dir, heads, data, size, out) -> None:
+    """Give a heads file a draft vocabulary: its layers then draft only the SIZE tokens most frequent
+    in DATA, through those rows of the LM head (output unchanged; drafting reads less)."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenswift_trt.runtime.config import ConfigError, load_config
+    from tokenswift_trt.runtime.draft_layers import HEADS_PREFIX, VOCAB_KEY
+    from tokenswift_trt.runtime.text import TextCodec, TokenizerError
+    from tokenswift_trt.training.train_heads import TrainingError, frequent_tokens, read_texts
+
+    model_dir, _, heads, _ = resolve_source(model, model_dir, None, heads)
+    if heads is None:
+        raise CliError("--heads FILE: which heads file gets the vocabulary")
+    if not heads.is_file():
+        raise CliError(f"heads file {heads} does not exist")
+    if size <= 0:
+        raise CliError(f"--size must be positive, got {size}")
+    try:
+        texts = read_texts(list(data))
+        config = load_config(model_dir)
+        codec = TextCodec.from_dir(model_dir)
+    except (TrainingError, ConfigError, TokenizerError, OSError) as error:
+        raise fail(error) from None
+    import torch
+
+    ids = torch.tensor([token for text in texts for token in codec.encode(text)], dtype=torch.long)
+    vocab = frequent_tokens(ids, config.vocab_size, size)
+    tensors = load_file(str(heads))
+    key = HEADS_PREFIX + VOCAB_KEY
+    tensors.pop(key, None)
+    if vocab is not None:
+        tensors[key] = vocab
+    target = out or heads
+    temporary = target.with_name(target.name + ".tmp")
+    save_file(tensors, str(temporary))
+    shutil.copymode(heads, temporary)  # the writer makes a private file; keep the heads file's mode
+    temporary.replace(target)  # the old file stays whole until the new one is written
+    if vocab is None:
+        click.echo(
+            f"{target}: no draft vocabulary (--size {size} covers the model's {config.vocab_size} tokens)"
+        )
+        return
+    seen = torch.isin(ids, vocab).float().mean().item() if ids.numel() else 0.0
+    click.echo(
+        f"{target}: draft vocabulary of {vocab.numel():,} tokens from {ids.numel():,} counted; "
+        f"it covers {seen:.1%} of them"
     )

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from . import kernels
 from .config import ModelConfig, load_config
 from .cpu_linear import pack_linears
-from .draft_layers import DraftLayers, draft_key, draft_layout
+from .draft_layers import DraftLayers, DraftLayout, draft_key, draft_layout
 from .model import Decoder, LlamaModel
 
 
@@ -100,7 +100,12 @@ def _check_and_assign(
         want = tuple(expected[key].shape)
         if tuple(tensor.shape) != want:
             raise WeightsError(f"{what}: {key} has shape {tuple(tensor.shape)}, the config implies {want}")
-    module.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, assign=True)
+    module.load_state_dict({k: _placed(v, dtype, device) for k, v in tensors.items()}, assign=True)
+
+
+def _placed(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A weight in the engine's dtype on its device; integer tensors (token ids) keep their type."""
+    return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
 
 
 def load_engine(
@@ -135,8 +140,10 @@ def load_engine(
         if not heads_path.is_file():
             raise WeightsError(f"heads file {heads_path} does not exist")
         draft = {draft_key(k) or k: v for k, v in _read_tensors([heads_path]).items()}
-    num_draft, root_conditioned = draft_layout(draft) if draft else (config.num_draft_layers, False)
-    draft_layers = DraftLayers(config, num_draft, root_conditioned).to(device=device, dtype=dtype)
+    layout = draft_layout(draft) if draft else DraftLayout(config.num_draft_layers, False, 0)
+    draft_layers = DraftLayers(config, layout.num_layers, layout.root_conditioned, layout.vocab_size).to(
+        device=device, dtype=dtype
+    )
     if draft:
         _check_and_assign(draft_layers, draft, "draft layers", dtype, device)
     else:
@@ -153,6 +160,15 @@ def load_engine(
     choose_attention_kernel(model, config, dtype, device)
     model.pack()  # CPU only: oneDNN-prepacked, fused weights (cpu_linear.py)
     pack_linears(draft_layers)
+    vocab = draft_layers.vocab
+    if vocab is not None and (
+        vocab.is_floating_point() or int(vocab.min()) < 0 or int(vocab.max()) >= config.vocab_size
+    ):
+        raise WeightsError(
+            f"draft layers: the draft vocabulary holds ids outside 0..{config.vocab_size - 1}: "
+            "rebuild it for this model with `tokenswift-trt draft-vocab`"
+        )
+    draft_layers.use_vocab_head(model.lm_head.weight)  # only where the heads file has a draft vocabulary
     return Engine(config, model, draft_layers, bool(draft), dtype, device)
 
 

@@ -7,6 +7,7 @@ drafting). Parameter names equal Hugging Face's, so checkpoints load key for key
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,6 +88,12 @@ def reads_root(draft_layers: nn.Module) -> bool:
     """Whether draft layers are root-conditioned (`draft_layers.DraftLayers(root_conditioned=True)`):
     they then also read the token after each row's own."""
     return bool(getattr(draft_layers, "root_conditioned", False))
+
+
+def vocab_head(draft_layers: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The head over the draft layers' vocabulary (`draft_layers.VocabHead`: logits [..., V] from the
+    LM head's rows of the most frequent tokens), or None: draft through the whole LM head."""
+    return getattr(draft_layers, "vocab_head", None)
 
 
 @dataclass
@@ -447,7 +454,7 @@ class LlamaModel(nn.Module):
         """hidden [T, hidden] (pre-norm) -> logits of the base head and each draft layer [1 + n, T, vocab]
         (n = `depth` when given: only the first `depth` draft layers). Root-conditioned layers are
         conditioned on the base head's most likely token (the token they follow is not known yet)."""
-        if reads_root(draft_layers):
+        if reads_root(draft_layers) or vocab_head(draft_layers) is not None:
             base = self.lm_head(self.model.norm(hidden))  # [T, V]
             depth = len(draft_layers) if depth is None else depth
             drafts = self.draft_logits(hidden, draft_layers, depth, base.argmax(dim=-1))  # [n, T, V]
@@ -468,4 +475,6 @@ class LlamaModel(nn.Module):
         embedding = None
         if reads_root(draft_layers) and roots is not None:
             embedding = self.model.embed_tokens(roots)  # [T, hidden]
-        return self.lm_head(torch.stack(draft_layers(hidden, depth, embedding)))
+        states = torch.stack(draft_layers(hidden, depth, embedding))  # [depth, T, hidden]
+        head = vocab_head(draft_layers)
+        return self.lm_head(states) if head is None else head(states)

@@ -29,6 +29,7 @@ from tokenswift_trt.runtime.draft_layers import (
     HEADS_PREFIX,
     RELEASED_PREFIX,
     ROOT_PREFIX,
+    VOCAB_KEY,
     DraftLayers,
     draft_key,
     draft_layout,
@@ -60,6 +61,7 @@ class TrainHeadsConfig:
     seed: int = 0
     loss: str = "distill"  # see LOSSES and the module docstring
     root_conditioned: bool = False  # layers that read the root token (runtime/draft_layers.py)
+    draft_vocab: int = 16384  # the layers draft this many of the training text's most frequent tokens; 0: all
 
     def validate(self) -> None:
         if self.loss not in LOSSES:
@@ -67,6 +69,10 @@ class TrainHeadsConfig:
         for name in ("steps", "seq_len", "batch", "grad_accum", "checkpoint_every"):
             if getattr(self, name) <= 0:
                 raise TrainingError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        if self.draft_vocab < 0:
+            raise TrainingError(
+                f"draft vocabulary size must be 0 (all tokens) or positive, got {self.draft_vocab}"
+            )
         if self.seq_len < 8:
             raise TrainingError(f"sequence length must be at least 8, got {self.seq_len}")
         if not self.lr > 0:
@@ -243,9 +249,21 @@ def draft_accuracy(
     return DraftAccuracy(rates[0], rates[1:], agreement)
 
 
+def frequent_tokens(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
+    """The `size` most frequent ids of `ids` [N] (ties: lower id first; never-seen ids fill up), in
+    ascending order [size] int64: a draft vocabulary (runtime/draft_layers.py). None when `size` is 0
+    or covers the whole vocabulary (nothing to restrict)."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.bincount(ids.flatten().cpu(), minlength=vocab_size)[:vocab_size]
+    order = torch.sort(counts, descending=True, stable=True).indices[:size]
+    return order.sort().values
+
+
 def save_heads(draft_layers: DraftLayers, path: Path) -> None:
+    """Weights in float32; the draft vocabulary (token ids) as int64."""
     tensors = {
-        heads_file_key(k): v.detach().cpu().float().contiguous()
+        heads_file_key(k): (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
         for k, v in draft_layers.state_dict().items()
     }
     save_file(tensors, str(path))
@@ -253,13 +271,17 @@ def save_heads(draft_layers: DraftLayers, path: Path) -> None:
 
 def load_heads(path: Path, draft_layers: DraftLayers) -> dict[str, torch.Tensor]:
     """A heads file (`save_heads`' format) as a state dict for `draft_layers`; a file of another
-    shape or naming is a TrainingError."""
+    shape or naming is a TrainingError. The draft vocabulary stays `draft_layers`' own (training
+    counts its own text's tokens)."""
     if not path.is_file():
         raise TrainingError(f"heads file {path} does not exist")
     tensors = load_file(str(path))
     state = {draft_key(key): value for key, value in tensors.items() if draft_key(key) is not None}
     current = draft_layers.state_dict()
-    file_reads_root = draft_layout(state)[1]
+    state.pop(VOCAB_KEY, None)
+    if VOCAB_KEY in current:
+        state[VOCAB_KEY] = current[VOCAB_KEY]
+    file_reads_root = draft_layout(state).root_conditioned
     if draft_layers.root_conditioned and not file_reads_root:
         # plain layers as the start of root-conditioned ones: the root input starts as it is (zero)
         state.update({key: value for key, value in current.items() if key.startswith(ROOT_PREFIX)})
@@ -294,7 +316,7 @@ def write_combined(model_dir: Path, heads_file: Path, out_dir: Path) -> Path:
             shutil.copy2(file, out_dir / file.name)
     config = json.loads((out_dir / "config.json").read_text())
     state = {draft_key(k) or k: v for k, v in load_file(str(heads_file)).items()}
-    config["medusa_heads"] = draft_layout(state)[0]
+    config["medusa_heads"] = draft_layout(state).num_layers
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
@@ -320,11 +342,19 @@ class HeadsTrainer:
         engine.model.requires_grad_(False)
         self.head_weight = head_weight(engine)
         torch.manual_seed(config.seed)
+        vocab = frequent_tokens(train_ids, engine.config.vocab_size, config.draft_vocab)
         self.draft_layers = (
-            DraftLayers(engine.config, len(engine.draft_layers), config.root_conditioned)
+            DraftLayers(
+                engine.config,
+                len(engine.draft_layers),
+                config.root_conditioned,
+                0 if vocab is None else vocab.numel(),
+            )
             .to(engine.device, torch.float32)
             .zero_()
         )
+        if vocab is not None:
+            self.draft_layers.vocab.copy_(vocab)
         if init_heads is not None:  # warm start: go on from trained layers (a new schedule)
             self.draft_layers.load_state_dict(load_heads(init_heads, self.draft_layers))
         self.draft_layers.train()
