@@ -225,7 +225,13 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
 
 
 CPU_HEAD_DIMS = (16, 32, 64, 128)
-CPU_SOURCES = ("module.cpp", "tree_attention_cpu.cpp", "sampling_cpu.cpp", "linear_cpu.cpp")
+CPU_SOURCES = (
+    "module.cpp",
+    "tree_attention_cpu.cpp",
+    "sampling_cpu.cpp",
+    "linear_cpu.cpp",
+    "decoder_cpu.cpp",
+)
 
 
 def cpu_kernels_switched_off() -> bool:

@@ -53,13 +53,19 @@ class KVCache:
         """Write new K/V [kv_heads, T, head_dim] as pending; return committed + pending [kv_heads, length +
         T, head_dim]."""
         count = keys.shape[1]
-        end = self.length + count
-        if end > self.capacity:
-            raise CacheFullError(f"KV cache capacity {self.capacity} exceeded ({self.length} + {count})")
+        end = self.reserve(count) + count
         self.keys[layer, :, self.length : end] = keys
         self.values[layer, :, self.length : end] = values
         self.pending = count
         return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def reserve(self, count: int) -> int:
+        """Make the `count` slots after the committed ones pending (for a writer of its own, e.g. the
+        compiled CPU decoder); returns the first one's index."""
+        if self.length + count > self.capacity:
+            raise CacheFullError(f"KV cache capacity {self.capacity} exceeded ({self.length} + {count})")
+        self.pending = count
+        return self.length
 
     def committed_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the committed K/V [layers, kv_heads, length, head_dim] (for engines that take K/V as

@@ -17,7 +17,9 @@ from torch import nn
 
 from . import kernels
 from .config import ModelConfig
+from .cpu_decoder import CpuDecoder
 from .cpu_linear import FusedLinears, Linear, pack_linears
+from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary
 
 # How attention runs: "sdpa" (torch's scaled_dot_product_attention with a boolean mask; CPU and any
@@ -323,6 +325,7 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, device="cpu" if str(device) == "meta" else device)
         self.attention_kernel = "sdpa"  # see ATTENTION_KERNELS; `use_attention_kernel` switches it
+        self.cpu_decoder: CpuDecoder | None = None  # the compiled stack for a few CPU tokens (`pack`)
         self._packed_masks: dict[
             tuple[int, bytes], torch.Tensor
         ] = {}  # CPU kernel: packed tree masks by bits
@@ -345,6 +348,7 @@ class LlamaModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
+        self.cpu_decoder = CpuDecoder.pack(self.model.layers, self.config)
         return count
 
     def tie_weights(self) -> None:
@@ -381,6 +385,9 @@ class LlamaModel(nn.Module):
         mask = self._attention_mask(tokens.shape[0], cache, tree_mask, static, x.device)
         if mask.kernel == "sdpa":
             mask.bias = sdpa_bias(mask.mask, self.config.num_heads, self.config.num_kv_heads, x.dtype)
+        compiled = self.cpu_decoder is not None and mask.kernel in ("sdpa", "cpu_tree_attention")
+        if compiled and static is None and self.cpu_decoder.usable(tokens.shape[0], cache):
+            return self._compiled_decode(x, cos, sin, mask, cache, keep_queries)
         queries: list[torch.Tensor] | None = [] if keep_queries else None
         for index, layer in enumerate(self.model.layers):
             attended, q = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, cache, index)
@@ -389,6 +396,28 @@ class LlamaModel(nn.Module):
             if queries is not None:
                 queries.append(q)
         return ForwardOutput(hidden=x, queries=queries)
+
+    def _compiled_decode(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        cache: AttentionCache,
+        keep_queries: bool,
+    ) -> ForwardOutput:
+        """`decode`'s layers in one call of the compiled CPU decoder (cpu_decoder.py)."""
+        assert self.cpu_decoder is not None and isinstance(cache, KVCache)
+        c = self.config
+        if mask.kernel == "cpu_tree_attention":
+            attention, mode = mask.mask, 2
+        else:
+            assert mask.kernel == "sdpa" and mask.bias is not None
+            attention, mode = mask.bias, 0 if folds_groups(c.num_heads, c.num_kv_heads, x.shape[0]) else 1
+        hidden, queries = self.cpu_decoder.run(
+            x, cos, sin, cache, attention, mode, kernels.default_scale(c.head_dim), keep_queries
+        )
+        return ForwardOutput(hidden=hidden, queries=queries)  # queries: per layer [T, heads, head_dim]
 
     def _attention_mask(
         self,

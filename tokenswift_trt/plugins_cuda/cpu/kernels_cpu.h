@@ -5,6 +5,8 @@
 // of ~45 s with torch/extension.h (the whole C++ API); module.cpp adds pybind11's Tensor caster.
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 // tree_attention_cpu.cpp: query [heads, T, D], keys/values [kv_heads, prefix + T, D] (rows contiguous),
 // tree_mask [T, ceil(T / 32)] int32 -> [heads, T, D].
 at::Tensor tree_attention_cpu(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
@@ -21,3 +23,14 @@ at::Tensor gumbel_topk_cpu(const at::Tensor& logits, const at::Tensor& windows, 
 // bits for any M).
 at::Tensor pack_linear_cpu(const at::Tensor& weight);
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs);
+
+// decoder_cpu.cpp: the decoder stack for T <= 16 new tokens. embeddings [T, hidden]; cos/sin [T, head_dim];
+// weights: per layer input norm, packed Q/K/V and its bias (or empty), packed output product and bias,
+// post-attention norm, packed gate/up and bias, packed down and bias; keys/values the whole cache
+// [layers, kv_heads, capacity, head_dim], new K/V written at slots prefix .. prefix + T - 1; attention:
+// mode 0/1 SDPA's additive bias (query heads folded / not), mode 2 the packed tree mask; queries
+// [layers, T, heads, head_dim] or empty -> hidden [T, hidden] (before the final norm).
+at::Tensor decoder_cpu(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                       const std::vector<at::Tensor>& weights, const at::Tensor& keys, const at::Tensor& values,
+                       int64_t prefix, const at::Tensor& attention, int64_t mode, int64_t heads, int64_t kv_heads,
+                       double eps, double scale, const at::Tensor& queries);

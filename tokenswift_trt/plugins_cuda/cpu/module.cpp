@@ -9,4 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                "penalty, temperature and min-p over float32 logits, then the best tokens of scores + noise (CPU)");
     module.def("pack_linear", &pack_linear_cpu, "a float32 weight [out, in] in the small-batch linear's layout");
     module.def("linear", &linear_cpu, "x[M, in] times a packed weight, batch-invariant (CPU, float32)");
+    module.def("decoder", &decoder_cpu, "the decoder stack for a few new tokens in one call (CPU, float32)");
 }
