@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -290,3 +292,55 @@ def test_a_probe_that_accepts_almost_nothing_settles_on_ar_steps_without_timing_
         tuner.observe(None, [], None, hidden, False, 1.0, 1)
     assert tuner.plan.tree == AR_PLAN and not tuner.plan.trial
     assert tuner.recorder.iterations == autotune.SHADOW_PROBE_STEPS
+
+
+def test_a_kept_drafting_plan_is_audited_against_ar_steps_and_dropped_when_it_stops_paying(
+    llama_engine64, monkeypatch
+):
+    from tokenswift_trt.runtime import autotune
+    from tokenswift_trt.runtime.autotune import Estimate, IterationCosts, Tuner
+    from tokenswift_trt.runtime.decoding import new_decode_state
+    from tokenswift_trt.runtime.sampling import PositionKeyedRandom
+
+    monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
+    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)
+    engine = llama_engine64
+    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
+    small = build_trie(5, build_static_tree("1,1"), [[10], [20]])
+    costs = IterationCosts(0.0, 0.0, 0.0, len(small))
+
+    def run(drafting_seconds_per_token: Callable[[int], float], tokens: int):
+        """Drive a tuner for `tokens` new tokens; AR steps take 1 s a token, the drafting plan
+        `drafting_seconds_per_token(new tokens so far)` (2 tokens an iteration)."""
+        state = new_decode_state(
+            engine, [5, 6, 7], GenerationConfig(max_new_tokens=9000), PositionKeyedRandom(0)
+        )
+        tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens) - 3)
+        while len(state.tokens) - 3 < tokens:
+            if tuner.plan.tree == AR_PLAN:
+                state.append([len(state.tokens) % 50])
+                tuner.observe(None, [], None, hidden, False, 1.0, 1)
+            else:
+                state.append([len(state.tokens) % 50] * 2)
+                seconds = 2 * drafting_seconds_per_token(len(state.tokens) - 3)
+                tuner.observe(small, [], costs, hidden, False, seconds, 2)
+        return tuner.history
+
+    # faster in its trial, slower for good from token 300 on: an audit catches it and AR steps run
+    history = run(lambda new: 0.5 if new < 300 else 3.0, 1500)
+    audits = [plan for plan in history if plan.audit]
+    assert audits and str(audits[0]).startswith("audit ar k=0 from token")
+    assert history[-1].tree == AR_PLAN and not (history[-1].trial or history[-1].audit)
+    assert history[-1].from_token < 1000  # dropped at the first audit after the slowdown
+    # steadily a little faster (0.9 s a token): kept through audits spaced further and further apart
+    history = run(lambda new: 0.9, 3000)
+    audits = [plan.from_token for plan in history if plan.audit]
+    assert len(audits) >= 2 and history[-1].tree == "1,1"
+    gaps = [b - a for a, b in zip(audits, audits[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    # clearly faster (0.5 s a token): after one audit confirms it, no more until the next probe
+    history = run(lambda new: 0.5, 3000)
+    assert len([plan for plan in history if plan.audit]) == 1 and history[-1].tree == "1,1"

@@ -15,7 +15,13 @@ inside it (their nodes are all in its trie): a probe's 16 iterations estimate ac
 A cost model can be wrong (a verify pass timed at one context, trie shapes it did not time), and
 plain AR steps are always a candidate, so a drafting plan the model picks is then tried for real:
 it runs TRIAL_ITERATIONS iterations, plain AR steps run AR_TRIAL_STEPS, and the drafting plan is
-kept until the next probe only if it measured at least 3% fewer seconds per token (TRIAL_MARGIN).
+kept only if it measured at least 3% fewer seconds per token (TRIAL_MARGIN). One trial of ~50
+tokens on a machine whose speed drifts can still keep a plan that is slower over thousands, so a
+kept plan is audited: after AUDIT_EVERY tokens (doubling after each audit it passes) AR steps run
+AR_TRIAL_STEPS again, and the drafting plan's last iterations before the audit are set against
+them. The pairs add up, trial included; once the drafting plan's total seconds per token is not
+below the AR steps', AR steps run until the next probe; once it is clearly below (AUDIT_CLEAR), the
+audits stop. Each audit costs AR_TRIAL_STEPS tokens at AR speed.
 
 Drafting from the verify pass, the probe costs (almost) nothing: decoding runs plain AR steps,
 and after each one the tuner drafts the probe's trie from that step's hidden state, exactly as a
@@ -38,7 +44,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,6 +87,8 @@ AR_TRIAL_STEPS = 32  # ... against this many plain AR steps
 # drifts by several percent cannot tell closer plans apart (SmolLM2 on the AVX2 CPU kept a tree `1`
 # whose trial measured it faster, and it ran 3% slower than AR steps over 4,096 tokens)
 TRIAL_MARGIN = 0.97
+AUDIT_EVERY = 256  # tokens of a kept drafting plan before its first audit against AR steps (then doubling)
+AUDIT_CLEAR = 0.85  # no more audits once the drafting plan's seconds per token is below this share of AR's
 # Candidate trees; a probe considers those that fit inside its own tree (the paper's drafting probes
 # 1,3,3,3, whose first level is the base model's one draft; drafting from the verify pass probes
 # 3,3,3, whose first level is draft layer 1's, where a few first-level candidates can pay).
@@ -128,6 +136,7 @@ class Plan:
     from_token: int = 0  # new-token count when the plan started (Stats.plans)
     probe: bool = False  # the tuner's probe, run to measure acceptance
     trial: bool = False  # run to time it against the other candidate (the model's pick, or AR steps)
+    audit: bool = False  # AR steps timed against the kept drafting plan (`Tuner` audits)
 
     @functools.cached_property
     def branching(self) -> tuple[int, ...]:
@@ -140,7 +149,7 @@ class Plan:
     def __str__(self) -> str:
         if self.probe and self.tree == AR_PLAN:
             return f"probe on ar steps from token {self.from_token}"
-        kind = "probe " if self.probe else "trial " if self.trial else ""
+        kind = "probe " if self.probe else "trial " if self.trial else "audit " if self.audit else ""
         return f"{kind}{self.tree} k={self.ngram_topk} from token {self.from_token}"
 
 
@@ -400,6 +409,27 @@ class _Trial:
     def seconds_per_token(self) -> float:
         return self.seconds / self.tokens
 
+    def add(self, seconds: float, tokens: int, iterations: int = 1) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+        self.iterations += iterations
+
+
+@dataclass
+class _Duel:
+    """A kept drafting plan against AR steps: times measured side by side (its trial, then each
+    audit with the drafting iterations just before it), added up."""
+
+    drafting: _Trial
+    ar: _Trial
+    audits: int = 0  # audits passed
+    recent: deque = field(default_factory=lambda: deque(maxlen=TRIAL_ITERATIONS))  # (seconds, tokens)
+
+    @property
+    def ratio(self) -> float:
+        """The drafting plan's seconds per token over AR steps'."""
+        return self.drafting.seconds_per_token / self.ar.seconds_per_token
+
 
 class Tuner:
     """`--tree auto`: probes, records acceptance, prices plans and says which plan runs next.
@@ -426,9 +456,9 @@ class Tuner:
         self._next_probe = 0
         self._ar_streak = 0  # probes in a row that ended in AR steps
         self._trial = _Trial()  # the running trial's timing
-        self._drafting_trial: tuple[Plan, float] | None = (
-            None  # the drafting plan tried, its seconds per token
-        )
+        self._drafting_trial: tuple[Plan, _Trial] | None = None  # the drafting plan tried, its timing
+        self._duel: _Duel | None = None  # the kept drafting plan's record against AR steps
+        self._next_audit = 0  # token count at which the kept drafting plan is audited
         self._start_probe()
 
     @property
@@ -437,6 +467,7 @@ class Tuner:
 
     def _start_probe(self) -> None:
         """Drafting from the verify pass, on AR steps (see the module docstring); else the probe tree."""
+        self._duel = None
         tree, topk = (AR_PLAN, 0) if self.from_verify else (self.probe_tree, self.probe_topk)
         self.history.append(Plan(tree, topk, max(1, self.clock()), probe=True))
         self._probe_costs, self._probe_iterations = IterationCosts(0.0, 0.0, 0.0, 0), 0
@@ -451,6 +482,7 @@ class Tuner:
         self._ar_streak = self._ar_streak + 1 if plan.tree == AR_PLAN else 0
         wait = RETUNE_AFTER_AR * 2 ** (self._ar_streak - 1) if plan.tree == AR_PLAN else RETUNE_EVERY
         self._next_probe = len(self.state.tokens) + wait
+        self._next_audit = len(self.state.tokens) + AUDIT_EVERY
 
     def observe(
         self,
@@ -480,9 +512,16 @@ class Tuner:
                 self.recorder.record(trie, accepted_nodes, (plan.branching, plan.ngram_topk))
             if plan.trial:
                 self._time_trial(plan, seconds, tokens)
-        settled = not (self.plan.probe or self.plan.trial)
+            elif plan.audit:
+                self._time_audit(seconds, tokens)
+            elif self._duel is not None and plan.tree != AR_PLAN:
+                self._duel.recent.append((seconds, tokens))
+        settled = not (self.plan.probe or self.plan.trial or self.plan.audit)
         if settled and len(self.state.tokens) >= self._next_probe:
             self._start_probe()
+        elif settled and self._duel is not None and len(self.state.tokens) >= self._next_audit:
+            self.history.append(Plan(AR_PLAN, 0, self.clock(), audit=True))
+            self._trial = _Trial()
         return self.plan
 
     def _shadow_probe(self, hidden: torch.Tensor) -> None:
@@ -515,16 +554,43 @@ class Tuner:
     def _time_trial(self, plan: Plan, seconds: float, tokens: int) -> None:
         """The model's drafting pick runs TRIAL_ITERATIONS, then AR steps AR_TRIAL_STEPS; the faster stays."""
         trial = self._trial
-        trial.seconds += seconds
-        trial.tokens += tokens
-        trial.iterations += 1
+        trial.add(seconds, tokens)
         if plan.tree != AR_PLAN and trial.iterations >= TRIAL_ITERATIONS:
-            self._drafting_trial = (plan, trial.seconds_per_token)
+            self._drafting_trial = (plan, trial)
             self._switch(AR_PLAN, 0, trial=True)
         elif plan.tree == AR_PLAN and trial.iterations >= AR_TRIAL_STEPS:
             assert self._drafting_trial is not None
-            drafting, drafting_s = self._drafting_trial
-            self._settle(drafting if drafting_s < TRIAL_MARGIN * trial.seconds_per_token else plan)
+            drafting, drafting_trial = self._drafting_trial
+            if drafting_trial.seconds_per_token < TRIAL_MARGIN * trial.seconds_per_token:
+                self._settle(drafting)
+                self._duel = _Duel(drafting_trial, trial)
+            else:
+                self._settle(plan)
+
+    def _time_audit(self, seconds: float, tokens: int) -> None:
+        """AR steps auditing the kept drafting plan (the plan before them): after AR_TRIAL_STEPS, add
+        them and the drafting plan's latest iterations to the duel, then keep the plan, or settle on AR
+        steps."""
+        duel, audit = self._duel, self._trial
+        assert duel is not None
+        audit.add(seconds, tokens)
+        if audit.iterations < AR_TRIAL_STEPS:
+            return
+        drafting = next(plan for plan in reversed(self.history) if not plan.audit)
+        duel.ar.add(audit.seconds, audit.tokens, audit.iterations)
+        for spent, committed in duel.recent:
+            duel.drafting.add(spent, committed)
+        duel.recent.clear()
+        if duel.ratio >= 1.0:
+            self._duel = None
+            self._settle(Plan(AR_PLAN, 0))
+            return
+        duel.audits += 1
+        self._switch(drafting.tree, drafting.ngram_topk)
+        clear = duel.ratio < AUDIT_CLEAR
+        self._next_audit = (
+            self._next_probe if clear else len(self.state.tokens) + AUDIT_EVERY * 2**duel.audits
+        )
 
     def _choose(self, last_hidden: torch.Tensor) -> None:
         engine, state, count = self.engine, self.state, self._probe_iterations
