@@ -90,6 +90,12 @@ def test_the_compiled_stack_is_left_for_changed_weights_partial_caches_and_promp
         after, model.logits(model(tokens, torch.arange(4), cache).hidden)
     )  # PyTorch's code ran
     assert not torch.allclose(before, after)
+    model.pack()  # a new stack for the new weights; then a weight replaced outright is noticed too
+    with torch.inference_mode():
+        assert model.cpu_decoder is not None and model.cpu_decoder.usable(1, cache)
+        gate = model.model.layers[0].mlp.gate_proj
+        gate.weight = torch.nn.Parameter(gate.weight.detach().clone())
+        assert not model.cpu_decoder.usable(1, cache)
 
 
 def test_tokens_through_the_compiled_stack_equal_ar(llama_dir):

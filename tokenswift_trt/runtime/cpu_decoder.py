@@ -31,11 +31,16 @@ class CpuDecoder:
     the parameters they came from (any change turns the fused path off)."""
 
     def __init__(
-        self, kernels, weights: list[torch.Tensor], sources: list[nn.Parameter], config: ModelConfig
+        self,
+        kernels,
+        weights: list[torch.Tensor],
+        sources: list[tuple[nn.Module, str]],
+        config: ModelConfig,
     ):
+        """`sources`: (module, attribute) of every parameter the packed tensors came from."""
         self.kernels, self.weights, self.config = kernels, weights, config
         self._sources = sources
-        self._identities = [_identity(parameter) for parameter in sources]
+        self._identities = [_identity(getattr(owner, name)) for owner, name in sources]
 
     @classmethod
     def pack(cls, layers: Sequence[nn.Module], config: ModelConfig) -> CpuDecoder | None:
@@ -45,7 +50,7 @@ class CpuDecoder:
         if kernels is None:
             return None
         weights: list[torch.Tensor] = []
-        sources: list[nn.Parameter] = []
+        sources: list[tuple[nn.Module, str]] = []
         for layer in layers:
             attention, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -68,7 +73,11 @@ class CpuDecoder:
                 down,
                 down_bias,
             ]
-            sources += list(layer.parameters())
+            sources += [
+                (owner, name)
+                for owner in layer.modules()
+                for name, _ in owner.named_parameters(recurse=False)
+            ]
         return cls(kernels, weights, sources, config)
 
     def usable(self, count: int, cache: object) -> bool:
@@ -78,7 +87,10 @@ class CpuDecoder:
             and type(cache) is KVCache
             and torch.is_inference_mode_enabled()
             and not torch.compiler.is_compiling()
-            and all(_identity(p) == before for p, before in zip(self._sources, self._identities))
+            and all(
+                _identity(getattr(owner, name)) == before
+                for (owner, name), before in zip(self._sources, self._identities)
+            )
         )
 
     def run(
