@@ -318,3 +318,35 @@ def test_cli_gives_a_heads_file_a_draft_vocabulary(model_dir, tmp_path):
     ):
         failed = CliRunner().invoke(main, [*args, *bad])
         assert failed.exit_code == 2 and message in failed.stderr and "Traceback" not in failed.output
+
+
+@pytest.mark.parametrize("loss", ["tokens", "distill"])
+def test_layers_with_a_draft_vocabulary_train_and_are_scored_over_its_rows_only(model_dir, tmp_path, loss):
+    from tokenswift_trt.training.train_heads import draft_logits, head_weight, vocab_targets
+
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(
+        steps=25, seq_len=48, batch=2, grad_accum=1, lr=5e-3, warmup_steps=3, draft_vocab=16, loss=loss
+    )
+    trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
+    layers = trainer.draft_layers
+    vocab = layers.vocab.tolist()
+    outside = next(token for token in range(engine.config.vocab_size) if token not in vocab)
+    assert vocab_targets(layers, torch.tensor([vocab[3], outside, vocab[0]])).tolist() == [3, -100, 0]
+    hidden = base_hidden(engine, _periodic_ids(40))
+    logits = draft_logits(head_weight(engine), layers, hidden, None)
+    assert [tuple(item.shape) for item in logits] == [(40, 16)] * len(layers)  # the vocabulary's rows
+    losses = []
+    trainer.run(lambda step, value: losses.append(value))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2  # (distill: a teacher's entropy is its floor)
+    if loss == "tokens":  # chance is 1/16 within the vocabulary
+        assert min(draft_accuracy(engine, layers, [_periodic_ids(200)]).layers) > 0.3
+    # the scores are those of the engine's own drafting (its vocabulary head over the same rows)
+    save_heads(layers, tmp_path / HEADS_FILE)
+    loaded = load_engine(model_dir, heads_file=tmp_path / HEADS_FILE)
+    with torch.inference_mode():
+        ids = _periodic_ids(64)
+        states = base_hidden(loaded, ids)
+        picks = loaded.model.draft_logits(states, loaded.draft_layers, 1).argmax(-1)[0]  # [T]: x[t + 2]
+    expected = (picks[:-2] == ids[2:]).float().mean().item()
+    assert draft_accuracy(loaded, loaded.draft_layers, [ids]).layers[0] == pytest.approx(expected)

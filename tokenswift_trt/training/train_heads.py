@@ -184,9 +184,29 @@ def root_embeddings(engine: Engine, draft_layers: DraftLayers, ids: torch.Tensor
 def draft_logits(
     weight: torch.Tensor, draft_layers: DraftLayers, hidden: torch.Tensor, roots: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
-    """hidden [T, hidden] -> per draft layer logits [T, V] through the shared lm_head weight [V, hidden]
-    (`roots` [T, hidden]: `root_embeddings`, for root-conditioned layers)."""
+    """hidden [T, hidden] -> per draft layer logits through the shared lm_head weight [V, hidden]
+    (`roots` [T, hidden]: `root_embeddings`, for root-conditioned layers): [T, V], or [T, K] over the
+    draft vocabulary's rows when the layers have one (what inference drafts from; `vocab_ids` maps
+    the columns back to token ids). With SmolLM2's 49,152-token head and 8,192 ids this is most of a
+    training step's arithmetic saved."""
+    if draft_layers.vocab is not None:
+        weight = weight.index_select(0, draft_layers.vocab.to(weight.device))  # [K, hidden]
     return [F.linear(state, weight) for state in draft_layers(hidden, None, roots)]
+
+
+def vocab_ids(draft_layers: DraftLayers, columns: torch.Tensor) -> torch.Tensor:
+    """Columns of `draft_logits` -> token ids (the identity without a draft vocabulary)."""
+    return columns if draft_layers.vocab is None else draft_layers.vocab.to(columns.device)[columns]
+
+
+def vocab_targets(draft_layers: DraftLayers, ids: torch.Tensor) -> torch.Tensor:
+    """Token ids [N] -> columns of `draft_logits` [N]; ids outside the draft vocabulary -> -100
+    (cross-entropy's ignore index: a token the layers can never draft teaches them nothing)."""
+    if draft_layers.vocab is None:
+        return ids
+    vocab = draft_layers.vocab.to(ids.device)
+    column = torch.searchsorted(vocab, ids).clamp_(max=vocab.numel() - 1)
+    return torch.where(vocab[column] == ids, column, torch.full_like(ids, -100))
 
 
 def draft_loss(
@@ -195,17 +215,20 @@ def draft_loss(
     """Mean over layers of the loss of layer i at t for x[t + 1 + i] (see the module docstring), one
     sequence ids [T]."""
     hidden = base_hidden(engine, ids)
-    targets = ids.to(engine.device)
+    targets = vocab_targets(draft_layers, ids.to(engine.device))
     teacher = None
     if loss == "distill":
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
             teacher = F.softmax(base_logits(engine, weight, hidden), dim=-1)
+            if draft_layers.vocab is not None:  # the base's distribution within the draft vocabulary
+                teacher = teacher[:, draft_layers.vocab.to(teacher.device)]
+                teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
     roots = root_embeddings(engine, draft_layers, ids)
     losses = []
     for i, logits in enumerate(draft_logits(weight, draft_layers, hidden, roots), start=1):
         shift = i + 1
         if teacher is None:
-            losses.append(F.cross_entropy(logits[:-shift].float(), targets[shift:]))
+            losses.append(F.cross_entropy(logits[:-shift].float(), targets[shift:], ignore_index=-100))
         else:  # layer i at t predicts x[t + 1 + i]: the base's row t + i
             soft = teacher[i : teacher.shape[0] - 1]  # [T - shift, V]
             losses.append(-(soft * F.log_softmax(logits[:-shift].float(), dim=-1)).sum(-1).mean())
@@ -240,6 +263,8 @@ def draft_accuracy(
         for i, logits in enumerate(heads):
             shift = i + 1
             top = logits[:-shift].argmax(-1)
+            if i:  # a draft layer's pick among the ids it drafts, as at inference
+                top = vocab_ids(draft_layers, top)
             hits[i] += int((top == targets[shift:]).sum())
             totals[i] += targets.numel() - shift
             if i:
