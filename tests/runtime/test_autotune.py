@@ -243,15 +243,67 @@ def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_
             tuner.observe(None, [], None, hidden, False, 1.0, 1)
         assert tuner.recorder.iterations == autotune.SHADOW_PROBE_STEPS
         assert (tuner.plan.tree, tuner.plan.trial) == ("1,1", True)  # the model's pick, on trial
-        while tuner.plan.tree == "1,1":  # 2 tokens an iteration
-            tuner.observe(small, [], costs, hidden, False, 2 * drafting_seconds_per_token, 2)
-        assert (tuner.plan.tree, tuner.plan.trial) == (AR_PLAN, True)  # then plain AR steps, 1 s a token
-        while tuner.plan.trial:
-            tuner.observe(None, [], None, hidden, False, 1.0, 1)
+        turns, runs = [], {"1,1": 0, AR_PLAN: 0}
+        while tuner.plan.trial:  # the pick (2 tokens an iteration) and AR steps (1 s a token) take turns
+            tree = tuner.plan.tree
+            if not turns or turns[-1][0] != tree:
+                turns.append([tree, 0])
+            turns[-1][1] += 1
+            runs[tree] += 1
+            if tree == AR_PLAN:
+                tuner.observe(None, [], None, hidden, False, 1.0, 1)
+            else:
+                tuner.observe(small, [], costs, hidden, False, 2 * drafting_seconds_per_token, 2)
+        assert [tree for tree, _ in turns] == ["1,1", AR_PLAN] * autotune.TURNS
+        assert runs == {"1,1": autotune.TRIAL_ITERATIONS, AR_PLAN: autotune.AR_TRIAL_STEPS}
+        assert {count for tree, count in turns if tree == AR_PLAN} == {
+            autotune.AR_TRIAL_STEPS // autotune.TURNS
+        }
         return tuner.plan
 
     assert settle(0.5).tree == "1,1" and settle(2.0).tree == AR_PLAN
     assert settle(0.99).tree == AR_PLAN  # within the trials' noise: plain AR steps stay
+
+
+def test_a_trial_takes_turns_so_that_a_slow_spell_of_the_machine_hits_both_sides(llama_engine64, monkeypatch):
+    """The machine runs 1.5x slower for the first half of the trial's tokens: had the pick run all its
+    iterations and then AR steps all theirs, the pick would carry the slow spell and lose; taking turns,
+    both sides see it alike and the pick, 20% faster, is kept."""
+    from tokenswift_trt.runtime import autotune
+    from tokenswift_trt.runtime.autotune import Estimate, IterationCosts, Tuner, describe_plans
+    from tokenswift_trt.runtime.decoding import new_decode_state
+    from tokenswift_trt.runtime.sampling import PositionKeyedRandom
+
+    monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
+    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)
+    engine = llama_engine64
+    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
+    small = build_trie(5, build_static_tree("1,1"), [[10], [20]])
+    costs = IterationCosts(0.0, 0.0, 0.0, len(small))
+    state = new_decode_state(engine, [5, 6, 7], GenerationConfig(max_new_tokens=900), PositionKeyedRandom(0))
+    tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens) - 3)
+    while tuner.plan.probe:
+        state.append([len(state.tokens) % 50])
+        tuner.observe(None, [], None, hidden, False, 1.0, 1)
+    start = len(state.tokens)
+    trial_tokens = 2 * autotune.TRIAL_ITERATIONS + autotune.AR_TRIAL_STEPS
+    while tuner.plan.trial:
+        slow = 1.5 if len(state.tokens) - start < trial_tokens // 2 else 1.0
+        if tuner.plan.tree == AR_PLAN:
+            state.append([len(state.tokens) % 50])
+            tuner.observe(None, [], None, hidden, False, slow * 1.0, 1)
+        else:
+            state.append([len(state.tokens) % 50] * 2)
+            tuner.observe(small, [], costs, hidden, False, slow * 2 * 0.8, 2)
+    assert tuner.plan.tree == "1,1" and not tuner.plan.trial
+    described = describe_plans(tuner.history)
+    assert (
+        described[1] == f"trial 1,1 k=0 against ar steps, {2 * autotune.TURNS} turns, from token {start - 3}"
+    )
+    assert described[2] == f"1,1 k=0 from token {len(state.tokens) - 3}"
 
 
 def test_ar_tokens_walk_the_trie_as_lossless_verification_would():
@@ -329,18 +381,28 @@ def test_a_kept_drafting_plan_is_audited_against_ar_steps_and_dropped_when_it_st
                 tuner.observe(small, [], costs, hidden, False, seconds, 2)
         return tuner.history
 
+    def audit_starts(history) -> list[int]:
+        return [
+            plan.from_token for before, plan in zip(history, history[1:]) if plan.audit and not before.audit
+        ]
+
     # faster in its trial, slower for good from token 300 on: an audit catches it and AR steps run
     history = run(lambda new: 0.5 if new < 300 else 3.0, 1500)
     audits = [plan for plan in history if plan.audit]
-    assert audits and str(audits[0]).startswith("audit ar k=0 from token")
+    assert audits and str(audits[0]).startswith("audit ar k=0 from token")  # AR steps first
+    assert {plan.tree for plan in audits} == {AR_PLAN, "1,1"}  # then taking turns with the plan
     assert history[-1].tree == AR_PLAN and not (history[-1].trial or history[-1].audit)
     assert history[-1].from_token < 1000  # dropped at the first audit after the slowdown
+    # twice as fast early on, then 10% slower: each audit judges alone, so the plan's past does not
+    # carry it (added up with its trial, the first audit would have measured 0.8x and kept it)
+    history = run(lambda new: 0.5 if new < 300 else 1.1, 1500)
+    assert history[-1].tree == AR_PLAN and len(audit_starts(history)) == 1
     # steadily a little faster (0.9 s a token): kept through audits spaced further and further apart
     history = run(lambda new: 0.9, 3000)
-    audits = [plan.from_token for plan in history if plan.audit]
+    audits = audit_starts(history)
     assert len(audits) >= 2 and history[-1].tree == "1,1"
     gaps = [b - a for a, b in zip(audits, audits[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]
     # clearly faster (0.5 s a token): after one audit confirms it, no more until the next probe
     history = run(lambda new: 0.5, 3000)
-    assert len([plan for plan in history if plan.audit]) == 1 and history[-1].tree == "1,1"
+    assert len(audit_starts(history)) == 1 and history[-1].tree == "1,1"

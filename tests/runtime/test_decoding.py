@@ -417,7 +417,8 @@ def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monk
         AR_PLAN,
         True,
     )
-    assert plans[5].tree in ("1,1", AR_PLAN) and not (plans[5].probe or plans[5].trial)
+    settled = next(plan for plan in plans[3:] if not plan.trial)  # after the turns of the trial
+    assert settled.tree in ("1,1", AR_PLAN) and not settled.probe
     assert stats.phase_s["ar_step"] > 0
     if draft_source == "partial":
         assert stats.partial_selections >= 2  # after prefill, and again when drafting resumed

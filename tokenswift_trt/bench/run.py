@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tokenswift_trt.runtime.autotune import Plan
+from tokenswift_trt.runtime.autotune import Plan, describe_plans
 from tokenswift_trt.runtime.decoding import (
     DecodeSteps,
     GenerationConfig,
@@ -283,9 +283,7 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
             spread([s.tokens_per_s / d.tokens_per_s for s, d in zip(swift, default)])[0], 3
         )
     if runs["tokenswift"][0].plans:
-        row["auto_plans"] = " | ".join(
-            str(plan) for plan in plans_before(runs["tokenswift"][0].plans, gen_len)
-        )
+        row["auto_plans"] = " | ".join(describe_plans(plans_before(runs["tokenswift"][0].plans, gen_len)))
     for name, key in (("tokenswift", "penalty"), ("no_penalty", "no_penalty")):
         if name not in runs:
             continue

@@ -73,6 +73,7 @@ def generate(
     runs."""
     from tqdm import tqdm
 
+    from tokenswift_trt.runtime.autotune import describe_plans
     from tokenswift_trt.runtime.decoding import GenerationError
     from tokenswift_trt.runtime.decoding import generate as run_generate
     from tokenswift_trt.runtime.journal import (
@@ -211,7 +212,7 @@ def generate(
                     "method": config.method,
                     "seed": stats.seed if stats else config.seed,
                     "stop_reason": stats.stop_reason if stats else "finished",
-                    "plans": [str(plan) for plan in stats.plans] if stats else [],
+                    "plans": describe_plans(stats.plans) if stats else [],
                 }
             )
         )
@@ -243,6 +244,7 @@ def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_token
 
     from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.bench.run import take_turns
+    from tokenswift_trt.runtime.autotune import describe_plans
     from tokenswift_trt.runtime.decoding import GenerationError, decode_steps
 
     if opts["seed"] is None:
@@ -297,4 +299,4 @@ def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_token
     )
     click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
     if ts.plans:
-        click.echo("plans (--tree auto): " + " | ".join(str(plan) for plan in ts.plans))
+        click.echo("plans (--tree auto): " + " | ".join(describe_plans(ts.plans)))

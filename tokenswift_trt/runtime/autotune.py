@@ -14,14 +14,19 @@ inside it (their nodes are all in its trie): a probe's 16 iterations estimate ac
 
 A cost model can be wrong (a verify pass timed at one context, trie shapes it did not time), and
 plain AR steps are always a candidate, so a drafting plan the model picks is then tried for real:
-it runs TRIAL_ITERATIONS iterations, plain AR steps run AR_TRIAL_STEPS, and the drafting plan is
-kept only if it measured at least 3% fewer seconds per token (TRIAL_MARGIN). One trial of ~50
-tokens on a machine whose speed drifts can still keep a plan that is slower over thousands, so a
-kept plan is audited: after AUDIT_EVERY tokens (doubling after each audit it passes) AR steps run
-AR_TRIAL_STEPS again, and the drafting plan's last iterations before the audit are set against
-them. The pairs add up, trial included; once the drafting plan's total seconds per token is not
-below the AR steps', AR steps run until the next probe; once it is clearly below (AUDIT_CLEAR), the
-audits stop. Each audit costs AR_TRIAL_STEPS tokens at AR speed.
+it and plain AR steps take turns (TURNS of each: TRIAL_ITERATIONS drafting iterations and
+AR_TRIAL_STEPS steps in all), and the drafting plan is kept only if it measured at least 3% fewer
+seconds per token (TRIAL_MARGIN). Taking turns is what makes ~100 tokens a fair test on a machine
+whose speed drifts by 10-30% over seconds (a CPU shared with other work): one block of each, one
+after the other, measured the same SmolLM2 AR step at 17 ms in one trial and 23 ms in the next, and
+dropped a tree that ran 1.2x faster than AR steps. A trial can still keep a plan that is slower
+over thousands of tokens, so a kept plan is audited: after AUDIT_EVERY tokens (doubling after each
+audit it passes) AR steps and the plan take turns again, and each audit judges on its own
+(acceptance changes over a long generation: SmolLM2 continuing Pride and Prejudice accepts 1.5
+tokens per iteration over the first 400 tokens, which the model partly knows, and ~1.15 later):
+once the plan's seconds per token are not below the AR steps', AR steps run until the next probe;
+once they are clearly below (AUDIT_CLEAR), the audits stop. Each audit costs AR_TRIAL_STEPS
+tokens at AR speed.
 
 Drafting from the verify pass, the probe costs (almost) nothing: decoding runs plain AR steps,
 and after each one the tuner drafts the probe's trie from that step's hidden state, exactly as a
@@ -82,7 +87,8 @@ RETUNE_EVERY = 4096  # probe again after this many new tokens
 RETUNE_AFTER_AR = 2048  # ... or this many after choosing plain AR steps (which teach the tuner nothing),
 # doubling for every further probe in a row that ends in AR steps
 TRIAL_ITERATIONS = 48  # the model's drafting plan, timed for real ...
-AR_TRIAL_STEPS = 32  # ... against this many plain AR steps
+AR_TRIAL_STEPS = 32  # ... against this many plain AR steps ...
+TURNS = 4  # ... the two taking turns, this many of each (12 iterations, then 8 steps, ...)
 # ... and kept only if it is this much faster per token: trials of ~50 tokens on a machine whose speed
 # drifts by several percent cannot tell closer plans apart (SmolLM2 on the AVX2 CPU kept a tree `1`
 # whose trial measured it faster, and it ran 3% slower than AR steps over 4,096 tokens)
@@ -135,8 +141,8 @@ class Plan:
     ngram_topk: int
     from_token: int = 0  # new-token count when the plan started (Stats.plans)
     probe: bool = False  # the tuner's probe, run to measure acceptance
-    trial: bool = False  # run to time it against the other candidate (the model's pick, or AR steps)
-    audit: bool = False  # AR steps timed against the kept drafting plan (`Tuner` audits)
+    trial: bool = False  # a turn of a trial: the model's pick or AR steps, timed against each other
+    audit: bool = False  # a turn of an audit: AR steps or the kept drafting plan (`Tuner` audits)
 
     @functools.cached_property
     def branching(self) -> tuple[int, ...]:
@@ -151,6 +157,30 @@ class Plan:
             return f"probe on ar steps from token {self.from_token}"
         kind = "probe " if self.probe else "trial " if self.trial else "audit " if self.audit else ""
         return f"{kind}{self.tree} k={self.ngram_topk} from token {self.from_token}"
+
+
+def describe_plans(plans: Sequence[Plan]) -> list[str]:
+    """`Stats.plans` for people: the turns of a trial or an audit as one entry
+    ("trial 3 k=0 against ar steps, 8 turns, from token 36")."""
+    described: list[str] = []
+    start = 0
+    while start < len(plans):
+        plan = plans[start]
+        end = start + 1
+        if not (plan.trial or plan.audit):
+            described.append(str(plan))
+            start = end
+            continue
+        while end < len(plans) and (plans[end].trial, plans[end].audit) == (plan.trial, plan.audit):
+            end += 1
+        drafting = next((turn for turn in plans[start:end] if turn.tree != AR_PLAN), plan)
+        kind = "trial" if plan.trial else "audit"
+        described.append(
+            f"{kind} {drafting.tree} k={drafting.ngram_topk} against ar steps, {end - start} turns, "
+            f"from token {plan.from_token}"
+        )
+        start = end
+    return described
 
 
 @dataclass(frozen=True)
@@ -416,14 +446,23 @@ class _Trial:
 
 
 @dataclass
-class _Duel:
-    """A kept drafting plan against AR steps: times measured side by side (its trial, then each
-    audit with the drafting iterations just before it), added up."""
+class _Turns:
+    """A trial or an audit in progress: the drafting plan `plan` and AR steps taking turns, each
+    side timed on its own."""
 
-    drafting: _Trial
-    ar: _Trial
-    audits: int = 0  # audits passed
-    recent: deque = field(default_factory=lambda: deque(maxlen=TRIAL_ITERATIONS))  # (seconds, tokens)
+    plan: Plan  # the drafting plan tried or audited
+    audit: bool  # an audit starts with AR steps (the plan was running), a trial with the plan
+    drafting: _Trial = field(default_factory=_Trial)
+    ar: _Trial = field(default_factory=_Trial)
+    in_turn: int = 0  # iterations of the running turn
+
+    def side(self, ar: bool) -> tuple[_Trial, int]:
+        """The timing of one side and the iterations it runs in all."""
+        return (self.ar, AR_TRIAL_STEPS) if ar else (self.drafting, TRIAL_ITERATIONS)
+
+    def side_done(self, ar: bool) -> bool:
+        timing, total = self.side(ar)
+        return timing.iterations >= total
 
     @property
     def ratio(self) -> float:
@@ -455,9 +494,8 @@ class Tuner:
         self._probe_iterations = 0
         self._next_probe = 0
         self._ar_streak = 0  # probes in a row that ended in AR steps
-        self._trial = _Trial()  # the running trial's timing
-        self._drafting_trial: tuple[Plan, _Trial] | None = None  # the drafting plan tried, its timing
-        self._duel: _Duel | None = None  # the kept drafting plan's record against AR steps
+        self._turns: _Turns | None = None  # the trial or audit in progress
+        self._audits: int | None = None  # audits the kept drafting plan passed; None: none kept
         self._next_audit = 0  # token count at which the kept drafting plan is audited
         self._start_probe()
 
@@ -467,15 +505,14 @@ class Tuner:
 
     def _start_probe(self) -> None:
         """Drafting from the verify pass, on AR steps (see the module docstring); else the probe tree."""
-        self._duel = None
+        self._audits = None
         tree, topk = (AR_PLAN, 0) if self.from_verify else (self.probe_tree, self.probe_topk)
         self.history.append(Plan(tree, topk, max(1, self.clock()), probe=True))
         self._probe_costs, self._probe_iterations = IterationCosts(0.0, 0.0, 0.0, 0), 0
         self._shadows.clear()
 
-    def _switch(self, tree: str, ngram_topk: int, trial: bool = False) -> None:
-        self.history.append(Plan(tree, ngram_topk, self.clock(), trial=trial))
-        self._trial = _Trial()
+    def _switch(self, tree: str, ngram_topk: int) -> None:
+        self.history.append(Plan(tree, ngram_topk, self.clock()))
 
     def _settle(self, plan: Plan) -> None:
         self._switch(plan.tree, plan.ngram_topk)
@@ -510,18 +547,13 @@ class Tuner:
         else:
             if trie is not None and not done:  # the running plan's iterations count too
                 self.recorder.record(trie, accepted_nodes, (plan.branching, plan.ngram_topk))
-            if plan.trial:
-                self._time_trial(plan, seconds, tokens)
-            elif plan.audit:
-                self._time_audit(seconds, tokens)
-            elif self._duel is not None and plan.tree != AR_PLAN:
-                self._duel.recent.append((seconds, tokens))
+            if plan.trial or plan.audit:
+                self._time_turn(plan, seconds, tokens)
         settled = not (self.plan.probe or self.plan.trial or self.plan.audit)
         if settled and len(self.state.tokens) >= self._next_probe:
             self._start_probe()
-        elif settled and self._duel is not None and len(self.state.tokens) >= self._next_audit:
-            self.history.append(Plan(AR_PLAN, 0, self.clock(), audit=True))
-            self._trial = _Trial()
+        elif settled and self._audits is not None and len(self.state.tokens) >= self._next_audit:
+            self._start_turns(self.plan, audit=True)
         return self.plan
 
     def _shadow_probe(self, hidden: torch.Tensor) -> None:
@@ -551,45 +583,58 @@ class Tuner:
         totals.nodes += costs.nodes
         self._probe_iterations += 1
 
-    def _time_trial(self, plan: Plan, seconds: float, tokens: int) -> None:
-        """The model's drafting pick runs TRIAL_ITERATIONS, then AR steps AR_TRIAL_STEPS; the faster stays."""
-        trial = self._trial
-        trial.add(seconds, tokens)
-        if plan.tree != AR_PLAN and trial.iterations >= TRIAL_ITERATIONS:
-            self._drafting_trial = (plan, trial)
-            self._switch(AR_PLAN, 0, trial=True)
-        elif plan.tree == AR_PLAN and trial.iterations >= AR_TRIAL_STEPS:
-            assert self._drafting_trial is not None
-            drafting, drafting_trial = self._drafting_trial
-            if drafting_trial.seconds_per_token < TRIAL_MARGIN * trial.seconds_per_token:
-                self._settle(drafting)
-                self._duel = _Duel(drafting_trial, trial)
-            else:
-                self._settle(plan)
+    def _start_turns(self, plan: Plan, audit: bool) -> None:
+        """A trial of `plan` (the model's pick; it runs first) or an audit of it (kept; AR steps first)."""
+        self._turns = _Turns(plan, audit)
+        self._turn_to(ar=audit)
 
-    def _time_audit(self, seconds: float, tokens: int) -> None:
-        """AR steps auditing the kept drafting plan (the plan before them): after AR_TRIAL_STEPS, add
-        them and the drafting plan's latest iterations to the duel, then keep the plan, or settle on AR
-        steps."""
-        duel, audit = self._duel, self._trial
-        assert duel is not None
-        audit.add(seconds, tokens)
-        if audit.iterations < AR_TRIAL_STEPS:
-            return
-        drafting = next(plan for plan in reversed(self.history) if not plan.audit)
-        duel.ar.add(audit.seconds, audit.tokens, audit.iterations)
-        for spent, committed in duel.recent:
-            duel.drafting.add(spent, committed)
-        duel.recent.clear()
-        if duel.ratio >= 1.0:
-            self._duel = None
+    def _turn_to(self, ar: bool) -> None:
+        turns = self._turns
+        assert turns is not None
+        turns.in_turn = 0
+        tree, topk = (AR_PLAN, 0) if ar else (turns.plan.tree, turns.plan.ngram_topk)
+        self.history.append(Plan(tree, topk, self.clock(), trial=not turns.audit, audit=turns.audit))
+
+    def _time_turn(self, plan: Plan, seconds: float, tokens: int) -> None:
+        """One iteration of a trial or audit: timed to its side; the sides take turns of
+        1/TURNS of their iterations; once both have run all of theirs, the trial or audit ends."""
+        turns = self._turns
+        assert turns is not None
+        ar = plan.tree == AR_PLAN
+        timing, total = turns.side(ar)
+        timing.add(seconds, tokens)
+        turns.in_turn += 1
+        if turns.side_done(ar) and turns.side_done(not ar):
+            self._turns = None
+            if turns.audit:
+                self._end_audit(turns)
+            else:
+                self._end_trial(turns)
+        elif not turns.side_done(not ar) and (turns.in_turn >= -(-total // TURNS) or turns.side_done(ar)):
+            self._turn_to(ar=not ar)
+
+    def _end_trial(self, turns: _Turns) -> None:
+        """Keep the drafting plan if it was clearly faster than AR steps, else settle on AR steps."""
+        if turns.ratio < TRIAL_MARGIN:
+            self._settle(turns.plan)
+            self._audits = 0
+        else:
+            self._settle(Plan(AR_PLAN, 0))
+
+    def _end_audit(self, turns: _Turns) -> None:
+        """Keep the drafting plan while it stays faster than AR steps, judged on this audit alone
+        (taking turns makes one fair; acceptance changes over a long generation, and a plan that paid
+        early on is not carried by its past)."""
+        assert self._audits is not None
+        if turns.ratio >= 1.0:
+            self._audits = None
             self._settle(Plan(AR_PLAN, 0))
             return
-        duel.audits += 1
-        self._switch(drafting.tree, drafting.ngram_topk)
-        clear = duel.ratio < AUDIT_CLEAR
+        self._audits += 1
+        self._switch(turns.plan.tree, turns.plan.ngram_topk)
+        clear = turns.ratio < AUDIT_CLEAR
         self._next_audit = (
-            self._next_probe if clear else len(self.state.tokens) + AUDIT_EVERY * 2**duel.audits
+            self._next_probe if clear else len(self.state.tokens) + AUDIT_EVERY * 2**self._audits
         )
 
     def _choose(self, last_hidden: torch.Tensor) -> None:
@@ -620,4 +665,4 @@ class Tuner:
         if best.tree == AR_PLAN:
             self._settle(Plan(AR_PLAN, 0))
         else:  # timed for real against plain AR steps before it is kept
-            self._switch(best.tree, best.ngram_topk, trial=True)
+            self._start_turns(Plan(best.tree, best.ngram_topk), audit=False)
