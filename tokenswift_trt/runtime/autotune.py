@@ -24,8 +24,8 @@ over thousands of tokens, so a kept plan is audited: after AUDIT_EVERY tokens (d
 audit it passes) AR steps and the plan take turns again, and each audit judges on its own
 (acceptance changes over a long generation: SmolLM2 continuing Pride and Prejudice accepts 1.5
 tokens per iteration over the first 400 tokens, which the model partly knows, and ~1.15 later):
-once the plan's seconds per token are not below the AR steps', AR steps run until the next probe;
-once they are clearly below (AUDIT_CLEAR), the audits stop. Each audit costs AR_TRIAL_STEPS
+once the plan's seconds per token are not below the AR steps' by the trial's margin, AR steps run
+until the next probe; once they are clearly below (AUDIT_CLEAR), the audits stop. Each audit costs AR_TRIAL_STEPS
 tokens at AR speed.
 
 Drafting from the verify pass, the probe costs (almost) nothing: decoding runs plain AR steps,
@@ -626,7 +626,7 @@ class Tuner:
         (taking turns makes one fair; acceptance changes over a long generation, and a plan that paid
         early on is not carried by its past)."""
         assert self._audits is not None
-        if turns.ratio >= 1.0:
+        if turns.ratio >= TRIAL_MARGIN:  # the margin it had to win its trial by, kept up
             self._audits = None
             self._settle(Plan(AR_PLAN, 0))
             return
