@@ -25,8 +25,8 @@ audit it passes) AR steps and the plan take turns again, and each audit judges o
 (acceptance changes over a long generation: SmolLM2 continuing Pride and Prejudice accepts 1.5
 tokens per iteration over the first 400 tokens, which the model partly knows, and ~1.15 later):
 once the plan's seconds per token are not below the AR steps' by the trial's margin, AR steps run
-until the next probe; once they are clearly below (AUDIT_CLEAR), the audits stop. Each audit costs AR_TRIAL_STEPS
-tokens at AR speed.
+until the next probe; once they are clearly below (AUDIT_CLEAR), the audits stop. Each audit costs
+AR_TRIAL_STEPS tokens at AR speed.
 
 Drafting from the verify pass, the probe costs (almost) nothing: decoding runs plain AR steps,
 and after each one the tuner drafts the probe's trie from that step's hidden state, exactly as a
