@@ -83,8 +83,11 @@ PROBES: dict[tuple[str, str], tuple[str, int]] = {
 # the plans that run; a probe is the tuner's overhead, and the trial catches a plan chosen on too few
 PROBE_ITERATIONS = 16
 SHADOW_PROBE_STEPS = 32  # a probe on AR steps (drafting from the verify pass): cheap, so twice as long
-RETUNE_EVERY = 4096  # probe again after this many new tokens
-RETUNE_AFTER_AR = 2048  # ... or this many after choosing plain AR steps (which teach the tuner nothing),
+# Acceptance changes as a long generation goes on (text that starts to repeat makes n-gram branches
+# pay; a kept plan only learns about the candidates inside it), and a probe drafting from the verify
+# pass costs ~10% of 32 AR steps, so probes come often
+RETUNE_EVERY = 2048  # probe again after this many new tokens
+RETUNE_AFTER_AR = 512  # ... or this many after choosing plain AR steps (which teach the tuner nothing),
 # doubling for every further probe in a row that ends in AR steps
 TRIAL_ITERATIONS = 48  # the model's drafting plan, timed for real ...
 AR_TRIAL_STEPS = 32  # ... against this many plain AR steps ...
