@@ -48,6 +48,10 @@ def _tree_mask(count: int, generator: torch.Generator, blind_row: int | None = N
         (8, 2, 128, 33, 41),  # 164 rows per KV head: 11 tiles, a partial last one
         (8, 1, 16, 2000, 5),  # group of 8: 40 rows
         (4, 2, 16, 0, 33),  # tree only, 33 nodes: mask words 0 and 1
+        (9, 3, 64, 3000, 2),  # SmolLM2's shape, 6 rows: the 8-lane path, ranges balanced over threads
+        (6, 3, 32, 700, 4),  # 8 rows exactly: still 8 lanes
+        (9, 3, 64, 4096, 4),  # 12 rows: 16 lanes, three KV heads split over the threads
+        (2, 1, 128, 257, 3),  # 6 rows of head_dim 128 in 8 lanes, a partial last key block
     ],
 )
 def test_kernel_equals_reference(cpu_kernels, heads, kv_heads, head_dim, prefix, count):

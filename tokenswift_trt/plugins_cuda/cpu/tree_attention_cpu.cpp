@@ -5,12 +5,14 @@
 // Why it exists: a verify pass of a few tokens over a long cache is what speculative decoding
 // asks of attention. On a CPU torch's SDPA pays for each extra query row almost as much as for
 // the first, so a 3-token verify at 8K context cost 1.3x a 1-token step in our measurements.
-// Here the query rows of one KV group (group x T of them) sit in the 16 lanes of a vector, so each
-// key costs the same vector arithmetic (head_dim multiply-adds for the scores, head_dim for P·V,
-// one vector exp) whether one row or sixteen use it: up to 16 rows (T = 4 with 4 query heads per
-// KV head) a verify's attention costs what one token's does, and reading K/V once is the rest.
+// Here the query rows of one KV group (group x T of them) sit in the lanes of a vector (16, or 8
+// when they fit), so each key costs the same vector arithmetic (head_dim multiply-adds for the
+// scores, head_dim for P·V, one vector exp) whether one row or all lanes use it: up to 16 rows
+// (T = 4 with 4 query heads per KV head) a verify's attention costs what one token's does, and
+// reading K/V once is the rest.
 //
-// Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys);
+// Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys),
+// balanced over the threads, each prefetching its next block of keys and values;
 // each keeps an online softmax per row; a combine step merges the ranges. Compiled on first use by
 // runtime/kernels.load_cpu_kernels() with -O3 -march=native -ffast-math, which vectorises expf
 // through glibc's vector math library. No infinities are used (fast-math assumes none): masked
@@ -33,13 +35,26 @@
 
 namespace {
 
-// 16 floats: one AVX-512 register (GCC/Clang vector extension; two AVX2 registers elsewhere).
-typedef float vec __attribute__((vector_size(64)));
-constexpr int kLanes = 16;           // query rows per tile: row r of a tile lives in lane r
+// A vector of L floats (GCC/Clang vector extension): 16 = one AVX-512 register, 8 = one AVX2
+// register. Row r of a tile lives in lane r. Trees whose KV group has at most 8 query rows (T <= 2
+// with 3-4 query heads per KV head) take 8 lanes: the arithmetic per key halves, and on CPUs
+// whose AVX-512 units are 256 bits wide (AMD Zen 4) an 8-lane operation costs half a 16-lane one.
+template <int L>
+struct Lanes;
+template <>
+struct Lanes<16> {
+    typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct Lanes<8> {
+    typedef float type __attribute__((vector_size(32)));
+};
+
 constexpr int kBlock = 32;           // keys per online-softmax update
 constexpr int kChunk = 8;            // head dims held in registers at a time
 constexpr float kMasked = -1.0e30f;  // score of a key the row may not see
-constexpr int64_t kMinKeysPerItem = 512;
+constexpr int64_t kMinKeysPerItem = 256;
+constexpr int64_t kItemsPerThread = 2;  // key ranges per thread, at least (rounding to whole ranges)
 
 struct Item {
     int64_t kv_head;
@@ -47,44 +62,59 @@ struct Item {
     int64_t end;
 };
 
-// Online-softmax state of one work item, per tile of 16 rows: running max, sum, unnormalised output.
+// Online-softmax state of one work item, per tile of L rows: running max, sum, unnormalised output.
+template <typename V>
 struct Partial {
-    std::vector<vec> max;     // [tiles]
-    std::vector<vec> sum;     // [tiles]
-    std::vector<vec> output;  // [tiles, D]: output[t * D + d] lane r = row t*16 + r, dim d
+    std::vector<V> max;     // [tiles]
+    std::vector<V> sum;     // [tiles]
+    std::vector<V> output;  // [tiles, D]: output[t * D + d] lane r = row t*L + r, dim d
 };
 
-inline vec splat(float x) { return vec{} + x; }
+template <typename V>
+inline V splat(float x) {
+    return V{} + x;
+}
 
-inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+template <typename V>
+inline V vmax(V a, V b) {
+    return a > b ? a : b;
+}
 
-inline vec vexp(vec x) {
-    alignas(64) float lanes[kLanes];
-    alignas(64) float in[kLanes];
+template <typename V>
+inline V vexp(V x) {
+    constexpr int L = sizeof(V) / sizeof(float);
+    alignas(64) float lanes[L];
+    alignas(64) float in[L];
     __builtin_memcpy(in, &x, sizeof(in));
 #pragma omp simd
-    for (int i = 0; i < kLanes; ++i) lanes[i] = std::exp(in[i]);  // glibc's vector expf under -ffast-math
-    vec out;
+    for (int i = 0; i < L; ++i) lanes[i] = std::exp(in[i]);  // glibc's vector expf under -ffast-math
+    V out;
     __builtin_memcpy(&out, lanes, sizeof(out));
     return out;
 }
 
-template <int D>
-void attend_range(const vec* query,  // [tiles, D] transposed, scaled: query[t*D + d] lane r = row t*16+r, dim d
+template <int D, typename vec>
+void attend_range(const vec* query,  // [tiles, D] transposed, scaled: query[t*D + d] lane r = row t*L+r, dim d
                   int64_t tiles, const vec* tree_bias,  // [T, tiles]: 0 or kMasked per lane, key = tree node
                   const float* keys, const float* values,  // [length, D] of one KV head
-                  int64_t begin, int64_t end, int64_t prefix, Partial& out) {
-    out.max.assign(tiles, splat(kMasked));
-    out.sum.assign(tiles, splat(0.0f));
-    out.output.assign(tiles * D, splat(0.0f));
+                  int64_t begin, int64_t end, int64_t prefix, Partial<vec>& out) {
+    out.max.assign(tiles, splat<vec>(kMasked));
+    out.sum.assign(tiles, splat<vec>(0.0f));
+    out.output.assign(tiles * D, splat<vec>(0.0f));
     vec scores[kBlock];
     for (int64_t start = begin; start < end; start += kBlock) {
         const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
         const float* key_block = keys + start * D;
         const float* value_block = values + start * D;
+        // the next block's keys and values: this loop computes far more than it reads, so the
+        // hardware prefetcher alone leaves it waiting on memory once K/V are out of the caches
+        for (int line = 0; line < kBlock * D; line += 16) {
+            __builtin_prefetch(key_block + kBlock * D + line);
+            __builtin_prefetch(value_block + kBlock * D + line);
+        }
         for (int64_t tile = 0; tile < tiles; ++tile) {
             const vec* q = query + tile * D;
-            for (int j = 0; j < count; ++j) scores[j] = splat(0.0f);
+            for (int j = 0; j < count; ++j) scores[j] = splat<vec>(0.0f);
             for (int dc = 0; dc < D; dc += kChunk) {  // scores[j] lane r = q_r . k_j
                 vec qc[kChunk];
                 for (int k = 0; k < kChunk; ++k) qc[k] = q[dc + k];
@@ -106,11 +136,11 @@ void attend_range(const vec* query,  // [tiles, D] transposed, scaled: query[t*D
             const vec old_max = out.max[tile];
             const vec new_max = vmax(old_max, block_max);
             const vec correction = vexp(old_max - new_max);
-            const vec visible_floor = splat(0.5f * kMasked);
+            const vec visible_floor = splat<vec>(0.5f * kMasked);
             vec sum = out.sum[tile] * correction;
             for (int j = 0; j < count; ++j) {
                 const vec p = vexp(scores[j] - new_max);
-                scores[j] = scores[j] > visible_floor ? p : splat(0.0f);  // a masked key weighs 0
+                scores[j] = scores[j] > visible_floor ? p : splat<vec>(0.0f);  // a masked key weighs 0
                 sum += scores[j];
             }
             out.max[tile] = new_max;
@@ -129,9 +159,11 @@ void attend_range(const vec* query,  // [tiles, D] transposed, scaled: query[t*D
     }
 }
 
-template <int D>
+template <int D, int L>
 void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
          double scale, at::Tensor& output) {
+    using vec = typename Lanes<L>::type;
+    constexpr int kLanes = L;
     const int64_t heads = query.size(0), tree_tokens = query.size(1);
     const int64_t kv_heads = keys.size(0), length = keys.size(1);
     const int64_t group = heads / kv_heads, rows = group * tree_tokens;
@@ -142,33 +174,40 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     const auto* mask = reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>());
 
     // queries transposed into lanes (padding lanes: zero queries, never written back)
-    std::vector<vec> transposed(kv_heads * tiles * D, splat(0.0f));
+    std::vector<vec> transposed(kv_heads * tiles * D, splat<vec>(0.0f));
     for (int64_t h = 0; h < kv_heads; ++h)
         for (int64_t row = 0; row < rows; ++row)
             for (int d = 0; d < D; ++d)
                 transposed[(h * tiles + row / kLanes) * D + d][row % kLanes] =
                     static_cast<float>(q[(h * rows + row) * D + d] * scale);
     // per tree node and tile, 0 where the lane's row may see the node, kMasked where not
-    std::vector<vec> tree_bias(tree_tokens * tiles, splat(0.0f));
+    std::vector<vec> tree_bias(tree_tokens * tiles, splat<vec>(0.0f));
     for (int64_t node = 0; node < tree_tokens; ++node)
         for (int64_t row = 0; row < rows; ++row) {
             const uint32_t* bits = mask + (row % tree_tokens) * words;
             if (!((bits[node >> 5] >> (node & 31)) & 1u)) tree_bias[node * tiles + row / kLanes][row % kLanes] = kMasked;
         }
 
-    // enough key ranges to keep every thread busy, none shorter than kMinKeysPerItem keys
+    // key ranges: at least kItemsPerThread per thread and, where possible, a multiple of the
+    // thread count (3 KV heads on 2 threads as 3 ranges would leave one thread idle a third of the
+    // time), none shorter than kMinKeysPerItem keys
     const int64_t threads = at::get_num_threads();
-    const int64_t wanted = std::max<int64_t>(1, (threads + kv_heads - 1) / kv_heads);
+    int64_t wanted = std::max<int64_t>(1, (kItemsPerThread * threads + kv_heads - 1) / kv_heads);
+    for (int64_t more = 0; more < threads; ++more)
+        if ((kv_heads * (wanted + more)) % threads == 0) {
+            wanted += more;
+            break;
+        }
     const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(wanted, length / kMinKeysPerItem));
     const int64_t span = ((length + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
     std::vector<Item> items;
     for (int64_t h = 0; h < kv_heads; ++h)
         for (int64_t begin = 0; begin < length; begin += span) items.push_back({h, begin, std::min(length, begin + span)});
-    std::vector<Partial> partials(items.size());
+    std::vector<Partial<vec>> partials(items.size());
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
         for (int64_t i = first; i < last; ++i) {
             const Item& item = items[i];
-            attend_range<D>(transposed.data() + item.kv_head * tiles * D, tiles, tree_bias.data(),
+            attend_range<D, vec>(transposed.data() + item.kv_head * tiles * D, tiles, tree_bias.data(),
                             keys.data_ptr<float>() + item.kv_head * head_stride,
                             values.data_ptr<float>() + item.kv_head * head_stride, item.begin, item.end, prefix,
                             partials[i]);
@@ -180,13 +219,13 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     const int64_t per_head = static_cast<int64_t>(items.size()) / kv_heads;
     for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t tile = 0; tile < tiles; ++tile) {
-            vec best = splat(kMasked);
+            vec best = splat<vec>(kMasked);
             for (int64_t s = 0; s < per_head; ++s) best = vmax(best, partials[h * per_head + s].max[tile]);
-            vec total = splat(0.0f);
+            vec total = splat<vec>(0.0f);
             vec merged[D];
-            for (int d = 0; d < D; ++d) merged[d] = splat(0.0f);
+            for (int d = 0; d < D; ++d) merged[d] = splat<vec>(0.0f);
             for (int64_t s = 0; s < per_head; ++s) {
-                const Partial& part = partials[h * per_head + s];
+                const Partial<vec>& part = partials[h * per_head + s];
                 const vec weight = vexp(part.max[tile] - best);
                 total += part.sum[tile] * weight;
                 for (int d = 0; d < D; ++d) merged[d] += part.output[tile * D + d] * weight;
@@ -221,11 +260,16 @@ at::Tensor tree_attention_cpu(const at::Tensor& query, const at::Tensor& keys, c
                     tree_mask.size(0) == query.size(1) && tree_mask.size(1) == (query.size(1) + 31) / 32,
                 "tree_mask must be a contiguous int32 tensor [T, ceil(T / 32)]");
     at::Tensor output = at::empty_like(query);
+    const bool narrow = (query.size(0) / keys.size(0)) * query.size(1) <= 8;  // a KV group's rows fit 8 lanes
     switch (query.size(2)) {
-        case 16: run<16>(query, keys, values, tree_mask, scale, output); break;
-        case 32: run<32>(query, keys, values, tree_mask, scale, output); break;
-        case 64: run<64>(query, keys, values, tree_mask, scale, output); break;
-        case 128: run<128>(query, keys, values, tree_mask, scale, output); break;
+        case 16: narrow ? run<16, 8>(query, keys, values, tree_mask, scale, output)
+                        : run<16, 16>(query, keys, values, tree_mask, scale, output); break;
+        case 32: narrow ? run<32, 8>(query, keys, values, tree_mask, scale, output)
+                        : run<32, 16>(query, keys, values, tree_mask, scale, output); break;
+        case 64: narrow ? run<64, 8>(query, keys, values, tree_mask, scale, output)
+                        : run<64, 16>(query, keys, values, tree_mask, scale, output); break;
+        case 128: narrow ? run<128, 8>(query, keys, values, tree_mask, scale, output)
+                         : run<128, 16>(query, keys, values, tree_mask, scale, output); break;
         default: TORCH_CHECK(false, "the CPU tree-attention kernel covers head_dim 16, 32, 64 and 128, got ", query.size(2));
     }
     return output;
