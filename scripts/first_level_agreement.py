@@ -1,6 +1,6 @@
 """How often the target's sample is among draft layer 1's top k candidates, on text the model wrote.
 
-    .venv/bin/python scripts/first_level_agreement.py [--model smollm2-135m] [--tokens 1536]
+    .venv/bin/python scripts/first_level_agreement.py [--model smollm2-135m] [--tokens 1536] [--on book]
 
 Generates `--tokens` with AR steps under the paper's sampling settings (min-p 0.1, θ 1.2, W 256,
 seed 1) after the opening of the held-out Pride and Prejudice, then, for every position t past the
@@ -9,6 +9,7 @@ penalty window: layer 1 drafts x[t + 2] from the base model's state at t and the
 noise g (argmax of the processed base logits + g), and the draft's candidates are ranked with the
 same g (runtime/sampling.draft_ranking). Prints hit@k for k = 1..8: the share of positions whose
 target sample is among the first k candidates, i.e. what a first level of k nodes would accept.
+`--on book` measures on the book's own text instead (a stretch from its middle, no generation).
 """
 
 from __future__ import annotations
@@ -41,17 +42,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1536)
     parser.add_argument("--prompt-file", type=Path, default=HELD_OUT)
     parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--on", choices=("generated", "book"), default="generated")
     args = parser.parse_args()
     source = load_source(args.model, None, None, None, None, "cpu", True)
     engine, layers = source.engine, source.engine.draft_layers
     if layers is None or not layers.root_conditioned:
         raise SystemExit(f"{args.model} has no root-conditioned draft layers")
     sampling = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=256)
-    prompt = source.codec.encode(args.prompt_file.read_text())[: args.prefix_len]
-    config = GenerationConfig(
-        max_new_tokens=args.tokens, method="ar", sampling=sampling, seed=1, ignore_eos=True
-    )
-    new, _ = generate(engine, prompt, config)
+    text = source.codec.encode(args.prompt_file.read_text())
+    if args.on == "book":
+        middle = len(text) // 2
+        prompt, new = text[middle : middle + args.prefix_len], text[middle + args.prefix_len :][: args.tokens]
+    else:
+        prompt = text[: args.prefix_len]
+        config = GenerationConfig(
+            max_new_tokens=args.tokens, method="ar", sampling=sampling, seed=1, ignore_eos=True
+        )
+        new, _ = generate(engine, prompt, config)
     ids = torch.tensor(prompt + list(new))
     weight = head_weight(engine)
     with torch.no_grad():
@@ -73,7 +80,7 @@ def main() -> None:
         candidates = draft_ranking(draft, noise[None], WIDTH)[0].tolist()
         ranks.append(candidates.index(sample) if sample in candidates else WIDTH)
     hits = " / ".join(f"{sum(rank < k for rank in ranks) / len(ranks):.3f}" for k in range(1, WIDTH + 1))
-    print(f"{args.model}, {len(ranks)} positions of generated text; hit@1..{WIDTH}: {hits}")
+    print(f"{args.model}, {len(ranks)} positions of {args.on} text; hit@1..{WIDTH}: {hits}")
 
 
 if __name__ == "__main__":
