@@ -12,7 +12,7 @@
 // reading K/V once is the rest.
 //
 // Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys),
-// balanced over the threads, each prefetching its next block of keys and values;
+// balanced over the threads;
 // each keeps an online softmax per row; a combine step merges the ranges. Compiled on first use by
 // runtime/kernels.load_cpu_kernels() with -O3 -march=native -ffast-math, which vectorises expf
 // through glibc's vector math library. No infinities are used (fast-math assumes none): masked
@@ -106,12 +106,6 @@ void attend_range(const vec* query,  // [tiles, D] transposed, scaled: query[t*D
         const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
         const float* key_block = keys + start * D;
         const float* value_block = values + start * D;
-        // the next block's keys and values: this loop computes far more than it reads, so the
-        // hardware prefetcher alone leaves it waiting on memory once K/V are out of the caches
-        for (int line = 0; line < kBlock * D; line += 16) {
-            __builtin_prefetch(key_block + kBlock * D + line);
-            __builtin_prefetch(value_block + kBlock * D + line);
-        }
         for (int64_t tile = 0; tile < tiles; ++tile) {
             const vec* q = query + tile * D;
             for (int j = 0; j < count; ++j) scores[j] = splat<vec>(0.0f);
