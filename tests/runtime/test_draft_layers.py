@@ -203,3 +203,71 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_leaves_the_output_unchang
     save_file({**heads, "draft_layers.vocab": torch.tensor([1, 2, 96])}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(WeightsError, match="draft vocabulary holds ids outside 0..95"):
         load_engine(directory, heads_file=tmp_path / "bad.safetensors")
+
+
+def test_a_root_mlp_reads_the_state_and_the_root_and_loads_from_a_heads_file(llama_dir, tmp_path):
+    directory, _ = llama_dir
+    generator = torch.Generator().manual_seed(7)
+    width = 48
+    root = {
+        "draft_layers.root.up.weight": torch.randn(width, 128, generator=generator) * 0.2,
+        "draft_layers.root.down.weight": torch.randn(64, width, generator=generator) * 0.2,
+        "draft_layers.root.hidden_norm.weight": 1 + 0.1 * torch.randn(64, generator=generator),
+        "draft_layers.root.norm.weight": 1 + 0.1 * torch.randn(64, generator=generator),
+    }
+    heads = {**_random_draft_tensors(64, "draft_layers.", seed=6), **root}
+    save_file(heads, str(tmp_path / "heads.safetensors"))
+    engine = load_engine(directory, heads_file=tmp_path / "heads.safetensors", dtype=torch.float64)
+    layers, model = engine.draft_layers, engine.model.torch_model
+    assert layers.root_conditioned and layers.root_width == width
+    assert draft_layout(layers.state_dict()) == DraftLayout(3, True, 0, width)
+    eps = engine.config.rms_norm_eps
+
+    hidden = torch.randn(4, 64, dtype=torch.float64)
+    roots = torch.tensor([5, 9, 5, 70])
+    embedding = model.model.embed_tokens.weight[roots]
+    # h_0 = h + D silu(U [rmsnorm_h(h); rmsnorm_r(embed(root))]), then the chained layers
+    both = torch.cat(
+        (
+            _rmsnorm(hidden, root["draft_layers.root.hidden_norm.weight"].double(), eps),
+            _rmsnorm(embedding, root["draft_layers.root.norm.weight"].double(), eps),
+        ),
+        dim=-1,
+    )
+    up = torch.nn.functional.silu(both @ root["draft_layers.root.up.weight"].double().T)
+    h = hidden + up @ root["draft_layers.root.down.weight"].double().T
+    expected = []
+    for i in range(3):
+        h = h + _rmsnorm(h, heads[f"draft_layers.{i}.input_layernorm.weight"].double(), eps) @ (
+            heads[f"draft_layers.{i}.linear.weight"].double().T
+        )
+        expected.append(
+            model.lm_head(_rmsnorm(h, heads[f"draft_layers.{i}.post_layernorm.weight"].double(), eps))
+        )
+    got = engine.model.draft_logits(hidden, layers, 3, roots)  # [3, T, V]
+    assert torch.allclose(got, torch.stack(expected), atol=1e-5)
+    other_root = engine.model.draft_logits(hidden[:1], layers, 3, torch.tensor([9]))[:, 0]
+    assert (other_root - got[:, 0]).abs().max() > 0.1
+
+
+def test_a_new_root_mlp_starts_as_the_plain_layers_and_can_learn(llama_engine64):
+    config = replace(llama_engine64.config, hidden_size=16)
+    plain = DraftLayers(config, 3)
+    rooted = DraftLayers(config, 3, root_conditioned=True, root_width=32).zero_()
+    generator = torch.Generator().manual_seed(2)
+    state = {
+        key: torch.randn(value.shape, generator=generator) if "linear" in key else value
+        for key, value in plain.state_dict().items()
+    }
+    plain.load_state_dict(state)
+    rooted.load_state_dict({**rooted.state_dict(), **state})
+    hidden, embedding = torch.randn(3, 16), torch.randn(3, 16)
+    with torch.no_grad():
+        for a, b in zip(plain(hidden), rooted(hidden, None, embedding)):
+            assert torch.equal(a, b)  # D = 0: the root adds nothing yet
+    assert rooted.root.up.weight.abs().sum() > 0  # ... but U is not zero, so D gets a gradient
+    loss = sum(out.square().sum() for out in rooted(hidden, None, embedding))
+    loss.backward()
+    assert rooted.root.down.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="root-conditioned"):
+        DraftLayers(config, 3, root_width=32)

@@ -262,6 +262,25 @@ def test_root_conditioned_layers_learn_what_follows_the_root(model_dir, tmp_path
     with pytest.raises(TrainingError, match="--root-conditioned"):
         HeadsTrainer(engine, _pair_ids(), config, tmp_path, init_heads=tmp_path / "rooted.safetensors")
 
+    # a root MLP learns the same, goes on from layers with a linear root input (its own root input
+    # starting at zero output), and round-trips through a heads file
+    wide = HeadsTrainer(
+        engine,
+        _pair_ids(),
+        replace(config, root_conditioned=True, root_width=32),
+        tmp_path,
+        init_heads=tmp_path / "rooted.safetensors",
+    )
+    assert wide.draft_layers.root_width == 32 and not wide.draft_layers.root.down.weight.any()
+    assert torch.equal(wide.draft_layers.layers[0].linear.weight, rooted.draft_layers.layers[0].linear.weight)
+    wide.run()
+    assert draft_accuracy(engine, wide.draft_layers, held_out).layers[0] > 0.5
+    save_heads(wide.draft_layers, tmp_path / "wide.safetensors")
+    loaded = load_engine(model_dir, heads_file=tmp_path / "wide.safetensors")
+    assert loaded.draft_layers.root_width == 32
+    for key, value in wide.draft_layers.state_dict().items():
+        assert torch.equal(loaded.draft_layers.state_dict()[key], value)
+
 
 def test_training_counts_a_draft_vocabulary_that_the_heads_file_and_engine_carry(model_dir, tmp_path):
     from tokenswift_trt.training.train_heads import frequent_tokens

@@ -63,6 +63,14 @@ from .common import DTYPES, CliError, fail, load_source, resolve_source
     help="draft layers that also read the root token (the target's sample they follow); beyond the paper",
 )
 @click.option(
+    "--root-width",
+    type=int,
+    default=0,
+    show_default=True,
+    help="root-conditioned layers whose root input is an MLP of this width over the state and the root "
+    "(0: one linear of the root)",
+)
+@click.option(
     "--draft-vocab",
     type=int,
     default=16384,
@@ -95,6 +103,7 @@ def train_heads(
     loss,
     init_heads,
     root_conditioned,
+    root_width,
     draft_vocab,
     resume,
     force,
@@ -129,7 +138,8 @@ def train_heads(
         checkpoint_every=checkpoint_every,
         seed=seed,
         loss=loss,
-        root_conditioned=root_conditioned,
+        root_conditioned=root_conditioned or root_width > 0,
+        root_width=root_width,
         draft_vocab=draft_vocab,
     )
     try:

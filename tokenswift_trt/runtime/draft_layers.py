@@ -12,6 +12,9 @@ x[t+2] without knowing which x[t+1] was drawn. With `root_conditioned`, the chai
 h_0 + U · rmsnorm_r(embed(x[t+1])) instead (one more hidden × hidden linear, zero-initialised so a
 new U repeats the unconditioned layers). Where x[t+1] is not known (the paper's partial-cache
 draft pass, whose base head drafts it), the base head's most likely token stands in.
+A wider root input (`root_width` > 0) reads both: h_0 + D · silu(U · [rmsnorm_h(h_0);
+rmsnorm_r(embed(x[t+1]))]), U [width, 2 · hidden], D [hidden, width] zero-initialised. On
+SmolLM2-135M (width 2,304) it lifts layer 1's chance of drafting the target's sample (docs/smollm2.md).
 
 Draft vocabulary (beyond the paper): a heads file may carry `vocab` [K] int64, the K tokens most
 frequent in the layers' training text. The draft layers' logits then come from those K rows of
@@ -61,6 +64,21 @@ class RootInput(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)  # r
 
 
+class RootMLP(nn.Module):
+    """D · silu(U · [rmsnorm_h(h_0); rmsnorm_r(embedding of the root)]), added to h_0."""
+
+    def __init__(self, hidden_size: int, width: int, eps: float) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(hidden_size, eps)  # h
+        self.norm = RMSNorm(hidden_size, eps)  # r
+        self.up = Linear(2 * hidden_size, width, bias=False)  # U
+        self.down = Linear(width, hidden_size, bias=False)  # D
+
+    def forward(self, hidden: torch.Tensor, root_embedding: torch.Tensor) -> torch.Tensor:
+        both = torch.cat((self.hidden_norm(hidden), self.norm(root_embedding)), dim=-1)  # [T, 2 · hidden]
+        return self.down(nn.functional.silu(self.up(both)))  # [T, hidden]
+
+
 @dataclass
 class VocabHead:
     """The LM head's rows of the draft vocabulary: states [..., hidden] -> logits [..., V], -inf
@@ -87,14 +105,26 @@ class VocabHead:
 
 class DraftLayers(nn.Module):
     def __init__(
-        self, config: ModelConfig, num_layers: int = 3, root_conditioned: bool = False, vocab_size: int = 0
+        self,
+        config: ModelConfig,
+        num_layers: int = 3,
+        root_conditioned: bool = False,
+        vocab_size: int = 0,
+        root_width: int = 0,
     ) -> None:
-        """`vocab_size` > 0: the layers carry a draft vocabulary of that many ids (`vocab`)."""
+        """`vocab_size` > 0: the layers carry a draft vocabulary of that many ids (`vocab`);
+        `root_width` > 0 (root-conditioned layers only): the root input is a `RootMLP` that wide."""
         super().__init__()
+        if root_width and not root_conditioned:
+            raise ValueError("a root input width needs root-conditioned draft layers")
         self.layers = nn.ModuleList(
             DraftLayer(config.hidden_size, config.rms_norm_eps) for _ in range(num_layers)
         )
-        self.root = RootInput(config.hidden_size, config.rms_norm_eps) if root_conditioned else None
+        self.root: RootInput | RootMLP | None = None
+        if root_width:
+            self.root = RootMLP(config.hidden_size, root_width, config.rms_norm_eps)
+        elif root_conditioned:
+            self.root = RootInput(config.hidden_size, config.rms_norm_eps)
         self.vocab: torch.Tensor | None  # [K] int64 token ids, ascending; None = the whole vocabulary
         self.register_buffer(VOCAB_KEY, torch.arange(vocab_size) if vocab_size else None)
         self.vocab_head: VocabHead | None = None  # `use_vocab_head`, for inference
@@ -112,14 +142,25 @@ class DraftLayers(nn.Module):
     def root_conditioned(self) -> bool:
         return self.root is not None
 
+    @property
+    def root_width(self) -> int:
+        """The `RootMLP`'s width, 0 for a linear root input or none."""
+        return self.root.up.weight.shape[0] if isinstance(self.root, RootMLP) else 0
+
     def zero_(self) -> DraftLayers:
-        """Untrained state: W = U = 0 and unit norms, so every layer repeats the base prediction."""
+        """Untrained state: W = U = 0 (a `RootMLP`: D = 0, U random so that D can learn) and unit
+        norms, so every layer repeats the base prediction."""
         with torch.no_grad():
             for layer in self.layers:
                 layer.linear.weight.zero_()
                 layer.input_layernorm.weight.fill_(1.0)
                 layer.post_layernorm.weight.fill_(1.0)
-            if self.root is not None:
+            if isinstance(self.root, RootMLP):
+                nn.init.normal_(self.root.up.weight, std=self.root.up.weight.shape[1] ** -0.5)
+                self.root.down.weight.zero_()
+                self.root.hidden_norm.weight.fill_(1.0)
+                self.root.norm.weight.fill_(1.0)
+            elif self.root is not None:
                 self.root.linear.weight.zero_()
                 self.root.norm.weight.fill_(1.0)
         return self
@@ -134,7 +175,10 @@ class DraftLayers(nn.Module):
         if self.root is not None:
             if root_embedding is None:
                 raise ValueError("root-conditioned draft layers need the root token's embedding")
-            hidden = hidden + self.root.linear(self.root.norm(root_embedding))
+            if isinstance(self.root, RootMLP):
+                hidden = hidden + self.root(hidden, root_embedding)
+            else:
+                hidden = hidden + self.root.linear(self.root.norm(root_embedding))
         outputs = []
         for layer in itertools.islice(
             self.layers, count
@@ -165,11 +209,16 @@ class DraftLayout:
     num_layers: int
     root_conditioned: bool
     vocab_size: int  # 0: no draft vocabulary
+    root_width: int = 0  # a RootMLP's width; 0: a linear root input or none
 
 
 def draft_layout(state: dict[str, torch.Tensor]) -> DraftLayout:
     layers = {key.split(".")[1] for key in state if key.startswith("layers.")}
     vocab = state.get(VOCAB_KEY)
+    up = state.get(ROOT_PREFIX + "up.weight")
     return DraftLayout(
-        len(layers), any(key.startswith(ROOT_PREFIX) for key in state), 0 if vocab is None else vocab.numel()
+        len(layers),
+        any(key.startswith(ROOT_PREFIX) for key in state),
+        0 if vocab is None else vocab.numel(),
+        0 if up is None else up.shape[0],
     )

@@ -141,9 +141,9 @@ def load_engine(
             raise WeightsError(f"heads file {heads_path} does not exist")
         draft = {draft_key(k) or k: v for k, v in _read_tensors([heads_path]).items()}
     layout = draft_layout(draft) if draft else DraftLayout(config.num_draft_layers, False, 0)
-    draft_layers = DraftLayers(config, layout.num_layers, layout.root_conditioned, layout.vocab_size).to(
-        device=device, dtype=dtype
-    )
+    draft_layers = DraftLayers(
+        config, layout.num_layers, layout.root_conditioned, layout.vocab_size, layout.root_width
+    ).to(device=device, dtype=dtype)
     if draft:
         _check_and_assign(draft_layers, draft, "draft layers", dtype, device)
     else:

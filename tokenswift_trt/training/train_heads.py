@@ -61,6 +61,7 @@ class TrainHeadsConfig:
     seed: int = 0
     loss: str = "distill"  # see LOSSES and the module docstring
     root_conditioned: bool = False  # layers that read the root token (runtime/draft_layers.py)
+    root_width: int = 0  # > 0: the root input is an MLP this wide (implies root_conditioned)
     draft_vocab: int = 16384  # the layers draft this many of the training text's most frequent tokens; 0: all
 
     def validate(self) -> None:
@@ -69,6 +70,8 @@ class TrainHeadsConfig:
         for name in ("steps", "seq_len", "batch", "grad_accum", "checkpoint_every"):
             if getattr(self, name) <= 0:
                 raise TrainingError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        if self.root_width < 0:
+            raise TrainingError(f"root input width must be 0 (linear) or positive, got {self.root_width}")
         if self.draft_vocab < 0:
             raise TrainingError(
                 f"draft vocabulary size must be 0 (all tokens) or positive, got {self.draft_vocab}"
@@ -306,9 +309,13 @@ def load_heads(path: Path, draft_layers: DraftLayers) -> dict[str, torch.Tensor]
     state.pop(VOCAB_KEY, None)
     if VOCAB_KEY in current:
         state[VOCAB_KEY] = current[VOCAB_KEY]
-    file_reads_root = draft_layout(state).root_conditioned
-    if draft_layers.root_conditioned and not file_reads_root:
-        # plain layers as the start of root-conditioned ones: the root input starts as it is (zero)
+    layout = draft_layout(state)
+    file_reads_root = layout.root_conditioned
+    other_root = not file_reads_root or layout.root_width != draft_layers.root_width
+    if draft_layers.root_conditioned and other_root:
+        # plain layers, or another root input, as the start of these: the root input starts as it is
+        # (zero, or for a root MLP zero output)
+        state = {key: value for key, value in state.items() if not key.startswith(ROOT_PREFIX)}
         state.update({key: value for key, value in current.items() if key.startswith(ROOT_PREFIX)})
     elif not draft_layers.root_conditioned and file_reads_root:
         raise TrainingError(f"{path} holds root-conditioned draft layers: train on with --root-conditioned")
@@ -372,8 +379,9 @@ class HeadsTrainer:
             DraftLayers(
                 engine.config,
                 len(engine.draft_layers),
-                config.root_conditioned,
+                config.root_conditioned or config.root_width > 0,
                 0 if vocab is None else vocab.numel(),
+                config.root_width,
             )
             .to(engine.device, torch.float32)
             .zero_()
