@@ -1,6 +1,7 @@
 """How often the target's sample is among draft layer 1's top k candidates, on text the model wrote.
 
-    .venv/bin/python scripts/first_level_agreement.py [--model smollm2-135m] [--tokens 1536] [--on book]
+    .venv/bin/python scripts/first_level_agreement.py [--model smollm2-135m] [--heads FILE] [--tokens 1536] \
+        [--on book]
 
 Generates `--tokens` with AR steps under the paper's sampling settings (min-p 0.1, θ 1.2, W 256,
 seed 1) after the opening of the held-out Pride and Prejudice, then, for every position t past the
@@ -39,12 +40,13 @@ WIDTH = 8
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--heads", type=Path, default=None, help="draft layers (default: the preset's)")
     parser.add_argument("--tokens", type=int, default=1536)
     parser.add_argument("--prompt-file", type=Path, default=HELD_OUT)
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--on", choices=("generated", "book"), default="generated")
     args = parser.parse_args()
-    source = load_source(args.model, None, None, None, None, "cpu", True)
+    source = load_source(args.model, None, None, args.heads, None, "cpu", True)
     engine, layers = source.engine, source.engine.draft_layers
     if layers is None or not layers.root_conditioned:
         raise SystemExit(f"{args.model} has no root-conditioned draft layers")
