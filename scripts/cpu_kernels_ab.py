@@ -24,7 +24,7 @@ import torch
 from torch.utils import cpp_extension
 
 from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.kernels import CPU_SOURCES
+from tokenswift_trt.runtime.kernels import CPU_CFLAGS, CPU_LDFLAGS, CPU_SOURCES
 from tokenswift_trt.runtime.kv_cache import KVCache
 
 TOKENS = (1, 2, 3, 4, 6)
@@ -47,8 +47,8 @@ def build_revision(revision: str, folder: Path):
     return cpp_extension.load(
         name="tokenswift_cpu_kernels_" + revision.replace("^", "_parent").replace("~", "_back"),
         sources=[str(folder / name) for name in CPU_SOURCES],
-        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
+        extra_cflags=list(CPU_CFLAGS),
+        extra_ldflags=list(CPU_LDFLAGS),
     )
 
 

@@ -29,6 +29,19 @@ def _rmsnorm(x, weight, eps):
     return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _chained_logits(h, heads, eps, model) -> torch.Tensor:
+    """The three chained layers of `heads` (float64) from h_0 [T, hidden] -> logits [3, T, V]."""
+    expected = []
+    for i in range(3):
+        h = h + _rmsnorm(h, heads[f"draft_layers.{i}.input_layernorm.weight"].double(), eps) @ (
+            heads[f"draft_layers.{i}.linear.weight"].double().T
+        )
+        expected.append(
+            model.lm_head(_rmsnorm(h, heads[f"draft_layers.{i}.post_layernorm.weight"].double(), eps))
+        )
+    return torch.stack(expected)
+
+
 def test_released_checkpoint_keys_load_and_layers_are_chained(llama_dir, tmp_path):
     directory, _ = llama_dir
     base = load_file(str(directory / "model.safetensors"))
@@ -120,16 +133,9 @@ def test_root_conditioned_layers_start_from_the_root_tokens_embedding(llama_dir,
     h = hidden + _rmsnorm(embedding, heads["draft_layers.root.norm.weight"].double(), eps) @ (
         heads["draft_layers.root.linear.weight"].double().T
     )
-    expected = []
-    for i in range(3):
-        h = h + _rmsnorm(h, heads[f"draft_layers.{i}.input_layernorm.weight"].double(), eps) @ (
-            heads[f"draft_layers.{i}.linear.weight"].double().T
-        )
-        expected.append(
-            model.lm_head(_rmsnorm(h, heads[f"draft_layers.{i}.post_layernorm.weight"].double(), eps))
-        )
     got = engine.model.draft_logits(hidden, layers, 3, roots)  # [3, T, V]
-    assert torch.allclose(got, torch.stack(expected), atol=1e-5)  # the norms compute in float32
+    # the norms compute in float32
+    assert torch.allclose(got, _chained_logits(h, heads, eps, model), atol=1e-5)
     assert torch.allclose(got[:, 2], engine.model.draft_logits(hidden[2:3], layers, 3, roots[2:3])[:, 0])
     other_root = engine.model.draft_logits(hidden[:1], layers, 3, torch.tensor([9]))[:, 0]
     assert (other_root - got[:, 0]).abs().max() > 0.1  # the same state after another root drafts otherwise
@@ -144,9 +150,11 @@ def test_root_conditioned_layers_start_from_the_root_tokens_embedding(llama_dir,
     )
 
 
-def test_zero_root_input_repeats_the_plain_layers(llama_engine64):
+@pytest.mark.parametrize("root_width", [0, 32])  # a linear root input, a root MLP
+def test_a_new_root_input_repeats_the_plain_layers(llama_engine64, root_width):
     config = replace(llama_engine64.config, hidden_size=16)
-    plain, rooted = DraftLayers(config, 3), DraftLayers(config, 3, root_conditioned=True).zero_()
+    plain = DraftLayers(config, 3)
+    rooted = DraftLayers(config, 3, root_conditioned=True, root_width=root_width).zero_()
     generator = torch.Generator().manual_seed(1)
     state = {
         key: torch.randn(value.shape, generator=generator) if "linear" in key else value
@@ -157,11 +165,18 @@ def test_zero_root_input_repeats_the_plain_layers(llama_engine64):
     hidden, embedding = torch.randn(3, 16), torch.randn(3, 16)
     with torch.no_grad():
         for a, b in zip(plain(hidden), rooted(hidden, None, embedding)):
-            assert torch.equal(a, b)  # U = 0: the root adds nothing
-    assert draft_layout(rooted.state_dict()) == DraftLayout(3, True, 0)
+            assert torch.equal(a, b)  # U = 0 (a root MLP: D = 0): the root adds nothing
+    assert draft_layout(rooted.state_dict()) == DraftLayout(3, True, 0, root_width)
     assert draft_layout(plain.state_dict()) == DraftLayout(3, False, 0)
     assert draft_key("draft_layers.root.linear.weight") == "root.linear.weight"
     assert draft_key("model.medusa_layers.2.linear.weight") == "layers.2.linear.weight"
+    if root_width:  # ... but U is not zero, so D gets a gradient
+        assert rooted.root.up.weight.abs().sum() > 0
+        loss = sum(out.square().sum() for out in rooted(hidden, None, embedding))
+        loss.backward()
+        assert rooted.root.down.weight.grad.abs().sum() > 0
+        with pytest.raises(ValueError, match="root-conditioned"):
+            DraftLayers(config, 3, root_width=32)
 
 
 def test_a_draft_vocabulary_drafts_only_its_tokens_and_leaves_the_output_unchanged(llama_dir, tmp_path):
@@ -236,38 +251,7 @@ def test_a_root_mlp_reads_the_state_and_the_root_and_loads_from_a_heads_file(lla
     )
     up = torch.nn.functional.silu(both @ root["draft_layers.root.up.weight"].double().T)
     h = hidden + up @ root["draft_layers.root.down.weight"].double().T
-    expected = []
-    for i in range(3):
-        h = h + _rmsnorm(h, heads[f"draft_layers.{i}.input_layernorm.weight"].double(), eps) @ (
-            heads[f"draft_layers.{i}.linear.weight"].double().T
-        )
-        expected.append(
-            model.lm_head(_rmsnorm(h, heads[f"draft_layers.{i}.post_layernorm.weight"].double(), eps))
-        )
     got = engine.model.draft_logits(hidden, layers, 3, roots)  # [3, T, V]
-    assert torch.allclose(got, torch.stack(expected), atol=1e-5)
+    assert torch.allclose(got, _chained_logits(h, heads, eps, model), atol=1e-5)
     other_root = engine.model.draft_logits(hidden[:1], layers, 3, torch.tensor([9]))[:, 0]
     assert (other_root - got[:, 0]).abs().max() > 0.1
-
-
-def test_a_new_root_mlp_starts_as_the_plain_layers_and_can_learn(llama_engine64):
-    config = replace(llama_engine64.config, hidden_size=16)
-    plain = DraftLayers(config, 3)
-    rooted = DraftLayers(config, 3, root_conditioned=True, root_width=32).zero_()
-    generator = torch.Generator().manual_seed(2)
-    state = {
-        key: torch.randn(value.shape, generator=generator) if "linear" in key else value
-        for key, value in plain.state_dict().items()
-    }
-    plain.load_state_dict(state)
-    rooted.load_state_dict({**rooted.state_dict(), **state})
-    hidden, embedding = torch.randn(3, 16), torch.randn(3, 16)
-    with torch.no_grad():
-        for a, b in zip(plain(hidden), rooted(hidden, None, embedding)):
-            assert torch.equal(a, b)  # D = 0: the root adds nothing yet
-    assert rooted.root.up.weight.abs().sum() > 0  # ... but U is not zero, so D gets a gradient
-    loss = sum(out.square().sum() for out in rooted(hidden, None, embedding))
-    loss.backward()
-    assert rooted.root.down.weight.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="root-conditioned"):
-        DraftLayers(config, 3, root_width=32)

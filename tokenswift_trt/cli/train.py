@@ -138,7 +138,7 @@ def train_heads(
         checkpoint_every=checkpoint_every,
         seed=seed,
         loss=loss,
-        root_conditioned=root_conditioned or root_width > 0,
+        root_conditioned=root_conditioned,
         root_width=root_width,
         draft_vocab=draft_vocab,
     )

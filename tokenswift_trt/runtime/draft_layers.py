@@ -63,6 +63,14 @@ class RootInput(nn.Module):
         self.linear = Linear(hidden_size, hidden_size, bias=False)  # U
         self.norm = RMSNorm(hidden_size, eps)  # r
 
+    def forward(self, hidden: torch.Tensor, root_embedding: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.norm(root_embedding))  # [T, hidden]
+
+    def reset_(self) -> None:
+        """Untrained: U = 0, unit norm (adds nothing)."""
+        self.linear.weight.zero_()
+        self.norm.weight.fill_(1.0)
+
 
 class RootMLP(nn.Module):
     """D · silu(U · [rmsnorm_h(h_0); rmsnorm_r(embedding of the root)]), added to h_0."""
@@ -77,6 +85,13 @@ class RootMLP(nn.Module):
     def forward(self, hidden: torch.Tensor, root_embedding: torch.Tensor) -> torch.Tensor:
         both = torch.cat((self.hidden_norm(hidden), self.norm(root_embedding)), dim=-1)  # [T, 2 · hidden]
         return self.down(nn.functional.silu(self.up(both)))  # [T, hidden]
+
+    def reset_(self) -> None:
+        """Untrained: D = 0 (adds nothing), U random so that D can learn, unit norms."""
+        nn.init.normal_(self.up.weight, std=self.up.weight.shape[1] ** -0.5)
+        self.down.weight.zero_()
+        self.hidden_norm.weight.fill_(1.0)
+        self.norm.weight.fill_(1.0)
 
 
 @dataclass
@@ -155,14 +170,8 @@ class DraftLayers(nn.Module):
                 layer.linear.weight.zero_()
                 layer.input_layernorm.weight.fill_(1.0)
                 layer.post_layernorm.weight.fill_(1.0)
-            if isinstance(self.root, RootMLP):
-                nn.init.normal_(self.root.up.weight, std=self.root.up.weight.shape[1] ** -0.5)
-                self.root.down.weight.zero_()
-                self.root.hidden_norm.weight.fill_(1.0)
-                self.root.norm.weight.fill_(1.0)
-            elif self.root is not None:
-                self.root.linear.weight.zero_()
-                self.root.norm.weight.fill_(1.0)
+            if self.root is not None:
+                self.root.reset_()
         return self
 
     def forward(
@@ -175,10 +184,7 @@ class DraftLayers(nn.Module):
         if self.root is not None:
             if root_embedding is None:
                 raise ValueError("root-conditioned draft layers need the root token's embedding")
-            if isinstance(self.root, RootMLP):
-                hidden = hidden + self.root(hidden, root_embedding)
-            else:
-                hidden = hidden + self.root.linear(self.root.norm(root_embedding))
+            hidden = hidden + self.root(hidden, root_embedding)
         outputs = []
         for layer in itertools.islice(
             self.layers, count

@@ -225,6 +225,9 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
 
 
 CPU_HEAD_DIMS = (16, 32, 64, 128)
+# how the CPU kernels compile (glibc's vector expf needs -ffast-math; parallel loops use OpenMP)
+CPU_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+CPU_LDFLAGS = ("-fopenmp",)
 CPU_SOURCES = (
     "module.cpp",
     "tree_attention_cpu.cpp",
@@ -268,8 +271,8 @@ def load_cpu_kernels(verbose: bool = False) -> KernelStatus:
         module = cpp_extension.load(
             name="tokenswift_cpu_kernels",
             sources=[str(source_dir() / "cpu" / name) for name in CPU_SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=list(CPU_CFLAGS),
+            extra_ldflags=list(CPU_LDFLAGS),
             verbose=verbose,
         )
     except (OSError, RuntimeError, ImportError, ValueError, subprocess.CalledProcessError) as error:

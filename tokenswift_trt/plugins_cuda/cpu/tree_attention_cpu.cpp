@@ -235,6 +235,16 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     }
 }
 
+// 8 lanes where a KV group's rows fit them, else 16
+template <int D>
+void run_lanes(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
+               double scale, at::Tensor& output) {
+    if ((query.size(0) / keys.size(0)) * query.size(1) <= 8)
+        run<D, 8>(query, keys, values, tree_mask, scale, output);
+    else
+        run<D, 16>(query, keys, values, tree_mask, scale, output);
+}
+
 }  // namespace
 
 at::Tensor tree_attention_cpu(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
@@ -254,16 +264,11 @@ at::Tensor tree_attention_cpu(const at::Tensor& query, const at::Tensor& keys, c
                     tree_mask.size(0) == query.size(1) && tree_mask.size(1) == (query.size(1) + 31) / 32,
                 "tree_mask must be a contiguous int32 tensor [T, ceil(T / 32)]");
     at::Tensor output = at::empty_like(query);
-    const bool narrow = (query.size(0) / keys.size(0)) * query.size(1) <= 8;  // a KV group's rows fit 8 lanes
     switch (query.size(2)) {
-        case 16: narrow ? run<16, 8>(query, keys, values, tree_mask, scale, output)
-                        : run<16, 16>(query, keys, values, tree_mask, scale, output); break;
-        case 32: narrow ? run<32, 8>(query, keys, values, tree_mask, scale, output)
-                        : run<32, 16>(query, keys, values, tree_mask, scale, output); break;
-        case 64: narrow ? run<64, 8>(query, keys, values, tree_mask, scale, output)
-                        : run<64, 16>(query, keys, values, tree_mask, scale, output); break;
-        case 128: narrow ? run<128, 8>(query, keys, values, tree_mask, scale, output)
-                         : run<128, 16>(query, keys, values, tree_mask, scale, output); break;
+        case 16: run_lanes<16>(query, keys, values, tree_mask, scale, output); break;
+        case 32: run_lanes<32>(query, keys, values, tree_mask, scale, output); break;
+        case 64: run_lanes<64>(query, keys, values, tree_mask, scale, output); break;
+        case 128: run_lanes<128>(query, keys, values, tree_mask, scale, output); break;
         default: TORCH_CHECK(false, "the CPU tree-attention kernel covers head_dim 16, 32, 64 and 128, got ", query.size(2));
     }
     return output;
