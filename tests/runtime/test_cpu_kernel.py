@@ -133,6 +133,24 @@ def test_fp32_cpu_engine_verifies_through_the_kernel_with_sdpa_logits(cpu_kernel
     torch.testing.assert_close(logits["cpu_tree_attention"], logits["sdpa"], rtol=1e-4, atol=1e-5)
 
 
+def test_fp32_cpu_engine_takes_ar_steps_through_the_kernel(cpu_kernels, llama_dir, monkeypatch):
+    # one new token (an AR step) runs the kernel too: it beats SDPA there since it prefetches K/V
+    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "1")
+    engine = quiet_load(llama_dir[0])
+    model, config = engine.model, engine.config
+    prefix = 300
+    tokens = torch.randint(0, config.vocab_size, (prefix + 1,), generator=torch.Generator().manual_seed(6))
+    logits = {}
+    for kernel in ("sdpa", "cpu_tree_attention"):
+        model.use_attention_kernel(kernel)
+        cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, prefix + 8)
+        model(tokens[:prefix], torch.arange(prefix), cache)
+        cache.commit()
+        assert model._attention_mask(1, cache, None, None, torch.device("cpu")).kernel == kernel
+        logits[kernel] = model.logits(model(tokens[prefix:], torch.tensor([prefix]), cache).hidden)
+    torch.testing.assert_close(logits["cpu_tree_attention"], logits["sdpa"], rtol=1e-4, atol=1e-5)
+
+
 def test_cpu_kernel_can_be_turned_off(cpu_kernels, llama_dir, monkeypatch):
     monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")
     assert quiet_load(llama_dir[0]).model.attention_kernel == "sdpa"
