@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -211,6 +212,14 @@ def test_cli_trains_resumes_and_refuses_bad_input(model_dir, tmp_path):
     )
     assert malformed.exit_code == 2 and "bad.jsonl:1" in malformed.stderr
 
+    cached_out = tmp_path / "cached"
+    cached = CliRunner().invoke(main, [*args[:6], str(cached_out), *args[7:], "--state-cache", "2"])
+    assert cached.exit_code == 0, cached.output
+    assert "base states" in cached.stderr and (cached_out / HEADS_FILE).is_file()
+    assert json.loads((cached_out / "train_heads.json").read_text())["config"]["state_cache"] == 2
+    negative = CliRunner().invoke(main, [*args[:6], str(tmp_path / "y"), *args[7:], "--state-cache", "-1"])
+    assert negative.exit_code == 2 and "state cache" in negative.stderr
+
 
 def _pair_ids(length: int = 4000, seed: int = 0) -> torch.Tensor:
     """a1 f(a1) a2 f(a2) ...: each a random among five tokens, f(a) = a + 100. The token after a
@@ -369,3 +378,47 @@ def test_layers_with_a_draft_vocabulary_train_and_are_scored_over_its_rows_only(
         picks = loaded.model.draft_logits(states, loaded.draft_layers, 1).argmax(-1)[0]  # [T]: x[t + 2]
     expected = (picks[:-2] == ids[2:]).float().mean().item()
     assert draft_accuracy(loaded, loaded.draft_layers, [ids]).layers[0] == pytest.approx(expected)
+
+
+def test_a_state_cache_trains_from_base_states_computed_once(model_dir, tmp_path, monkeypatch):
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(
+        steps=25, seq_len=48, batch=2, grad_accum=1, lr=5e-3, warmup_steps=3, loss="tokens", state_cache=3
+    )
+    forwards = []
+    model_forward = type(engine.model).forward
+    monkeypatch.setattr(
+        type(engine.model),
+        "forward",
+        lambda self, *a, **k: forwards.append(1) or model_forward(self, *a, **k),
+    )
+    trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
+    built = []
+    trainer.cache_states(built.append)
+    assert built == [1, 2, 3] and len(forwards) == 3
+    cached = trainer.cached
+    assert cached is not None and cached.states.dtype == torch.float16
+    assert cached.ids.shape == (3, 48) and cached.states.shape == (3, 48, engine.config.hidden_size)
+    for ids, states in zip(cached.ids, cached.states):  # the base's own states, rounded to float16
+        torch.testing.assert_close(states.float(), base_hidden(engine, ids), atol=2e-3, rtol=1e-3)
+    losses = []
+    forwards.clear()
+    trainer.run(lambda step, loss: losses.append(loss))
+    assert not forwards  # no base forward per step
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
+    assert min(draft_accuracy(engine, trainer.draft_layers, [_periodic_ids(200)]).layers) > 0.3
+
+    # a resumed run rebuilds the same cache and continues identically
+    (tmp_path / "b").mkdir()
+    first = HeadsTrainer(engine, _periodic_ids(), replace(config, steps=6), tmp_path / "b")
+    for _ in range(3):
+        first.train_step()
+    first.save_checkpoint()
+    resumed = HeadsTrainer(engine, _periodic_ids(), replace(config, steps=6), tmp_path / "b")
+    resumed.load_checkpoint()
+    resumed.run()
+    first.run()
+    for key, value in first.draft_layers.state_dict().items():
+        assert torch.equal(value, resumed.draft_layers.state_dict()[key]), key
+    with pytest.raises(TrainingError, match="state cache"):
+        replace(config, state_cache=-1).validate()

@@ -77,6 +77,14 @@ from .common import DTYPES, CliError, fail, load_source, resolve_source
     show_default=True,
     help="the layers draft only this many of the training text's most frequent tokens (0: all of them)",
 )
+@click.option(
+    "--state-cache",
+    type=int,
+    default=0,
+    show_default=True,
+    help="compute the base model's states of this many training sequences once (float16, in memory: "
+    "N x seq-len x hidden x 2 bytes) and draw every batch from them; 0: a base forward per sequence",
+)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 @click.option("--force", is_flag=True, help="start over even if OUT holds a checkpoint")
 @click.option(
@@ -105,6 +113,7 @@ def train_heads(
     root_conditioned,
     root_width,
     draft_vocab,
+    state_cache,
     resume,
     force,
     combined,
@@ -141,6 +150,7 @@ def train_heads(
         root_conditioned=root_conditioned,
         root_width=root_width,
         draft_vocab=draft_vocab,
+        state_cache=state_cache,
     )
     try:
         config.validate()
@@ -169,6 +179,9 @@ def train_heads(
         f"from step {trainer.step}",
         err=True,
     )
+    if config.state_cache:
+        with tqdm(total=config.state_cache, desc="base states", unit="seq", file=sys.stderr) as bar:
+            trainer.cache_states(lambda done: bar.update(1))
     with tqdm(total=steps, initial=trainer.step, desc="train-heads", unit="step", file=sys.stderr) as bar:
 
         def on_step(step: int, loss: float) -> None:
