@@ -33,7 +33,9 @@ from first_level_agreement import HELD_OUT, PAPER_SAMPLING, coupled_ranks, evalu
 from torch import nn
 
 from tokenswift_trt.cli.common import load_source
+from tokenswift_trt.runtime.draft_layers import RootMLP
 from tokenswift_trt.runtime.engine import Engine
+from tokenswift_trt.runtime.rope import apply_rotary
 from tokenswift_trt.runtime.text import TextCodec
 from tokenswift_trt.training.train_heads import (
     base_hidden,
@@ -48,29 +50,28 @@ BOOKS = ("moby_dick", "war_and_peace", "iliad")
 SEQ = 512
 
 
-class RootMLP(nn.Module):
-    def __init__(self, hidden: int, width: int, final_norm: torch.Tensor) -> None:
+class Layer1MLP(nn.Module):
+    """rmsnorm(h + RootMLP(h, e)): the runtime's root MLP (runtime/draft_layers.py) with D = 0, read
+    out through a norm that starts as the base model's final one."""
+
+    def __init__(self, hidden: int, width: int, final_norm: torch.Tensor, eps: float) -> None:
         super().__init__()
-        self.hidden_norm, self.root_norm = nn.RMSNorm(hidden, eps=1e-5), nn.RMSNorm(hidden, eps=1e-5)
-        self.up = nn.Linear(2 * hidden, width, bias=False)
-        self.down = nn.Linear(width, hidden, bias=False)
-        self.post = nn.RMSNorm(hidden, eps=1e-5)
-        nn.init.zeros_(self.down.weight)
+        self.root = RootMLP(hidden, width, eps)
+        self.post = nn.RMSNorm(hidden, eps=eps)
+        nn.init.zeros_(self.root.down.weight)
         with torch.no_grad():
             self.post.weight.copy_(final_norm)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:  # [..., hidden] each
-        both = torch.cat((self.hidden_norm(h), self.root_norm(e)), dim=-1)
-        return self.post(h + self.down(F.silu(self.up(both))))
+        return self.post(h + self.root(h, e))
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:  # x [B, heads, T, head_dim]
+def rotate(x: torch.Tensor) -> torch.Tensor:  # x [B, heads, T, head_dim], rotary positions 0..T-1
     head_dim, length = x.shape[-1], x.shape[-2]
     inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     angles = torch.arange(length).float()[:, None] * inverse[None]  # [T, head_dim / 2]
-    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
-    first, second = x[..., : head_dim // 2], x[..., head_dim // 2 :]
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+    angles = torch.cat((angles, angles), dim=-1)
+    return apply_rotary(x, angles.cos(), angles.sin())
 
 
 class AttentionLayer(nn.Module):
@@ -127,7 +128,7 @@ def main() -> None:
 
     hidden = states.shape[-1]
     variants = {
-        "mlp": RootMLP(hidden, 2304, final_norm.weight.detach().float()),
+        "mlp": Layer1MLP(hidden, 2304, final_norm.weight.detach().float(), engine.config.rms_norm_eps),
         "attention": AttentionLayer(hidden, 9, 1536, final_norm.weight.detach().float()),
     }
     for name, net in variants.items():
