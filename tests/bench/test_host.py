@@ -37,6 +37,17 @@ def test_timed_engine_generates_the_same_tokens(engine):
     assert timed.calls > 0 and timed.seconds > 0
 
 
+def test_timed_engine_runs_every_forward_where_the_timer_sees_it(engine):
+    """With fixed-shape steps on (the default on CUDA), forwards would go straight to the torch
+    model and the H100's host figure would hold every verify and draft (21 ms instead of ~4)."""
+    config = GenerationConfig(tree=PAPER_TREE, max_new_tokens=24, seed=1, ignore_eos=True, static_steps=True)
+    _, plain = generate(engine, list(range(5, 40)), config)
+    timed = TimedModel(engine.model, engine.device)
+    _, stats = generate(replace(engine, model=timed), list(range(5, 40)), config)
+    assert plain.fixed_shape_steps > 0  # untimed, the engine takes the fixed-shape path
+    assert stats.fixed_shape_steps == 0 and timed.calls >= stats.forwards > 0
+
+
 def test_host_overhead_splits_decode_time(engine):
     config = GenerationConfig(tree=PAPER_TREE, max_new_tokens=60, seed=1, ignore_eos=True)
     result = measure_host_overhead(engine, list(range(5, 40)), config)

@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenswift_trt.runtime import sampling
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, generate
-from tokenswift_trt.runtime.device_loop import DeviceNgramTable, TrieSlots, walk
+from tokenswift_trt.runtime.device_loop import DeviceLoop, DeviceNgramTable, TrieSlots, walk
 from tokenswift_trt.runtime.sampling import PositionKeyedRandom, SamplingConfig, position_gumbel_tensor
 from tokenswift_trt.runtime.stages import accept_trie
 from tokenswift_trt.runtime.tree import build_static_tree, build_trie
@@ -43,6 +44,54 @@ def test_device_loop_tokens_equal_ar_and_the_host_loop(llama_engine64, sampling,
     assert stats.iterations < len(device) and stats.forwards == stats.iterations
     assert "host" in stats.phase_s and "wait" in stats.phase_s
     assert abs(stats.accepted_tokens - host_stats.accepted_tokens) <= 0.2 * host_stats.accepted_tokens + 3
+
+
+class HostValueCopies(TorchDispatchMode):
+    """Records operations that read a tensor made from Python data (`lift_fresh`: `x[i] = True`,
+    `torch.tensor(...)`). On a GPU each is a copy from ordinary host memory, which a CUDA graph
+    capture refuses; a fill with the value (`fill_`) is a kernel argument instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: list[torch.Tensor] = []
+        self.found: list[str] = []
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        name = func.overloadpacket.__name__
+        if name == "lift_fresh":
+            self.fresh.append(out)
+        elif name != "fill_" and any(a is t for a in args for t in self.fresh):
+            self.found.append(str(func))
+        return out
+
+
+def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch):
+    """What CUDA graph capture needs, checked on the CPU: no operation of an iteration reads a
+    tensor made from host data (the H100 run found `matched[0] = True` in the walk this way)."""
+    recorder = HostValueCopies()
+    step = DeviceLoop.step
+
+    def recorded_step(self) -> None:
+        with recorder:
+            step(self)
+
+    monkeypatch.setattr(DeviceLoop, "step", recorded_step)
+    prompt = _prompt(llama_engine64.config.vocab_size)
+    config = GenerationConfig(
+        max_new_tokens=24,
+        sampling=PAPER_SAMPLING,
+        seed=2,
+        ignore_eos=True,
+        tree="3,3,3",
+        draft_source="verify",
+        device_loop=True,
+    )
+    generate(llama_engine64, prompt, config)
+    assert recorder.ops > 100  # it saw the iterations' operations
+    assert recorder.found == []
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])

@@ -29,7 +29,12 @@ NO_KERNEL = frozenset({"lift_fresh", "detach", "detach_", "alias"})
 
 
 class TimedModel:
-    """Forwards every attribute to `model`; accumulates seconds spent in TIMED_CALLS."""
+    """Forwards every attribute to `model`; accumulates seconds spent in TIMED_CALLS.
+
+    Fixed-shape steps (CUDA graphs) would run the torch model behind this proxy's back and charge
+    every verify and draft forward to the host, so generation through it takes the eager path."""
+
+    fixed_shape_steps = False
 
     def __init__(self, model: object, device: torch.device) -> None:
         self._model = model

@@ -159,7 +159,7 @@ class TrieSlots:
         chain = torch.where(known, canonical[self.ancestors.clamp(min=0)], 0)  # [S, Dmax]
         mask = torch.zeros(size, size, dtype=torch.bool, device=root.device)
         mask.scatter_(1, chain, known)  # slot 0 (root) may receive a False from an unknown entry
-        mask[:, 0] = True
+        mask[:, 0].fill_(True)  # a fill: `= True` copies a host value, refused in a graph capture
         mask |= torch.eye(size, dtype=torch.bool, device=root.device)
         return Trie(tokens, self.depths, canonical[self.parents], live, mask, paths)
 
@@ -186,7 +186,7 @@ def walk(
     sample at its parent and its parent is accepted. De-duplicated, a parent has at most one live
     child per token, so the accepted slots form one chain from the root."""
     matched = trie.live & (trie.tokens == samples[trie.parents])
-    matched[0] = True
+    matched[0].fill_(True)  # not `= True`: that copies a host scalar, refused during graph capture
     accepted = trie.live & ~(trie.mask & ~matched[None, :]).any(dim=-1)  # [S]: every ancestor matched
     last = torch.where(accepted, trie.depths, -1).argmax().reshape(1)  # 1-d indices: no read-back
     levels = torch.arange(max_depth + 1, device=samples.device)

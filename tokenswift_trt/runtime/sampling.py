@@ -87,7 +87,7 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_scores, order = scores.sort(dim=-1, descending=False)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= (1 - top_p)
-    remove_sorted[..., -1] = False
+    remove_sorted[..., -1].fill_(False)  # a fill, not a copy of a host value (CUDA graph capture)
     remove = remove_sorted.scatter(-1, order, remove_sorted)
     return scores.masked_fill(remove, float("-inf"))
 
