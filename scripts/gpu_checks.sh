@@ -2,6 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
+#                                                      divergence
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -85,6 +86,9 @@ EOF"
     syncs)
         stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs)"; exit 2 ;;
+    divergence)  # where TokenSwift's tokens part from AR's per dtype (bf16 verify vs 1-token steps round differently)
+        stage divergence 400 "$PYTHON" scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512
+        ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence)"; exit 2 ;;
     esac
 done
