@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
+from tokenswift_trt.cli.common import unequal_tokens_note
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +250,12 @@ def test_a_preset_name_runs_its_local_model_with_the_presets_settings():
     assert unknown.exit_code == 2 and "unknown preset 'nope'" in unknown.stderr
     both = _run("generate", "--model", "swift-tiny", "--model-dir", str(directory), *common)
     assert both.exit_code == 2 and "exactly one of --model PRESET" in both.stderr
+
+
+def test_unequal_tokens_are_explained_on_low_precision_gpus_and_flagged_elsewhere():
+    gpu = unequal_tokens_note("cuda", "torch.bfloat16")
+    assert gpu.startswith("note:") and "bfloat16 on a GPU" in gpu and "docs/gpu.md" in gpu
+    assert "float16 on a GPU" in unequal_tokens_note("cuda:1", "torch.float16")
+    for device, dtype in (("cpu", "torch.float32"), ("cpu", "torch.bfloat16"), ("cuda", "torch.float32")):
+        note = unequal_tokens_note(device, dtype)
+        assert note.startswith("warning:") and "should be equal" in note and dtype[6:] in note

@@ -18,6 +18,7 @@ from .common import (
     read_prompt,
     sampling_options,
     source_options,
+    unequal_tokens_note,
 )
 
 
@@ -132,6 +133,8 @@ def bench(
     click.echo(" | ".join(columns))
     for row in rows:
         click.echo(" | ".join(str(row[c]) for c in columns))
+    if not all(row["tokens_equal_ar"] for row in rows):
+        click.echo(unequal_tokens_note(opts["device"], str(engine.dtype)), err=True)
     click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
@@ -294,7 +297,13 @@ def bench_steps(
         )
     try:
         costs = measure_step_costs(
-            engine, context_list, sizes, kv_budget, step_repeats, bandwidth, on_step,
+            engine,
+            context_list,
+            sizes,
+            kv_budget,
+            step_repeats,
+            bandwidth,
+            on_step,
             compile_steps=compile_steps,
         )
         speedups = modeled_speedup(

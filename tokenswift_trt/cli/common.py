@@ -16,6 +16,20 @@ class CliError(click.ClickException):
     exit_code = 2
 
 
+def unequal_tokens_note(device: str, dtype: str) -> str:
+    """What a user should know when TokenSwift's tokens are not AR's (bench, demo)."""
+    if device.startswith("cuda") and ("bfloat16" in dtype or "float16" in dtype):
+        return (
+            f"note: tokens differ from AR's: in {dtype.removeprefix('torch.')} on a GPU a verify of several "
+            "tokens rounds the logits differently from a 1-token step, so sampling parts where two tokens "
+            "nearly tie (each token is still drawn from the model's distribution; docs/gpu.md)"
+        )
+    return (
+        f"warning: tokens differ from AR's on a {dtype.removeprefix('torch.')} {device} engine, where they "
+        "should be equal: please report the command (docs/runtime.md)"
+    )
+
+
 def fail(error: Exception) -> CliError:
     """The first line of an error's message as a CLI error."""
     return CliError(str(error).splitlines()[0] if str(error) else type(error).__name__)

@@ -18,6 +18,7 @@ from .common import (
     request_settings,
     sampling_options,
     source_options,
+    unequal_tokens_note,
 )
 
 DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
@@ -297,6 +298,8 @@ def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_token
         f"tokens/iteration {ts.mean_accept_length:.2f}   tokens/forward {ts.tokens_per_forward:.2f}   "
         f"same tokens as AR: {ar_ids == ts_ids}"
     )
+    if ar_ids != ts_ids:
+        click.echo(unequal_tokens_note(str(loaded.engine.device), str(loaded.engine.dtype)), err=True)
     click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
     if ts.plans:
         click.echo("plans (--tree auto): " + " | ".join(describe_plans(ts.plans)))
