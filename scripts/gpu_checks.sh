@@ -48,7 +48,7 @@ print('kernels loaded:', status.loaded, status.reason, f'{time.time() - start:.1
 EOF"
         ;;
     tests)
-        stage tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
+        stage tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
             tests/plugins_cuda/test_cuda_kernels.py tests/runtime/test_static_step.py tests/runtime/test_sampling.py \
             tests/runtime/test_kernels.py tests/runtime/test_model.py tests/bench/test_kernel_bench.py \
             tests/bench/test_steps.py tests/runtime/test_kv_cache.py tests/runtime/test_transfer.py \
