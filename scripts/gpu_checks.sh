@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
-#                                                      divergence
+#                                                      divergence e2e e2e-paper
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -89,6 +89,16 @@ EOF"
     divergence)  # where TokenSwift's tokens part from AR's per dtype (bf16 verify vs 1-token steps round differently)
         stage divergence 400 "$PYTHON" scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence)"; exit 2 ;;
+    e2e)  # whole generations of the 8B shape (random weights), AR and the device loop taking turns (#20 item 4)
+        stage e2e 540 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
+            --tree 3,3,3 --device-loop --gen-len 4096,20480 --prefix-len 4096 --interleave 2048 --no-extras \
+            --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e"
+        ;;
+    e2e-paper)  # the same with the paper's tree, drafted on the partial cache by the host loop
+        stage e2e-paper 540 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
+            --tree 1,3,3,3 --gen-len 4096,20480 --prefix-len 4096 --interleave 2048 --no-extras \
+            --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
+        ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-paper)"; exit 2 ;;
     esac
 done

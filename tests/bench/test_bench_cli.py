@@ -244,3 +244,32 @@ def test_bench_without_extras_runs_ar_and_tokenswift_only(model_dir, tmp_path):
     assert row["tokens_equal_ar"] and "distinct4_penalty" in row and row["auto_plans"]
     assert "distinct4_no_penalty" not in row and "auto_vs_default_tree" not in row
     assert "distinct4_no_penalty" not in result.stdout
+
+
+def test_bench_times_a_model_shape_with_random_weights_and_models_the_speedup(tmp_path):
+    """`bench --random-weights`: whole generations of a preset's shape with no checkpoint or text
+    (on a GPU: the 8B shape end to end); the row's times are the measured ones, and the modeled
+    speedup is what an iteration of that cost gives at --accept-length tokens."""
+    args = ["bench", "--model", "swift-tiny", "--random-weights", "--tree", "1,3", "--gen-len", "24,40"]
+    args += ["--prefix-len", "16", "--no-extras", "--accept-length", "3", "--out", str(tmp_path / "rw")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "rw" / "bench.json").read_text())
+    assert report["meta"]["random_weights"] and report["meta"]["accept_length"] == 3
+    assert [row["gen_len"] for row in report["rows"]] == [24, 40]
+    for row in report["rows"]:
+        assert row["tokens_equal_ar"]
+        assert row["ar_ms_per_token"] == pytest.approx(1e3 / row["ar_tokens_per_s"], rel=1e-3)
+        iteration = 1e3 * row["tokens_per_iteration"] / row["tokenswift_tokens_per_s"]
+        assert row["tokenswift_ms_per_iteration"] == pytest.approx(iteration, rel=1e-3)
+        assert row["modeled_speedup"] == pytest.approx(3 * row["ar_ms_per_token"] / iteration, rel=1e-2)
+    assert "modeled_speedup" in result.stdout and "iteration_over_ar_step" in result.stdout
+    for bad, message in (
+        (["--tree", "auto"], "needs a static --tree"),
+        (["--tree", "3", "--prompt-file", str(tmp_path / "x.txt")], "no --model-dir"),
+        (["--tree", "3", "--accept-length", "0.5"], "--accept-length must be at least 1"),
+    ):
+        refused = CliRunner().invoke(main, ["bench", "--model", "swift-tiny", "--random-weights", *bad])
+        assert refused.exit_code == 2 and message in refused.output
+    missing = CliRunner().invoke(main, ["bench", "--model", "swift-tiny"])
+    assert missing.exit_code == 2 and "--prompt-file is required" in missing.output

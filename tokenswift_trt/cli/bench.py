@@ -25,7 +25,21 @@ from .common import (
 @click.command()
 @source_options
 @click.option(
-    "--prompt-file", type=click.Path(path_type=Path), required=True, help="text to cut prompts from"
+    "--prompt-file", type=click.Path(path_type=Path), default=None, help="text to cut prompts from [required]"
+)
+@click.option(
+    "--random-weights",
+    is_flag=True,
+    help="time --model's shape (a preset such as llama3.1-8b) with random weights built on the device: "
+    "no checkpoint or text, random prompt ids, a static --tree; reports measured ms per AR token and "
+    "per TokenSwift iteration and the speedup they give at --accept-length",
+)
+@click.option(
+    "--accept-length",
+    type=float,
+    default=4.36,
+    show_default=True,
+    help="with --random-weights: tokens per iteration assumed for the modeled speedup (the paper's 4α+1)",
 )
 @click.option("--gen-len", default="2048,8192", show_default=True, help="generation lengths")
 @click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens")
@@ -51,6 +65,8 @@ def bench(
     engine_dir,
     heads,
     prompt_file,
+    random_weights,
+    accept_length,
     gen_len,
     prefix_len,
     prompts,
@@ -72,12 +88,21 @@ def bench(
         raise CliError(f"--interleave must be >= 0 (0 runs the methods one after another), got {interleave}")
     if opts["seed"] is None:
         opts["seed"] = 0
-    generation_config(max(gen_lens), "tokenswift", opts)
-    text = read_prompt(None, prompt_file)
-    source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
-    engine = source.engine
-    config = generation_config(max(gen_lens), "tokenswift", opts, source.defaults)
-    text_ids = source.codec.encode(text)
+    if random_weights:
+        engine, text_ids, defaults = _random_weights_source(
+            model, model_dir, engine_dir, heads, prompt_file, accept_length, opts, prefix_lens, prompts
+        )
+        source_name = f"{model} (random weights)"
+    else:
+        if prompt_file is None:
+            raise CliError("--prompt-file is required (or --random-weights with --model)")
+        generation_config(max(gen_lens), "tokenswift", opts)
+        text = read_prompt(None, prompt_file)
+        source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+        engine, defaults = source.engine, source.defaults
+        text_ids = source.codec.encode(text)
+        source_name = str(source.model_dir or source.engine_dir)
+    config = generation_config(max(gen_lens), "tokenswift", opts, defaults)
     longest = max(prefix_lens) + max(gen_lens)
     limit = config.max_length or engine.config.max_position_embeddings
     if longest > limit:
@@ -102,7 +127,7 @@ def bench(
         raise fail(error) from None
     meta = {
         "command": "tokenswift-trt bench " + " ".join(sys.argv[2:]),
-        "source": str(source.model_dir or source.engine_dir),
+        "source": source_name,
         "tree": config.tree,
         "ngram_topk": config.ngram_topk,
         "draft_source": config.resolved_draft_source,
@@ -112,6 +137,10 @@ def bench(
         "dtype": str(engine.dtype),
         "interleave": interleave,
     }
+    if random_weights:
+        meta.update(model=model, random_weights=True, accept_length=accept_length)
+        for row in rows:
+            row.update(measured_iteration_times(row, accept_length))
     written = write_results(rows, out, meta)
     columns = [
         "prefix_len",
@@ -129,6 +158,17 @@ def bench(
     ]
     if "auto_vs_default_tree" in rows[0]:
         columns.insert(5, "auto_vs_default_tree")
+    if random_weights:  # acceptance means nothing here: what the measured times imply at --accept-length
+        columns = [
+            "prefix_len",
+            "gen_len",
+            "ar_ms_per_token",
+            "tokenswift_ms_per_iteration",
+            "iteration_over_ar_step",
+            "tokens_per_iteration",
+            "modeled_speedup",
+            "tokens_equal_ar",
+        ]
     columns = [column for column in columns if column in rows[0]]
     click.echo(" | ".join(columns))
     for row in rows:
@@ -136,6 +176,50 @@ def bench(
     if not all(row["tokens_equal_ar"] for row in rows):
         click.echo(unequal_tokens_note(opts["device"], str(engine.dtype)), err=True)
     click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+def _random_weights_source(
+    model, model_dir, engine_dir, heads, prompt_file, accept_length, opts, prefix_lens, prompts
+):
+    """`bench --random-weights`: (engine with random weights on the device, random prompt ids, defaults)."""
+    import torch
+
+    from tokenswift_trt.bench.steps import random_engine
+
+    if model is None or model_dir or engine_dir or heads or prompt_file:
+        raise CliError(
+            "--random-weights takes --model (a preset or model directory whose shape is timed) and no "
+            "--model-dir, --engine, --heads or --prompt-file"
+        )
+    if opts["tree"] in (None, "auto"):
+        raise CliError(
+            "--random-weights needs a static --tree (e.g. 1,3,3,3): `auto` tunes on acceptance, which "
+            "random weights do not have"
+        )
+    if accept_length < 1:
+        raise CliError(f"--accept-length must be at least 1 (tokens per iteration), got {accept_length}")
+    opts["ignore_eos"] = True  # random weights sample EOS at random
+    dtype = getattr(torch, opts["dtype"]) if opts["dtype"] else None
+    try:
+        engine, _ = random_engine(model, dtype, opts["device"])
+    except ValueError as error:  # StepBenchError (too little memory), an unknown preset
+        raise fail(error) from None
+    count = max(prefix_lens) * prompts + 1
+    ids = torch.randint(3, engine.config.vocab_size, (count,), generator=torch.Generator().manual_seed(0))
+    return engine, ids.tolist(), {}
+
+
+def measured_iteration_times(row: dict, accept_length: float) -> dict:
+    """A bench row's measured times per AR token and per TokenSwift iteration (ms), the iteration in AR
+    steps, and the speedup an iteration of that cost gives when it commits `accept_length` tokens."""
+    ar_ms = 1e3 / row["ar_tokens_per_s"]
+    iteration_ms = 1e3 * row["tokens_per_iteration"] / row["tokenswift_tokens_per_s"]
+    return {
+        "ar_ms_per_token": round(ar_ms, 3),
+        "tokenswift_ms_per_iteration": round(iteration_ms, 3),
+        "iteration_over_ar_step": round(iteration_ms / ar_ms, 3),
+        "modeled_speedup": round(accept_length * ar_ms / iteration_ms, 3),
+    }
 
 
 @click.command("bench-steps")
