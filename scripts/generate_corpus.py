@@ -35,7 +35,8 @@ class PaperTransforms(LogitsProcessor):
         self.config = config
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        window = input_ids[:, -self.config.penalty_window :]  # [B, W]
+        start = input_ids.shape[1] - min(self.config.penalty_window, input_ids.shape[1])
+        window = input_ids[:, start:]  # [B, <= W] (empty when W = 0)
         return process_logits(scores, window, self.config)  # [B, V], -inf where excluded
 
 
@@ -68,12 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.sequences < 1 or args.batch < 1 or args.prompt_len < 1 or args.new_tokens < 1:
         parser.error("--sequences, --batch, --prompt-len and --new-tokens must be positive")
 
-    tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
-    model = model.to(args.device).eval()
     config = SamplingConfig(
         temperature=1.0, min_p=args.min_p, penalty=args.penalty, penalty_window=args.penalty_window
     )
+    try:
+        config.validate()
+    except ValueError as error:
+        parser.error(str(error))
+    tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
     books = book_tokens(tokenizer, args.data)
     generator = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)

@@ -90,13 +90,13 @@ EOF"
         stage divergence 400 "$PYTHON" scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512
         ;;
     e2e)  # whole generations of the 8B shape (random weights), AR and the device loop taking turns (#20 item 4)
-        stage e2e 540 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
-            --tree 3,3,3 --device-loop --gen-len 4096,20480 --prefix-len 4096 --interleave 2048 --no-extras \
+        stage e2e 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
+            --tree 3,3,3 --device-loop --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e"
         ;;
     e2e-paper)  # the same with the paper's tree, drafted on the partial cache by the host loop
-        stage e2e-paper 540 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
-            --tree 1,3,3,3 --gen-len 4096,20480 --prefix-len 4096 --interleave 2048 --no-extras \
+        stage e2e-paper 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
+            --tree 1,3,3,3 --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
         ;;
     *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-paper)"; exit 2 ;;

@@ -19,6 +19,7 @@ from tokenswift_trt.bench.run import (
 )
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
+from tokenswift_trt.cli.bench import measured_iteration_times
 from tokenswift_trt.runtime.autotune import AR_PLAN, Plan
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError
 from tokenswift_trt.runtime.sampling import SamplingConfig
@@ -263,6 +264,9 @@ def test_bench_times_a_model_shape_with_random_weights_and_models_the_speedup(tm
         iteration = 1e3 * row["tokens_per_iteration"] / row["tokenswift_tokens_per_s"]
         assert row["tokenswift_ms_per_iteration"] == pytest.approx(iteration, rel=1e-3)
         assert row["modeled_speedup"] == pytest.approx(3 * row["ar_ms_per_token"] / iteration, rel=1e-2)
+        # fed the run's own tokens per iteration, the model from measured times is the measured speedup
+        measured = measured_iteration_times(row, row["tokens_per_iteration"])["modeled_speedup"]
+        assert measured == pytest.approx(row["tokenswift_tokens_per_s"] / row["ar_tokens_per_s"], rel=1e-2)
     assert "modeled_speedup" in result.stdout and "iteration_over_ar_step" in result.stdout
     for bad, message in (
         (["--tree", "auto"], "needs a static --tree"),
@@ -273,3 +277,9 @@ def test_bench_times_a_model_shape_with_random_weights_and_models_the_speedup(tm
         assert refused.exit_code == 2 and message in refused.output
     missing = CliRunner().invoke(main, ["bench", "--model", "swift-tiny"])
     assert missing.exit_code == 2 and "--prompt-file is required" in missing.output
+    text = tmp_path / "book.txt"
+    text.write_text("words " * 100)
+    stray = CliRunner().invoke(
+        main, ["bench", "--model", "swift-tiny", "--prompt-file", str(text), "--accept-length", "3"]
+    )
+    assert stray.exit_code == 2 and "give it with --random-weights" in stray.output

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from tokenswift_trt.runtime import sampling
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, generate
@@ -49,7 +50,7 @@ def test_device_loop_tokens_equal_ar_and_the_host_loop(llama_engine64, sampling,
 class HostValueCopies(TorchDispatchMode):
     """Records operations that read a tensor made from Python data (`lift_fresh`: `x[i] = True`,
     `torch.tensor(...)`). On a GPU each is a copy from ordinary host memory, which a CUDA graph
-    capture refuses; a fill with the value (`fill_`) is a kernel argument instead."""
+    capture refuses; a fill with a Python value (`fill_.Scalar`) is a kernel argument instead."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,13 +59,15 @@ class HostValueCopies(TorchDispatchMode):
         self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         self.ops += 1
-        name = func.overloadpacket.__name__
-        if name == "lift_fresh":
+        if func.overloadpacket.__name__ == "lift_fresh":
             self.fresh.append(out)
-        elif name != "fill_" and any(a is t for a in args for t in self.fresh):
-            self.found.append(str(func))
+        else:  # every tensor the op reads, nested in lists (cat, index_put_'s indices) or keywords too
+            inputs = tree_flatten((args, kwargs))[0]
+            if any(a is t for a in inputs for t in self.fresh):
+                self.found.append(str(func))
         return out
 
 

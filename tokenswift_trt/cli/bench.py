@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,6 +21,11 @@ from .common import (
     source_options,
     unequal_tokens_note,
 )
+
+if TYPE_CHECKING:
+    from tokenswift_trt.runtime.engine import Engine
+
+PAPER_ACCEPT_LENGTH = 4.36  # 4α + 1 with the paper's α = 0.84 (LLaMA3.1-8B, 100K tokens)
 
 
 @click.command()
@@ -37,9 +43,9 @@ from .common import (
 @click.option(
     "--accept-length",
     type=float,
-    default=4.36,
-    show_default=True,
-    help="with --random-weights: tokens per iteration assumed for the modeled speedup (the paper's 4α+1)",
+    default=None,
+    help="with --random-weights: tokens per iteration assumed for the modeled speedup [4.36: the "
+    "paper's 4α+1]",
 )
 @click.option("--gen-len", default="2048,8192", show_default=True, help="generation lengths")
 @click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens")
@@ -90,12 +96,17 @@ def bench(
         opts["seed"] = 0
     if random_weights:
         engine, text_ids, defaults = _random_weights_source(
-            model, model_dir, engine_dir, heads, prompt_file, accept_length, opts, prefix_lens, prompts
+            model, (model_dir, engine_dir, heads, prompt_file), accept_length, opts, prefix_lens, prompts
         )
+        accept_length = PAPER_ACCEPT_LENGTH if accept_length is None else accept_length
         source_name = f"{model} (random weights)"
     else:
         if prompt_file is None:
             raise CliError("--prompt-file is required (or --random-weights with --model)")
+        if accept_length is not None:
+            raise CliError(
+                "--accept-length models a speedup from measured times: give it with --random-weights"
+            )
         generation_config(max(gen_lens), "tokenswift", opts)
         text = read_prompt(None, prompt_file)
         source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
@@ -179,14 +190,21 @@ def bench(
 
 
 def _random_weights_source(
-    model, model_dir, engine_dir, heads, prompt_file, accept_length, opts, prefix_lens, prompts
-):
-    """`bench --random-weights`: (engine with random weights on the device, random prompt ids, defaults)."""
+    model: str | None,
+    sources: tuple[Path | None, Path | None, Path | None, Path | None],
+    accept_length: float | None,
+    opts: dict,
+    prefix_lens: tuple[int, ...],
+    prompts: int,
+) -> tuple[Engine, list[int], dict]:
+    """`bench --random-weights`: (engine with random weights on the device, random prompt ids, the
+    preset's defaults). `sources`: --model-dir, --engine, --heads and --prompt-file, none allowed."""
     import torch
 
     from tokenswift_trt.bench.steps import random_engine
+    from tokenswift_trt.builder.presets import PRESETS
 
-    if model is None or model_dir or engine_dir or heads or prompt_file:
+    if model is None or any(sources):
         raise CliError(
             "--random-weights takes --model (a preset or model directory whose shape is timed) and no "
             "--model-dir, --engine, --heads or --prompt-file"
@@ -196,17 +214,20 @@ def _random_weights_source(
             "--random-weights needs a static --tree (e.g. 1,3,3,3): `auto` tunes on acceptance, which "
             "random weights do not have"
         )
-    if accept_length < 1:
+    if accept_length is not None and accept_length < 1:
         raise CliError(f"--accept-length must be at least 1 (tokens per iteration), got {accept_length}")
-    opts["ignore_eos"] = True  # random weights sample EOS at random
+    defaults = dict(PRESETS[model].defaults) if model in PRESETS else {}
+    generation_config(1, "tokenswift", opts, defaults)  # bad settings fail before any weights are built
+    if opts["device"].startswith("cuda") and not torch.cuda.is_available():
+        raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
     dtype = getattr(torch, opts["dtype"]) if opts["dtype"] else None
     try:
         engine, _ = random_engine(model, dtype, opts["device"])
-    except ValueError as error:  # StepBenchError (too little memory), an unknown preset
+    except (ValueError, RuntimeError) as error:  # too little memory, an unknown preset, CUDA errors
         raise fail(error) from None
-    count = max(prefix_lens) * prompts + 1
+    count = max(prefix_lens) * (prompts + 1)  # prompt_windows spreads its windows over the ids
     ids = torch.randint(3, engine.config.vocab_size, (count,), generator=torch.Generator().manual_seed(0))
-    return engine, ids.tolist(), {}
+    return engine, ids.tolist(), defaults
 
 
 def measured_iteration_times(row: dict, accept_length: float) -> dict:
@@ -233,7 +254,7 @@ def measured_iteration_times(row: dict, accept_length: float) -> dict:
 @click.option(
     "--accept-length",
     type=float,
-    default=4.36,
+    default=PAPER_ACCEPT_LENGTH,
     show_default=True,
     help="τ, tokens per iteration (4α+1; paper α 0.84)",
 )
@@ -511,6 +532,10 @@ def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max
     if config.device_loop:
         _device_loop_host_time(engine, prompt, config)
         return
+    if config.compile_steps:
+        raise CliError(
+            "bench-host times the host loop's model calls eagerly: use --compile-steps with --device-loop"
+        )
     try:
         result = measure_host_overhead(engine, prompt, config)
     except ValueError as error:
