@@ -34,7 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument(
+        "--full-precision-reductions",
+        action="store_true",
+        help="forbid cuBLAS's reduced-precision (bf16/fp16) split-K reductions: does AR then equal TS?",
+    )
     args = parser.parse_args(argv)
+    if args.full_precision_reductions:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     prompt = (
         Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
         .encode(args.prompt_file.read_text(encoding="utf-8"))

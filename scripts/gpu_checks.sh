@@ -87,7 +87,8 @@ EOF"
         stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
         ;;
     divergence)  # where TokenSwift's tokens part from AR's per dtype (bf16 verify vs 1-token steps round differently)
-        stage divergence 400 "$PYTHON" scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512
+        stage divergence 400 bash -c "$PYTHON scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512 \
+            && $PYTHON scripts/ar_divergence.py --device cuda --dtypes bfloat16 --tokens 512 --full-precision-reductions"
         ;;
     e2e)  # whole generations of the 8B shape (random weights), AR and the device loop taking turns (#20 item 4)
         stage e2e 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
