@@ -9,7 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tokenswift_trt.runtime.draft_layers import DraftLayers, DraftLayout, draft_key, draft_layout
+from tokenswift_trt.runtime.draft_layers import (
+    Q4_GROUP,
+    DraftLayers,
+    DraftLayout,
+    draft_key,
+    draft_layout,
+    quantized_q4,
+    read_heads_file,
+)
 from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
 
 from conftest import quiet_load
@@ -255,3 +263,40 @@ def test_a_root_mlp_reads_the_state_and_the_root_and_loads_from_a_heads_file(lla
     assert torch.allclose(got, _chained_logits(h, heads, eps, model), atol=1e-5)
     other_root = engine.model.draft_logits(hidden[:1], layers, 3, torch.tensor([9]))[:, 0]
     assert (other_root - got[:, 0]).abs().max() > 0.1
+
+
+def test_four_bit_weights_round_to_half_a_scale_and_load_as_the_weights_they_stand_for(llama_dir, tmp_path):
+    """A heads file may hold its large weights in 4 bits (the committed SmolLM2 heads' root MLP):
+    every reader gets float weights back, within half a group's scale of the originals."""
+    directory, _ = llama_dir
+    generator = torch.Generator().manual_seed(3)
+    heads = {
+        **_random_draft_tensors(64, "draft_layers.", seed=4),
+        "draft_layers.root.up.weight": torch.randn(128, 128, generator=generator) * 0.2,
+        "draft_layers.root.down.weight": torch.randn(64, 128, generator=generator) * 0.2,
+        "draft_layers.root.hidden_norm.weight": torch.ones(64),
+        "draft_layers.root.norm.weight": torch.ones(64),
+        "draft_layers.vocab": torch.arange(3, 40),
+    }
+    packed = quantized_q4(
+        heads, min_numel=8000
+    )  # the root matrices (16,384 and 8,192), not the 64 x 64 layers
+    up, down = "draft_layers.root.up.weight", "draft_layers.root.down.weight"
+    assert {up + ".q4", up + ".q4_scales", down + ".q4", down + ".q4_scales"} <= set(packed)
+    assert up not in packed and packed[up + ".q4"].dtype == torch.uint8
+    assert packed[up + ".q4"].shape == (128, 64) and packed[up + ".q4_scales"].shape == (128, 128 // Q4_GROUP)
+    small = [k for k in heads if k not in (up, down)]
+    assert all(torch.equal(packed[k], heads[k]) for k in small)  # small and integer tensors as they were
+    save_file(packed, str(tmp_path / "q4.safetensors"))
+    restored = read_heads_file(tmp_path / "q4.safetensors")
+    assert set(restored) == set(heads)
+    for key in (up, down):
+        scale = packed[key + ".q4_scales"].float().repeat_interleave(Q4_GROUP, dim=1)
+        error = (restored[key] - heads[key]).abs()
+        assert (error <= scale / 2 + 1e-6).all() and error.max() > 0  # rounded, by at most half a step
+    engine = load_engine(directory, heads_file=tmp_path / "q4.safetensors")
+    assert torch.equal(engine.draft_layers.root.up.weight, restored[up])
+    broken = {k: v for k, v in packed.items() if k != up + ".q4_scales"}
+    save_file(broken, str(tmp_path / "broken.safetensors"))
+    with pytest.raises(WeightsError, match="has no draft_layers.root.up.weight.q4_scales"):
+        load_engine(directory, heads_file=tmp_path / "broken.safetensors")

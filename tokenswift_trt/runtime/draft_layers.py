@@ -23,14 +23,22 @@ the model's weights, read once more per iteration when drafting needs its own he
 16,384 most frequent tokens of the training books cover ~97% of a held-out book's tokens.
 Verification always uses the whole vocabulary, so output is unchanged; only acceptance can drop,
 by the accepted drafts that were rare tokens.
+
+4-bit weights (heads files only): a large weight may be stored as `NAME.q4` (uint8 [out, in / 2],
+two signed 4-bit values per byte, low nibble first) with `NAME.q4_scales` (float16 [out, in /
+group]): w = q * scale within each group of `group` inputs. `read_heads_file` turns them back into
+`NAME` (float32), so every reader sees plain weights; `quantized_q4` writes them. A draft layer's
+weights only change what is drafted, never what is accepted, so rounding costs acceptance at most.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from .config import ModelConfig
@@ -228,3 +236,43 @@ def draft_layout(state: dict[str, torch.Tensor]) -> DraftLayout:
         0 if vocab is None else vocab.numel(),
         0 if up is None else up.shape[0],
     )
+
+
+Q4_SUFFIX, Q4_SCALES_SUFFIX = ".q4", ".q4_scales"
+Q4_GROUP = 32  # inputs per scale
+
+
+def quantized_q4(tensors: dict[str, torch.Tensor], min_numel: int = 1 << 20) -> dict[str, torch.Tensor]:
+    """A heads file's tensors with every 2-D float weight of at least `min_numel` elements in 4 bits
+    (symmetric, one float16 scale per Q4_GROUP inputs of a row); the rest unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        rows, columns = value.shape if value.dim() == 2 else (0, 0)
+        if not value.is_floating_point() or value.numel() < min_numel or columns % Q4_GROUP:
+            out[key] = value
+            continue
+        groups = value.float().reshape(rows, columns // Q4_GROUP, Q4_GROUP)
+        scales = (groups.abs().amax(-1) / 7).clamp_min(1e-12).half()  # [rows, groups]
+        q = (groups / scales.float()[..., None]).round().clamp(-8, 7).to(torch.int16) + 8  # 0..15
+        q = q.reshape(rows, columns).to(torch.uint8)
+        out[key + Q4_SUFFIX] = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [rows, columns / 2]
+        out[key + Q4_SCALES_SUFFIX] = scales.contiguous()
+    return out
+
+
+def dequantized_q4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [out, in / 2], scales float16 [out, in / group] -> float32 [out, in]."""
+    q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).float() - 8
+    return (q.reshape(*scales.shape, -1) * scales.float()[..., None]).reshape(q.shape)
+
+
+def read_heads_file(path: Path) -> dict[str, torch.Tensor]:
+    """A heads file's tensors by their file names, 4-bit weights restored to float32."""
+    tensors = load_file(str(path))
+    for key in [k for k in tensors if k.endswith(Q4_SUFFIX)]:
+        name = key.removesuffix(Q4_SUFFIX)
+        scales = tensors.pop(name + Q4_SCALES_SUFFIX, None)
+        if scales is None:
+            raise ValueError(f"heads file {path}: {key} has no {name + Q4_SCALES_SUFFIX}")
+        tensors[name] = dequantized_q4(tensors.pop(key), scales)
+    return tensors

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from . import kernels
 from .config import ModelConfig, load_config
 from .cpu_linear import pack_linears
-from .draft_layers import DraftLayers, DraftLayout, draft_key, draft_layout
+from .draft_layers import DraftLayers, DraftLayout, draft_key, draft_layout, read_heads_file
 from .model import Decoder, LlamaModel
 
 
@@ -139,7 +139,10 @@ def load_engine(
         heads_path = Path(heads_file)
         if not heads_path.is_file():
             raise WeightsError(f"heads file {heads_path} does not exist")
-        draft = {draft_key(k) or k: v for k, v in _read_tensors([heads_path]).items()}
+        try:
+            draft = {draft_key(k) or k: v for k, v in read_heads_file(heads_path).items()}
+        except ValueError as error:
+            raise WeightsError(str(error)) from None
     layout = draft_layout(draft) if draft else DraftLayout(config.num_draft_layers, False, 0)
     draft_layers = DraftLayers(
         config, layout.num_layers, layout.root_conditioned, layout.vocab_size, layout.root_width

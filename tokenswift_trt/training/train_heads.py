@@ -34,6 +34,7 @@ from tokenswift_trt.runtime.draft_layers import (
     draft_key,
     draft_layout,
     heads_file_key,
+    read_heads_file,
 )
 from tokenswift_trt.runtime.engine import Engine
 from tokenswift_trt.runtime.kv_cache import KVCache
@@ -315,7 +316,7 @@ def load_heads(path: Path, draft_layers: DraftLayers) -> dict[str, torch.Tensor]
     counts its own text's tokens)."""
     if not path.is_file():
         raise TrainingError(f"heads file {path} does not exist")
-    tensors = load_file(str(path))
+    tensors = read_heads_file(path)
     state = {draft_key(key): value for key, value in tensors.items() if draft_key(key) is not None}
     current = draft_layers.state_dict()
     state.pop(VOCAB_KEY, None)
@@ -348,7 +349,7 @@ def write_combined(model_dir: Path, heads_file: Path, out_dir: Path) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
-    for key, value in load_file(str(heads_file)).items():
+    for key, value in read_heads_file(heads_file).items():
         tensors[RELEASED_PREFIX + key.removeprefix(HEADS_PREFIX)] = value
     save_file(tensors, str(out_dir / "model.safetensors"))
     for file in model_dir.iterdir():
@@ -359,7 +360,7 @@ def write_combined(model_dir: Path, heads_file: Path, out_dir: Path) -> Path:
         ):
             shutil.copy2(file, out_dir / file.name)
     config = json.loads((out_dir / "config.json").read_text())
-    state = {draft_key(k) or k: v for k, v in load_file(str(heads_file)).items()}
+    state = {draft_key(k) or k: v for k, v in read_heads_file(heads_file).items()}
     config["medusa_heads"] = draft_layout(state).num_layers
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
