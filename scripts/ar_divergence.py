@@ -15,11 +15,11 @@ import argparse
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.engine import load_engine
 from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.runtime.text import TextCodec
 
 SAMPLINGS = {
     "greedy": SamplingConfig(temperature=0),
@@ -43,11 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.full_precision_reductions:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    prompt = (
-        Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
-        .encode(args.prompt_file.read_text(encoding="utf-8"))
-        .ids[:400]
-    )
+    prompt = TextCodec.from_dir(args.model_dir).encode(args.prompt_file.read_text(encoding="utf-8"))[:400]
     for dtype_name in args.dtypes.split(","):
         engine = load_engine(args.model_dir, dtype=getattr(torch, dtype_name), device=args.device)
         for name, sampling in SAMPLINGS.items():

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from tokenswift_trt.runtime.sampling import SamplingConfig, process_logits
+from tokenswift_trt.runtime.text import TextCodec
 
 
 class PaperTransforms(LogitsProcessor):
@@ -40,11 +40,8 @@ class PaperTransforms(LogitsProcessor):
         return process_logits(scores, window, self.config)  # [B, V], -inf where excluded
 
 
-def book_tokens(tokenizer: Tokenizer, files: list[Path]) -> torch.Tensor:
-    ids: list[int] = []
-    for file in files:
-        ids.extend(tokenizer.encode(file.read_text(encoding="utf-8")).ids)
-    return torch.tensor(ids, dtype=torch.long)
+def book_tokens(codec: TextCodec, files: list[Path]) -> torch.Tensor:
+    return torch.tensor([t for file in files for t in codec.encode(file.read_text(encoding="utf-8"))])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         config.validate()
     except ValueError as error:
         parser.error(str(error))
-    tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
+    codec = TextCodec.from_dir(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
-    books = book_tokens(tokenizer, args.data)
+    books = book_tokens(codec, args.data)
     generator = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     pad_token_id=model.config.eos_token_id,
                 )  # [B, P + new]
             for row in ids.tolist():
-                out.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
+                out.write(json.dumps({"text": codec.decode(row)}) + "\n")
             written += count
             rate = written * args.new_tokens / (time.time() - start)
             print(f"{written}/{args.sequences} sequences, {rate:.0f} new tokens/s", file=sys.stderr)
