@@ -1,7 +1,7 @@
 """How often the target's sample is among draft layer 1's top k candidates, on text the model wrote.
 
     .venv/bin/python scripts/first_level_agreement.py [--model smollm2-135m] [--heads FILE] [--tokens 1536] \
-        [--on book]
+        [--on book] [--depth 2]
 
 Generates `--tokens` with AR steps under the paper's sampling settings (min-p 0.1, θ 1.2, W 256,
 seed 1) after the opening of the held-out Pride and Prejudice, then, for every position t past the
@@ -11,6 +11,10 @@ noise g (argmax of the processed base logits + g), and the draft's candidates ar
 same g (runtime/sampling.draft_ranking). Prints hit@k for k = 1..8: the share of positions whose
 target sample is among the first k candidates, i.e. what a first level of k nodes would accept.
 `--on book` measures on the book's own text instead (a stretch from its middle, no generation).
+`--depth 2` scores the second level the same way: the chained layer 2's drafts of x[t + 3] and, where
+the heads have a path input (runtime/draft_layers.PathInput), the path input's drafts from layer 1's
+state and x[t + 2] (the path the target took), over all positions and over those where layer 1's
+first 3 candidates held the target's x[t + 2] (where a tree's second level is reached).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tokenswift_trt.training.train_heads import (
     base_logits,
     draft_logits,
     head_weight,
+    path_logits,
     root_embeddings,
     vocab_ids,
 )
@@ -47,6 +52,7 @@ def main() -> None:
     parser.add_argument("--prompt-file", type=Path, default=HELD_OUT)
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--on", choices=("generated", "book"), default="generated")
+    parser.add_argument("--depth", type=int, choices=(1, 2), default=1)
     args = parser.parse_args()
     source = load_source(args.model, None, None, args.heads, None, "cpu", True)
     engine, layers = source.engine, source.engine.draft_layers
@@ -58,11 +64,21 @@ def main() -> None:
     with torch.no_grad():
         hidden = base_hidden(engine, ids)
         base = base_logits(engine, weight, hidden)  # [T, V]: row t scores x[t + 1]
-        drafts = draft_logits(weight, layers, hidden, root_embeddings(engine, layers, ids))[0]  # [T, K]
-    columns = vocab_ids(layers, torch.arange(drafts.shape[1]))
-    ranks = coupled_ranks(base, drafts, columns, ids, start, PAPER_SAMPLING)
-    hits = hit_rates(ranks)
-    print(f"{args.model}, {len(ranks)} positions of {args.on} text; hit@1..{WIDTH}: {hits}")
+        roots = root_embeddings(engine, layers, ids)
+        drafts = draft_logits(weight, layers, hidden, roots)  # per layer [T, K]
+        paths = []
+        if layers.path is not None and args.depth == 2:
+            paths = path_logits(engine, weight, layers, layers.chain(hidden, 1, roots)[0][0], ids)
+    columns = vocab_ids(layers, torch.arange(drafts[0].shape[1]))
+    first = coupled_ranks(base, drafts[0], columns, ids, start, PAPER_SAMPLING)
+    print(f"{args.model}, {len(first)} positions of {args.on} text")
+    print(f"layer 1 (x[t + 2]) hit@1..{WIDTH}: {hit_rates(first)}")
+    if args.depth == 2:
+        reached = [rank < 3 for rank in first]
+        for name, rows in [("layer 2", drafts[1])] + [("path input", paths[0])] * bool(paths):
+            ranks = coupled_ranks(base, rows, columns, ids, start, PAPER_SAMPLING, depth=2)
+            print(f"{name} (x[t + 3]) hit@1..{WIDTH}: {hit_rates(ranks)}")
+            print(f"  where layer 1's top 3 held x[t + 2]: {hit_rates(ranks, reached)}")
 
 
 def evaluation_text(
@@ -90,18 +106,20 @@ def coupled_ranks(
     ids: torch.Tensor,
     start: int,
     sampling: SamplingConfig,
+    depth: int = 1,
 ) -> list[int]:
-    """base [T, V] (row t scores x[t + 1]), drafts [T, K] (row t drafts x[t + 2] over the token ids
-    `columns` [K]), ids [T] -> for every t from `start` (at least one penalty window in) the rank of
-    the target's sample of x[t + 2] among the draft's first WIDTH candidates (WIDTH: not among them).
-    The Gumbel noise is drawn from a fixed seed, so drafts compared on the same ids meet the same
-    samples."""
-    generator = torch.Generator().manual_seed(0)
+    """base [T, V] (row t scores x[t + 1]), drafts [T, K] (row t drafts x[t + 1 + depth] over the
+    token ids `columns` [K]), ids [T] -> for every t from `start` (at least one penalty window in,
+    the same positions at every depth) the rank of the target's sample of x[t + 1 + depth] among the
+    draft's first WIDTH candidates (WIDTH: not among them). The Gumbel noise is drawn from a fixed
+    seed, so drafts compared on the same ids meet the same samples."""
+    generator = torch.Generator().manual_seed(depth - 1)
     window = sampling.penalty_window
     ranks: list[int] = []
-    for t in range(max(start, window), ids.numel() - 2):
-        recent = ids[t + 2 - window : t + 2]
-        target = process_logits(base[t + 1 : t + 2], recent, sampling)[0]  # what samples x[t + 2]
+    for t in range(max(start, window), ids.numel() - 3):
+        end = t + 1 + depth  # the drafted position
+        recent = ids[end - window : end]
+        target = process_logits(base[end - 1 : end], recent, sampling)[0]  # what samples x[end]
         full = torch.full_like(target, float("-inf"))
         full[columns] = drafts[t]
         draft = process_logits(full[None], recent, sampling)
@@ -113,8 +131,11 @@ def coupled_ranks(
     return ranks
 
 
-def hit_rates(ranks: list[int]) -> str:
-    """'0.285 / 0.401 / ...': the share of ranks below k for k = 1..WIDTH."""
+def hit_rates(ranks: list[int], where: list[bool] | None = None) -> str:
+    """'0.285 / 0.401 / ...': the share of ranks below k for k = 1..WIDTH (of the ranks `where` is
+    True for, when given)."""
+    if where is not None:
+        ranks = [rank for rank, keep in zip(ranks, where, strict=True) if keep]
     return " / ".join(f"{sum(rank < k for rank in ranks) / len(ranks):.3f}" for k in range(1, WIDTH + 1))
 
 

@@ -46,14 +46,13 @@ def llama_engine64(llama_dir):
     return quiet_load(llama_dir[0], dtype=torch.float64)
 
 
-@pytest.fixture(scope="session")
-def rooted_engine64(llama_dir, tmp_path_factory):
-    """float64 engine whose random draft layers are root-conditioned (runtime/draft_layers.py)."""
+def _random_heads_engine64(llama_dir, tmp_path_factory, **layout):
+    """float64 engine with random draft layers of that layout (`DraftLayers`' keyword arguments)."""
     from tokenswift_trt.runtime.draft_layers import DraftLayers
     from tokenswift_trt.training.train_heads import save_heads
 
     engine = quiet_load(llama_dir[0], dtype=torch.float64)
-    layers = DraftLayers(engine.config, 3, root_conditioned=True)
+    layers = DraftLayers(engine.config, 3, root_conditioned=True, **layout)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, value in layers.state_dict().items():
@@ -61,6 +60,19 @@ def rooted_engine64(llama_dir, tmp_path_factory):
                 torch.randn(value.shape, generator=generator) * (0.3 if "linear" in name else 0.05)
                 + (1.0 if "norm" in name else 0.0)
             )
-    path = tmp_path_factory.mktemp("rooted") / "heads.safetensors"
+    path = tmp_path_factory.mktemp("heads") / "heads.safetensors"
     save_heads(layers, path)
     return quiet_load(llama_dir[0], dtype=torch.float64, heads_file=path)
+
+
+@pytest.fixture(scope="session")
+def rooted_engine64(llama_dir, tmp_path_factory):
+    """float64 engine whose random draft layers are root-conditioned (runtime/draft_layers.py)."""
+    return _random_heads_engine64(llama_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def path_engine64(llama_dir, tmp_path_factory):
+    """float64 engine whose random root-conditioned draft layers have a path input (depths >= 2
+    drafted along each branch, runtime/draft_layers.PathInput)."""
+    return _random_heads_engine64(llama_dir, tmp_path_factory, root_width=24, path_width=24)

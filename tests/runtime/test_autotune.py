@@ -175,6 +175,15 @@ def test_measured_sampling_costs_enter_every_plan():
     # sampling a batch so dear that drafting cannot pay: plain AR steps
     best, _ = choose_plan(recorder, flat, 0.0, 0.0, sampling_costs={1: 0.5, 2: 20.0, 16: 30.0})
     assert best.tree == AR_PLAN
+    # drafting along tree paths costs one pass per level: by depth, replacing both draft costs
+    by_depth = {1: 0.25, 2: 2.0, 3: 4.0, 4: 6.0}
+    _, plans = choose_plan(
+        recorder, flat, 3.0, 0.0, device=torch.device("cpu"), batched_draft_s=0.5, draft_s_by_depth=by_depth
+    )
+    by_plan = {(p.tree, p.ngram_topk): p for p in plans}
+    assert by_plan[("1", 0)].seconds_per_iteration == pytest.approx(0.25 + 1.0)
+    assert by_plan[("1,1,1,1", 0)].seconds_per_iteration == pytest.approx(6.0 + 1.0)
+    assert by_plan[("1,1,1", 0)].seconds_per_iteration == pytest.approx(4.0 + 1.0)
 
 
 def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):

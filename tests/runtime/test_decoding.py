@@ -483,3 +483,76 @@ def test_root_conditioned_drafts_read_the_root_and_stay_lossless(
     if draft_source == "verify":  # one draft pass per iteration, each after the root it reads
         assert len(roots_seen) == stats.iterations
         assert all(root == last for root, last in roots_seen)
+
+
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16)]
+)
+@pytest.mark.parametrize("tree", ["2,2,2", "auto"])
+def test_path_drafts_follow_each_branch_and_stay_lossless(path_engine64, sampling, tree, monkeypatch):
+    """Draft layers with a path input draft each level from the level before's nodes (one pass per
+    level, one row per node), so depth-1 siblings get children of their own; tokens equal AR's."""
+    import tokenswift_trt.runtime.decoding as decoding
+
+    engine = path_engine64
+    prompt = _prompts(engine.config.vocab_size, 1)[0]
+    rows: list[tuple[bool, int]] = []
+    tries = []
+    path_logits, build_trie = engine.model.path_logits, decoding.build_trie
+
+    def spy_levels(states, layers, tokens, first):
+        rows.append((first, tokens.numel()))
+        return path_logits(states, layers, tokens, first)
+
+    def spy_trie(*args, **kwargs):
+        tries.append(build_trie(*args, **kwargs))
+        return tries[-1]
+
+    monkeypatch.setattr(engine.model, "path_logits", spy_levels)
+    monkeypatch.setattr(decoding, "build_trie", spy_trie)
+    base = dict(max_new_tokens=120, sampling=sampling, seed=6, ignore_eos=True)
+    config = GenerationConfig(**base, tree=tree, ngram_topk=0, draft_source="verify")
+    swift, stats = generate(engine, prompt, config)
+    ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
+    assert swift == ar
+    if tree == "auto":
+        return
+    assert stats.iterations < len(ar) and len(rows) == 3 * len(tries)
+    assert rows[:3] == [(True, 1), (False, 2), (False, 4)]  # the root, its 2 children, their 4
+
+    def children(trie, node):
+        return [trie.tokens[child] for child in trie.children[node].values()]
+
+    depth_one = [[children(trie, n) for n, d in enumerate(trie.depths) if d == 1] for trie in tries]
+    assert all(len(lists) == 2 for lists in depth_one)
+    assert any(sorted(a) != sorted(b) for a, b in depth_one)  # siblings' own children
+
+
+def test_path_drafts_of_a_node_do_not_depend_on_the_trees_size(path_engine64, monkeypatch):
+    """The tuner counts what smaller trees would have accepted from a larger tree's nodes: a node's
+    candidates must be the same in every tree that holds it, and the first level's what a one-level
+    tree (layer 1, no path input) drafts."""
+    import tokenswift_trt.runtime.decoding as decoding
+
+    engine = path_engine64
+    prompt = _prompts(engine.config.vocab_size, 1)[0]
+    drafted = {}
+    original = decoding.candidates_from_hidden
+
+    def first_drafts(engine, state, hidden, tree, draft_logits=None):
+        candidates = original(engine, state, hidden, tree, draft_logits)
+        drafted.setdefault(tree.branching, candidates)
+        return candidates
+
+    monkeypatch.setattr(decoding, "candidates_from_hidden", first_drafts)
+    sampling = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16)
+    for tree in ("2", "2,2", "3,2"):
+        config = GenerationConfig(
+            max_new_tokens=8, sampling=sampling, seed=6, tree=tree, ngram_topk=0, draft_source="verify"
+        )
+        generate(engine, prompt, config)
+    one, two, three = drafted[(2,)], drafted[(2, 2)], drafted[(3, 2)]
+    assert isinstance(one, list) and isinstance(two, dict)  # per depth (one level) / per node
+    assert two[()] == one[0] == three[()][:2]
+    assert two[(0,)] == three[(0,)] and two[(1,)] == three[(1,)]
+    assert len(three) == 4

@@ -19,6 +19,7 @@ from tokenswift_trt.runtime.draft_layers import (
     read_heads_file,
 )
 from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
+from tokenswift_trt.training.train_heads import save_heads
 
 from conftest import quiet_load
 
@@ -300,3 +301,44 @@ def test_four_bit_weights_round_to_half_a_scale_and_load_as_the_weights_they_sta
     save_file(broken, str(tmp_path / "broken.safetensors"))
     with pytest.raises(WeightsError, match="has no draft_layers.root.up.weight.q4_scales"):
         load_engine(directory, heads_file=tmp_path / "broken.safetensors")
+
+
+def test_a_path_input_drafts_from_the_state_and_token_before_and_loads_from_a_heads_file(
+    path_engine64, llama_dir, tmp_path
+):
+    """s' = s + M(s, embed(t)), s'' = s' + W rmsnorm_a(s'), logits lm_head(rmsnorm_b(s'')); the
+    heads file's layout says its width; a path input without a root input is refused."""
+    engine = path_engine64
+    layers, model = engine.draft_layers, engine.model.torch_model
+    assert layers.path_width == 24 and draft_layout(layers.state_dict()).path_width == 24
+    eps = engine.config.rms_norm_eps
+    weights = {k: v.double() for k, v in layers.path.state_dict().items()}
+    state = torch.randn(3, 64, dtype=torch.float64)
+    tokens = torch.tensor([4, 50, 4])
+    both = torch.cat(
+        (
+            _rmsnorm(state, weights["input.hidden_norm.weight"], eps),
+            _rmsnorm(model.model.embed_tokens.weight[tokens], weights["input.norm.weight"], eps),
+        ),
+        dim=-1,
+    )
+    up = torch.nn.functional.silu(both @ weights["input.up.weight"].T)
+    s1 = state + up @ weights["input.down.weight"].T
+    s2 = s1 + _rmsnorm(s1, weights["layer.input_layernorm.weight"], eps) @ weights["layer.linear.weight"].T
+    expected = model.lm_head(_rmsnorm(s2, weights["layer.post_layernorm.weight"], eps))
+    next_state, logits = engine.model.path_logits(state, layers, tokens, first=False)
+    torch.testing.assert_close(next_state, s2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    # first level: layer 1 of the chain from the verify pass's state and the root
+    first_state, first_logits = engine.model.path_logits(state, layers, tokens, first=True)
+    assert torch.allclose(first_logits, engine.model.draft_logits(state, layers, 1, tokens)[0], atol=1e-9)
+    assert torch.allclose(first_state, layers.chain(state, 1, model.model.embed_tokens(tokens))[0][0])
+
+    save_heads(layers, tmp_path / "path.safetensors")
+    loaded = load_engine(llama_dir[0], heads_file=tmp_path / "path.safetensors", dtype=torch.float64)
+    for key, value in layers.state_dict().items():
+        assert torch.equal(loaded.draft_layers.state_dict()[key], value), key
+    saved = load_file(str(tmp_path / "path.safetensors"))
+    save_file({k: v for k, v in saved.items() if ".root." not in k}, str(tmp_path / "no-root.safetensors"))
+    with pytest.raises(WeightsError, match="path input needs a root input"):
+        load_engine(llama_dir[0], heads_file=tmp_path / "no-root.safetensors")

@@ -422,3 +422,66 @@ def test_a_state_cache_trains_from_base_states_computed_once(model_dir, tmp_path
         assert torch.equal(value, resumed.draft_layers.state_dict()[key]), key
     with pytest.raises(TrainingError, match="state cache"):
         replace(config, state_cache=-1).validate()
+
+
+def test_a_path_input_learns_what_follows_the_drafted_token_on_top_of_frozen_layers(model_dir, tmp_path):
+    """Path drafting (runtime/draft_layers.PathInput): depth 2 at t reads the token drafted at depth
+    1, x[t + 2]. In a1 f(a1) a2 f(a2) ... x[t + 3] = f(x[t + 2]) half the time, which the chained
+    layer 2 (reading h_t and x[t + 1] only) cannot know and the path input can."""
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(
+        steps=40, seq_len=64, batch=2, grad_accum=1, lr=1e-2, warmup_steps=3, loss="tokens", root_width=32
+    )
+    rooted = HeadsTrainer(engine, _pair_ids(), config, tmp_path)
+    rooted.run()
+    save_heads(rooted.draft_layers, tmp_path / "rooted.safetensors")
+    held_out = [_pair_ids(400, seed=1)]
+    chained = draft_accuracy(engine, rooted.draft_layers, held_out)
+    assert chained.path_layers == [] and chained.layers[1] < 0.35
+
+    path_config = replace(config, path_width=32, path_only=True)
+    (tmp_path / "path").mkdir()
+    rooted_file = tmp_path / "rooted.safetensors"
+    trainer = HeadsTrainer(engine, _pair_ids(), path_config, tmp_path / "path", rooted_file)
+    layers = trainer.draft_layers
+    # it starts as a copy of the root MLP and layer 1 (same width), the layers as trained
+    assert torch.equal(layers.path.input.up.weight, rooted.draft_layers.root.up.weight)
+    assert torch.equal(layers.path.layer.linear.weight, rooted.draft_layers.layers[0].linear.weight)
+    trainer.run()
+    after = layers.state_dict()
+    frozen = {k: v for k, v in rooted.draft_layers.state_dict().items()}
+    assert all(torch.equal(after[k], v) for k, v in frozen.items())  # only the path input trained
+    assert not torch.equal(after["path.input.down.weight"], frozen["root.down.weight"])
+    accuracy = draft_accuracy(engine, layers, held_out)
+    assert len(accuracy.path_layers) == 2 and accuracy.path_layers[0] > 0.5 > 0.35 > chained.layers[1]
+
+    save_heads(layers, tmp_path / "path.safetensors")
+    loaded = load_engine(model_dir, heads_file=tmp_path / "path.safetensors")
+    assert loaded.draft_layers.path_width == 32
+    for key, value in after.items():
+        assert torch.equal(loaded.draft_layers.state_dict()[key], value)
+    with pytest.raises(TrainingError, match="--path-width 32"):  # trained on without one
+        HeadsTrainer(engine, _pair_ids(), config, tmp_path, init_heads=tmp_path / "path.safetensors")
+    with pytest.raises(TrainingError, match="--init-heads"):
+        HeadsTrainer(engine, _pair_ids(), path_config, tmp_path)
+
+    # the command line: a path input trained on the saved layers, reported per depth
+    data = tmp_path / "pairs.txt"
+    data.write_text(" ".join(f"{a} {a + 100}" for a in _pair_ids(400).tolist()[::2]))
+    args = ["train-heads", "--model-dir", str(model_dir), "--data", str(data), "--out", str(tmp_path / "cli")]
+    args += ["--seq-len", "32", "--steps", "2", "--warmup-steps", "1", "--grad-accum", "1"]
+    args += ["--root-width", "32", "--path-width", "32", "--path-only"]
+    result = CliRunner().invoke(main, args + ["--init-heads", str(tmp_path / "rooted.safetensors")])
+    assert result.exit_code == 0, result.output
+    assert "path depth 2" in result.stdout and "path depth 3" in result.stdout
+    report = json.loads((tmp_path / "cli" / "train_heads.json").read_text())
+    assert len(report["path_top1"]) == 2 and report["config"]["path_only"]
+    refused = CliRunner().invoke(main, args + ["--force"])  # no --init-heads
+    assert refused.exit_code != 0 and "--init-heads" in refused.output and "Traceback" not in refused.output
+    for bad, match in (
+        (replace(config, path_only=True), "--path-width"),
+        (replace(config, root_width=0, path_width=8), "root-conditioned"),
+        (replace(config, path_width=-1), "path input width"),
+    ):
+        with pytest.raises(TrainingError, match=match):
+            bad.validate()

@@ -71,6 +71,19 @@ from .common import DTYPES, CliError, fail, load_source, resolve_source
     "(0: one linear of the root)",
 )
 @click.option(
+    "--path-width",
+    type=int,
+    default=0,
+    show_default=True,
+    help="a path input of this width drafts depths 2.. from the depth before and its drafted token "
+    "(each tree branch its own candidates; needs --root-width); 0: none",
+)
+@click.option(
+    "--path-only",
+    is_flag=True,
+    help="train the path input alone, the layers of --init-heads frozen with their draft vocabulary",
+)
+@click.option(
     "--draft-vocab",
     type=int,
     default=16384,
@@ -112,6 +125,8 @@ def train_heads(
     init_heads,
     root_conditioned,
     root_width,
+    path_width,
+    path_only,
     draft_vocab,
     state_cache,
     resume,
@@ -149,6 +164,8 @@ def train_heads(
         loss=loss,
         root_conditioned=root_conditioned,
         root_width=root_width,
+        path_width=path_width,
+        path_only=path_only,
         draft_vocab=draft_vocab,
         state_cache=state_cache,
     )
@@ -199,6 +216,8 @@ def train_heads(
         "base_top1": accuracy.base,
         "draft_top1": accuracy.layers,
         "draft_agrees_with_base": accuracy.agreement,
+        "path_top1": accuracy.path_layers,
+        "path_agrees_with_base": accuracy.path_agreement,
         "init_heads": None if init_heads is None else str(init_heads),
         "train_tokens": train_ids.numel(),
         "eval_tokens": eval_ids.numel(),
@@ -219,6 +238,7 @@ def train_heads(
     click.echo(
         "held-out agreement with the base model's top-1: "
         + ", ".join(f"layer {i} {a:.3f}" for i, a in enumerate(accuracy.agreement, start=1))
+        + "".join(f", path depth {i} {a:.3f}" for i, a in enumerate(accuracy.path_agreement, start=2))
     )
 
 

@@ -323,6 +323,7 @@ def choose_plan(
     device: torch.device = torch.device("cuda"),
     per_node_s: float = 0.0,
     batched_draft_s: float | None = None,
+    draft_s_by_depth: dict[int, float] | None = None,
 ) -> tuple[Estimate, list[Estimate]]:
     """Best plan (and all, best first) from probe acceptance, verify costs and per-iteration costs.
 
@@ -332,6 +333,8 @@ def choose_plan(
     inside `overhead_s`, an AR step paying half of that. `per_node_s` is host work per trie node.
     `batched_draft_s`, when given, replaces `draft_s` for tries sampled as one batch (drafting from
     the verify pass, their drafts come out of that batch's head pass: only the ranking is left).
+    `draft_s_by_depth` {tree depth: seconds}, when given, replaces both: drafting along tree paths
+    (a path input) costs one pass per level, so a deep plan drafts for longer than a shallow one.
     """
 
     def sampling(nodes: float, tokens: float) -> float:
@@ -347,6 +350,8 @@ def choose_plan(
         tokens = 1 + recorder.mean_accepted((tree, k))
         batched = sampled_in_one_batch(nodes, device)
         draft = batched_draft_s if batched_draft_s is not None and batched else draft_s
+        if draft_s_by_depth:
+            draft = draft_s_by_depth[min(len(parse_tree(tree)), max(draft_s_by_depth))]
         seconds = (
             draft
             + overhead_s
@@ -387,6 +392,18 @@ def measure_ranking(engine: Engine, state: DecodeState, hidden: torch.Tensor) ->
     logits = engine.model.draft_logits(hidden[None], engine.draft_layers, 1)[:, 0]  # [1, V]
     tree = build_static_tree("3")
     return time_verify(lambda _: top_candidates(logits, state, tree), [1], repeats=3)[1]
+
+
+def measure_path_drafting(
+    engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree
+) -> dict[int, float]:
+    """Seconds to draft the first d levels of `tree` along its paths (a path input: one draft pass
+    per level, `stages.path_candidates`; one level is layer 1's pass alone) for d = 1..depth."""
+
+    def draft(depth: int) -> None:
+        candidates_from_hidden(engine, state, hidden, build_static_tree(tree.branching[:depth]))
+
+    return time_verify(draft, list(range(1, tree.depth + 1)), repeats=3)
 
 
 def measure_sampling(
@@ -662,6 +679,11 @@ class Tuner:
             batched_draft_s=(
                 measure_ranking(engine, state, last_hidden)
                 if self.from_verify and not reads_root(engine.draft_layers)
+                else None
+            ),
+            draft_s_by_depth=(
+                measure_path_drafting(engine, state, last_hidden, self._probe_static)
+                if self.from_verify and getattr(engine.draft_layers, "path", None) is not None
                 else None
             ),
         )

@@ -16,6 +16,16 @@ A wider root input (`root_width` > 0) reads both: h_0 + D · silu(U · [rmsnorm_
 rmsnorm_r(embed(x[t+1]))]), U [width, 2 · hidden], D [hidden, width] zero-initialised. On
 SmolLM2-135M (width 2,304) it lifts layer 1's chance of drafting the target's sample (docs/smollm2.md).
 
+Path input (beyond the paper; `path_width` > 0, root-conditioned layers only): the chained layers
+2 and 3 never see the token drafted before theirs, so every depth-2 branch of a tree gets the same
+candidates whichever depth-1 token it follows. A path input drafts depth d >= 2 from depth d-1's
+state s (before its norm) and the token t drafted there: s' = s + M(s, embed(t)), s'' = s' + W ·
+rmsnorm_a(s'), prediction lm_head(rmsnorm_b(s'')), with M a `RootMLP` of that width. One module
+serves every depth (s'' is the next depth's s), so a tree drafts one pass per level, one row per
+branch. On SmolLM2-135M it doubles the chance that a depth-2 draft holds the target's sample
+(docs/smollm2.md). Where a tree is drafted per depth (partial-cache drafting, the device loop) the
+chained layers 2 and 3 are used as before.
+
 Draft vocabulary (beyond the paper): a heads file may carry `vocab` [K] int64, the K tokens most
 frequent in the layers' training text. The draft layers' logits then come from those K rows of
 the LM head only (the other tokens get -inf): on SmolLM2-135M the head is 49,152 x 576, a fifth of
@@ -51,6 +61,8 @@ RELEASED_PREFIX = "model.medusa_layers."
 HEADS_PREFIX = "draft_layers."
 # State-dict prefix of the root-token input (heads files: HEADS_PREFIX + ROOT_PREFIX + ...).
 ROOT_PREFIX = "root."
+# State-dict prefix of the path input (heads files: HEADS_PREFIX + PATH_PREFIX + ...).
+PATH_PREFIX = "path."
 # State-dict key of the draft vocabulary (heads files: HEADS_PREFIX + VOCAB_KEY), int64 token ids.
 VOCAB_KEY = "vocab"
 
@@ -102,6 +114,24 @@ class RootMLP(nn.Module):
         self.norm.weight.fill_(1.0)
 
 
+class PathInput(nn.Module):
+    """Depth d >= 2 from depth d-1's state and drafted token (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, width: int, eps: float) -> None:
+        super().__init__()
+        self.input = RootMLP(hidden_size, width, eps)  # M
+        self.layer = DraftLayer(hidden_size, eps)  # W, a, b
+
+    def forward(
+        self, state: torch.Tensor, token_embedding: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """state [T, hidden] (pre-norm), token_embedding [T, hidden] -> (the next state [T, hidden],
+        pre-norm: the next depth's input; its normalised form [T, hidden], for lm_head)."""
+        state = state + self.input(state, token_embedding)
+        state = state + self.layer.linear(self.layer.input_layernorm(state))
+        return state, self.layer.post_layernorm(state)
+
+
 @dataclass
 class VocabHead:
     """The LM head's rows of the draft vocabulary: states [..., hidden] -> logits [..., V], -inf
@@ -134,12 +164,16 @@ class DraftLayers(nn.Module):
         root_conditioned: bool = False,
         vocab_size: int = 0,
         root_width: int = 0,
+        path_width: int = 0,
     ) -> None:
         """`vocab_size` > 0: the layers carry a draft vocabulary of that many ids (`vocab`);
-        `root_width` > 0 (root-conditioned layers only): the root input is a `RootMLP` that wide."""
+        `root_width` > 0 (root-conditioned layers only): the root input is a `RootMLP` that wide;
+        `path_width` > 0 (root-conditioned layers only): a `PathInput` that wide drafts depths >= 2."""
         super().__init__()
         if root_width and not root_conditioned:
             raise ValueError("a root input width needs root-conditioned draft layers")
+        if path_width and not root_conditioned:
+            raise ValueError("a path input needs root-conditioned draft layers")
         self.layers = nn.ModuleList(
             DraftLayer(config.hidden_size, config.rms_norm_eps) for _ in range(num_layers)
         )
@@ -148,6 +182,9 @@ class DraftLayers(nn.Module):
             self.root = RootMLP(config.hidden_size, root_width, config.rms_norm_eps)
         elif root_conditioned:
             self.root = RootInput(config.hidden_size, config.rms_norm_eps)
+        self.path: PathInput | None = None
+        if path_width:
+            self.path = PathInput(config.hidden_size, path_width, config.rms_norm_eps)
         self.vocab: torch.Tensor | None  # [K] int64 token ids, ascending; None = the whole vocabulary
         self.register_buffer(VOCAB_KEY, torch.arange(vocab_size) if vocab_size else None)
         self.vocab_head: VocabHead | None = None  # `use_vocab_head`, for inference
@@ -170,6 +207,26 @@ class DraftLayers(nn.Module):
         """The `RootMLP`'s width, 0 for a linear root input or none."""
         return self.root.up.weight.shape[0] if isinstance(self.root, RootMLP) else 0
 
+    @property
+    def path_width(self) -> int:
+        """The `PathInput`'s width, 0 for none."""
+        return 0 if self.path is None else self.path.input.up.weight.shape[0]
+
+    def path_from_first_(self) -> DraftLayers:
+        """Start the path input as a copy of the root MLP and layer 1 (same widths): drafting a
+        depth from the depth before it and its token is layer 1's own task one position on, so the
+        copy already beats the chained layer 2 before any training (docs/smollm2.md)."""
+        if self.path is None or not isinstance(self.root, RootMLP) or self.root_width != self.path_width:
+            raise ValueError("copying needs a root MLP and a path input of the same width")
+        with torch.no_grad():
+            for target, source in ((self.path.input, self.root), (self.path.layer, self.layers[0])):
+                for (name, value), (other, copied) in zip(
+                    target.state_dict().items(), source.state_dict().items(), strict=True
+                ):
+                    assert name == other
+                    value.copy_(copied)
+        return self
+
     def zero_(self) -> DraftLayers:
         """Untrained state: W = U = 0 (a `RootMLP`: D = 0, U random so that D can learn) and unit
         norms, so every layer repeats the base prediction."""
@@ -180,6 +237,11 @@ class DraftLayers(nn.Module):
                 layer.post_layernorm.weight.fill_(1.0)
             if self.root is not None:
                 self.root.reset_()
+            if self.path is not None:  # adds nothing: depth d repeats layer 1's state's prediction
+                self.path.input.reset_()
+                self.path.layer.linear.weight.zero_()
+                self.path.layer.input_layernorm.weight.fill_(1.0)
+                self.path.layer.post_layernorm.weight.fill_(1.0)
         return self
 
     def forward(
@@ -189,6 +251,13 @@ class DraftLayers(nn.Module):
         `count` stops after the first `count` layers (a shallow tree needs no deeper drafts);
         `root_embedding` [T, hidden]: the input embedding of the token after each row's own (used,
         and required, by root-conditioned layers)."""
+        return [norm for _, norm in self.chain(hidden, count, root_embedding)]
+
+    def chain(
+        self, hidden: torch.Tensor, count: int | None = None, root_embedding: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`forward`, with each layer's state before its norm: per layer (state, normalised state),
+        both [T, hidden] (a path input continues from layer 1's state)."""
         if self.root is not None:
             if root_embedding is None:
                 raise ValueError("root-conditioned draft layers need the root token's embedding")
@@ -198,7 +267,7 @@ class DraftLayers(nn.Module):
             self.layers, count
         ):  # not self.layers[:count]: slicing builds a ModuleList
             hidden = hidden + layer.linear(layer.input_layernorm(hidden))
-            outputs.append(layer.post_layernorm(hidden))
+            outputs.append((hidden, layer.post_layernorm(hidden)))
         return outputs
 
 
@@ -207,7 +276,8 @@ def draft_key(key: str) -> str | None:
     for prefix in (RELEASED_PREFIX, HEADS_PREFIX, "medusa_layers."):
         if key.startswith(prefix):
             rest = key[len(prefix) :]
-            return rest if rest.startswith(ROOT_PREFIX) or rest == VOCAB_KEY else "layers." + rest
+            own = rest.startswith((ROOT_PREFIX, PATH_PREFIX)) or rest == VOCAB_KEY
+            return rest if own else "layers." + rest
     return None
 
 
@@ -224,17 +294,20 @@ class DraftLayout:
     root_conditioned: bool
     vocab_size: int  # 0: no draft vocabulary
     root_width: int = 0  # a RootMLP's width; 0: a linear root input or none
+    path_width: int = 0  # a PathInput's width; 0: none
 
 
 def draft_layout(state: dict[str, torch.Tensor]) -> DraftLayout:
     layers = {key.split(".")[1] for key in state if key.startswith("layers.")}
     vocab = state.get(VOCAB_KEY)
     up = state.get(ROOT_PREFIX + "up.weight")
+    path_up = state.get(PATH_PREFIX + "input.up.weight")
     return DraftLayout(
         len(layers),
         any(key.startswith(ROOT_PREFIX) for key in state),
         0 if vocab is None else vocab.numel(),
         0 if up is None else up.shape[0],
+        0 if path_up is None else path_up.shape[0],
     )
 
 

@@ -144,8 +144,11 @@ def load_engine(
         except ValueError as error:
             raise WeightsError(str(error)) from None
     layout = draft_layout(draft) if draft else DraftLayout(config.num_draft_layers, False, 0)
+    if layout.path_width and not layout.root_conditioned:
+        raise WeightsError("draft layers: a path input needs a root input (root-conditioned layers) too")
     draft_layers = DraftLayers(
-        config, layout.num_layers, layout.root_conditioned, layout.vocab_size, layout.root_width
+        config, layout.num_layers, layout.root_conditioned, layout.vocab_size, layout.root_width,
+        layout.path_width,
     ).to(device=device, dtype=dtype)
     if draft:
         _check_and_assign(draft_layers, draft, "draft layers", dtype, device)

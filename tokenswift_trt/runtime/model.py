@@ -86,6 +86,10 @@ class Decoder(Protocol):
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: AttentionCache, draft_layers: nn.Module
     ) -> torch.Tensor: ...
 
+    def path_logits(
+        self, states: torch.Tensor, draft_layers: nn.Module, tokens: torch.Tensor, first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 def reads_root(draft_layers: nn.Module) -> bool:
     """Whether draft layers are root-conditioned (`draft_layers.DraftLayers(root_conditioned=True)`):
@@ -312,6 +316,11 @@ class GraphDecoder:
     ) -> torch.Tensor:
         return self.torch_model.draft_logits(hidden, draft_layers, depth, roots)
 
+    def path_logits(
+        self, states: torch.Tensor, draft_layers: nn.Module, tokens: torch.Tensor, first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.torch_model.path_logits(states, draft_layers, tokens, first)
+
 
 class LlamaModel(nn.Module):
     """Decoder + LM head. `forward` returns pre-norm hidden states; `logits` applies norm + head."""
@@ -508,3 +517,19 @@ class LlamaModel(nn.Module):
         states = torch.stack(draft_layers(hidden, depth, embedding))  # [depth, T, hidden]
         head = vocab_head(draft_layers)
         return self.lm_head(states) if head is None else head(states)
+
+    @torch.inference_mode()
+    def path_logits(
+        self, states: torch.Tensor, draft_layers: nn.Module, tokens: torch.Tensor, first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One level of drafting along tree paths (draft layers with a path input,
+        `draft_layers.PathInput`). `first`: states [T, hidden] are the verify pass's (pre-norm) and
+        tokens [T] the roots after them, and layer 1 drafts; else states are the level before's and
+        tokens the drafts made from them, and the path input drafts the next. -> (the states this
+        level drafted from [T, hidden], the next level's input; logits [T, vocab])."""
+        if first:
+            state, normed = draft_layers.chain(states, 1, self.model.embed_tokens(tokens))[0]
+        else:
+            state, normed = draft_layers.path(states, self.model.embed_tokens(tokens))
+        head = vocab_head(draft_layers)
+        return state, self.lm_head(normed) if head is None else head(normed)

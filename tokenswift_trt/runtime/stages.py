@@ -28,7 +28,7 @@ from .ngram import NgramTable
 from .sampling import RandomSource, Sampler, SamplingConfig
 from .static_step import StaticForward
 from .transfer import copy_from_host, to_device
-from .tree import StaticTree, Trie
+from .tree import Candidates, StaticTree, Trie
 
 BATCHED_NODES_MAX = 16  # on a CPU, tries up to this size sample every node in one batch
 
@@ -300,16 +300,51 @@ def candidates_from_hidden(
     hidden: torch.Tensor,
     tree: StaticTree,
     draft_logits: torch.Tensor | None = None,
-) -> list[list[int]]:
-    """Draft from the last committed token's hidden state [hidden]: draft layer d proposes depth d.
+) -> Candidates:
+    """Draft from the last committed token's hidden state [hidden]: draft layer d proposes depth d,
+    or with a path input (`path_candidates`) each node's children follow its own path.
     `draft_logits` [≥ depth, V], when the verify pass's LM-head pass already computed them, saves
     the head pass."""
+    if getattr(engine.draft_layers, "path", None) is not None and tree.depth > 1:
+        return path_candidates(engine, state, hidden, tree)
     if draft_logits is None or draft_logits.shape[0] < tree.depth:
         root = to_device(state.tokens[-1:], torch.long, hidden.device)  # [1]: the root follows `hidden`
         draft_logits = engine.model.draft_logits(hidden[None], engine.draft_layers, tree.depth, root)[
             :, 0
         ]  # [depth, V]
     return top_candidates(draft_logits, state, tree)
+
+
+def path_candidates(
+    engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree
+) -> dict[tuple[int, ...], list[int]]:
+    """Draft the tree level by level along its own paths (draft layers with a path input): layer 1
+    drafts the root's children from hidden [hidden] and the root; each further level drafts the
+    children of every node of the level before from that node's state and token, one batch per
+    level. Each row is ranked with its own path's penalty window and the noise of its position.
+    -> per node (keyed by its candidate-rank path) its children's ids, best first."""
+    layers, device = engine.draft_layers, hidden.device
+    states = hidden[None]  # [1, hidden]
+    frontier: list[tuple[tuple[int, ...], list[int]]] = [((), [])]  # (rank path, tokens after the root)
+    tokens = [state.tokens[-1]]
+    candidates: dict[tuple[int, ...], list[int]] = {}
+    for depth, width in enumerate(tree.branching):
+        states, logits = engine.model.path_logits(
+            states, layers, to_device(tokens, torch.long, device), first=depth == 0
+        )  # [F, hidden], [F, V]
+        noise = None
+        if state.random.noise_known_in_advance:
+            noise = state.noise([state.root_position + 1 + depth] * len(frontier), logits.shape[-1], device)
+        window = state.windows([path for _, path in frontier]) if depth else state.window()
+        ranked = state.sampler.rank(logits, window, noise, width).tolist()  # [F, width]
+        children: list[tuple[tuple[int, ...], list[int]]] = []
+        for (ranks, path), ids in zip(frontier, ranked, strict=True):
+            candidates[ranks] = ids
+            children.extend((ranks + (rank,), path + [ids[rank]]) for rank in range(width))
+        if depth + 1 < tree.depth:  # the next level reads each child's parent state and own token
+            states = states.repeat_interleave(width, dim=0)
+            frontier, tokens = children, [path[-1] for _, path in children]
+    return candidates
 
 
 def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:

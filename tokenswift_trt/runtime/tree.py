@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Draft candidates, best first: per depth (every node of a depth has the same children; head d's
+# list) or per node (keyed by the node's candidate-rank path, () for the root: drafts that follow
+# their own branch's tokens, `draft_layers.PathInput`).
+Candidates = list[list[int]] | dict[tuple[int, ...], list[int]]
+
 
 class TreeSpecError(ValueError):
     """A tree string such as `1,3,3,3` is malformed."""
@@ -163,11 +168,12 @@ def _ancestor_mask_of(parents: tuple[int, ...], depth: int) -> torch.Tensor:
 def build_trie(
     root_token: int,
     tree: StaticTree,
-    head_candidates: list[list[int]],  # [heads][candidates] token ids, best first
+    head_candidates: Candidates,
     ngram_paths: Sequence[Sequence[int]] = (),
     ngrams_from_root: bool = False,
 ) -> Trie:
-    """Static tree filled from each head's candidates, plus n-gram branches, merged into one trie.
+    """Static tree filled from the draft candidates (per depth or per node, `Candidates`), plus
+    n-gram branches, merged into one trie.
 
     N-gram paths start with a depth-1 token, or with the root itself when `ngrams_from_root`
     (drafting from the verify pass, where the root is head 0's token): that first token is then
@@ -176,7 +182,10 @@ def build_trie(
     trie = Trie(root_token)
     for path in tree.paths:
         if len(path) == tree.depth:  # leaves; their ancestors come with them
-            tokens = [head_candidates[depth][rank] for depth, rank in enumerate(path)]
+            if isinstance(head_candidates, dict):
+                tokens = [head_candidates[path[:depth]][rank] for depth, rank in enumerate(path)]
+            else:
+                tokens = [head_candidates[depth][rank] for depth, rank in enumerate(path)]
             trie.add_path(tokens, from_tree=True, tree_path=path)
     ranks: dict[int, int] = {}
     for path in ngram_paths:  # rank = position among the grams of the same first token

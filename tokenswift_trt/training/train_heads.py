@@ -8,6 +8,9 @@ after the base head's target, x[t + 1 + i], is scored by cross-entropy against
 - "tokens": the corpus token x[t + 1 + i] (the paper's objective);
 the mean over layers is minimised. Root-conditioned layers (`root_conditioned`) also read, at t,
 the embedding of x[t + 1]: the corpus token there, the target's own sample at inference.
+A path input (`path_width`, runtime/draft_layers.PathInput) drafts x[t + 1 + d] for d = 2..3 from
+depth d-1's state and the corpus token x[t + d] (the draft it follows at inference), scored the
+same way as layer d; `path_only` trains it alone on top of frozen layers (--init-heads).
 AdamW (0.9, 0.999), weight decay 0.1, linear warm-up then cosine decay, gradient accumulation.
 The base forward runs without gradients; only the draft layers' parameters train.
 """
@@ -27,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenswift_trt.runtime.draft_layers import (
     HEADS_PREFIX,
+    PATH_PREFIX,
     RELEASED_PREFIX,
     ROOT_PREFIX,
     VOCAB_KEY,
@@ -63,6 +67,8 @@ class TrainHeadsConfig:
     loss: str = "distill"  # see LOSSES and the module docstring
     root_conditioned: bool = False  # layers that read the root token (runtime/draft_layers.py)
     root_width: int = 0  # > 0: the root input is an MLP this wide (implies root_conditioned)
+    path_width: int = 0  # > 0: a path input this wide drafts depths >= 2 (root-conditioned layers only)
+    path_only: bool = False  # train the path input alone; the other layers stay as --init-heads gave them
     draft_vocab: int = 16384  # the layers draft this many of the training text's most frequent tokens; 0: all
     # > 0: the base model's states of this many training sequences are computed once (float16, in
     # memory) and every batch is drawn from them; 0: fresh sequences, a base forward each
@@ -76,6 +82,12 @@ class TrainHeadsConfig:
                 raise TrainingError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
         if self.root_width < 0:
             raise TrainingError(f"root input width must be 0 (linear) or positive, got {self.root_width}")
+        if self.path_width < 0:
+            raise TrainingError(f"path input width must be 0 (none) or positive, got {self.path_width}")
+        if self.path_width and not (self.root_conditioned or self.root_width):
+            raise TrainingError("a path input needs root-conditioned layers: add --root-width")
+        if self.path_only and not self.path_width:
+            raise TrainingError("--path-only trains a path input: give its width with --path-width")
         if self.state_cache < 0:
             raise TrainingError(
                 f"state cache must be 0 (off) or a number of sequences, got {self.state_cache}"
@@ -220,6 +232,34 @@ def vocab_targets(draft_layers: DraftLayers, ids: torch.Tensor) -> torch.Tensor:
     return torch.where(vocab[column] == ids, column, torch.full_like(ids, -100))
 
 
+def shifted_embeddings(engine: Engine, ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """ids [T] -> the input embedding of x[t + shift] for every t [T, hidden] (float32; rows past the
+    end repeat x[T - 1] and are never scored)."""
+    tokens = torch.cat((ids[shift:], ids[-1:].expand(min(shift, ids.numel())))).to(engine.device)
+    with torch.no_grad():
+        return engine.model.model.embed_tokens.weight[tokens].to(torch.float32, copy=True)
+
+
+def path_logits(
+    engine: Engine,
+    weight: torch.Tensor,
+    draft_layers: DraftLayers,
+    first_state: torch.Tensor,
+    ids: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The path input's drafts of depths 2..len(layers), teacher-forced: from layer 1's states
+    first_state [T, hidden] (pre-norm) and the corpus tokens of the path, row t of depth d drafts
+    x[t + 1 + d] (as layer d does) -> per depth logits [T, V] or [T, K] (draft vocabulary)."""
+    assert draft_layers.path is not None
+    if draft_layers.vocab is not None:
+        weight = weight.index_select(0, draft_layers.vocab.to(weight.device))
+    state, out = first_state, []
+    for depth in range(2, len(draft_layers) + 1):
+        state, normed = draft_layers.path(state, shifted_embeddings(engine, ids, depth))
+        out.append(F.linear(normed, weight))
+    return out
+
+
 def draft_loss(
     engine: Engine,
     weight: torch.Tensor,
@@ -227,9 +267,11 @@ def draft_loss(
     ids: torch.Tensor,
     loss: str = "distill",
     hidden: torch.Tensor | None = None,
+    path_only: bool = False,
 ) -> torch.Tensor:
-    """Mean over layers of the loss of layer i at t for x[t + 1 + i] (see the module docstring), one
-    sequence ids [T]; `hidden` [T, hidden]: its base states when already known (`CachedStates`)."""
+    """Mean over layers (and a path input's depths) of the loss of layer i at t for x[t + 1 + i]
+    (see the module docstring), one sequence ids [T]; `hidden` [T, hidden]: its base states when
+    already known (`CachedStates`); `path_only`: the path input's depths alone."""
     hidden = base_hidden(engine, ids) if hidden is None else hidden.to(torch.float32)
     targets = vocab_targets(draft_layers, ids.to(engine.device))
     teacher = None
@@ -240,8 +282,21 @@ def draft_loss(
                 teacher = teacher[:, draft_layers.vocab.to(teacher.device)]
                 teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
     roots = root_embeddings(engine, draft_layers, ids)
+    scored: list[tuple[int, torch.Tensor]] = []  # (i, logits of x[t + 1 + i])
+    if path_only:
+        with torch.no_grad():
+            first_state = draft_layers.chain(hidden, 1, roots)[0][0]
+    else:
+        vocab_weight = weight
+        if draft_layers.vocab is not None:
+            vocab_weight = weight.index_select(0, draft_layers.vocab.to(weight.device))
+        chain = draft_layers.chain(hidden, None, roots)
+        scored += [(i, F.linear(normed, vocab_weight)) for i, (_, normed) in enumerate(chain, start=1)]
+        first_state = chain[0][0]
+    if draft_layers.path is not None:
+        scored += list(enumerate(path_logits(engine, weight, draft_layers, first_state, ids), start=2))
     losses = []
-    for i, logits in enumerate(draft_logits(weight, draft_layers, hidden, roots), start=1):
+    for i, logits in scored:
         shift = i + 1
         if teacher is None:
             losses.append(F.cross_entropy(logits[:-shift].float(), targets[shift:], ignore_index=-100))
@@ -260,6 +315,8 @@ class DraftAccuracy:
     base: float
     layers: list[float]
     agreement: list[float]
+    path_layers: list[float]  # a path input's depths 2.. (teacher-forced path) against the corpus ...
+    path_agreement: list[float]  # ... and against the base's top-1; both empty without one
 
 
 @torch.no_grad()
@@ -269,6 +326,8 @@ def draft_accuracy(
     weight = head_weight(engine)
     layers = len(draft_layers)
     hits, agree, totals = [0] * (1 + layers), [0] * layers, [0] * (1 + layers)
+    path_hits = [0] * (layers - 1 if draft_layers.path is not None else 0)
+    path_agree = list(path_hits)
     for ids in sequences:
         hidden = base_hidden(engine, ids)
         targets = ids.to(engine.device)
@@ -285,9 +344,17 @@ def draft_accuracy(
             totals[i] += targets.numel() - shift
             if i:
                 agree[i - 1] += int((top == base_top[i:-1]).sum())
+        if path_hits:
+            first_state = draft_layers.chain(hidden, 1, roots)[0][0]
+            for i, logits in enumerate(path_logits(engine, weight, draft_layers, first_state, ids), start=2):
+                top = vocab_ids(draft_layers, logits[: -(i + 1)].argmax(-1))
+                path_hits[i - 2] += int((top == targets[i + 1 :]).sum())
+                path_agree[i - 2] += int((top == base_top[i:-1]).sum())
     rates = [h / t if t else 0.0 for h, t in zip(hits, totals)]
     agreement = [a / t if t else 0.0 for a, t in zip(agree, totals[1:])]
-    return DraftAccuracy(rates[0], rates[1:], agreement)
+    path_rates = [h / t if t else 0.0 for h, t in zip(path_hits, totals[2:])]
+    path_agreement = [a / t if t else 0.0 for a, t in zip(path_agree, totals[2:])]
+    return DraftAccuracy(rates[0], rates[1:], agreement, path_rates, path_agreement)
 
 
 def frequent_tokens(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
@@ -310,19 +377,26 @@ def save_heads(draft_layers: DraftLayers, path: Path) -> None:
     save_file(tensors, str(path))
 
 
-def load_heads(path: Path, draft_layers: DraftLayers) -> dict[str, torch.Tensor]:
+def load_heads(path: Path, draft_layers: DraftLayers, file_vocab: bool = False) -> dict[str, torch.Tensor]:
     """A heads file (`save_heads`' format) as a state dict for `draft_layers`; a file of another
     shape or naming is a TrainingError. The draft vocabulary stays `draft_layers`' own (training
-    counts its own text's tokens)."""
+    counts its own text's tokens) unless `file_vocab` (layers trained on as they are). A path input
+    the file lacks (or of another width) starts as `draft_layers`' own."""
     if not path.is_file():
         raise TrainingError(f"heads file {path} does not exist")
     tensors = read_heads_file(path)
     state = {draft_key(key): value for key, value in tensors.items() if draft_key(key) is not None}
     current = draft_layers.state_dict()
-    state.pop(VOCAB_KEY, None)
-    if VOCAB_KEY in current:
-        state[VOCAB_KEY] = current[VOCAB_KEY]
+    if not (file_vocab and VOCAB_KEY in state and VOCAB_KEY in current):
+        state.pop(VOCAB_KEY, None)
+        if VOCAB_KEY in current:
+            state[VOCAB_KEY] = current[VOCAB_KEY]
     layout = draft_layout(state)
+    if layout.path_width and not draft_layers.path_width:
+        raise TrainingError(f"{path} holds a path input: train on with --path-width {layout.path_width}")
+    if draft_layers.path_width and layout.path_width != draft_layers.path_width:
+        state = {key: value for key, value in state.items() if not key.startswith(PATH_PREFIX)}
+        state.update({key: value for key, value in current.items() if key.startswith(PATH_PREFIX)})
     file_reads_root = layout.root_conditioned
     other_root = not file_reads_root or layout.root_width != draft_layers.root_width
     if draft_layers.root_conditioned and other_root:
@@ -431,17 +505,30 @@ class HeadsTrainer:
                 config.root_conditioned or config.root_width > 0,
                 0 if vocab is None else vocab.numel(),
                 config.root_width,
+                config.path_width,
             )
             .to(engine.device, torch.float32)
             .zero_()
         )
         if vocab is not None:
             self.draft_layers.vocab.copy_(vocab)
+        if config.path_only and init_heads is None:
+            raise TrainingError("--path-only trains a path input on trained layers: add --init-heads")
         if init_heads is not None:  # warm start: go on from trained layers (a new schedule)
-            self.draft_layers.load_state_dict(load_heads(init_heads, self.draft_layers))
+            self.draft_layers.load_state_dict(load_heads(init_heads, self.draft_layers, config.path_only))
+            saved = {draft_key(k): v for k, v in read_heads_file(init_heads).items() if draft_key(k)}
+            fresh_path = config.path_width and draft_layout(saved).path_width != config.path_width
+            if fresh_path and config.root_width == config.path_width:
+                self.draft_layers.path_from_first_()  # layer 1's task one position on (draft_layers.py)
+        if config.path_only:
+            for name, parameter in self.draft_layers.named_parameters():
+                parameter.requires_grad_(name.startswith(PATH_PREFIX))
         self.draft_layers.train()
         self.optimizer = torch.optim.AdamW(
-            self.draft_layers.parameters(), lr=config.lr, betas=(0.9, 0.999), weight_decay=config.weight_decay
+            [p for p in self.draft_layers.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=(0.9, 0.999),
+            weight_decay=config.weight_decay,
         )
         self.data_order = torch.Generator().manual_seed(config.seed)
         self.step = 0
@@ -474,7 +561,13 @@ class HeadsTrainer:
             for ids, states in self._batch():
                 loss = (
                     draft_loss(
-                        self.engine, self.head_weight, self.draft_layers, ids, self.config.loss, states
+                        self.engine,
+                        self.head_weight,
+                        self.draft_layers,
+                        ids,
+                        self.config.loss,
+                        states,
+                        self.config.path_only,
                     )
                     * scale
                 )
