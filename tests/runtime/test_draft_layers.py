@@ -288,15 +288,21 @@ def test_four_bit_weights_round_to_half_a_scale_and_load_as_the_weights_they_sta
     assert packed[up + ".q4"].shape == (128, 64) and packed[up + ".q4_scales"].shape == (128, 128 // Q4_GROUP)
     small = [k for k in heads if k not in (up, down)]
     assert all(torch.equal(packed[k], heads[k]) for k in small)  # small and integer tensors as they were
+    packed["draft_layers.vocab"] = heads["draft_layers.vocab"].int()  # ids may be stored in 32 bits
     save_file(packed, str(tmp_path / "q4.safetensors"))
     restored = read_heads_file(tmp_path / "q4.safetensors")
-    assert set(restored) == set(heads)
+    assert set(restored) == set(heads) and restored["draft_layers.vocab"].dtype == torch.int64
     for key in (up, down):
         scale = packed[key + ".q4_scales"].float().repeat_interleave(Q4_GROUP, dim=1)
         error = (restored[key] - heads[key]).abs()
         assert (error <= scale / 2 + 1e-6).all() and error.max() > 0  # rounded, by at most half a step
     engine = load_engine(directory, heads_file=tmp_path / "q4.safetensors")
     assert torch.equal(engine.draft_layers.root.up.weight, restored[up])
+    wider = quantized_q4(heads, min_numel=8000, group=64)  # another group: readers take it from the shapes
+    assert wider[up + ".q4_scales"].shape == (128, 2)
+    save_file(wider, str(tmp_path / "q4-64.safetensors"))
+    error = (read_heads_file(tmp_path / "q4-64.safetensors")[up] - heads[up]).abs()
+    assert (error <= wider[up + ".q4_scales"].float().repeat_interleave(64, dim=1) / 2 + 1e-6).all()
     broken = {k: v for k, v in packed.items() if k != up + ".q4_scales"}
     save_file(broken, str(tmp_path / "broken.safetensors"))
     with pytest.raises(WeightsError, match="has no draft_layers.root.up.weight.q4_scales"):

@@ -36,7 +36,8 @@ by the accepted drafts that were rare tokens.
 
 4-bit weights (heads files only): a large weight may be stored as `NAME.q4` (uint8 [out, in / 2],
 two signed 4-bit values per byte, low nibble first) with `NAME.q4_scales` (float16 [out, in /
-group]): w = q * scale within each group of `group` inputs. `read_heads_file` turns them back into
+group]): w = q * scale within each group of `group` inputs (32 by default; the shapes say
+which). `read_heads_file` turns them back into
 `NAME` (float32), so every reader sees plain weights; `quantized_q4` writes them. A draft layer's
 weights only change what is drafted, never what is accepted, so rounding costs acceptance at most.
 """
@@ -315,16 +316,19 @@ Q4_SUFFIX, Q4_SCALES_SUFFIX = ".q4", ".q4_scales"
 Q4_GROUP = 32  # inputs per scale
 
 
-def quantized_q4(tensors: dict[str, torch.Tensor], min_numel: int = 1 << 20) -> dict[str, torch.Tensor]:
+def quantized_q4(
+    tensors: dict[str, torch.Tensor], min_numel: int = 1 << 20, group: int = Q4_GROUP
+) -> dict[str, torch.Tensor]:
     """A heads file's tensors with every 2-D float weight of at least `min_numel` elements in 4 bits
-    (symmetric, one float16 scale per Q4_GROUP inputs of a row); the rest unchanged."""
+    (symmetric, one float16 scale per `group` inputs of a row); the rest unchanged. Readers take
+    the group from the shapes (inputs / scale columns)."""
     out: dict[str, torch.Tensor] = {}
     for key, value in tensors.items():
         rows, columns = value.shape if value.dim() == 2 else (0, 0)
-        if not value.is_floating_point() or value.numel() < min_numel or columns % Q4_GROUP:
+        if not value.is_floating_point() or value.numel() < min_numel or columns % group:
             out[key] = value
             continue
-        groups = value.float().reshape(rows, columns // Q4_GROUP, Q4_GROUP)
+        groups = value.float().reshape(rows, columns // group, group)
         scales = (groups.abs().amax(-1) / 7).clamp_min(1e-12).half()  # [rows, groups]
         q = (groups / scales.float()[..., None]).round().clamp(-8, 7).to(torch.int16) + 8  # 0..15
         q = q.reshape(rows, columns).to(torch.uint8)
@@ -334,14 +338,19 @@ def quantized_q4(tensors: dict[str, torch.Tensor], min_numel: int = 1 << 20) -> 
 
 
 def dequantized_q4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """packed uint8 [out, in / 2], scales float16 [out, in / group] -> float32 [out, in]."""
+    """packed uint8 [out, in / 2], scales float16 [out, in / group] -> float32 [out, in] (the group
+    follows from the two shapes)."""
     q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).float() - 8
     return (q.reshape(*scales.shape, -1) * scales.float()[..., None]).reshape(q.shape)
 
 
 def read_heads_file(path: Path) -> dict[str, torch.Tensor]:
-    """A heads file's tensors by their file names, 4-bit weights restored to float32."""
-    tensors = load_file(str(path))
+    """A heads file's tensors by their file names, 4-bit weights restored to float32 and integer
+    tensors (the draft vocabulary, which a file may store as int32) as int64."""
+    tensors = {
+        key: value if value.is_floating_point() or value.dtype == torch.uint8 else value.long()
+        for key, value in load_file(str(path)).items()
+    }
     for key in [k for k in tensors if k.endswith(Q4_SUFFIX)]:
         name = key.removesuffix(Q4_SUFFIX)
         scales = tensors.pop(name + Q4_SCALES_SUFFIX, None)

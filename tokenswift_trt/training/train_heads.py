@@ -277,10 +277,10 @@ def draft_loss(
     teacher = None
     if loss == "distill":
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
-            teacher = F.softmax(base_logits(engine, weight, hidden), dim=-1)
-            if draft_layers.vocab is not None:  # the base's distribution within the draft vocabulary
-                teacher = teacher[:, draft_layers.vocab.to(teacher.device)]
-                teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
+            rows = weight
+            if draft_layers.vocab is not None:  # within the draft vocabulary: the softmax of its rows alone
+                rows = weight.index_select(0, draft_layers.vocab.to(weight.device))  # (6x fewer on SmolLM2)
+            teacher = F.softmax(base_logits(engine, rows, hidden), dim=-1)
     roots = root_embeddings(engine, draft_layers, ids)
     scored: list[tuple[int, torch.Tensor]] = []  # (i, logits of x[t + 1 + i])
     if path_only:
