@@ -387,6 +387,11 @@ def load_heads(path: Path, draft_layers: DraftLayers, file_vocab: bool = False) 
     tensors = read_heads_file(path)
     state = {draft_key(key): value for key, value in tensors.items() if draft_key(key) is not None}
     current = draft_layers.state_dict()
+    saved_vocab = state.get(VOCAB_KEY)
+    other_size = saved_vocab is not None and current.get(VOCAB_KEY, saved_vocab).shape != saved_vocab.shape
+    if file_vocab and other_size:
+        size = saved_vocab.numel()
+        raise TrainingError(f"{path} drafts a {size}-token vocabulary: pass --draft-vocab {size}")
     if not (file_vocab and VOCAB_KEY in state and VOCAB_KEY in current):
         state.pop(VOCAB_KEY, None)
         if VOCAB_KEY in current:
