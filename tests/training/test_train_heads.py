@@ -469,8 +469,9 @@ def test_a_path_input_learns_what_follows_the_drafted_token_on_top_of_frozen_lay
     small = HeadsTrainer(engine, _pair_ids(), replace(config, draft_vocab=8, steps=1), tmp_path / "vocab")
     small_file = tmp_path / "vocab" / "small.safetensors"
     save_heads(small.draft_layers, small_file)
-    with pytest.raises(TrainingError, match="--draft-vocab 8"):
-        HeadsTrainer(engine, _pair_ids(), replace(path_config, draft_vocab=16), tmp_path, small_file)
+    for other in (16, 0):  # another size, or none
+        with pytest.raises(TrainingError, match="--draft-vocab 8"):
+            HeadsTrainer(engine, _pair_ids(), replace(path_config, draft_vocab=other), tmp_path, small_file)
 
     # the command line: a path input trained on the saved layers, reported per depth
     data = tmp_path / "pairs.txt"

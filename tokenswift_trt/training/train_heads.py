@@ -388,7 +388,8 @@ def load_heads(path: Path, draft_layers: DraftLayers, file_vocab: bool = False) 
     state = {draft_key(key): value for key, value in tensors.items() if draft_key(key) is not None}
     current = draft_layers.state_dict()
     saved_vocab = state.get(VOCAB_KEY)
-    other_size = saved_vocab is not None and current.get(VOCAB_KEY, saved_vocab).shape != saved_vocab.shape
+    ours = current.get(VOCAB_KEY)
+    other_size = saved_vocab is not None and (ours is None or ours.shape != saved_vocab.shape)
     if file_vocab and other_size:
         size = saved_vocab.numel()
         raise TrainingError(f"{path} drafts a {size}-token vocabulary: pass --draft-vocab {size}")
