@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine import Engine
-from .model import reads_root
+from .model import drafts_along_paths, reads_root
 from .stages import (
     BATCHED_NODES_MAX,
     DecodeState,
@@ -683,7 +683,7 @@ class Tuner:
             ),
             draft_s_by_depth=(
                 measure_path_drafting(engine, state, last_hidden, self._probe_static)
-                if self.from_verify and getattr(engine.draft_layers, "path", None) is not None
+                if self.from_verify and drafts_along_paths(engine.draft_layers)
                 else None
             ),
         )

@@ -75,6 +75,17 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps)  # a_i
         self.post_layernorm = RMSNorm(hidden_size, eps)  # b_i
 
+    def step(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, hidden] -> (h + W · rmsnorm_a(h), its normalised form rmsnorm_b(...) for lm_head)."""
+        state = state + self.linear(self.input_layernorm(state))
+        return state, self.post_layernorm(state)
+
+    def reset_(self) -> None:
+        """Untrained: W = 0 (adds nothing), unit norms."""
+        self.linear.weight.zero_()
+        self.input_layernorm.weight.fill_(1.0)
+        self.post_layernorm.weight.fill_(1.0)
+
 
 class RootInput(nn.Module):
     """U · rmsnorm_r(embedding of the root token), added to h_0."""
@@ -128,9 +139,7 @@ class PathInput(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """state [T, hidden] (pre-norm), token_embedding [T, hidden] -> (the next state [T, hidden],
         pre-norm: the next depth's input; its normalised form [T, hidden], for lm_head)."""
-        state = state + self.input(state, token_embedding)
-        state = state + self.layer.linear(self.layer.input_layernorm(state))
-        return state, self.layer.post_layernorm(state)
+        return self.layer.step(state + self.input(state, token_embedding))
 
 
 @dataclass
@@ -213,36 +222,17 @@ class DraftLayers(nn.Module):
         """The `PathInput`'s width, 0 for none."""
         return 0 if self.path is None else self.path.input.up.weight.shape[0]
 
-    def path_from_first_(self) -> DraftLayers:
-        """Start the path input as a copy of the root MLP and layer 1 (same widths): drafting a
-        depth from the depth before it and its token is layer 1's own task one position on, so the
-        copy already beats the chained layer 2 before any training (docs/smollm2.md)."""
-        if self.path is None or not isinstance(self.root, RootMLP) or self.root_width != self.path_width:
-            raise ValueError("copying needs a root MLP and a path input of the same width")
-        with torch.no_grad():
-            for target, source in ((self.path.input, self.root), (self.path.layer, self.layers[0])):
-                for (name, value), (other, copied) in zip(
-                    target.state_dict().items(), source.state_dict().items(), strict=True
-                ):
-                    assert name == other
-                    value.copy_(copied)
-        return self
-
     def zero_(self) -> DraftLayers:
         """Untrained state: W = U = 0 (a `RootMLP`: D = 0, U random so that D can learn) and unit
         norms, so every layer repeats the base prediction."""
         with torch.no_grad():
             for layer in self.layers:
-                layer.linear.weight.zero_()
-                layer.input_layernorm.weight.fill_(1.0)
-                layer.post_layernorm.weight.fill_(1.0)
+                layer.reset_()
             if self.root is not None:
                 self.root.reset_()
             if self.path is not None:  # adds nothing: depth d repeats layer 1's state's prediction
                 self.path.input.reset_()
-                self.path.layer.linear.weight.zero_()
-                self.path.layer.input_layernorm.weight.fill_(1.0)
-                self.path.layer.post_layernorm.weight.fill_(1.0)
+                self.path.layer.reset_()
         return self
 
     def forward(
@@ -267,8 +257,8 @@ class DraftLayers(nn.Module):
         for layer in itertools.islice(
             self.layers, count
         ):  # not self.layers[:count]: slicing builds a ModuleList
-            hidden = hidden + layer.linear(layer.input_layernorm(hidden))
-            outputs.append((hidden, layer.post_layernorm(hidden)))
+            hidden, normed = layer.step(hidden)
+            outputs.append((hidden, normed))
         return outputs
 
 

@@ -97,6 +97,12 @@ def reads_root(draft_layers: nn.Module) -> bool:
     return bool(getattr(draft_layers, "root_conditioned", False))
 
 
+def drafts_along_paths(draft_layers: nn.Module) -> bool:
+    """Whether draft layers have a path input (`draft_layers.PathInput`): trees deeper than one level
+    are then drafted level by level, each node's children from its own path (`stages.path_candidates`)."""
+    return getattr(draft_layers, "path", None) is not None
+
+
 def vocab_head(draft_layers: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The head over the draft layers' vocabulary (`draft_layers.VocabHead`: logits [..., V] from the
     LM head's rows of the most frequent tokens), or None: draft through the whole LM head."""

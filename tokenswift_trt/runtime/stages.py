@@ -23,7 +23,7 @@ import torch
 
 from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
-from .model import ForwardOutput, reads_root
+from .model import ForwardOutput, drafts_along_paths, reads_root
 from .ngram import NgramTable
 from .sampling import RandomSource, Sampler, SamplingConfig
 from .static_step import StaticForward
@@ -305,7 +305,7 @@ def candidates_from_hidden(
     or with a path input (`path_candidates`) each node's children follow its own path.
     `draft_logits` [≥ depth, V], when the verify pass's LM-head pass already computed them, saves
     the head pass."""
-    if getattr(engine.draft_layers, "path", None) is not None and tree.depth > 1:
+    if drafts_along_paths(engine.draft_layers) and tree.depth > 1:
         return path_candidates(engine, state, hidden, tree)
     if draft_logits is None or draft_logits.shape[0] < tree.depth:
         root = to_device(state.tokens[-1:], torch.long, hidden.device)  # [1]: the root follows `hidden`

@@ -274,12 +274,13 @@ def draft_loss(
     already known (`CachedStates`); `path_only`: the path input's depths alone."""
     hidden = base_hidden(engine, ids) if hidden is None else hidden.to(torch.float32)
     targets = vocab_targets(draft_layers, ids.to(engine.device))
+    rows = weight  # the head's rows the layers draft from: the draft vocabulary's, or all
+    if draft_layers.vocab is not None:
+        rows = weight.index_select(0, draft_layers.vocab.to(weight.device))
     teacher = None
     if loss == "distill":
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
-            rows = weight
-            if draft_layers.vocab is not None:  # within the draft vocabulary: the softmax of its rows alone
-                rows = weight.index_select(0, draft_layers.vocab.to(weight.device))  # (6x fewer on SmolLM2)
+            # within the draft vocabulary: the softmax of its rows alone (6x fewer on SmolLM2)
             teacher = F.softmax(base_logits(engine, rows, hidden), dim=-1)
     roots = root_embeddings(engine, draft_layers, ids)
     scored: list[tuple[int, torch.Tensor]] = []  # (i, logits of x[t + 1 + i])
@@ -287,11 +288,8 @@ def draft_loss(
         with torch.no_grad():
             first_state = draft_layers.chain(hidden, 1, roots)[0][0]
     else:
-        vocab_weight = weight
-        if draft_layers.vocab is not None:
-            vocab_weight = weight.index_select(0, draft_layers.vocab.to(weight.device))
         chain = draft_layers.chain(hidden, None, roots)
-        scored += [(i, F.linear(normed, vocab_weight)) for i, (_, normed) in enumerate(chain, start=1)]
+        scored += [(i, F.linear(normed, rows)) for i, (_, normed) in enumerate(chain, start=1)]
         first_state = chain[0][0]
     if draft_layers.path is not None:
         scored += list(enumerate(path_logits(engine, weight, draft_layers, first_state, ids), start=2))
@@ -381,7 +379,9 @@ def load_heads(path: Path, draft_layers: DraftLayers, file_vocab: bool = False) 
     """A heads file (`save_heads`' format) as a state dict for `draft_layers`; a file of another
     shape or naming is a TrainingError. The draft vocabulary stays `draft_layers`' own (training
     counts its own text's tokens) unless `file_vocab` (layers trained on as they are). A path input
-    the file lacks (or of another width) starts as `draft_layers`' own."""
+    the file lacks (or of another width) starts as a copy of the root MLP and layer 1 where its width
+    is the root MLP's (drafting a depth from the depth before and its token is layer 1's task one
+    position on: the copy already beats the chained layer 2), else as `draft_layers`' own."""
     if not path.is_file():
         raise TrainingError(f"heads file {path} does not exist")
     tensors = read_heads_file(path)
@@ -400,9 +400,6 @@ def load_heads(path: Path, draft_layers: DraftLayers, file_vocab: bool = False) 
     layout = draft_layout(state)
     if layout.path_width and not draft_layers.path_width:
         raise TrainingError(f"{path} holds a path input: train on with --path-width {layout.path_width}")
-    if draft_layers.path_width and layout.path_width != draft_layers.path_width:
-        state = {key: value for key, value in state.items() if not key.startswith(PATH_PREFIX)}
-        state.update({key: value for key, value in current.items() if key.startswith(PATH_PREFIX)})
     file_reads_root = layout.root_conditioned
     other_root = not file_reads_root or layout.root_width != draft_layers.root_width
     if draft_layers.root_conditioned and other_root:
@@ -412,6 +409,15 @@ def load_heads(path: Path, draft_layers: DraftLayers, file_vocab: bool = False) 
         state.update({key: value for key, value in current.items() if key.startswith(ROOT_PREFIX)})
     elif not draft_layers.root_conditioned and file_reads_root:
         raise TrainingError(f"{path} holds root-conditioned draft layers: train on with --root-conditioned")
+    if draft_layers.path_width and layout.path_width != draft_layers.path_width:
+        state = {key: value for key, value in state.items() if not key.startswith(PATH_PREFIX)}
+        if draft_layers.root_width == draft_layers.path_width:
+            copies = ((ROOT_PREFIX, PATH_PREFIX + "input."), ("layers.0.", PATH_PREFIX + "layer."))
+            for source, target in copies:
+                copied = {key.removeprefix(source): v for key, v in state.items() if key.startswith(source)}
+                state.update({target + key: value for key, value in copied.items()})
+        else:
+            state.update({key: value for key, value in current.items() if key.startswith(PATH_PREFIX)})
     expected = {key: value.shape for key, value in current.items()}
     if {key: value.shape for key, value in state.items()} != expected:
         raise TrainingError(
@@ -522,10 +528,6 @@ class HeadsTrainer:
             raise TrainingError("--path-only trains a path input on trained layers: add --init-heads")
         if init_heads is not None:  # warm start: go on from trained layers (a new schedule)
             self.draft_layers.load_state_dict(load_heads(init_heads, self.draft_layers, config.path_only))
-            saved = {draft_key(k): v for k, v in read_heads_file(init_heads).items() if draft_key(k)}
-            fresh_path = config.path_width and draft_layout(saved).path_width != config.path_width
-            if fresh_path and config.root_width == config.path_width:
-                self.draft_layers.path_from_first_()  # layer 1's task one position on (draft_layers.py)
         if config.path_only:
             for name, parameter in self.draft_layers.named_parameters():
                 parameter.requires_grad_(name.startswith(PATH_PREFIX))
