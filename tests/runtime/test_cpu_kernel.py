@@ -50,8 +50,12 @@ def _tree_mask(count: int, generator: torch.Generator, blind_row: int | None = N
         (4, 2, 16, 0, 33),  # tree only, 33 nodes: mask words 0 and 1
         (9, 3, 64, 3000, 2),  # SmolLM2's shape, 6 rows: the 8-lane path, ranges balanced over threads
         (6, 3, 32, 700, 4),  # 8 rows exactly: still 8 lanes
-        (9, 3, 64, 4096, 4),  # 12 rows: 16 lanes, three KV heads split over the threads
+        (9, 3, 64, 4096, 4),  # 12 rows: 16 lanes (AVX-512) or two 8-lane tiles (AVX2), 3 KV heads, 2 threads
         (2, 1, 128, 257, 3),  # 6 rows of head_dim 128 in 8 lanes, a partial last key block
+        (9, 3, 64, 4096, 1),  # an AR step of SmolLM2: 3 rows (AVX2: one row at a time)
+        (9, 3, 64, 1000, 3),  # 9 rows (AVX2: a row at a time, not a second tile for one row)
+        (2, 1, 128, 300, 1),  # head_dim 128 a row at a time: two passes over the values
+        (4, 2, 32, 77, 1),  # head_dim 32, 2 rows (AVX2: a row at a time), a partial last key block
     ],
 )
 def test_kernel_equals_reference(cpu_kernels, heads, kv_heads, head_dim, prefix, count):
@@ -100,10 +104,11 @@ def test_custom_op_on_cpu_runs_the_kernel_and_keeps_the_reference_for_the_rest(c
 
 
 def test_the_kernel_is_chosen_only_where_it_beats_sdpa(cpu_kernels, llama_dir, monkeypatch):
-    # AVX-512 holds a 16-row tile in one register; on AVX2 the kernel measured 4-7x slower than SDPA
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert quiet_load(llama_dir[0]).model.attention_kernel == "cpu_tree_attention"
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    # x86 vector units (8-lane tiles on AVX2, 8 or 16 on AVX-512); elsewhere SDPA
+    for capability in ("AVX512", "AVX2"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda name=capability: name)
+        assert quiet_load(llama_dir[0]).model.attention_kernel == "cpu_tree_attention"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     assert quiet_load(llama_dir[0]).model.attention_kernel == "sdpa"
     monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "1")
     assert quiet_load(llama_dir[0]).model.attention_kernel == "cpu_tree_attention"
