@@ -208,3 +208,39 @@ def test_the_kernel_switch_falls_back_to_onednn(monkeypatch):
     x = torch.randn(3, 64)
     with torch.inference_mode():
         assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
+
+
+@tiled
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_half_precision_pack_is_the_float32_product_of_the_rounded_weight(bias):
+    """`pack(half=True)` stores float16 (half the bytes) and computes exactly what the float32
+    kernel computes for the weight rounded to float16, row-invariant like it; the parameter itself
+    stays float32. Shapes off the kernel's blocks as above."""
+    torch.manual_seed(3)
+    layer = Linear(300, 100, bias=bias)
+    rounded = Linear(300, 100, bias=bias)
+    with torch.no_grad():
+        rounded.weight.copy_(layer.weight.half().float())
+        if bias:
+            rounded.bias.copy_(layer.bias)
+    assert layer.pack(half=True) and rounded.pack()
+    assert layer._packed.data.dtype == torch.float16 and rounded._packed.data.dtype == torch.float32
+    assert layer._packed.data.numel() == rounded._packed.data.numel()
+    assert layer.weight.dtype == torch.float32
+    x = torch.randn(TILED_MAX_ROWS, 300)
+    with torch.inference_mode():
+        together = layer(x)
+        assert torch.equal(together, rounded(x))
+        assert not torch.equal(together, F.linear(x, layer.weight, layer.bias))  # it is rounded
+        assert torch.allclose(together, F.linear(x, layer.weight, layer.bias), atol=2e-2)
+        for rows in (1, 3, 5):
+            assert torch.equal(layer(x[:rows]), together[:rows]), rows
+
+
+@tiled
+def test_engines_pack_their_draft_layers_in_half_precision_and_the_model_in_float32(llama_dir):
+    engine = quiet_load(llama_dir[0])
+    drafts = [m for m in engine.draft_layers.modules() if isinstance(m, Linear)]
+    model = [m for m in engine.model.modules() if isinstance(m, Linear) and m._packed is not None]
+    assert drafts and all(m._packed.data.dtype == torch.float16 for m in drafts)
+    assert model and all(m._packed.data.dtype == torch.float32 for m in model)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenswift_trt.runtime.cpu_linear import pack_linears, tiled_kernels
 from tokenswift_trt.runtime.draft_layers import (
     Q4_GROUP,
     DraftLayers,
@@ -208,7 +209,8 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_leaves_the_output_unchang
     restricted = engine.model.draft_logits(hidden, layers, 3, roots)
     outside = torch.ones(96, dtype=torch.bool)
     outside[vocab] = False
-    assert torch.allclose(restricted[..., vocab], full[..., vocab], atol=1e-5)
+    # the same rows of the LM head; the draft vocabulary's are packed in float16 (drafts only)
+    assert torch.allclose(restricted[..., vocab], full[..., vocab], atol=5e-3)
     assert torch.isneginf(restricted[..., outside]).all()
     heads_out = engine.model.head_logits(hidden, layers)  # the base row keeps the whole vocabulary
     assert torch.allclose(heads_out[0], whole.model.logits(hidden), atol=1e-6)
@@ -348,3 +350,42 @@ def test_a_path_input_drafts_from_the_state_and_token_before_and_loads_from_a_he
     save_file({k: v for k, v in saved.items() if ".root." not in k}, str(tmp_path / "no-root.safetensors"))
     with pytest.raises(WeightsError, match="path input needs a root input"):
         load_engine(llama_dir[0], heads_file=tmp_path / "no-root.safetensors")
+
+
+@pytest.mark.skipif(tiled_kernels() is None, reason="needs the tiled CPU kernel (x86, AVX2)")
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"root_conditioned": True}, {"root_conditioned": True, "root_width": 40, "path_width": 24}],
+    ids=["plain", "root-linear", "root-mlp-path"],
+)
+def test_the_compiled_draft_chain_computes_what_the_modules_do(llama_dir, monkeypatch, layout):
+    """CPU inference in float32 runs the chain (root input, layers; a path input's step) in one
+    compiled call; its states equal the PyTorch modules' on the same packed products."""
+    from tokenswift_trt.runtime import draft_layers as module
+
+    config = quiet_load(llama_dir[0]).config
+    layers = DraftLayers(config, 3, **layout)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, value in layers.state_dict().items():
+            if value.is_floating_point():
+                scale, offset = (0.1, 1.0) if "norm" in name else (0.3, 0.0)
+                value.copy_(torch.randn(value.shape, generator=generator) * scale + offset)
+    assert pack_linears(layers, half=True) > 0
+    hidden = torch.randn(5, config.hidden_size, generator=generator)
+    embedding = torch.randn(5, config.hidden_size, generator=generator) if layers.root_conditioned else None
+    with torch.inference_mode():
+        assert module.compiled_chain(layers.root, list(layers.layers), hidden, embedding) is not None
+        fused = layers.chain(hidden, 2, embedding)
+        path = layers.path(hidden, embedding) if layers.path is not None else None
+        monkeypatch.setattr(module, "compiled_chain", lambda *args: None)
+        plain = layers.chain(hidden, 2, embedding)
+        assert len(fused) == len(plain) == 2
+        for (state, normed), (state_ref, normed_ref) in zip(fused, plain):
+            torch.testing.assert_close(state, state_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(normed, normed_ref, atol=1e-5, rtol=1e-5)
+        if path is not None:
+            for got, want in zip(path, layers.path(hidden, embedding)):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # training and export keep the modules
+        assert module.compiled_chain(layers.root, list(layers.layers), hidden, embedding) is None

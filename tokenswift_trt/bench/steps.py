@@ -130,7 +130,7 @@ def random_engine(
     draft_layers.eval()
     choose_attention_kernel(base, config, dtype, device)
     base.pack()  # CPU only, as load_engine does
-    pack_linears(draft_layers)
+    pack_linears(draft_layers, half=True)
     return Engine(config, base, draft_layers, False, dtype, device), str(dtype).removeprefix("torch.")
 
 

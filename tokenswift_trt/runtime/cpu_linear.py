@@ -15,6 +15,11 @@ so verifying a 4-token tree paid 3-4x an AR step in its matmuls. Two packed layo
 
 Measured with `scripts/cpu_step_costs.py` (docs/runtime.md).
 
+Half-precision packing (`pack(half=True)`, tiled layout only): the packed copy is float16, widened
+to float32 as the kernel loads it, so a one-row product streams half the bytes; its outputs are
+exactly the float32 kernel's for the weight rounded to float16. For products whose rounding only
+changes proposals, never outputs: the draft layers' (`load_engine`).
+
 `Linear` is `nn.Linear` (same parameters, same state-dict keys, same autograd, export and GPU
 behaviour) plus `pack()`. Once packed, a CPU forward under `torch.inference_mode()` uses the
 packed copy. It is dropped as soon as the weight changes (a new Parameter, an in-place update,
@@ -45,7 +50,7 @@ class PackedWeight:
     W = 48 with AVX-512, else 24) or "onednn" (oneDNN's opaque blocked layout)."""
 
     kind: str
-    data: torch.Tensor
+    data: torch.Tensor  # "tiled": float32, or float16 (`pack(half=True)`)
     out_features: int
     kernels: object | None = None  # the compiled CPU kernels' module ("tiled")
 
@@ -85,9 +90,10 @@ class Linear(nn.Linear):
         self._packed: PackedWeight | None = None
         self._packed_from: tuple[int, int, torch.dtype] | None = None  # _identity of the packed weight
 
-    def pack(self) -> bool:
-        """Prepack the weight for CPU inference; False (nothing changes) where it cannot be done."""
-        self._packed = _prepack(self.weight)
+    def pack(self, half: bool = False) -> bool:
+        """Prepack the weight for CPU inference; False (nothing changes) where it cannot be done.
+        `half`: in float16 where the tiled kernel applies (elsewhere as without it)."""
+        self._packed = _prepack(self.weight, half)
         if self._packed is None:
             return False
         self._packed_from = _identity(self.weight)
@@ -114,16 +120,18 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def _prepack(weight: torch.Tensor) -> PackedWeight | None:
+def _prepack(weight: torch.Tensor, half: bool = False) -> PackedWeight | None:
     """A packed copy of a weight [out, in] for CPU inference: tiled for float32 where our kernel
-    applies, else oneDNN's layout; None where there is none (not a CPU float32/bfloat16 weight, no
-    oneDNN, or e.g. bfloat16 on a CPU without AVX-512 / AVX-NE-CONVERT: plain F.linear then)."""
+    applies (in float16 with `half`), else oneDNN's layout; None where there is none (not a CPU
+    float32/bfloat16 weight, no oneDNN, or e.g. bfloat16 on a CPU without AVX-512 / AVX-NE-CONVERT:
+    plain F.linear then)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     with torch.no_grad():
         tiled = tiled_kernels() if weight.dtype == torch.float32 else None
         if tiled is not None:
-            return PackedWeight("tiled", tiled.pack_linear(weight.detach()), weight.shape[0], tiled)
+            packing = tiled.pack_linear_half if half else tiled.pack_linear
+            return PackedWeight("tiled", packing(weight.detach()), weight.shape[0], tiled)
         if not packing_available():
             return None
         try:
@@ -139,9 +147,10 @@ def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
     return id(weight), -1 if weight.is_inference() else weight._version, weight.dtype
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Prepack every `Linear` inside `module` (CPU float32/bfloat16); returns how many were packed."""
-    return sum(1 for child in module.modules() if isinstance(child, Linear) and child.pack())
+def pack_linears(module: nn.Module, half: bool = False) -> int:
+    """Prepack every `Linear` inside `module` (CPU float32/bfloat16; `half`: tiled ones in float16);
+    returns how many were packed."""
+    return sum(1 for child in module.modules() if isinstance(child, Linear) and child.pack(half))
 
 
 class FusedLinears:

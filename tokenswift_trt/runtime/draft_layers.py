@@ -53,7 +53,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .config import ModelConfig
-from .cpu_linear import Linear
+from .cpu_linear import TILED_MAX_ROWS, Linear
 from .model import RMSNorm
 
 # Key names of the released TokenSwift checkpoints (weights inside the base checkpoint).
@@ -139,6 +139,9 @@ class PathInput(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """state [T, hidden] (pre-norm), token_embedding [T, hidden] -> (the next state [T, hidden],
         pre-norm: the next depth's input; its normalised form [T, hidden], for lm_head)."""
+        fused = compiled_chain(self.input, [self.layer], state, token_embedding)
+        if fused is not None:
+            return fused[0]
         return self.layer.step(state + self.input(state, token_embedding))
 
 
@@ -157,7 +160,7 @@ class VocabHead:
             rows = head_weight.detach().index_select(0, ids.to(head_weight.device))
         linear = Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
         linear.weight = nn.Parameter(rows, requires_grad=False)
-        linear.pack()
+        linear.pack(half=True)  # float16 where the tiled kernel applies: it only drafts
         return cls(ids.to(head_weight.device), linear, head_weight.shape[0])
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
@@ -249,9 +252,12 @@ class DraftLayers(nn.Module):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`forward`, with each layer's state before its norm: per layer (state, normalised state),
         both [T, hidden] (a path input continues from layer 1's state)."""
+        if self.root is not None and root_embedding is None:
+            raise ValueError("root-conditioned draft layers need the root token's embedding")
+        fused = compiled_chain(self.root, list(itertools.islice(self.layers, count)), hidden, root_embedding)
+        if fused is not None:
+            return fused
         if self.root is not None:
-            if root_embedding is None:
-                raise ValueError("root-conditioned draft layers need the root token's embedding")
             hidden = hidden + self.root(hidden, root_embedding)
         outputs = []
         for layer in itertools.islice(
@@ -260,6 +266,57 @@ class DraftLayers(nn.Module):
             hidden, normed = layer.step(hidden)
             outputs.append((hidden, normed))
         return outputs
+
+
+def compiled_chain(
+    root: RootInput | RootMLP | None,
+    layers: list[DraftLayer],
+    hidden: torch.Tensor,
+    root_embedding: torch.Tensor | None,
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """hidden + root(hidden, root_embedding), then `layers`, in one call of the compiled CPU kernels
+    (decoder_cpu.cpp's draft_chain): per layer (state, normalised state), each [T, hidden], as
+    `DraftLayer.step` gives them. A draft pass of one row is ~15 PyTorch operations around its
+    products (norms, concatenation, SiLU, adds), each a Python call and an ATen dispatch, which cost
+    more than the products themselves on a CPU. None where it does not apply (not CPU inference in
+    float32, more rows than the tiled kernel takes, a product not packed in its layout): the PyTorch
+    modules then run."""
+    if (
+        not layers
+        or not torch.is_inference_mode_enabled()
+        or torch.compiler.is_compiling()
+        or hidden.device.type != "cpu"
+        or hidden.dtype != torch.float32
+        or hidden.dim() != 2
+        or hidden.shape[0] > TILED_MAX_ROWS
+    ):
+        return None
+    if isinstance(root, RootMLP):
+        products, root_norms = [root.up, root.down], [root.hidden_norm.weight, root.norm.weight]
+    elif isinstance(root, RootInput):
+        products, root_norms = [root.linear], [root.norm.weight]
+    else:
+        products, root_norms = [], []
+    products += [layer.linear for layer in layers]
+    if not all(product.packed and product._packed.kind == "tiled" for product in products):
+        return None
+    packed = [product._packed.data for product in products]
+    root_tensors = (
+        [root_norms[0], root_norms[1], packed[0], packed[1]]
+        if isinstance(root, RootMLP)
+        else [root_norms[0], packed[0]]
+        if isinstance(root, RootInput)
+        else []
+    )
+    layer_tensors = []
+    for layer, product in zip(layers, packed[len(packed) - len(layers) :]):
+        layer_tensors += [layer.input_layernorm.weight, product, layer.post_layernorm.weight]
+    embedding = hidden.new_empty(0) if root is None else root_embedding.contiguous()
+    kernels = products[0]._packed.kernels
+    out = kernels.draft_chain(  # type: ignore[union-attr]
+        hidden.contiguous(), embedding, root_tensors, layer_tensors, layers[0].input_layernorm.eps
+    )  # [2, count, T, hidden]
+    return [(out[0, index], out[1, index]) for index in range(len(layers))]
 
 
 def draft_key(key: str) -> str | None:

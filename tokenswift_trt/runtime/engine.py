@@ -165,7 +165,7 @@ def load_engine(
     draft_layers.eval()
     choose_attention_kernel(model, config, dtype, device)
     model.pack()  # CPU only: oneDNN-prepacked, fused weights (cpu_linear.py)
-    pack_linears(draft_layers)
+    pack_linears(draft_layers, half=True)  # drafts never change the output: half the bytes per draft pass
     vocab = draft_layers.vocab
     if vocab is not None and (
         vocab.is_floating_point() or int(vocab.min()) < 0 or int(vocab.max()) >= config.vocab_size

@@ -13,8 +13,10 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -150,4 +152,55 @@ at::Tensor decoder_cpu(const at::Tensor& embeddings, const at::Tensor& cos, cons
         for (int64_t i = 0; i < rows * hidden; ++i) x_data[i] += dn[i];
     }
     return x;
+}
+
+at::Tensor draft_chain_cpu(const at::Tensor& hidden, const at::Tensor& root_embedding, const std::vector<at::Tensor>& root,
+                           const std::vector<at::Tensor>& layers, double eps) {
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+                "draft chain: hidden must be contiguous float32 [rows, hidden]");
+    TORCH_CHECK(root.size() == 0 || root.size() == 2 || root.size() == 4,
+                "draft chain: root input is none, (norm, product) or (hidden norm, norm, up, down)");
+    TORCH_CHECK(layers.size() % 3 == 0, "draft chain: 3 tensors per layer");
+    const int64_t rows = hidden.size(0), size = hidden.size(1), count = static_cast<int64_t>(layers.size()) / 3;
+    TORCH_CHECK(root.empty() || (root_embedding.sizes() == hidden.sizes() && root_embedding.is_contiguous() &&
+                                 root_embedding.scalar_type() == at::kFloat),
+                "draft chain: the root embedding must be contiguous float32 like hidden");
+    const at::Tensor none = hidden.new_empty(0);
+    at::Tensor state = hidden.clone();  // [rows, hidden], the chain's pre-norm state
+    float* s = state.data_ptr<float>();
+    at::Tensor normed = at::empty({rows, size}, hidden.options());
+    if (root.size() == 2) {  // + U · rmsnorm_r(e)
+        rms_norm(root_embedding.data_ptr<float>(), root[0].data_ptr<float>(), normed.data_ptr<float>(), rows, size, eps);
+        const at::Tensor added = linear_cpu(normed, root[1], none, size);
+        const float* a = added.data_ptr<float>();
+        for (int64_t i = 0; i < rows * size; ++i) s[i] += a[i];
+    } else if (root.size() == 4) {  // + D · silu(U · [rmsnorm_h(h); rmsnorm_r(e)])
+        at::Tensor both = at::empty({rows, 2 * size}, hidden.options());
+        at::Tensor part = at::empty({rows, size}, hidden.options());
+        float* b = both.data_ptr<float>();
+        rms_norm(s, root[0].data_ptr<float>(), part.data_ptr<float>(), rows, size, eps);
+        for (int64_t t = 0; t < rows; ++t) std::copy_n(part.data_ptr<float>() + t * size, size, b + t * 2 * size);
+        rms_norm(root_embedding.data_ptr<float>(), root[1].data_ptr<float>(), part.data_ptr<float>(), rows, size, eps);
+        for (int64_t t = 0; t < rows; ++t)
+            std::copy_n(part.data_ptr<float>() + t * size, size, b + t * 2 * size + size);
+        const int64_t width = root[3].size(1);  // the down product's input size
+        at::Tensor up = linear_cpu(both, root[2], none, width);
+        float* u = up.data_ptr<float>();
+        for (int64_t i = 0; i < rows * width; ++i) u[i] = u[i] / (1.0f + std::exp(-u[i]));  // SiLU
+        const at::Tensor added = linear_cpu(up, root[3], none, size);
+        const float* a = added.data_ptr<float>();
+        for (int64_t i = 0; i < rows * size; ++i) s[i] += a[i];
+    }
+    at::Tensor states = at::empty({count, rows, size}, hidden.options());
+    at::Tensor outputs = at::empty({count, rows, size}, hidden.options());
+    for (int64_t layer = 0; layer < count; ++layer) {  // s += W · rmsnorm_a(s); out = rmsnorm_b(s)
+        const at::Tensor* w = layers.data() + 3 * layer;
+        rms_norm(s, w[0].data_ptr<float>(), normed.data_ptr<float>(), rows, size, eps);
+        const at::Tensor added = linear_cpu(normed, w[1], none, size);
+        const float* a = added.data_ptr<float>();
+        for (int64_t i = 0; i < rows * size; ++i) s[i] += a[i];
+        std::copy_n(s, rows * size, states.data_ptr<float>() + layer * rows * size);
+        rms_norm(s, w[2].data_ptr<float>(), outputs.data_ptr<float>() + layer * rows * size, rows, size, eps);
+    }
+    return at::stack({states, outputs});
 }

@@ -19,9 +19,11 @@ at::Tensor gumbel_topk_cpu(const at::Tensor& logits, const at::Tensor& windows, 
                            int64_t width);
 
 // linear_cpu.cpp: weight [N, K] float32 -> packed [ceil(N / W), K, W] (W = 48 with AVX-512, else 24);
-// input [M, K] float32, bias [N] or empty -> [M, N], every element one in-order chain over k (the same
-// bits for any M).
+// input [M, K] float32, packed float32 or float16, bias [N] or empty -> [M, N], every element one in-order
+// chain over k (the same bits for any M).
 at::Tensor pack_linear_cpu(const at::Tensor& weight);
+// the same layout in float16 (widened to float32 as loaded: draft layers' products)
+at::Tensor pack_linear_half_cpu(const at::Tensor& weight);
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs);
 
 // decoder_cpu.cpp: the decoder stack for T <= 16 new tokens. embeddings [T, hidden]; cos/sin [T, head_dim];
@@ -34,3 +36,10 @@ at::Tensor decoder_cpu(const at::Tensor& embeddings, const at::Tensor& cos, cons
                        const std::vector<at::Tensor>& weights, const at::Tensor& keys, const at::Tensor& values,
                        int64_t prefix, const at::Tensor& attention, int64_t mode, int64_t heads, int64_t kv_heads,
                        double eps, double scale, const at::Tensor& queries);
+
+// decoder_cpu.cpp: the draft layers' chain for a few rows in one call. hidden [R, hidden] (pre-norm),
+// root_embedding [R, hidden] (or empty without a root input); root: none, (norm, packed U) or (hidden
+// norm, norm, packed U, packed D) of a root MLP; layers: per layer input norm, packed W, post norm
+// -> [2, count, R, hidden]: each layer's state before its post norm, and after it.
+at::Tensor draft_chain_cpu(const at::Tensor& hidden, const at::Tensor& root_embedding, const std::vector<at::Tensor>& root,
+                           const std::vector<at::Tensor>& layers, double eps);

@@ -18,11 +18,17 @@
 // AVX-512, 24 on AVX2), each k's W weights contiguous, so the first row tile streams a block front to
 // back (what the hardware prefetcher follows best); the last block is zero-padded. The layout is the
 // compiling machine's (-march=native): packed weights are made at load time, never stored.
+//
+// Half-precision weights (pack_linear_half_cpu): the same layout in float16, widened to float32 as
+// they are loaded (F16C), the arithmetic float32 as above. Half the bytes to stream, for products
+// whose rounding only changes proposals: the draft layers' (a one-row draft pass of SmolLM2's heads
+// reads ~36 MB in float32). y is then exactly the float32 kernel's y for the weight rounded to float16.
 #include "kernels_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -46,6 +52,7 @@ constexpr int64_t kVector = 16;   // floats per register
 constexpr int64_t kTileRows = 8;  // 8 x 3 = 24 accumulators of 32 registers
 constexpr int64_t kDepth = 128;   // k per pass: a block's 128 x 48 weights (24 KB) stay in L1
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec splat(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -56,6 +63,7 @@ constexpr int64_t kVector = 8;
 constexpr int64_t kTileRows = 4;  // 4 x 3 = 12 accumulators of 16 registers
 constexpr int64_t kDepth = 256;   // 256 x 24 weights: 24 KB
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec splat(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -70,17 +78,17 @@ constexpr int64_t kWidth = kColumns * kVector;   // outputs per block: 48 (AVX-5
 constexpr int64_t kLine = 64;                    // bytes per cache line
 
 #if defined(TOKENSWIFT_VECTOR_TILES)
-// acc[R][kWidth] += x[R][k0:k1] · w[k0:k1][kWidth]
-template <int R>
-inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc,
+// acc[R][kWidth] += x[R][k0:k1] · w[k0:k1][kWidth]  (W: float, or uint16_t holding float16 bits)
+template <int R, typename W>
+inline void tile(const float* x, int64_t x_stride, const W* w, int64_t k0, int64_t k1, float* acc,
                  const char* ahead) {
     Vec sum[R][kColumns];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < kColumns; ++c) sum[r][c] = load(acc + r * kWidth + c * kVector);
     for (int64_t k = k0; k < k1; ++k) {
         if (ahead != nullptr)  // the next pass's weights, as many bytes per k as this pass reads
-            for (int64_t offset = 0; offset < kWidth * int64_t(sizeof(float)); offset += kLine)
-                _mm_prefetch(ahead + (k - k0) * kWidth * int64_t(sizeof(float)) + offset, _MM_HINT_T0);
+            for (int64_t offset = 0; offset < kWidth * int64_t(sizeof(W)); offset += kLine)
+                _mm_prefetch(ahead + (k - k0) * kWidth * int64_t(sizeof(W)) + offset, _MM_HINT_T0);
         Vec weights[kColumns];
         for (int c = 0; c < kColumns; ++c) weights[c] = load(w + k * kWidth + c * kVector);
         for (int r = 0; r < R; ++r) {
@@ -93,19 +101,23 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, i
 }
 #else
 // Portable version: the same chain of fused multiply-adds per output element.
-template <int R>
-inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1, float* acc,
+inline float widen(float value) { return value; }
+inline float widen(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+template <int R, typename W>
+inline void tile(const float* x, int64_t x_stride, const W* w, int64_t k0, int64_t k1, float* acc,
                  const char*) {
     for (int r = 0; r < R; ++r)
         for (int64_t j = 0; j < kWidth; ++j) {
             float sum = acc[r * kWidth + j];
-            for (int64_t k = k0; k < k1; ++k) sum = std::fma(x[r * x_stride + k], w[k * kWidth + j], sum);
+            for (int64_t k = k0; k < k1; ++k) sum = std::fma(x[r * x_stride + k], widen(w[k * kWidth + j]), sum);
             acc[r * kWidth + j] = sum;
         }
 }
 #endif
 
-inline void tile_rows(int64_t rows, const float* x, int64_t x_stride, const float* w, int64_t k0, int64_t k1,
+template <typename W>
+inline void tile_rows(int64_t rows, const float* x, int64_t x_stride, const W* w, int64_t k0, int64_t k1,
                       float* acc, const char* ahead) {
     switch (rows) {
         case 1: return tile<1>(x, x_stride, w, k0, k1, acc, ahead);
@@ -119,47 +131,10 @@ inline void tile_rows(int64_t rows, const float* x, int64_t x_stride, const floa
     }
 }
 
-}  // namespace
-
-at::Tensor pack_linear_cpu(const at::Tensor& weight) {
-    TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
-                "pack_linear: weight must be a float32 CPU matrix [out, in]");
-    const at::Tensor source = weight.contiguous();
-    const int64_t outputs = source.size(0), depth = source.size(1);
-    const int64_t blocks = (outputs + kWidth - 1) / kWidth;
-    at::Tensor packed = at::zeros({blocks, depth, kWidth}, source.options());
-    const float* from = source.data_ptr<float>();
-    float* to = packed.data_ptr<float>();
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t block = begin; block < end; ++block) {
-            const int64_t width = std::min(kWidth, outputs - block * kWidth);
-            for (int64_t j = 0; j < width; ++j) {
-                const float* row = from + (block * kWidth + j) * depth;
-                for (int64_t k = 0; k < depth; ++k) to[(block * depth + k) * kWidth + j] = row[k];
-            }
-        }
-    });
-    return packed;
-}
-
-at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs) {
-    TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat && input.dim() == 2,
-                "linear: input must be a float32 CPU matrix [rows, in]");
-    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == input.size(1) && packed.size(2) == kWidth &&
-                    packed.size(0) * kWidth >= outputs && packed.is_contiguous(),
-                "linear: packed weight does not match the input (pack it with pack_linear)");
-    const bool has_bias = bias.defined() && bias.numel() > 0;
-    TORCH_CHECK(!has_bias || (bias.numel() == outputs && bias.scalar_type() == at::kFloat),
-                "linear: bias must be float32 [out]");
-    const at::Tensor x = input.contiguous();
-    const int64_t rows = x.size(0), depth = x.size(1), blocks = packed.size(0);
-    at::Tensor out = at::empty({rows, outputs}, x.options());
-    const float* x_data = x.data_ptr<float>();
-    const float* w_data = packed.data_ptr<float>();
-    const at::Tensor b = has_bias ? bias.contiguous() : at::Tensor();
-    const float* b_data = has_bias ? b.data_ptr<float>() : nullptr;
-    float* out_data = out.data_ptr<float>();
-    if (rows == 0) return out;
+// y[rows, outputs] = x · packed (+ bias), packed [blocks, depth, kWidth] of W
+template <typename W>
+void run_linear(const float* x_data, int64_t rows, int64_t depth, const W* w_data, int64_t blocks,
+                const float* b_data, int64_t outputs, float* out_data) {
     // balanced row tiles of at most kTileRows (6 rows on AVX2: 3 + 3, not 4 + 2: a small tile has too
     // few chains)
     const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
@@ -168,7 +143,7 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const a
         float* acc = sums.data();
         for (int64_t block = begin; block < end; ++block) {
             std::fill(acc, acc + rows * kWidth, 0.0f);
-            const float* w = w_data + block * depth * kWidth;
+            const W* w = w_data + block * depth * kWidth;
             for (int64_t k0 = 0; k0 < depth; k0 += kDepth) {
                 const int64_t k1 = std::min(depth, k0 + kDepth);
                 // the first tile streams this pass's weights from memory (the hardware prefetcher
@@ -188,5 +163,62 @@ at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const a
                     out_data[r * outputs + first + j] = acc[r * kWidth + j] + (b_data ? b_data[first + j] : 0.0f);
         }
     });
+}
+
+}  // namespace
+
+namespace {
+
+// weight [out, in] (float32) -> [ceil(out / kWidth), in, kWidth] of `dtype` (float32 or float16)
+at::Tensor pack(const at::Tensor& weight, at::ScalarType dtype) {
+    TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+                "pack_linear: weight must be a float32 CPU matrix [out, in]");
+    const at::Tensor source = weight.contiguous();
+    const int64_t outputs = source.size(0), depth = source.size(1);
+    const int64_t blocks = (outputs + kWidth - 1) / kWidth;
+    at::Tensor packed = at::zeros({blocks, depth, kWidth}, source.options());
+    const float* from = source.data_ptr<float>();
+    float* to = packed.data_ptr<float>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t block = begin; block < end; ++block) {
+            const int64_t width = std::min(kWidth, outputs - block * kWidth);
+            for (int64_t j = 0; j < width; ++j) {
+                const float* row = from + (block * kWidth + j) * depth;
+                for (int64_t k = 0; k < depth; ++k) to[(block * depth + k) * kWidth + j] = row[k];
+            }
+        }
+    });
+    return dtype == at::kFloat ? packed : packed.to(dtype);
+}
+
+}  // namespace
+
+at::Tensor pack_linear_cpu(const at::Tensor& weight) { return pack(weight, at::kFloat); }
+
+at::Tensor pack_linear_half_cpu(const at::Tensor& weight) { return pack(weight, at::kHalf); }
+
+at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs) {
+    TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat && input.dim() == 2,
+                "linear: input must be a float32 CPU matrix [rows, in]");
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == input.size(1) && packed.size(2) == kWidth &&
+                    packed.size(0) * kWidth >= outputs && packed.is_contiguous(),
+                "linear: packed weight does not match the input (pack it with pack_linear)");
+    TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kHalf,
+                "linear: packed weight must be float32 or float16 (pack_linear / pack_linear_half)");
+    const bool has_bias = bias.defined() && bias.numel() > 0;
+    TORCH_CHECK(!has_bias || (bias.numel() == outputs && bias.scalar_type() == at::kFloat),
+                "linear: bias must be float32 [out]");
+    const at::Tensor x = input.contiguous();
+    const int64_t rows = x.size(0), depth = x.size(1), blocks = packed.size(0);
+    at::Tensor out = at::empty({rows, outputs}, x.options());
+    const at::Tensor b = has_bias ? bias.contiguous() : at::Tensor();
+    const float* b_data = has_bias ? b.data_ptr<float>() : nullptr;
+    if (rows == 0) return out;
+    if (packed.scalar_type() == at::kHalf)
+        run_linear(x.data_ptr<float>(), rows, depth, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>()),
+                   blocks, b_data, outputs, out.data_ptr<float>());
+    else
+        run_linear(x.data_ptr<float>(), rows, depth, packed.data_ptr<float>(), blocks, b_data, outputs,
+                   out.data_ptr<float>());
     return out;
 }

@@ -8,6 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("gumbel_topk", &gumbel_topk_cpu,
                "penalty, temperature and min-p over float32 logits, then the best tokens of scores + noise (CPU)");
     module.def("pack_linear", &pack_linear_cpu, "a float32 weight [out, in] in the small-batch linear's layout");
+    module.def("pack_linear_half", &pack_linear_half_cpu,
+               "the same layout in float16, widened to float32 as the product loads it");
     module.def("linear", &linear_cpu, "x[M, in] times a packed weight, batch-invariant (CPU, float32)");
+    module.def("draft_chain", &draft_chain_cpu, "the draft layers' chain for a few rows in one call (CPU, float32)");
     module.def("decoder", &decoder_cpu, "the decoder stack for a few new tokens in one call (CPU, float32)");
 }
