@@ -129,6 +129,8 @@ AR_PLAN = "ar"  # tree value of the plan that drafts nothing
 # best candidate commits fewer tokens per iteration than this settles on AR steps without timing
 # verify passes (~20 forwards of the tuner's own overhead)
 MIN_TOKENS_PER_ITERATION = 1.05
+# On a CPU verify passes and batched sampling are timed up to this many nodes, larger ones extrapolated
+CPU_TIMED_NODES = 8
 
 
 def probe_plan(draft_source: str, device: torch.device) -> tuple[str, int]:
@@ -380,8 +382,9 @@ def measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[in
 
     # small sizes too: with a tree-attention kernel a few tokens cost what one does (not a straight line
     # to 16). On a CPU a verify costs about its size beyond a few tokens and the tries that can pay
-    # are small, so larger sizes are extrapolated instead of timed (they cost the tuner several steps each)
-    largest = max_size if device.type == "cuda" else min(max_size, 16)
+    # are small, so sizes past CPU_TIMED_NODES are extrapolated instead of timed (a 16-node verify costs
+    # ~3 AR steps, four of them a probe: SmolLM2's choice took 0.88 s of 19 s for 1,024 tokens)
+    largest = max_size if device.type == "cuda" else min(max_size, CPU_TIMED_NODES)
     sizes = sorted({s for s in (1, 2, 4, 8, 16, 48) if s <= largest} | {largest})
     return time_verify(forward, sizes, repeats=5 if device.type == "cuda" else 3)
 
@@ -420,7 +423,8 @@ def measure_sampling(
         trie = build_trie(state.tokens[-1], build_static_tree(str(size - 1)), [list(range(size - 1))])
         NodeTargets(engine, state, trie, hidden.expand(size, -1).contiguous(), draft_depth).sample(0)
 
-    return time_verify(sample, [1, 2, 4, 8, BATCHED_NODES_MAX], repeats=5)
+    largest = BATCHED_NODES_MAX if engine.device.type == "cuda" else CPU_TIMED_NODES
+    return time_verify(sample, sorted({1, 2, 4, 8, largest}), repeats=5)
 
 
 # ---------------------------------------------------------------- the tuner
