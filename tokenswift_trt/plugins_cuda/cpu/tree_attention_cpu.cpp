@@ -9,7 +9,8 @@
 // when they fit), so each key costs the same vector arithmetic (head_dim multiply-adds for the
 // scores, head_dim for P·V, one vector exp) whether one row or all lanes use it: up to 16 rows
 // (T = 4 with 4 query heads per KV head) a verify's attention costs what one token's does, and
-// reading K/V once is the rest.
+// reading K/V once is the rest. AVX2 builds (16 registers of 8 floats) use 8-lane tiles only, and a
+// row at a time where a tile would be mostly empty (run_rows, below).
 //
 // Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys),
 // balanced over the threads, each prefetching its next block of keys and values a line at a time;
