@@ -292,25 +292,20 @@ def compiled_chain(
     ):
         return None
     if isinstance(root, RootMLP):
-        products, root_norms = [root.up, root.down], [root.hidden_norm.weight, root.norm.weight]
+        root_products, root_norms = [root.up, root.down], [root.hidden_norm.weight, root.norm.weight]
     elif isinstance(root, RootInput):
-        products, root_norms = [root.linear], [root.norm.weight]
+        root_products, root_norms = [root.linear], [root.norm.weight]
     else:
-        products, root_norms = [], []
-    products += [layer.linear for layer in layers]
+        root_products, root_norms = [], []
+    products = root_products + [layer.linear for layer in layers]
     if not all(product.packed and product._packed.kind == "tiled" for product in products):
         return None
-    packed = [product._packed.data for product in products]
-    root_tensors = (
-        [root_norms[0], root_norms[1], packed[0], packed[1]]
-        if isinstance(root, RootMLP)
-        else [root_norms[0], packed[0]]
-        if isinstance(root, RootInput)
-        else []
-    )
-    layer_tensors = []
-    for layer, product in zip(layers, packed[len(packed) - len(layers) :]):
-        layer_tensors += [layer.input_layernorm.weight, product, layer.post_layernorm.weight]
+    root_tensors = root_norms + [product._packed.data for product in root_products]
+    layer_tensors = [
+        tensor
+        for layer in layers
+        for tensor in (layer.input_layernorm.weight, layer.linear._packed.data, layer.post_layernorm.weight)
+    ]
     embedding = hidden.new_empty(0) if root is None else root_embedding.contiguous()
     kernels = products[0]._packed.kernels
     out = kernels.draft_chain(  # type: ignore[union-attr]

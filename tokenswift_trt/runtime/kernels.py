@@ -250,8 +250,8 @@ def cpu_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
 def cpu_attention_kernel_pays() -> bool:
     """Whether the CPU tree-attention kernel beats SDPA on this processor: x86 with AVX2 or AVX-512
     (its tiles are 8- or 16-lane vectors; on AVX2 only 8-lane ones, which fit its 16 registers).
-    SmolLM2's 30 layers on a 2-core AVX2 EPYC, whole decoder at 4K context: 1 / 2 / 4 tokens 26.9 /
-    27.5 / 44.8 ms against SDPA's 33.6 / 43.0 / 56.1 (docs/runtime.md). Elsewhere SDPA;
+    SmolLM2's 30 layers on a 2-core AVX2 EPYC, whole decoder at 4K context: 1 / 2 / 4 tokens 24.3 /
+    26.0 / 33.5 ms against SDPA's 32.4 / 40.4 / 49.0 (docs/runtime.md). Elsewhere SDPA;
     TOKENSWIFT_CPU_KERNEL=1 uses it anyway (tests, comparisons)."""
     if os.environ.get("TOKENSWIFT_CPU_KERNEL") == "1":
         return True

@@ -13,7 +13,6 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -191,16 +190,17 @@ at::Tensor draft_chain_cpu(const at::Tensor& hidden, const at::Tensor& root_embe
         const float* a = added.data_ptr<float>();
         for (int64_t i = 0; i < rows * size; ++i) s[i] += a[i];
     }
-    at::Tensor states = at::empty({count, rows, size}, hidden.options());
-    at::Tensor outputs = at::empty({count, rows, size}, hidden.options());
+    at::Tensor out = at::empty({2, count, rows, size}, hidden.options());  // [states; normalised states]
+    float* states = out.data_ptr<float>();
+    float* outputs = states + count * rows * size;
     for (int64_t layer = 0; layer < count; ++layer) {  // s += W · rmsnorm_a(s); out = rmsnorm_b(s)
         const at::Tensor* w = layers.data() + 3 * layer;
         rms_norm(s, w[0].data_ptr<float>(), normed.data_ptr<float>(), rows, size, eps);
         const at::Tensor added = linear_cpu(normed, w[1], none, size);
         const float* a = added.data_ptr<float>();
         for (int64_t i = 0; i < rows * size; ++i) s[i] += a[i];
-        std::copy_n(s, rows * size, states.data_ptr<float>() + layer * rows * size);
-        rms_norm(s, w[2].data_ptr<float>(), outputs.data_ptr<float>() + layer * rows * size, rows, size, eps);
+        std::copy_n(s, rows * size, states + layer * rows * size);
+        rms_norm(s, w[2].data_ptr<float>(), outputs + layer * rows * size, rows, size, eps);
     }
-    return at::stack({states, outputs});
+    return out;
 }
