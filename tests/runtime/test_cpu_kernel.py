@@ -13,11 +13,13 @@ from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.sampling import (
     FusedSampler,
+    NoiseKeys,
     PositionKeyedRandom,
     SamplingConfig,
     draft_ranking,
     fused_sampler,
     gumbel_max_rows,
+    position_gumbel,
     process_logits,
 )
 
@@ -199,6 +201,28 @@ def test_fused_sampler_equals_the_pytorch_path(cpu_kernels, config, rows, per_ro
     )  # past the kernel's 64
     if config.penalty > 1 and per_row_windows:  # the penalty matters: without it some row's token changes
         assert sampler.samples(logits, window[..., :0], noise) != expected
+    if not config.greedy:  # the same noise as keys: the kernel computes it where min-p keeps tokens
+        keys = PositionKeyedRandom(7).keys(list(range(100, 100 + rows)))
+        assert sampler.samples(logits, window, keys) == expected
+        assert sampler.rank(logits, window, keys, 4).tolist() == draft_ranking(scores, noise, 4).tolist()
+        assert sampler.rank(logits, window, keys, 70).tolist() == draft_ranking(scores, noise, 70).tolist()
+
+
+def test_fused_sampler_computes_position_gumbel_from_keys(cpu_kernels):
+    """Flat logits: min-p keeps every token, so the ranking is the noise's own order."""
+    vocab, seed, positions = 5000, 11, [0, 7, 123_456_789]
+    sampler = fused_sampler(SamplingConfig(min_p=0.1), torch.device("cpu"), torch.float32)
+    assert isinstance(sampler, FusedSampler) and sampler.takes_keys
+    ranked = sampler.rank(
+        torch.zeros(len(positions), vocab),
+        torch.zeros(0, dtype=torch.int64),
+        PositionKeyedRandom(seed).keys(positions),
+        64,
+    )
+    for row, position in zip(ranked.tolist(), positions):
+        assert row == position_gumbel(seed, position, vocab).topk(64).indices.tolist()
+    plain = fused_sampler(SamplingConfig(), torch.device("cpu"), torch.float32)
+    assert isinstance(plain, FusedSampler) and not plain.takes_keys  # without min-p every token needs noise
 
 
 def test_fused_sampler_only_where_it_has_the_semantics(cpu_kernels, monkeypatch):
@@ -221,6 +245,7 @@ def test_cpu_engine_samples_through_the_fused_step_with_the_same_tokens(cpu_kern
 
     def counted(self, *args):
         calls["rank"] += 1
+        calls["keys"] = calls.get("keys", 0) + isinstance(args[2], NoiseKeys)
         return real_rank(self, *args)
 
     monkeypatch.setattr(FusedSampler, "rank", counted)
@@ -238,6 +263,7 @@ def test_cpu_engine_samples_through_the_fused_step_with_the_same_tokens(cpu_kern
         )
         runs[method] = generate(engine, prompt, config)[0]
     assert calls["rank"] > 48  # every AR token and every TokenSwift iteration
+    assert calls["keys"] == calls["rank"]  # under min-p the noise goes in as keys
     assert runs["tokenswift"] == runs["ar"]
     monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")  # the PyTorch path (and SDPA) gives the same tokens
     config = GenerationConfig(max_new_tokens=48, sampling=sampling, seed=3, method="ar", ignore_eos=True)

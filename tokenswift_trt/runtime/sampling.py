@@ -173,32 +173,59 @@ def draft_ranking(scores: torch.Tensor, noises: torch.Tensor | None, width: int)
 
 
 @dataclass(frozen=True)
+class NoiseKeys:
+    """The noise of some positions, not yet computed: what `PositionKeyedRandom.keys` returns for a
+    sampler that computes noise itself (`FusedSampler` under min-p, where only the few tokens min-p
+    keeps need theirs). `rows` gives the same values as `PositionKeyedRandom.gumbel_rows`."""
+
+    seed: int
+    positions: tuple[int, ...]
+
+    def keys(self) -> torch.Tensor:
+        """[P] int64: the key of (seed, p) for every position, as `position_gumbel_tensor` hashes it."""
+        seed_key = _splitmix64(self.seed & _MASK64)
+        return torch.tensor([_signed(_splitmix64(p ^ seed_key)) for p in self.positions], dtype=torch.int64)
+
+    def rows(self, size: int, device: torch.device) -> torch.Tensor:
+        """[P, size] float64: the noise itself."""
+        index = torch.arange(size, dtype=torch.int64, device=device)
+        return position_gumbel_rows(self.seed, self.positions, index)
+
+
+Noise = torch.Tensor | NoiseKeys | None  # rows [N, V] float64, keys of N positions, or none (greedy)
+
+
+def noise_rows(noise: Noise, size: int, device: torch.device) -> torch.Tensor | None:
+    """Noise as rows [N, size] float64 (keys computed here), or None."""
+    return noise.rows(size, device) if isinstance(noise, NoiseKeys) else noise
+
+
+@dataclass(frozen=True)
 class TorchSampler:
     """The sampling step in PyTorch tensor operations, on any device: `process_logits`, then the
     Gumbel-max sample (argmax when greedy) of each row, or a draft's ranking (`draft_ranking`)."""
 
     config: SamplingConfig
+    takes_keys = False  # noise comes as rows
 
-    def rank(
-        self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None, width: int
-    ) -> torch.Tensor:
-        """logits [N, V], window [W] (every row) or [N, W], noise [N, V] float64 or None (greedy, or
-        noise unknown to a draft) -> [N, width] int64 token ids, best first."""
-        return draft_ranking(process_logits(logits, window, self.config), noise, width)
+    def rank(self, logits: torch.Tensor, window: torch.Tensor, noise: Noise, width: int) -> torch.Tensor:
+        """logits [N, V], window [W] (every row) or [N, W], noise [N, V] float64 (or its keys) or None
+        (greedy, or noise unknown to a draft) -> [N, width] int64 token ids, best first."""
+        rows = noise_rows(noise, logits.shape[-1], logits.device)
+        return draft_ranking(process_logits(logits, window, self.config), rows, width)
 
-    def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
+    def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: Noise) -> list[int]:
         """One token per row (None noise only when greedy)."""
         return self.sample_rows(logits, window, noise).tolist()
 
-    def sample_rows(
-        self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None
-    ) -> torch.Tensor:
+    def sample_rows(self, logits: torch.Tensor, window: torch.Tensor, noise: Noise) -> torch.Tensor:
         """`samples` left on the device: [N] int64 (nothing read back, so a CUDA graph can hold it)."""
         scores = process_logits(logits, window, self.config)  # [N, V]
         if self.config.greedy:
             return scores.argmax(dim=-1)
-        assert noise is not None, "sampling needs noise"
-        return torch.argmax(scores.to(torch.float64) + noise, dim=-1)
+        rows = noise_rows(noise, logits.shape[-1], logits.device)
+        assert rows is not None, "sampling needs noise"
+        return torch.argmax(scores.to(torch.float64) + rows, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -213,11 +240,16 @@ class FusedSampler:
     run: Callable[..., torch.Tensor]  # the extension's gumbel_topk
     config: SamplingConfig
 
-    def rank(
-        self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None, width: int
-    ) -> torch.Tensor:
-        """logits [N, V] float32, window [W] (every row) or [N, W], noise [N, V] float64 or None
-        (greedy, or noise unknown to a draft) -> [N, width] int64 token ids, best first."""
+    @property
+    def takes_keys(self) -> bool:
+        """Whether noise may come as keys (`NoiseKeys`): under min-p, where the kernel computes the
+        noise of the few tokens min-p keeps instead of reading a row of V (without min-p every token
+        needs its noise, which tensor operations compute faster)."""
+        return self.config.min_p > 0 and not self.config.greedy
+
+    def rank(self, logits: torch.Tensor, window: torch.Tensor, noise: Noise, width: int) -> torch.Tensor:
+        """logits [N, V] float32, window [W] (every row) or [N, W], noise [N, V] float64 (or its keys)
+        or None (greedy, or noise unknown to a draft) -> [N, width] int64 token ids, best first."""
         config = self.config
         if (
             width > FUSED_MAX_WIDTH
@@ -225,10 +257,16 @@ class FusedSampler:
             return TorchSampler(config).rank(logits, window, noise, width)
         windows = window[None] if window.dim() == 1 else window
         keep = MIN_P_KEEP if config.min_p > 0 and not config.greedy else 0
+        if noise is None:
+            noise_input = logits.new_empty(0, dtype=torch.float64)
+        elif isinstance(noise, NoiseKeys):
+            noise_input = noise.keys() if keep else noise.rows(logits.shape[-1], logits.device)
+        else:
+            noise_input = noise.contiguous()
         return self.run(
             logits.contiguous(),
             windows.contiguous(),
-            logits.new_empty(0, dtype=torch.float64) if noise is None else noise.contiguous(),
+            noise_input,
             config.penalty,
             config.greedy,
             config.temperature,
@@ -237,13 +275,11 @@ class FusedSampler:
             width,
         )
 
-    def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None) -> list[int]:
+    def samples(self, logits: torch.Tensor, window: torch.Tensor, noise: Noise) -> list[int]:
         """One token per row (None noise only when greedy)."""
         return self.sample_rows(logits, window, noise).tolist()
 
-    def sample_rows(
-        self, logits: torch.Tensor, window: torch.Tensor, noise: torch.Tensor | None
-    ) -> torch.Tensor:
+    def sample_rows(self, logits: torch.Tensor, window: torch.Tensor, noise: Noise) -> torch.Tensor:
         """`samples` as a tensor: [N] int64."""
         return self.rank(logits, window, noise, 1)[:, 0]
 
@@ -339,6 +375,11 @@ class RandomSource(Protocol):
         """[len(positions), size]: `gumbel` of each position, in order."""
         ...
 
+    def keys(self, positions: Sequence[int]) -> NoiseKeys | None:
+        """The noise of those positions as keys a sampler computes it from, or None where the noise
+        is not a function of the position."""
+        ...
+
 
 class PositionKeyedRandom:
     """The default: the same (seed, position) always gives the same noise (recent ones memoised).
@@ -359,6 +400,9 @@ class PositionKeyedRandom:
 
     def gumbel(self, position: int, size: int, device: torch.device) -> torch.Tensor:
         return self.gumbel_rows([position], size, device)[0]
+
+    def keys(self, positions: Sequence[int]) -> NoiseKeys:
+        return NoiseKeys(self.seed, tuple(positions))
 
     def gumbel_rows(self, positions: Sequence[int], size: int, device: torch.device) -> torch.Tensor:
         where = str(device)
@@ -398,3 +442,6 @@ class IndependentRandom:
 
     def gumbel_rows(self, positions: Sequence[int], size: int, device: torch.device) -> torch.Tensor:
         return torch.stack([self.gumbel(p, size, device) for p in positions])
+
+    def keys(self, positions: Sequence[int]) -> None:
+        return None

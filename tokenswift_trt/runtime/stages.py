@@ -25,7 +25,7 @@ from .engine import Engine
 from .kv_cache import KVCache, PartialKVCache
 from .model import ForwardOutput, drafts_along_paths, reads_root
 from .ngram import NgramTable
-from .sampling import RandomSource, Sampler, SamplingConfig
+from .sampling import Noise, RandomSource, Sampler, SamplingConfig
 from .static_step import StaticForward
 from .transfer import copy_from_host, to_device
 from .tree import Candidates, StaticTree, Trie
@@ -65,9 +65,16 @@ class DecodeState:
         default_factory=list
     )  # per layer [heads, head_dim]: latest committed query
 
-    def noise(self, positions: Sequence[int], size: int, device: torch.device) -> torch.Tensor | None:
-        """[len(positions), size] Gumbel noise of those positions; None when greedy."""
-        return None if self.sampling.greedy else self.random.gumbel_rows(positions, size, device)
+    def noise(self, positions: Sequence[int], size: int, device: torch.device) -> Noise:
+        """[len(positions), size] Gumbel noise of those positions (or their keys, for a sampler that
+        computes the noise it needs itself); None when greedy."""
+        if self.sampling.greedy:
+            return None
+        if self.sampler.takes_keys:
+            keys = self.random.keys(positions)
+            if keys is not None:
+                return keys
+        return self.random.gumbel_rows(positions, size, device)
 
     @property
     def root_position(self) -> int:
