@@ -256,11 +256,12 @@ class FusedSampler:
         ):  # the kernel keeps a fixed-size ranking: wider trees take the PyTorch path
             return TorchSampler(config).rank(logits, window, noise, width)
         windows = window[None] if window.dim() == 1 else window
-        keep = MIN_P_KEEP if config.min_p > 0 and not config.greedy else 0
+        min_p = self.takes_keys  # min-p truncates: the kernel computes noise only for what it keeps
+        keep = MIN_P_KEEP if min_p else 0
         if noise is None:
             noise_input = logits.new_empty(0, dtype=torch.float64)
         elif isinstance(noise, NoiseKeys):
-            noise_input = noise.keys() if keep else noise.rows(logits.shape[-1], logits.device)
+            noise_input = noise.keys() if min_p else noise.rows(logits.shape[-1], logits.device)
         else:
             noise_input = noise.contiguous()
         return self.run(
@@ -270,7 +271,7 @@ class FusedSampler:
             config.penalty,
             config.greedy,
             config.temperature,
-            math.log(config.min_p) if keep else 0.0,
+            math.log(config.min_p) if min_p else 0.0,
             keep,
             width,
         )
