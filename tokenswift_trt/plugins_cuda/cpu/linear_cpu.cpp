@@ -76,19 +76,23 @@ constexpr int64_t kDepth = 256;
 constexpr int64_t kColumns = 3;                  // vectors per block
 constexpr int64_t kWidth = kColumns * kVector;   // outputs per block: 48 (AVX-512) or 24
 constexpr int64_t kLine = 64;                    // bytes per cache line
+constexpr int64_t kAhead = 2;                    // passes ahead that multi-tile calls prefetch
 
 #if defined(TOKENSWIFT_VECTOR_TILES)
 // acc[R][kWidth] += x[R][k0:k1] · w[k0:k1][kWidth]  (W: float, or uint16_t holding float16 bits)
 template <int R, typename W>
 inline void tile(const float* x, int64_t x_stride, const W* w, int64_t k0, int64_t k1, float* acc,
-                 const char* ahead) {
+                 const char* ahead, int64_t share, int64_t shares) {
     Vec sum[R][kColumns];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < kColumns; ++c) sum[r][c] = load(acc + r * kWidth + c * kVector);
+    // `ahead`: a later pass's weights, of which this tile prefetches every `shares`-th k from `share`
+    int64_t turn = share;  // counts down to this tile's next k to prefetch
     for (int64_t k = k0; k < k1; ++k) {
-        if (ahead != nullptr)  // the next pass's weights, as many bytes per k as this pass reads
+        if (ahead != nullptr && turn == 0)
             for (int64_t offset = 0; offset < kWidth * int64_t(sizeof(W)); offset += kLine)
-                _mm_prefetch(ahead + (k - k0) * kWidth * int64_t(sizeof(W)) + offset, _MM_HINT_T0);
+                _mm_prefetch(ahead + (k - k0) * kWidth * int64_t(sizeof(W)) + offset, _MM_HINT_T1);
+        turn = (turn == 0 ? shares : turn) - 1;
         // the three weight vectors as named values, not an array: with an array GCC kept AVX2's 4-row
         // tile (12 accumulators, all 16 registers in use) in registers but also stored all 12 to the
         // stack at every k, and 4 rows cost 1.16x one row instead of 1.00x (SmolLM2's layers, 2 cores)
@@ -113,7 +117,7 @@ inline float widen(uint16_t bits) { return static_cast<float>(c10::Half(bits, c1
 
 template <int R, typename W>
 inline void tile(const float* x, int64_t x_stride, const W* w, int64_t k0, int64_t k1, float* acc,
-                 const char*) {
+                 const char*, int64_t, int64_t) {
     for (int r = 0; r < R; ++r)
         for (int64_t j = 0; j < kWidth; ++j) {
             float sum = acc[r * kWidth + j];
@@ -125,16 +129,16 @@ inline void tile(const float* x, int64_t x_stride, const W* w, int64_t k0, int64
 
 template <typename W>
 inline void tile_rows(int64_t rows, const float* x, int64_t x_stride, const W* w, int64_t k0, int64_t k1,
-                      float* acc, const char* ahead) {
+                      float* acc, const char* ahead, int64_t share, int64_t shares) {
     switch (rows) {
-        case 1: return tile<1>(x, x_stride, w, k0, k1, acc, ahead);
-        case 2: return tile<2>(x, x_stride, w, k0, k1, acc, ahead);
-        case 3: return tile<3>(x, x_stride, w, k0, k1, acc, ahead);
-        case 4: return tile<4>(x, x_stride, w, k0, k1, acc, ahead);
-        case 5: return tile<5>(x, x_stride, w, k0, k1, acc, ahead);
-        case 6: return tile<6>(x, x_stride, w, k0, k1, acc, ahead);
-        case 7: return tile<7>(x, x_stride, w, k0, k1, acc, ahead);
-        default: return tile<8>(x, x_stride, w, k0, k1, acc, ahead);
+        case 1: return tile<1>(x, x_stride, w, k0, k1, acc, ahead, share, shares);
+        case 2: return tile<2>(x, x_stride, w, k0, k1, acc, ahead, share, shares);
+        case 3: return tile<3>(x, x_stride, w, k0, k1, acc, ahead, share, shares);
+        case 4: return tile<4>(x, x_stride, w, k0, k1, acc, ahead, share, shares);
+        case 5: return tile<5>(x, x_stride, w, k0, k1, acc, ahead, share, shares);
+        case 6: return tile<6>(x, x_stride, w, k0, k1, acc, ahead, share, shares);
+        case 7: return tile<7>(x, x_stride, w, k0, k1, acc, ahead, share, shares);
+        default: return tile<8>(x, x_stride, w, k0, k1, acc, ahead, share, shares);
     }
 }
 
@@ -153,14 +157,19 @@ void run_linear(const float* x_data, int64_t rows, int64_t depth, const W* w_dat
             const W* w = w_data + block * depth * kWidth;
             for (int64_t k0 = 0; k0 < depth; k0 += kDepth) {
                 const int64_t k1 = std::min(depth, k0 + kDepth);
-                // the first tile streams this pass's weights from memory (the hardware prefetcher
-                // follows it); the second, reading them from L1, prefetches the next pass's (the
-                // following 24 KB: this block's next k, or the next block) so that fetching them
-                // overlaps the arithmetic of the tiles after the first
-                const char* next = reinterpret_cast<const char*>(w + k1 * kWidth);
+                // one tile streams this pass's weights from memory (the hardware prefetcher follows
+                // it). With several tiles, the ones after the first read the weights from L1 and
+                // make no memory traffic of their own, so the tiles share out prefetches into L2 of
+                // the pass two ahead (48 KB on: this block's later k, or the next blocks), a k at a
+                // time each, keeping the memory busy through all of them. Prefetching only the next
+                // pass, only from the second tile, into L1 (until 2026-11-25) left it idle while the
+                // first tile worked: 5 and 8 rows of SmolLM2's 30 layers cost 1.42x and 1.77x one
+                // row on the 2-core AVX2 EPYC, 1.20x and 1.48x with this (docs/runtime.md).
+                const char* later =
+                    tiles > 1 ? reinterpret_cast<const char*>(w + (k0 + kAhead * kDepth) * kWidth) : nullptr;
                 for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
                     const int64_t count = (rows - r0) / (tiles - t);
-                    tile_rows(count, x_data + r0 * depth, depth, w, k0, k1, acc + r0 * kWidth, t == 1 ? next : nullptr);
+                    tile_rows(count, x_data + r0 * depth, depth, w, k0, k1, acc + r0 * kWidth, later, t, tiles);
                     r0 += count;
                 }
             }
