@@ -163,8 +163,8 @@ void run_linear(const float* x_data, int64_t rows, int64_t depth, const W* w_dat
                 // the pass two ahead (48 KB on: this block's later k, or the next blocks), a k at a
                 // time each, keeping the memory busy through all of them. Prefetching only the next
                 // pass, only from the second tile, into L1 (until 2026-11-25) left it idle while the
-                // first tile worked: 5 and 8 rows of SmolLM2's 30 layers cost 1.42x and 1.77x one
-                // row on the 2-core AVX2 EPYC, 1.20x and 1.48x with this (docs/runtime.md).
+                // first tile worked: 5 and 8 rows of SmolLM2's 30 layers cost 1.25x and 1.59x one
+                // row on the 2-core AVX2 EPYC, 1.09x and 1.33x with this (docs/runtime.md).
                 const char* later =
                     tiles > 1 ? reinterpret_cast<const char*>(w + (k0 + kAhead * kDepth) * kWidth) : nullptr;
                 for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
