@@ -10,7 +10,7 @@
 // scores, head_dim for P·V, one vector exp) whether one row or all lanes use it: up to 16 rows
 // (T = 4 with 4 query heads per KV head) a verify's attention costs what one token's does, and
 // reading K/V once is the rest. AVX2 builds (16 registers of 8 floats) take other paths: a row at a
-// time for an AR step, register tiles of 4 rows over transposed keys for a verify (run_rows, below).
+// time for an AR step, register tiles of up to 6 rows over transposed keys for a verify (run_rows, below).
 //
 // Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys),
 // balanced over the threads, each prefetching its next block of keys and values a line at a time;
@@ -269,11 +269,11 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
 //   keys: 4 x 8 scores, each 8 keys' dot products as 8 accumulators over the head dims reduced by
 //   horizontal adds; the online-softmax update; P·V with 8 output vectors (64 head dims) per pass
 //   over the block's values.
-// - Register tiles of up to 4 rows (attend_range_blocked, 5 rows and more: a verify pass). Each
+// - Register tiles of up to 6 rows (attend_range_blocked, 5 rows and more: a verify pass). Each
 //   block's keys are transposed once (head dims first, keys in the lanes) for all rows; a tile's
-//   scores are 4 rows x 16 keys in 8 accumulators, each dim's key vectors loaded once for the 4
-//   rows and each row's query value broadcast once for 16 keys; its P·V 4 rows x 16 head dims, each
-//   value vector loaded once for the 4 rows. A row at a time loads a vector per multiply-add, which
+//   scores are R rows x 16 keys in 2R accumulators, each dim's key vectors loaded once for the R
+//   rows and each row's query value broadcast once for 16 keys; its P·V R rows x 16 head dims, each
+//   value vector loaded once for the R rows. A row at a time loads a vector per multiply-add, which
 //   with the softmax's bookkeeping held a 4-token verify (12 rows) to ~40% of the two cores'
 //   multiply-add rate on the AVX2 EPYC; SmolLM2's 30 layers at 4,096 keys, T = 4: 17.6 ms with
 //   8-lane row tiles (the path until 2026-11-25), 13.1 ms with these (docs/runtime.md).
@@ -427,7 +427,7 @@ inline void transpose8(__m256 r[8]) {
     r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-// scores[r][half * 16 + i] = q_r . key_(half * 16 + i) for R rows and one half (16 keys) of a block,
+// scores[r][half * 16 + i] = q_r . key_(half * 16 + i) for R <= 6 rows and one half (16 keys) of a block,
 // from the block's transposed keys [D, kBlock]: 2R accumulators of 8 keys, a multiply-add chain over
 // the head dims each. Prefetches one line of `ahead` per dim when given.
 template <int D, int R>
@@ -479,6 +479,10 @@ inline void value_tile(const float* weights, const float* correction, const floa
     }
 }
 
+// rows per register tile: 12 accumulators, 2 shared vectors and a broadcast of the 16 registers (tiles of
+// 6 against 4: SmolLM2's 30 layers at 4,096 keys, T = 3 12.2 -> 10.7 ms, T = 4 13.6 -> 12.5)
+constexpr int64_t kTileMax = 6;
+
 template <int D>
 void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scaled
                           int64_t rows, int64_t tree_tokens, const uint32_t* mask, int64_t words,
@@ -490,7 +494,9 @@ void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scal
     out.max.assign(rows, kMasked);
     out.sum.assign(rows, 0.0f);
     out.output.assign(rows * D, 0.0f);
-    const int64_t tiles = (rows + 3) / 4;
+    // at least 2 tiles: the score passes prefetch a line of the next block per head dim, and a block's
+    // keys and values take 4 x D lines (5-6 rows as one tile of 6 also measured no faster than 3 + 3)
+    const int64_t tiles = std::max<int64_t>(2, (rows + kTileMax - 1) / kTileMax);
     alignas(32) float transposed[D * kBlock];
     std::vector<float> scores_storage(rows * kBlock + 8);
     float* scores =  // [rows, kBlock], 32-byte aligned
@@ -524,7 +530,9 @@ void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scal
                     case 1: score_tile<D, 1>(q, transposed, half, s, ahead); break;
                     case 2: score_tile<D, 2>(q, transposed, half, s, ahead); break;
                     case 3: score_tile<D, 3>(q, transposed, half, s, ahead); break;
-                    default: score_tile<D, 4>(q, transposed, half, s, ahead); break;
+                    case 4: score_tile<D, 4>(q, transposed, half, s, ahead); break;
+                    case 5: score_tile<D, 5>(q, transposed, half, s, ahead); break;
+                    default: score_tile<D, 6>(q, transposed, half, s, ahead); break;
                 }
             }
             r0 += count_rows;
@@ -567,7 +575,9 @@ void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scal
                     case 1: value_tile<D, 1>(p, c, value_block, count, chunk, o); break;
                     case 2: value_tile<D, 2>(p, c, value_block, count, chunk, o); break;
                     case 3: value_tile<D, 3>(p, c, value_block, count, chunk, o); break;
-                    default: value_tile<D, 4>(p, c, value_block, count, chunk, o); break;
+                    case 4: value_tile<D, 4>(p, c, value_block, count, chunk, o); break;
+                    case 5: value_tile<D, 5>(p, c, value_block, count, chunk, o); break;
+                    default: value_tile<D, 6>(p, c, value_block, count, chunk, o); break;
                 }
             }
             r0 += count_rows;
