@@ -275,8 +275,8 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
 //   rows and each row's query value broadcast once for 16 keys; its P·V R rows x 16 head dims, each
 //   value vector loaded once for the R rows. A row at a time loads a vector per multiply-add, which
 //   with the softmax's bookkeeping held a 4-token verify (12 rows) to ~40% of the two cores'
-//   multiply-add rate on the AVX2 EPYC; SmolLM2's 30 layers at 4,096 keys, T = 4: 17.6 ms with
-//   8-lane row tiles (the path until 2026-11-25), 13.1 ms with these (docs/runtime.md).
+//   multiply-add rate on the AVX2 EPYC; SmolLM2's 30 layers at 4,096 keys, T = 4: 16.8 ms with
+//   8-lane row tiles (the path until 2026-11-25), 12.3 ms with these (docs/runtime.md).
 #include <immintrin.h>
 
 #define TOKENSWIFT_ATTENTION_ROWS 1
