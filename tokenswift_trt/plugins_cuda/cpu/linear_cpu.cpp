@@ -160,11 +160,12 @@ void run_linear(const float* x_data, int64_t rows, int64_t depth, const W* w_dat
                 // one tile streams this pass's weights from memory (the hardware prefetcher follows
                 // it). With several tiles, the ones after the first read the weights from L1 and
                 // make no memory traffic of their own, so the tiles share out prefetches into L2 of
-                // the pass two ahead (48 KB on: this block's later k, or the next blocks), a k at a
-                // time each, keeping the memory busy through all of them. Prefetching only the next
-                // pass, only from the second tile, into L1 (until 2026-11-25) left it idle while the
-                // first tile worked: 5 and 8 rows of SmolLM2's 30 layers cost 1.25x and 1.59x one
-                // row on the 2-core AVX2 EPYC, 1.09x and 1.33x with this (docs/runtime.md).
+                // the pass two ahead in the stream (~48 KB on in float32: this block's later k, or
+                // the next blocks), a k at a time each, keeping the memory busy through all of
+                // them. Prefetching only the next pass, only from the second tile, into L1 (until
+                // 2026-11-25) left it idle while the first tile worked: 5 and 8 rows of SmolLM2's
+                // 30 layers cost 1.25x and 1.59x one row on the 2-core AVX2 EPYC, 1.09x and 1.33x
+                // with this (docs/runtime.md).
                 const char* later =
                     tiles > 1 ? reinterpret_cast<const char*>(w + (k0 + kAhead * kDepth) * kWidth) : nullptr;
                 for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
