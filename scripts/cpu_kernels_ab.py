@@ -7,8 +7,9 @@ cache of `--contexts` positions.
 
 REV's `plugins_cuda/cpu/` sources are compiled into a second extension module; the engine's compiled
 decoder (runtime/cpu_decoder.py) runs through one module, then the other, every round, so the
-machine's drift hits both alike. Each cell is the median over the rounds, with the ratio to T = 1
-of the same kernels in brackets. Prints a Markdown table.
+machine's drift hits both alike (which goes first rotates). Each cell is the median over the rounds,
+with the ratio to the first `--tokens` value (T = 1 by default) of the same kernels in brackets.
+Prints a Markdown table.
 
 `--part attention` times the tree-attention kernel alone over the model's layers (random K/V of
 `--contexts` keys, T rows per query head, a depth-1 tree's mask); `--part linear` the tiled products
