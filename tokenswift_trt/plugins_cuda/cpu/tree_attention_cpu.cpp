@@ -323,6 +323,35 @@ inline float horizontal_sum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
+// One row's block of kBlock scores (keys start .. start + count - 1) -> its softmax weights in place:
+// keys past `count`, and the tree's keys (from `prefix` on) that the row's mask bits hide, weigh 0;
+// the row's running max and sum are updated. Returns the factor that rescales the row's output so far.
+inline float softmax_block(float* scores, int count, int64_t start, int64_t prefix, const uint32_t* bits,
+                           float& max, float& sum) {
+    constexpr int kGroups = kBlock / 8;
+    for (int j = count; j < kBlock; ++j) scores[j] = kMasked;
+    for (int64_t j = std::max<int64_t>(0, prefix - start); j < count; ++j) {  // the tree's own keys
+        const int64_t node = start + j - prefix;
+        if (!((bits[node >> 5] >> (node & 31)) & 1u)) scores[j] = kMasked;
+    }
+    __m256 block_max = _mm256_load_ps(scores);
+    for (int g = 1; g < kGroups; ++g) block_max = _mm256_max_ps(block_max, _mm256_load_ps(scores + 8 * g));
+    const float new_max = std::max(max, horizontal_max(block_max));
+    const float correction = _mm256_cvtss_f32(exp8(_mm256_set1_ps(max - new_max)));
+    const __m256 shift = _mm256_set1_ps(new_max), visible_floor = _mm256_set1_ps(0.5f * kMasked);
+    __m256 total = _mm256_setzero_ps();
+    for (int g = 0; g < kGroups; ++g) {  // a masked key weighs 0
+        const __m256 score = _mm256_load_ps(scores + 8 * g);
+        const __m256 kept =
+            _mm256_and_ps(exp8(_mm256_sub_ps(score, shift)), _mm256_cmp_ps(score, visible_floor, _CMP_GT_OQ));
+        _mm256_store_ps(scores + 8 * g, kept);
+        total = _mm256_add_ps(total, kept);
+    }
+    max = new_max;
+    sum = sum * correction + horizontal_sum(total);
+    return correction;
+}
+
 // Scores of one query row against 8 keys, lane i = q . key[i]; prefetches `ahead` lines (4 per
 // head-dim step: a block's keys in D / 2 steps) when given.
 template <int D>
@@ -351,7 +380,6 @@ void attend_range_rows(const float* query,  // [rows, D] of one KV head, scaled
     out.max.assign(rows, kMasked);
     out.sum.assign(rows, 0.0f);
     out.output.assign(rows * D, 0.0f);
-    const __m256 visible_floor = _mm256_set1_ps(0.5f * kMasked);
     alignas(32) float scores[kBlock];
     for (int64_t start = begin; start < end; start += kBlock) {
         const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
@@ -359,35 +387,14 @@ void attend_range_rows(const float* query,  // [rows, D] of one KV head, scaled
         const float* value_block = values + start * D;
         const float* key[kBlock];  // past the range's end: its last key, scored but masked
         for (int j = 0; j < kBlock; ++j) key[j] = key_block + std::min(j, count - 1) * D;
-        const int64_t first_node = std::max<int64_t>(0, prefix - start);  // first key of the tree, if < count
         for (int64_t r = 0; r < rows; ++r) {
             const bool lead = r == 0;  // the first row prefetches the next block
             for (int g = 0; g < kGroups; ++g)
                 _mm256_store_ps(scores + 8 * g,
                                 scores8<D>(query + r * D, key + 8 * g,
                                            lead ? key_block + kBlock * D + g * D * 8 : nullptr));
-            for (int j = count; j < kBlock; ++j) scores[j] = kMasked;
-            if (first_node < count) {  // the block reaches the tree's own keys
-                const uint32_t* bits = mask + (r % tree_tokens) * words;
-                for (int64_t j = first_node; j < count; ++j) {
-                    const int64_t node = start + j - prefix;
-                    if (!((bits[node >> 5] >> (node & 31)) & 1u)) scores[j] = kMasked;
-                }
-            }
-            __m256 block_max = _mm256_load_ps(scores);
-            for (int g = 1; g < kGroups; ++g) block_max = _mm256_max_ps(block_max, _mm256_load_ps(scores + 8 * g));
-            const float new_max = std::max(out.max[r], horizontal_max(block_max));
-            const float correction = _mm256_cvtss_f32(exp8(_mm256_set1_ps(out.max[r] - new_max)));
-            __m256 sum = _mm256_setzero_ps();
-            for (int g = 0; g < kGroups; ++g) {  // a masked key weighs 0
-                const __m256 score = _mm256_load_ps(scores + 8 * g);
-                const __m256 weight = exp8(score - _mm256_set1_ps(new_max));
-                const __m256 kept = _mm256_and_ps(weight, _mm256_cmp_ps(score, visible_floor, _CMP_GT_OQ));
-                _mm256_store_ps(scores + 8 * g, kept);
-                sum = _mm256_add_ps(sum, kept);
-            }
-            out.max[r] = new_max;
-            out.sum[r] = out.sum[r] * correction + horizontal_sum(sum);
+            const float correction =
+                softmax_block(scores, count, start, prefix, mask + (r % tree_tokens) * words, out.max[r], out.sum[r]);
             float* acc = out.output.data() + r * D;
             const __m256 scale = _mm256_set1_ps(correction);
             for (int dc = 0; dc < D; dc += 8 * kOut) {  // acc[d] += p_j * v_j[d]
@@ -502,7 +509,6 @@ void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scal
     float* scores =  // [rows, kBlock], 32-byte aligned
         reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scores_storage.data()) + 31) & ~uintptr_t(31));
     std::vector<float> corrections(rows);
-    const __m256 visible_floor = _mm256_set1_ps(0.5f * kMasked);
     for (int64_t start = begin; start < end; start += kBlock) {
         const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
         const float* key_block = keys + start * D;
@@ -537,34 +543,9 @@ void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scal
             }
             r0 += count_rows;
         }
-        const int64_t first_node = std::max<int64_t>(0, prefix - start);
-        for (int64_t r = 0; r < rows; ++r) {  // masks and the online-softmax update, a row at a time
-            float* row_scores = scores + r * kBlock;
-            for (int j = count; j < kBlock; ++j) row_scores[j] = kMasked;
-            if (first_node < count) {
-                const uint32_t* bits = mask + (r % tree_tokens) * words;
-                for (int64_t j = first_node; j < count; ++j) {
-                    const int64_t node = start + j - prefix;
-                    if (!((bits[node >> 5] >> (node & 31)) & 1u)) row_scores[j] = kMasked;
-                }
-            }
-            __m256 block_max = _mm256_load_ps(row_scores);
-            for (int g = 1; g < kGroups; ++g) block_max = _mm256_max_ps(block_max, _mm256_load_ps(row_scores + 8 * g));
-            const float new_max = std::max(out.max[r], horizontal_max(block_max));
-            const float correction = _mm256_cvtss_f32(exp8(_mm256_set1_ps(out.max[r] - new_max)));
-            __m256 sum = _mm256_setzero_ps();
-            const __m256 shift = _mm256_set1_ps(new_max);
-            for (int g = 0; g < kGroups; ++g) {
-                const __m256 score = _mm256_load_ps(row_scores + 8 * g);
-                const __m256 kept = _mm256_and_ps(exp8(_mm256_sub_ps(score, shift)),
-                                                  _mm256_cmp_ps(score, visible_floor, _CMP_GT_OQ));
-                _mm256_store_ps(row_scores + 8 * g, kept);
-                sum = _mm256_add_ps(sum, kept);
-            }
-            out.max[r] = new_max;
-            out.sum[r] = out.sum[r] * correction + horizontal_sum(sum);
-            corrections[r] = correction;
-        }
+        for (int64_t r = 0; r < rows; ++r)  // masks and the online-softmax update, a row at a time
+            corrections[r] = softmax_block(scores + r * kBlock, count, start, prefix, mask + (r % tree_tokens) * words,
+                                           out.max[r], out.sum[r]);
         for (int64_t t = 0, r0 = 0; t < tiles; ++t) {  // P·V
             const int64_t count_rows = (rows - r0) / (tiles - t);
             for (int chunk = 0; chunk < D / 16; ++chunk) {
