@@ -586,8 +586,8 @@ void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor&
             const Item& item = items[i];
             (Blocked ? attend_range_blocked<D> : attend_range_rows<D>)(
                 scaled.data() + item.kv_head * rows * D, rows, tree_tokens, mask, words,
-                keys.data_ptr<float>() + item.kv_head * head_stride, values.data_ptr<float>() + item.kv_head * head_stride,
-                item.begin, item.end, prefix, partials[i]);
+                keys.data_ptr<float>() + item.kv_head * head_stride,
+                values.data_ptr<float>() + item.kv_head * head_stride, item.begin, item.end, prefix, partials[i]);
         }
     });
 
