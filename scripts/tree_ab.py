@@ -1,0 +1,108 @@
+"""Fixed trees against AR steps, for one or more heads files, taking turns in one process.
+
+    .venv/bin/python scripts/tree_ab.py [--model smollm2-135m] [--heads NAME=FILE ...] \
+        [--trees "3;2,1;3,1"] [--tokens 768] [--seed 1] [--rounds 3] [--prefix-len 512]
+
+Continues the opening `--prefix-len` tokens of the held-out Pride and Prejudice under the paper's
+sampling settings (min-p 0.1, θ 1.2, W 256; `--temperature 0` for greedy) with AR steps and with
+every (heads file, tree) pair, drafting from the verify pass, no n-gram branch. Each round runs
+every configuration once, the order reversed every other round, and checks that every output equals
+AR's token for token. Prints per configuration: seconds per run (prefill excluded), speedup over AR,
+tokens per iteration, ms per iteration and its split by stage (`Stats.phase_s`). Without `--heads`
+the preset's committed draft layers run alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from tokenswift_trt.cli.common import CliError, load_source
+from tokenswift_trt.runtime.decoding import GenerationConfig, Stats, generate
+from tokenswift_trt.runtime.sampling import SamplingConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+HELD_OUT = ROOT.parent / "shared" / "corpus" / "pride_and_prejudice.txt"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--heads", action="append", default=[], help="NAME=FILE (repeatable)")
+    parser.add_argument("--trees", default="3;2,1")
+    parser.add_argument("--tokens", type=int, default=768)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--prompt-file", type=Path, default=HELD_OUT)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    args = parser.parse_args()
+    if not args.prompt_file.is_file():
+        raise SystemExit(f"prompt file {args.prompt_file} not found: pass --prompt-file")
+    heads: dict[str, Path | None] = {"committed": None}
+    if args.heads:
+        heads = {}
+        for item in args.heads:
+            name, _, path = item.partition("=")
+            if not path or not Path(path).is_file():
+                raise SystemExit(f"--heads takes NAME=FILE with an existing file, got {item!r}")
+            heads[name] = Path(path)
+    try:
+        engines = {
+            name: load_source(args.model, None, None, path, None, "cpu", True) for name, path in heads.items()
+        }
+    except CliError as error:
+        raise SystemExit(str(error)) from None
+    first = next(iter(engines.values()))
+    prompt = first.codec.encode(args.prompt_file.read_text()[:200_000])[: args.prefix_len]
+    if args.temperature > 0:
+        sampling = SamplingConfig(temperature=args.temperature, min_p=0.1, penalty=1.2, penalty_window=256)
+    else:
+        sampling = SamplingConfig(temperature=0.0, penalty=1.2, penalty_window=256)
+    base = GenerationConfig(
+        max_new_tokens=args.tokens,
+        sampling=sampling,
+        seed=args.seed,
+        ignore_eos=True,
+        ngram_topk=0,
+        draft_source="verify",
+    )
+    configs = {"ar": (first, replace(base, method="ar"))}
+    for tree in args.trees.split(";"):
+        for name, source in engines.items():
+            label = f"{name} {tree}" if len(engines) > 1 else tree
+            configs[label] = (source, replace(base, tree=tree))
+    results: dict[str, list[Stats]] = {}
+    reference = None
+    for round_index in range(args.rounds):
+        order = list(configs) if round_index % 2 == 0 else list(configs)[::-1]
+        for label in order:
+            source, config = configs[label]
+            tokens, stats = generate(source.engine, prompt, config)
+            if reference is None:
+                reference = tokens
+            if tokens != reference:
+                raise SystemExit(f"{label}: the tokens differ from AR's")
+            results.setdefault(label, []).append(stats)
+    ar_s = statistics.mean(s.elapsed_s - s.prefill_s for s in results["ar"])
+    print("| plan | s per run | speedup | tokens / iteration | ms / iteration | stages (ms / iteration) |")
+    print("|---|---|---|---|---|---|")
+    for label, runs in results.items():
+        seconds = statistics.mean(s.elapsed_s - s.prefill_s for s in runs)
+        iterations = sum(s.iterations for s in runs)
+        phases: dict[str, float] = {}
+        for stats in runs:
+            for phase, value in stats.phase_s.items():
+                phases[phase] = phases.get(phase, 0.0) + value
+        split = ", ".join(f"{phase} {value / iterations * 1e3:.2f}" for phase, value in phases.items())
+        per_iteration = sum(s.new_tokens for s in runs) / iterations
+        print(
+            f"| {label} | {seconds:.2f} | {ar_s / seconds:.3f} | {per_iteration:.3f} | "
+            f"{seconds * len(runs) / iterations * 1e3:.2f} | {split} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
