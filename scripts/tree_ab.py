@@ -3,13 +3,13 @@
     .venv/bin/python scripts/tree_ab.py [--model smollm2-135m] [--heads NAME=FILE ...] \
         [--trees "3;2,1;3,1"] [--tokens 768] [--seed 1] [--rounds 3] [--prefix-len 512]
 
-Continues the opening `--prefix-len` tokens of the held-out Pride and Prejudice under the paper's
-sampling settings (min-p 0.1, θ 1.2, W 256; `--temperature 0` for greedy) with AR steps and with
-every (heads file, tree) pair, drafting from the verify pass, no n-gram branch. Each round runs
-every configuration once, the order reversed every other round, and checks that every output equals
-AR's token for token. Prints per configuration: seconds per run (prefill excluded), speedup over AR,
-tokens per iteration, ms per iteration and its split by stage (`Stats.phase_s`). Without `--heads`
-the preset's committed draft layers run alone.
+Continues the opening `--prefix-len` tokens of the held-out Pride and Prejudice under the preset's
+sampling settings (SmolLM2's: the paper's min-p 0.1, θ 1.2, W 256; `--temperature 0` for greedy)
+with AR steps and with every (heads file, tree) pair, drafting from the verify pass, no n-gram
+branch. Each round runs every configuration once, the order reversed every other round, and checks
+that every output equals AR's token for token. Prints per configuration: seconds per run (prefill
+excluded), speedup over AR, tokens per iteration, ms per iteration and its split by stage
+(`Stats.phase_s`). Without `--heads` the preset's committed draft layers run alone.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from tokenswift_trt.cli.common import CliError, load_source
-from tokenswift_trt.runtime.decoding import GenerationConfig, Stats, generate
-from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.cli.common import CliError, generation_config, load_source
+from tokenswift_trt.runtime.decoding import Stats, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = ROOT.parent / "shared" / "corpus" / "pride_and_prejudice.txt"
@@ -57,18 +56,17 @@ def main() -> None:
         raise SystemExit(str(error)) from None
     first = next(iter(engines.values()))
     prompt = first.codec.encode(args.prompt_file.read_text()[:200_000])[: args.prefix_len]
-    if args.temperature > 0:
-        sampling = SamplingConfig(temperature=args.temperature, min_p=0.1, penalty=1.2, penalty_window=256)
-    else:
-        sampling = SamplingConfig(temperature=0.0, penalty=1.2, penalty_window=256)
-    base = GenerationConfig(
-        max_new_tokens=args.tokens,
-        sampling=sampling,
-        seed=args.seed,
-        ignore_eos=True,
-        ngram_topk=0,
-        draft_source="verify",
-    )
+    settings = {
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "ignore_eos": True,
+        "ngram_topk": 0,
+        "draft_source": "verify",
+    }
+    try:  # the preset's sampling settings, as `generate` and `bench` take them
+        base = generation_config(args.tokens, "tokenswift", settings, first.defaults)
+    except CliError as error:
+        raise SystemExit(str(error)) from None
     configs = {"ar": (first, replace(base, method="ar"))}
     for tree in args.trees.split(";"):
         for name, source in engines.items():
