@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from tokenswift_trt.bench.run import (
     BenchSpec,
+    Snapshot,
     plans_before,
     prompt_windows,
     run_bench,
@@ -21,7 +22,7 @@ from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
 from tokenswift_trt.cli.bench import measured_iteration_times
 from tokenswift_trt.runtime.autotune import AR_PLAN, Plan
-from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError
+from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats
 from tokenswift_trt.runtime.sampling import SamplingConfig
 
 from conftest import quiet_load
@@ -247,6 +248,15 @@ def test_bench_without_extras_runs_ar_and_tokenswift_only(model_dir, tmp_path):
     assert "distinct4_no_penalty" not in result.stdout
 
 
+def test_a_snapshots_decode_time_per_iteration_leaves_the_prefill_out():
+    stats = Stats(method="tokenswift", seed=0, new_tokens=31, iterations=10, prefill_s=1.5)
+    snapshot = Snapshot.of(stats, elapsed_s=2.0)
+    assert snapshot.prefill_s == 1.5 and snapshot.decode_ms_per_iteration == pytest.approx(50.0)
+    row = {"ar_decode_ms_per_iteration": 20.0, "tokenswift_decode_ms_per_iteration": 50.0}
+    times = measured_iteration_times(row, 4.0)
+    assert times["iteration_over_ar_step"] == 2.5 and times["modeled_speedup"] == pytest.approx(1.6)
+
+
 def test_bench_times_a_model_shape_with_random_weights_and_models_the_speedup(tmp_path):
     """`bench --random-weights`: whole generations of a preset's shape with no checkpoint or text
     (on a GPU: the 8B shape end to end); the row's times are the measured ones, and the modeled
@@ -260,13 +270,13 @@ def test_bench_times_a_model_shape_with_random_weights_and_models_the_speedup(tm
     assert [row["gen_len"] for row in report["rows"]] == [24, 40]
     for row in report["rows"]:
         assert row["tokens_equal_ar"]
-        assert row["ar_ms_per_token"] == pytest.approx(1e3 / row["ar_tokens_per_s"], rel=1e-3)
-        iteration = 1e3 * row["tokens_per_iteration"] / row["tokenswift_tokens_per_s"]
+        # the times are decoding's alone: the prompt's prefill (seconds at a 100K prompt) is left out
+        assert row["prefill_s"] > 0
+        assert row["ar_ms_per_token"] == pytest.approx(row["ar_decode_ms_per_iteration"], rel=1e-3)
+        assert 1e3 * row["gen_len"] / row["ar_tokens_per_s"] > row["ar_ms_per_token"] * (row["gen_len"] - 1)
+        iteration = row["tokenswift_decode_ms_per_iteration"]
         assert row["tokenswift_ms_per_iteration"] == pytest.approx(iteration, rel=1e-3)
         assert row["modeled_speedup"] == pytest.approx(3 * row["ar_ms_per_token"] / iteration, rel=1e-2)
-        # fed the run's own tokens per iteration, the model from measured times is the measured speedup
-        measured = measured_iteration_times(row, row["tokens_per_iteration"])["modeled_speedup"]
-        assert measured == pytest.approx(row["tokenswift_tokens_per_s"] / row["ar_tokens_per_s"], rel=1e-2)
     assert "modeled_speedup" in result.stdout and "iteration_over_ar_step" in result.stdout
     for bad, message in (
         (["--tree", "auto"], "needs a static --tree"),

@@ -46,10 +46,16 @@ class Snapshot:
     ngram_accepted: int
     iterations: int
     forwards: int
+    prefill_s: float = 0.0  # of elapsed_s: the prompt's forwards and the first token's sample
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.elapsed_s
+
+    @property
+    def decode_ms_per_iteration(self) -> float:
+        """Decoding time per iteration (AR: per step), the prompt's prefill left out."""
+        return 1e3 * (self.elapsed_s - self.prefill_s) / max(1, self.iterations)
 
     @classmethod
     def of(cls, stats: Stats, elapsed_s: float) -> Snapshot:
@@ -61,6 +67,7 @@ class Snapshot:
             stats.ngram_accepted_tokens,
             stats.iterations,
             stats.forwards,
+            stats.prefill_s,
         )
 
 
@@ -275,6 +282,10 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
         "tokens_per_forward": round(
             sum(s.new_tokens - 1 for s in swift) / max(1, sum(s.forwards for s in swift)), 3
         ),
+        # per decode iteration, the prefill left out (at a 100K prompt it is seconds of the total)
+        "ar_decode_ms_per_iteration": round(spread([a.decode_ms_per_iteration for a in ar])[0], 3),
+        "tokenswift_decode_ms_per_iteration": round(spread([s.decode_ms_per_iteration for s in swift])[0], 3),
+        "prefill_s": round(spread([a.prefill_s for a in ar + swift])[0], 3),
     }
     if "default_tree" in runs:
         default = [r.snapshots[gen_len] for r in runs["default_tree"]]

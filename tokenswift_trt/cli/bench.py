@@ -231,10 +231,11 @@ def _random_weights_source(
 
 
 def measured_iteration_times(row: dict, accept_length: float) -> dict:
-    """A bench row's measured times per AR token and per TokenSwift iteration (ms), the iteration in AR
-    steps, and the speedup an iteration of that cost gives when it commits `accept_length` tokens."""
-    ar_ms = 1e3 / row["ar_tokens_per_s"]
-    iteration_ms = 1e3 * row["tokens_per_iteration"] / row["tokenswift_tokens_per_s"]
+    """A bench row's measured decode times per AR token and per TokenSwift iteration (ms, the prompt's
+    prefill left out), the iteration in AR steps, and the speedup an iteration of that cost gives when
+    it commits `accept_length` tokens."""
+    ar_ms = row["ar_decode_ms_per_iteration"]
+    iteration_ms = row["tokenswift_decode_ms_per_iteration"]
     return {
         "ar_ms_per_token": round(ar_ms, 3),
         "tokenswift_ms_per_iteration": round(iteration_ms, 3),
