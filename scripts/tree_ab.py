@@ -9,7 +9,8 @@ with AR steps and with every (heads file, tree) pair, drafting from the verify p
 branch. Each round runs every configuration once, the order reversed every other round, and checks
 that every output equals AR's token for token. Prints per configuration: seconds per run (prefill
 excluded), speedup over AR, tokens per iteration, ms per iteration and its split by stage
-(`Stats.phase_s`). Without `--heads` the preset's committed draft layers run alone.
+(`Stats.phase_s`), and for `auto` the plans the tuner ran. Without `--heads` the preset's committed
+draft layers run alone.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tokenswift_trt.cli.common import CliError, generation_config, load_source
+from tokenswift_trt.runtime.autotune import describe_plans
 from tokenswift_trt.runtime.decoding import Stats, generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +102,10 @@ def main() -> None:
             f"| {label} | {seconds:.2f} | {ar_s / seconds:.3f} | {per_iteration:.3f} | "
             f"{seconds * len(runs) / iterations * 1e3:.2f} | {split} |"
         )
+    for label, runs in results.items():  # `--tree auto`: what the tuner ran, per run
+        for index, stats in enumerate(runs):
+            if stats.plans:
+                print(f"{label} run {index + 1}: " + " | ".join(describe_plans(stats.plans)))
 
 
 if __name__ == "__main__":

@@ -7,14 +7,19 @@ import torch
 
 from tokenswift_trt.runtime import kernels
 from tokenswift_trt.runtime.cascade import (
+    FLASH_MAX_SPLITS,
     attend_partial,
     cascade_tree_attention,
+    flash_cascade_attention,
+    flash_splits,
     merge_partials,
     pack_group_rows,
     padded_tree_size,
     split_key_ranges,
+    split_offsets,
     unpack_group_rows,
 )
+from tokenswift_trt.runtime.engine import CUDA_ATTENTION_ENV, choose_attention_kernel, flash_cascade_problem
 
 
 def _tree(count: int, generator: torch.Generator) -> torch.Tensor:
@@ -85,3 +90,143 @@ def test_tree_slots_round_up_to_the_row_tile_and_key_ranges_cover_the_keys():
     assert split_key_ranges(10, 3) == [(0, 4), (4, 8), (8, 10)]
     assert split_key_ranges(2, 5) == [(0, 1), (1, 2)]
     assert split_key_ranges(0, 2) == [(0, 0)]
+
+
+def _cache_with_tree(kv_heads, capacity, prefix, count, dim, dtype, generator, device="cpu"):
+    """A whole-capacity cache: committed keys [0, prefix), the tree's own at [prefix, prefix + T), and
+    junk past them that the attention must never read."""
+    keys = torch.randn(kv_heads, capacity, dim, generator=generator, dtype=torch.float64) * 3
+    values = torch.randn(kv_heads, capacity, dim, generator=generator, dtype=torch.float64) * 3
+    keys[:, prefix + count :] = 1e4  # junk: would dominate any softmax that read it
+    return keys.to(device, dtype), values.to(device, dtype)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,count,prefix,capacity,splits",
+    [
+        (9, 3, 5, 300, 400, 1),
+        (9, 3, 41, 1000, 1100, 4),
+        (32, 8, 64, 257, 400, 5),
+        (4, 4, 1, 64, 80, 3),  # an AR step
+        (8, 2, 7, 3, 20, 6),  # fewer committed keys than ranges: empty ranges must not win the merge
+        (8, 2, 7, 0, 16, 2),  # nothing committed: the tree block alone
+    ],
+)
+def test_flash_cascade_equals_one_masked_attention_over_a_whole_capacity_cache(
+    heads, kv_heads, count, prefix, capacity, splits
+):
+    generator = torch.Generator().manual_seed(count + prefix + splits)
+    query = torch.randn(heads, count, 16, generator=generator, dtype=torch.float64)
+    keys, values = _cache_with_tree(kv_heads, capacity, prefix, count, 16, torch.float64, generator)
+    tree = _tree(count, generator)
+    expected = kernels.tree_attention_reference(
+        query, keys[:, : prefix + count], values[:, : prefix + count], kernels.pack_tree_mask(tree), 0.25
+    )
+    got = flash_cascade_attention(query, keys, values, tree, torch.tensor(prefix), 0.25, splits)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_split_offsets_cut_the_committed_keys_into_near_equal_ranges():
+    for prefix in (0, 1, 5, 31, 32, 1000, 98_304):
+        for splits in (1, 3, 8, 32):
+            offsets = split_offsets(torch.tensor(prefix), splits)
+            lengths = offsets[1:] - offsets[:-1]
+            assert offsets.dtype == torch.int32 and offsets.shape == (splits + 1,)
+            assert offsets[0] == 0 and offsets[-1] == prefix and (lengths >= 0).all()
+            assert lengths.max() - lengths.min() <= 1  # no range longer than the bound the op is given
+
+
+def test_flash_splits_fill_the_gpu_without_tiny_ranges():
+    # an AR step of a 32/8-head model at 100K: 8 programs per range, so 32 ranges for 132 SMs
+    assert flash_splits(4, 8, 102_400, 132) == FLASH_MAX_SPLITS
+    # a 64-node verify: 256 rows = 2 row blocks per KV head, 16 programs per range
+    assert flash_splits(256, 8, 102_400, 132) == 17
+    assert flash_splits(256, 8, 2_000, 132) == 3  # ranges of at least 512 keys
+    assert flash_splits(1024, 32, 500, 132) == 1
+
+
+def test_the_flash_cascade_verifies_as_sdpa_does_in_a_model(llama_dir):
+    """The model's own forward with the flash cascade equals SDPA's (dynamic forward on the CPU; the
+    fixed-shape forward is tests/runtime/test_static_step.py's)."""
+    from tokenswift_trt.runtime.kv_cache import KVCache
+    from tokenswift_trt.runtime.tree import Trie
+
+    from conftest import quiet_load
+
+    engine = quiet_load(llama_dir[0])
+    c = engine.config
+    trie = Trie(root_token=7)
+    for branch in ([3, 4, 5], [3, 9], [11, 12, 13, 14]):
+        trie.add_path(branch, from_tree=True)
+    outputs = []
+    for kernel in ("sdpa", "flash_cascade"):
+        engine.model.use_attention_kernel(kernel)
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 200)
+        engine.model(torch.arange(5, 45), torch.arange(40), cache)
+        cache.commit()
+        tokens, positions = torch.tensor(trie.tokens), torch.tensor(trie.depths) + 40
+        outputs.append(engine.model(tokens, positions, cache, tree_mask=trie.mask()).hidden)
+    assert (outputs[0] - outputs[1]).abs().max() <= 1e-4
+
+
+def test_the_flash_cascade_is_chosen_by_environment_and_refused_where_it_cannot_run(monkeypatch):
+    assert "float16/bfloat16" in flash_cascade_problem(torch.float32, 128, torch.device("cpu"))
+    assert "head_dim" in flash_cascade_problem(torch.bfloat16, 100, torch.device("cpu"))
+    monkeypatch.setenv(CUDA_ATTENTION_ENV, "fast")
+    model = type("M", (), {"use_attention_kernel": lambda self, kernel: None})()
+    config = type("C", (), {"head_dim": 64})()
+    with pytest.raises(ValueError, match="must be `kernel` or `flash_cascade`"):
+        choose_attention_kernel(model, config, torch.bfloat16, torch.device("cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's CUDA op needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "count,prefix,splits", [(64, 100_000, 17), (1, 100_000, 32), (41, 4_000, 3), (7, 2, 4)]
+)
+def test_flash_cascade_on_cuda_matches_the_reference_in_bfloat16_and_under_graph_capture(
+    count, prefix, splits
+):
+    """Per METHOD: fresh random inputs, a poisoned output, bf16 relative error <= 1e-2 against the fp32
+    reference; then one captured graph replayed at two committed lengths (the length lives on the device)."""
+    if flash_cascade_problem(torch.bfloat16, 128, torch.device("cuda")) is not None:
+        pytest.skip(flash_cascade_problem(torch.bfloat16, 128, torch.device("cuda")))
+    generator = torch.Generator().manual_seed(count + prefix)
+    heads, kv_heads, capacity = 32, 8, prefix + 256
+    query = torch.randn(heads, count, 128, generator=generator).to("cuda", torch.bfloat16)
+    keys, values = _cache_with_tree(kv_heads, capacity, prefix, count, 128, torch.bfloat16, generator, "cuda")
+    tree = _tree(count, generator).cuda()
+    length = torch.tensor(prefix, device="cuda")
+
+    def reference(committed: int) -> torch.Tensor:
+        end = committed + count
+        tree_keys = (keys[:, end - count : end], values[:, end - count : end])
+        k = torch.cat((keys[:, :committed], tree_keys[0]), 1)
+        v = torch.cat((values[:, :committed], tree_keys[1]), 1)
+        return kernels.tree_attention_reference(
+            query.float(), k.float(), v.float(), kernels.pack_tree_mask(tree), 0.088
+        )
+
+    out = flash_cascade_attention(query, keys, values, tree, length, 0.088, splits)
+    expected = reference(prefix)
+    assert torch.isfinite(out).all()
+    assert ((out.float() - expected).norm() / expected.norm()) <= 1e-2
+    static_out = torch.full_like(out, float("nan"))  # poisoned: every element must be written
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        flash_cascade_attention(
+            query, keys, values, tree, length, 0.088, splits
+        )  # warm up on the side stream
+        with torch.cuda.graph(graph, stream=stream):
+            static_out.copy_(flash_cascade_attention(query, keys, values, tree, length, 0.088, splits))
+    for committed in (prefix, max(0, prefix // 2 - 3)):
+        length.fill_(committed)
+        keys[:, committed : committed + count], values[:, committed : committed + count] = (
+            keys[:, prefix : prefix + count].clone(),
+            values[:, prefix : prefix + count].clone(),
+        )
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = reference(committed)
+        assert ((static_out.float() - expected).norm() / expected.norm()) <= 1e-2

@@ -22,7 +22,7 @@ def test_buckets():
     assert [bucket_for(n) for n in sizes] == [1, 16, 16, 32, 48, 64, 96, 128, 192, 256, 300]
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "tree_attention"])
+@pytest.mark.parametrize("kernel", ["sdpa", "tree_attention", "flash_cascade"])
 def test_fixed_shape_verify_equals_dynamic_verify(llama_dir, kernel):
     directory, _ = llama_dir
     engine = quiet_load(directory)
@@ -61,6 +61,7 @@ def test_fixed_shape_verify_equals_dynamic_verify(llama_dir, kernel):
         ("tokenswift", "auto", "sdpa"),
         ("ar", "1,3,3,3", "sdpa"),
         ("tokenswift", "1,3,3,3", "tree_attention"),
+        ("tokenswift", "1,3,3,3", "flash_cascade"),
     ],
 )
 def test_generate_runs_every_step_through_the_fixed_shape_path(llama_dir, sampling, method, tree, kernel):

@@ -451,7 +451,7 @@ def bench_steps(
     written = write_step_report(costs, speedups, out, meta)
     click.echo(
         f"{model} ({dtype_name}, random weights) on {meta['device']}; copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s"
+        f"{bandwidth / 1e9:.1f} GB/s; attention {meta['attention_kernel']}"
     )
     steps = ["ar", "draft", "heads"] + [verify_step(size) for size in sizes]
     click.echo("context | " + " | ".join(f"{step} ms (floor)" for step in steps))

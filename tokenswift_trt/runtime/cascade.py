@@ -63,10 +63,14 @@ def attend_partial(
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """(output [..., R, D], lse [..., R]) of disjoint key blocks -> the attention over their union:
     each block weighs exp(lse_b - lse_total). Rows that see no key in any block give 0."""
-    lses = torch.stack([lse for _, lse in parts])  # [B, ..., R]
+    return merge_stacked(torch.stack([out for out, _ in parts]), torch.stack([lse for _, lse in parts]))
+
+
+def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """`merge_partials` of blocks stacked on dim 0: outs [B, ..., R, D], lses [B, ..., R] -> [..., R, D]."""
     total = torch.logsumexp(lses, dim=0)  # [..., R]
     weights = torch.exp(lses - total).nan_to_num(0.0)  # [B, ..., R]; -inf - -inf is nan: 0
-    return sum(weight[..., None] * out for weight, (out, _) in zip(weights, parts))
+    return (weights[..., None] * outs).sum(dim=0)
 
 
 def split_key_ranges(length: int, splits: int) -> list[tuple[int, int]]:
@@ -101,3 +105,136 @@ def cascade_tree_attention(
     visible = unpack_tree_mask(tree_mask, count).repeat(heads // kv_heads, 1)  # [group·T, T]
     parts.append(attend_partial(rows, keys[:, prefix:], values[:, prefix:], scale, visible))
     return unpack_group_rows(merge_partials(parts), heads).to(query.dtype)
+
+
+# ---------------------------------------------------------------- the prefix block through FlashAttention
+#
+# On CUDA the prefix block can run through PyTorch's own FlashAttention (`aten._flash_attention_forward`,
+# its variable-length form): the packed rows of each KV head are one "sequence" of queries per key
+# range, the key ranges are consecutive slices of the cache (cumulative offsets computed on the device
+# from the committed length, so a captured graph serves every context), and the op returns each
+# range's log-sum-exp for the merge. Splitting the keys is what fills the GPU: FlashAttention runs one
+# program per (sequence, head, 128 query rows), and a verify has few rows (4 x 64 for 64 nodes of a
+# 32/8-head model), so without splits 100K keys would be read by 16 programs.
+
+FLASH_MIN_KEYS_PER_SPLIT = 512
+FLASH_MAX_SPLITS = 32
+FLASH_ROW_BLOCK = 128  # query rows per FlashAttention program
+
+
+def flash_splits(rows: int, kv_heads: int, key_capacity: int, multiprocessors: int) -> int:
+    """Key ranges for the prefix block: enough (range, KV head, row block) programs to give every
+    multiprocessor two, ranges of at least FLASH_MIN_KEYS_PER_SPLIT keys, at most FLASH_MAX_SPLITS."""
+    programs = kv_heads * -(-rows // FLASH_ROW_BLOCK)
+    wanted = -(-2 * multiprocessors // programs)
+    return max(1, min(wanted, FLASH_MAX_SPLITS, key_capacity // FLASH_MIN_KEYS_PER_SPLIT))
+
+
+def split_offsets(prefix_length: torch.Tensor, splits: int) -> torch.Tensor:
+    """[splits + 1] int32 offsets cutting the keys [0, prefix_length) into `splits` ranges whose
+    lengths differ by at most one, computed where the 0-d `prefix_length` lives (no host read)."""
+    steps = torch.arange(splits + 1, device=prefix_length.device, dtype=torch.int64)
+    return (steps * prefix_length.to(torch.int64) // splits).to(torch.int32)
+
+
+def flash_prefix_block(
+    rows: torch.Tensor,  # [kv_heads, R, D]
+    keys: torch.Tensor,  # [kv_heads, capacity, D]: the committed keys are [0, prefix_length)
+    values: torch.Tensor,  # [kv_heads, capacity, D]
+    prefix_length: torch.Tensor,  # 0-d integer tensor on the keys' device
+    scale: float,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows over the committed keys in `splits` ranges -> (outputs [splits, kv_heads, R, D] in fp32
+    or wider, each normalised within its range, log-sum-exps [splits, kv_heads, R], -inf for an empty
+    range). CUDA: FlashAttention's variable-length op; elsewhere the CPU flash op range by range."""
+    offsets = split_offsets(prefix_length, splits)  # [splits + 1]
+    if rows.is_cuda:
+        outs, lses = _flash_varlen(rows, keys, values, offsets, scale, splits)
+    else:
+        outs, lses = _flash_ranges_cpu(rows, keys, values, offsets, scale)
+    present = (offsets[1:] > offsets[:-1])[:, None, None]  # [splits, 1, 1]
+    # an empty range: FlashAttention writes zeros and a log-sum-exp of +inf, which must not win the merge
+    dtype = torch.promote_types(outs.dtype, torch.float32)
+    lses = torch.where(present, lses.to(dtype), float("-inf"))
+    return torch.where(present[..., None], outs.to(dtype), 0.0), lses
+
+
+def _flash_varlen(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    scale: float,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_heads, count, dim = rows.shape
+    queries = rows.transpose(0, 1).repeat(splits, 1, 1)  # [splits·R, kv_heads, D]: one copy per range
+    query_offsets = torch.arange(0, (splits + 1) * count, count, dtype=torch.int32, device=rows.device)
+    longest = -(-keys.shape[1] // splits)  # bound on a range's length (they differ by at most one)
+    # keys as [capacity, kv_heads, D]: a strided view of the cache (rows D apart, heads capacity·D)
+    out, lse = torch.ops.aten._flash_attention_forward(
+        queries,
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        query_offsets,
+        offsets,
+        count,
+        longest,
+        0.0,
+        False,
+        False,
+        scale=scale,
+    )[:2]
+    outs = out.view(splits, count, kv_heads, dim).permute(0, 2, 1, 3)  # [splits, kv_heads, R, D]
+    if lse.dim() == 3:  # [splits, kv_heads, R] (batch, heads, longest query run)
+        return outs, lse
+    return outs, lse.view(kv_heads, splits, count).transpose(0, 1)  # from [kv_heads, splits·R]
+
+
+def _flash_ranges_cpu(
+    rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_heads, count, dim = rows.shape
+    dtype = torch.promote_types(rows.dtype, torch.float32)  # float64 stays float64 (tests)
+    outs, lses = [], []
+    bounds = offsets.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        if end <= start:  # as FlashAttention leaves a row with no keys: zeros, log-sum-exp +inf
+            outs.append(rows.new_zeros(kv_heads, count, dim, dtype=dtype))
+            lses.append(rows.new_full((kv_heads, count), float("inf"), dtype=dtype))
+            continue
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            rows[None], keys[None, :, start:end], values[None, :, start:end], scale=scale
+        )
+        outs.append(out[0].to(dtype))
+        lses.append(lse[0].to(dtype))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def flash_cascade_attention(
+    query: torch.Tensor,  # [heads, T, D]
+    keys: torch.Tensor,  # [kv_heads, capacity, D]: committed [0, prefix), the tree's own [prefix, prefix + T)
+    values: torch.Tensor,  # [kv_heads, capacity, D]
+    tree_visible: torch.Tensor,  # [T, T] bool on the keys' device: node i may see node j
+    prefix_length: torch.Tensor,  # 0-d integer tensor on the keys' device
+    scale: float,
+    splits: int,
+) -> torch.Tensor:
+    """Tree attention as a cascade whose prefix block runs through FlashAttention (`flash_prefix_block`)
+    and whose tree block and merge are `attend_partial` / `merge_stacked` -> [heads, T, D] in the
+    query's dtype. Every shape is fixed by T, the capacity and `splits`: it can be captured."""
+    heads, count, _ = query.shape
+    kv_heads = keys.shape[0]
+    rows = pack_group_rows(query, kv_heads)  # [kv_heads, group·T, D]
+    prefix_outs, prefix_lses = flash_prefix_block(rows, keys, values, prefix_length, scale, splits)
+    positions = prefix_length.to(torch.int64) + torch.arange(count, device=keys.device)  # [T]
+    visible = tree_visible.repeat(heads // kv_heads, 1)  # [group·T, T]
+    tree_out, tree_lse = attend_partial(
+        rows, keys.index_select(1, positions), values.index_select(1, positions), scale, visible
+    )
+    merged = merge_stacked(
+        torch.cat((prefix_outs, tree_out[None].to(prefix_outs.dtype))),
+        torch.cat((prefix_lses, tree_lse[None].to(prefix_lses.dtype))),
+    )  # [kv_heads, group·T, D]
+    return unpack_group_rows(merged, heads).to(query.dtype)

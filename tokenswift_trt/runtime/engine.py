@@ -7,6 +7,7 @@ weight is used; tensors are read through safetensors' memory map onto a meta-ini
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -147,7 +148,11 @@ def load_engine(
     if layout.path_width and not layout.root_conditioned:
         raise WeightsError("draft layers: a path input needs a root input (root-conditioned layers) too")
     draft_layers = DraftLayers(
-        config, layout.num_layers, layout.root_conditioned, layout.vocab_size, layout.root_width,
+        config,
+        layout.num_layers,
+        layout.root_conditioned,
+        layout.vocab_size,
+        layout.root_width,
         layout.path_width,
     ).to(device=device, dtype=dtype)
     if draft:
@@ -178,12 +183,29 @@ def load_engine(
     return Engine(config, model, draft_layers, bool(draft), dtype, device)
 
 
+CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `kernel` (default) or `flash_cascade`
+
+
+def flash_cascade_problem(dtype: torch.dtype, head_dim: int, device: torch.device) -> str | None:
+    """Why the FlashAttention cascade (`cascade.flash_cascade_attention`) cannot verify here, or None."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashAttention takes float16/bfloat16, not {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"FlashAttention takes head_dim a multiple of 8 up to 256, not {head_dim}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "FlashAttention needs an sm_80 or newer GPU"
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return f"PyTorch {torch.__version__} has no aten._flash_attention_forward"
+    return None
+
+
 def choose_attention_kernel(
     model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> None:
     """Verify through a tree-attention kernel: on CUDA with fp16/bf16 and a supported head size; on a
     CPU with float32, head_dim 16/32/64/128 and AVX-512 (compiled on first use; TOKENSWIFT_CPU_KERNEL=0
-    keeps SDPA, =1 takes the kernel without AVX-512)."""
+    keeps SDPA, =1 takes the kernel without AVX-512). On CUDA, TOKENSWIFT_CUDA_ATTENTION=flash_cascade
+    verifies through the FlashAttention cascade instead (`cascade.flash_cascade_attention`)."""
     if device.type == "cpu":
         if (
             not kernels.cpu_kernel_supports(dtype, config.head_dim)
@@ -203,6 +225,19 @@ def choose_attention_kernel(
         return
     if device.type != "cuda":
         return
+    wanted = os.environ.get(CUDA_ATTENTION_ENV, "kernel")
+    if wanted not in ("kernel", "flash_cascade"):
+        raise ValueError(f"{CUDA_ATTENTION_ENV} must be `kernel` or `flash_cascade`, got {wanted!r}")
+    if wanted == "flash_cascade":
+        problem = flash_cascade_problem(dtype, config.head_dim, device)
+        if problem is None:
+            model.use_attention_kernel("flash_cascade")
+            return
+        warnings.warn(
+            f"flash_cascade attention not used ({problem}); trying the tree-attention kernel",
+            KernelFallbackWarning,
+            stacklevel=3,
+        )
     if not kernels.kernel_supports(dtype, config.head_dim):
         reason = f"the kernel covers float16/bfloat16 and head_dim {kernels.SUPPORTED_HEAD_DIMS}"
     else:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import cascade, kernels
 from .config import ModelConfig
 from .cpu_decoder import CpuDecoder
 from .cpu_linear import FusedLinears, Linear, pack_linears
@@ -28,7 +28,7 @@ from .rope import RotaryEmbedding, apply_rotary
 # "cpu_tree_attention": the compiled CPU kernel (kernels.cpu_tree_attention) for 1..256 new tokens
 # (AR steps too: with its prefetch it beats SDPA for one token, 7.6 vs 13.5 ms over SmolLM2's 30
 # layers at 4K context), SDPA for longer prefill chunks.
-ATTENTION_KERNELS = ("sdpa", "tree_attention", "cpu_tree_attention")
+ATTENTION_KERNELS = ("sdpa", "tree_attention", "cpu_tree_attention", "flash_cascade")
 CPU_KERNEL_MIN_TOKENS = 1
 PACKED_MASK_MEMO = 256  # packed tree masks kept per model (CPU kernel)
 GQA_FOLD_MAX_TOKENS = 8  # see grouped_sdpa
@@ -117,13 +117,17 @@ class AttentionMask:
       once per forward rather than converted by SDPA in every layer;
     - "tree_attention": `mask` [T, ceil(T/32)] int32 packed tree mask, the cache prefix all visible;
     - "tree_attention_static": the same packed mask, keys span a whole-capacity cache and
-      `prefix_length` (0-d int32, on the device) says where the tree's own K/V start.
+      `prefix_length` (0-d int32, on the device) says where the tree's own K/V start;
+    - "flash_cascade": `mask` [T, T] bool on the device (the tree among itself), `prefix_length` as
+      above (0-d, on the device, static or not), `splits` key ranges of the FlashAttention prefix
+      block (`cascade.flash_cascade_attention`).
     """
 
     kernel: str
     mask: torch.Tensor
     prefix_length: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    splits: int = 1
 
 
 @dataclass
@@ -196,6 +200,11 @@ class Attention(nn.Module):
             assert mask.prefix_length is not None
             out = kernels.tree_attention_static(
                 q.contiguous(), keys, values, mask.mask, mask.prefix_length, scale
+            )
+        elif mask.kernel == "flash_cascade":
+            assert mask.prefix_length is not None
+            out = cascade.flash_cascade_attention(
+                q, keys, values, mask.mask, mask.prefix_length, scale, mask.splits
             )
         else:
             assert mask.bias is not None
@@ -435,6 +444,28 @@ class LlamaModel(nn.Module):
         )
         return ForwardOutput(hidden=hidden, queries=queries)  # queries: per layer [T, heads, head_dim]
 
+    def _flash_cascade_mask(
+        self,
+        count: int,
+        cache: AttentionCache,
+        tree_mask: torch.Tensor | None,
+        static: StaticAttention | None,
+        device: torch.device,
+    ) -> AttentionMask:
+        c = self.config
+        if static is not None:  # the committed length lives on the device: one graph for every context
+            tree, prefix, capacity = static.tree_mask, static.prefix_length, static.full_mask.shape[1]
+        else:
+            causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+            tree = causal if tree_mask is None else tree_mask.to(device)
+            prefix = torch.full((), cache.prefix_length, dtype=torch.int64, device=device)
+            capacity = cache.prefix_length + count
+        cuda = device.type == "cuda"  # elsewhere (tests) one range: the CPU path runs range by range
+        processors = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+        group_rows = count * (c.num_heads // c.num_kv_heads)
+        splits = cascade.flash_splits(group_rows, c.num_kv_heads, capacity, processors)
+        return AttentionMask("flash_cascade", tree, prefix, splits=splits)
+
     def _attention_mask(
         self,
         count: int,
@@ -445,6 +476,8 @@ class LlamaModel(nn.Module):
     ) -> AttentionMask:
         # the kernel is for trees (T <= 256); long prefill chunks take SDPA
         use_kernel = self.attention_kernel == "tree_attention" and count <= kernels.MAX_TREE_TOKENS
+        if self.attention_kernel == "flash_cascade" and count <= kernels.MAX_TREE_TOKENS:
+            return self._flash_cascade_mask(count, cache, tree_mask, static, device)
         if static is not None:
             if use_kernel:
                 return AttentionMask(
