@@ -177,15 +177,17 @@ def export_onnx(
 
     plugins: attention as TensorRT plugin nodes (see the module docstring) instead of ONNX ops.
     """
-    previous = model.attention_kernel
+    previous, fused_norms = model.attention_kernel, model.fused_norms
     with _quiet_exporter():
         try:
             # the graph's attention: plugin nodes, or ONNX ops traced from SDPA (the compiled CPU
-            # kernel the engine may verify with here is not exportable)
+            # kernel the engine may verify with here is not exportable); norms as plain ONNX ops
             model.use_attention_kernel("tree_attention" if plugins else "sdpa")
+            model.fused_norms = False
             return _export(model, draft_layers, out_dir, plugins)
         finally:
             model.use_attention_kernel(previous)
+            model.fused_norms = fused_norms
 
 
 def _export(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path, plugins: bool) -> list[Path]:

@@ -30,6 +30,7 @@ import torch
 LOGGER = logging.getLogger(__name__)
 TREE_ATTENTION_OP = "tokenswift::tree_attention"
 KV_SELECT_OP = "tokenswift::kv_importance_select"
+ADD_RMS_NORM_OP = "tokenswift::add_rms_norm"
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_TREE_TOKENS = 256
 
@@ -157,6 +158,38 @@ def _kv_importance_select_shape(keys, query, keep, sinks):
     return keys.new_empty((keys.shape[0], min(keep, keys.shape[1])), dtype=torch.int64)
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the model computes it: torch's fused op in float32; in other dtypes the sum of
+    squares in float32, the normalised value rounded to the dtype, then scaled by the weight."""
+    if x.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm) [rows, hidden] each; delta None: (a copy of x, its RMSNorm)."""
+    total = x.clone() if delta is None else x + delta
+    return total, rms_norm_reference(total, weight, eps)
+
+
+@torch.library.custom_op(ADD_RMS_NORM_OP, mutates_args=())
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add and the next RMSNorm in one kernel on CUDA (src/rms_norm.cu):
+    x, delta [rows, hidden] -> (x + delta, weight * norm(x + delta))."""
+    return add_rms_norm_reference(x, delta, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _add_rms_norm_shape(x, delta, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
@@ -202,6 +235,7 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
                 str(root / "torch_ops" / "ops.cpp"),
                 str(root / "src" / "tree_attention.cu"),
                 str(root / "src" / "kv_importance_select.cu"),
+                str(root / "src" / "rms_norm.cu"),
             ],
             extra_include_paths=[str(root / "include")],
             extra_cflags=["-O3"],
@@ -221,7 +255,25 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
     kv_importance_select.register_kernel("cuda")(
         kernel_or_reference(module.kv_importance_select, kv_importance_select_reference)
     )
+    add_rms_norm.register_kernel("cuda")(_add_rms_norm_cuda(module))
     return KernelStatus(True, "", module)
+
+
+def _add_rms_norm_cuda(module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The kernel for contiguous fp16/bf16 rows, the reference otherwise (float32, strided inputs)."""
+
+    def run(
+        x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        usable = x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+        if not usable:
+            return add_rms_norm_reference(x, delta, weight, eps)
+        total, normed = module.add_rms_norm(
+            x.contiguous(), None if delta is None else delta.contiguous(), weight.contiguous(), eps
+        )
+        return total, normed
+
+    return run
 
 
 CPU_HEAD_DIMS = (16, 32, 64, 128)

@@ -82,4 +82,21 @@ size_t kv_select_workspace_size(const KvSelectParams& params);
 cudaError_t kv_importance_select(const KvSelectParams& params, void* workspace, size_t workspace_bytes,
                                  cudaStream_t stream);
 
+// Residual add + RMSNorm of `rows` rows of `hidden` elements: sum_out = x + delta (delta may be null:
+// a plain norm, sum_out = x), normed = weight * (sum_out * rsqrt(mean(sum_out^2) + eps)), rounded as
+// the PyTorch composition it replaces (src/rms_norm.cu). Every tensor contiguous [rows, hidden].
+struct RmsNormParams {
+    DataType dtype = DataType::kBFloat16;
+    const void* x = nullptr;
+    const void* delta = nullptr;     // may be null
+    const void* weight = nullptr;    // [hidden]
+    void* sum_out = nullptr;         // must not alias x or delta
+    void* normed = nullptr;
+    int32_t rows = 0;
+    int32_t hidden = 0;
+    float eps = 1e-6f;
+};
+
+cudaError_t add_rms_norm(const RmsNormParams& params, cudaStream_t stream);
+
 }  // namespace tokenswift

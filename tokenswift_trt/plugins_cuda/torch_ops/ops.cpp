@@ -1,6 +1,7 @@
 // Torch bindings of the CUDA kernels. runtime/kernels.py compiles this file with
 // torch.utils.cpp_extension and registers the functions as the CUDA implementations of
-// torch.ops.tokenswift.tree_attention and torch.ops.tokenswift.kv_importance_select.
+// torch.ops.tokenswift.tree_attention, torch.ops.tokenswift.kv_importance_select and
+// torch.ops.tokenswift.add_rms_norm.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -171,6 +172,35 @@ at::Tensor kv_importance_select_gather(const at::Tensor& keys, const at::Tensor&
     return run_kv_select(keys, &values, query, keep, sinks, &out_keys, &out_values);
 }
 
+// (x + delta, RMSNorm of it) in one kernel; delta may be undefined (None): a plain norm.
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
+                                     const at::Tensor& weight, double eps) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CUDA tensor [rows, hidden]");
+    TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1), "weight must be [hidden]");
+    check_like(weight, x, "weight", false);
+    const bool has_delta = delta.has_value() && delta->defined();
+    if (has_delta) {
+        TORCH_CHECK(delta->is_contiguous(), "delta must be contiguous");
+        check_like(*delta, x, "delta", true);
+    }
+    const c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor sum_out = at::empty_like(x);
+    at::Tensor normed = at::empty_like(x);
+    tokenswift::RmsNormParams params;
+    params.dtype = element_type(x);
+    params.x = x.data_ptr();
+    params.delta = has_delta ? delta->data_ptr() : nullptr;
+    params.weight = weight.data_ptr();
+    params.sum_out = sum_out.data_ptr();
+    params.normed = normed.data_ptr();
+    params.rows = static_cast<int32_t>(x.size(0));
+    params.hidden = static_cast<int32_t>(x.size(1));
+    params.eps = static_cast<float>(eps);
+    const cudaError_t status = tokenswift::add_rms_norm(params, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(status == cudaSuccess, "tokenswift add_rms_norm failed: ", cudaGetErrorString(status));
+    return {sum_out, normed};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -181,4 +211,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                "dynamic shared memory per block the tree-attention kernel needs for a head_dim");
     module.def("kv_importance_select", &kv_importance_select, "partial-cache position selection");
     module.def("kv_importance_select_gather", &kv_importance_select_gather, "selection + K/V gather");
+    module.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (see runtime/kernels.py)");
 }

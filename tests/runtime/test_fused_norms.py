@@ -1,0 +1,100 @@
+"""Residual add + RMSNorm as one op (`kernels.add_rms_norm`; one CUDA kernel, src/rms_norm.cu): the
+same function as the model's add and RMSNorm, and a model running its layers through it gives the
+same numbers and tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tokenswift_trt.runtime import kernels
+from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+from tokenswift_trt.runtime.engine import FUSED_NORMS_ENV, choose_fused_norms
+from tokenswift_trt.runtime.kv_cache import KVCache
+from tokenswift_trt.runtime.model import RMSNorm
+from tokenswift_trt.runtime.sampling import SamplingConfig
+
+from conftest import quiet_load
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_is_the_models_add_then_norm(dtype, with_delta):
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=generator).to(dtype)
+    delta = torch.randn(5, 96, generator=generator).to(dtype) if with_delta else None
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=generator) + 0.5)
+        total, normed = kernels.add_rms_norm(x, delta, norm.weight, norm.eps)
+        expected = x + delta if with_delta else x
+        assert torch.equal(total, expected) and total.data_ptr() != x.data_ptr()
+        assert torch.equal(normed, norm(expected))
+
+
+def test_a_model_with_fused_norms_computes_what_the_plain_loop_does(llama_dir):
+    engine = quiet_load(llama_dir[0])
+    engine.model.cpu_decoder = None  # the Python layers on both sides (the compiled CPU stack has its own)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # real norms are not all ones: a norm taken from the wrong layer must show
+        for name, param in engine.model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+    c = engine.config
+    outputs = []
+    for fused in (False, True):
+        engine.model.fused_norms = fused
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 100)
+        engine.model(torch.arange(5, 45), torch.arange(40), cache)
+        cache.commit()
+        tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        outputs.append(engine.model(torch.tensor([7, 3, 9]), torch.tensor([40, 41, 41]), cache, tree, True))
+    assert torch.equal(outputs[0].hidden, outputs[1].hidden)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0].queries, outputs[1].queries))
+    config = GenerationConfig(
+        max_new_tokens=40, tree="1,3,3", sampling=SamplingConfig(min_p=0.1), seed=2, ignore_eos=True
+    )
+    engine.model.fused_norms = False
+    plain, _ = generate(engine, list(range(5, 40)), config)
+    engine.model.fused_norms = True
+    fused, _ = generate(engine, list(range(5, 40)), config)
+    ar, _ = generate(engine, list(range(5, 40)), replace(config, method="ar"))
+    assert fused == plain == ar
+
+
+def test_fused_norms_stay_off_on_a_cpu_in_float32_and_unless_asked_for(monkeypatch):
+    model = type("M", (), {"fused_norms": False})()
+    choose_fused_norms(model, torch.float32, torch.device("cpu"))
+    choose_fused_norms(model, torch.bfloat16, torch.device("cpu"))
+    monkeypatch.delenv(FUSED_NORMS_ENV, raising=False)
+    choose_fused_norms(model, torch.bfloat16, torch.device("cuda"))  # off unless asked for, before any build
+    monkeypatch.setenv(FUSED_NORMS_ENV, "0")
+    choose_fused_norms(model, torch.bfloat16, torch.device("cuda"))
+    assert model.fused_norms is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (64, 4096), (256, 576), (3, 1000)])
+def test_the_cuda_kernel_matches_the_reference(dtype, rows, hidden):
+    status = kernels.load_cuda_kernels()
+    if not status.loaded:
+        pytest.skip(status.reason)
+    generator = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=generator) * 4).to("cuda", dtype)
+    delta = torch.randn(rows, hidden, generator=generator).to("cuda", dtype)
+    weight = (torch.rand(hidden, generator=generator) + 0.5).to("cuda", dtype)
+    for add in (delta, None):
+        total, normed = kernels.add_rms_norm(x, add, weight, 1e-5)
+        ref_total, ref_normed = kernels.add_rms_norm_reference(x, add, weight, 1e-5)
+        assert torch.equal(total, ref_total)  # the add rounds as PyTorch's does
+        assert torch.isfinite(normed).all()
+        # only the fp32 sum of squares is ordered differently: at most a last-bit difference
+        ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+        assert ((normed.float() - ref_normed.float()).abs() <= ulp * ref_normed.float().abs() + 1e-6).all()
+    # a row's outputs are the same bits alone and among 64 (batch invariance)
+    many = kernels.add_rms_norm(x, delta, weight, 1e-5)[1]
+    one = kernels.add_rms_norm(x[:1].clone(), delta[:1].clone(), weight, 1e-5)[1]
+    assert torch.equal(many[:1], one)
