@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
-#                                                      divergence e2e e2e-100k compile-4k cascade norms e2e-paper
+#                                                      divergence e2e e2e-100k compile-4k cascade fused e2e-paper
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -52,7 +52,7 @@ EOF"
             tests/plugins_cuda/test_cuda_kernels.py tests/runtime/test_static_step.py tests/runtime/test_sampling.py \
             tests/runtime/test_kernels.py tests/runtime/test_model.py tests/bench/test_kernel_bench.py \
             tests/bench/test_steps.py tests/runtime/test_kv_cache.py tests/runtime/test_transfer.py \
-            tests/runtime/test_device_loop.py tests/runtime/test_fused_norms.py tests/runtime/test_cascade.py
+            tests/runtime/test_device_loop.py tests/runtime/test_fused_elementwise.py tests/runtime/test_cascade.py
         ;;
     kernels)
         stage kernels 100 "${CLI[@]}" bench-kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
@@ -112,17 +112,17 @@ EOF"
             --dtype bfloat16 --contexts 4096,102400 --tree-sizes 1,64,128 --kv-budget 4096 \
             --out $OUT_DIR/steps-\$attention; done"
         ;;
-    norms)  # #20 item 1: the fused residual add + RMSNorm kernel's GPU tests, then AR and verify steps without and with it
-        stage norms 300 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_fused_norms.py && \
-            for fused in 0 1; do TOKENSWIFT_FUSED_NORMS=\$fused ${CLI[*]} bench-steps --model llama3.1-8b --device cuda \
+    fused)  # #20 item 1: the fused add + RMSNorm and rotary kernels' GPU tests, then steps without and with them
+        stage fused 300 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_fused_elementwise.py && \
+            for fused in 0 1; do TOKENSWIFT_FUSED_ELEMENTWISE=\$fused ${CLI[*]} bench-steps --model llama3.1-8b --device cuda \
             --dtype bfloat16 --contexts 4096 --tree-sizes 1,64 --kv-budget 4096 --host-overhead-ms 2.5 \
-            --out $OUT_DIR/steps-fused-norms-\$fused; done"
+            --out $OUT_DIR/steps-fused-\$fused; done"
         ;;
     e2e-paper)  # the same with the paper's tree, drafted on the partial cache by the host loop
         stage e2e-paper 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
             --tree 1,3,3,3 --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k compile-4k cascade norms e2e-paper)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k compile-4k cascade fused e2e-paper)"; exit 2 ;;
     esac
 done

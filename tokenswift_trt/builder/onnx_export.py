@@ -177,17 +177,17 @@ def export_onnx(
 
     plugins: attention as TensorRT plugin nodes (see the module docstring) instead of ONNX ops.
     """
-    previous, fused_norms = model.attention_kernel, model.fused_norms
+    previous, fused = model.attention_kernel, model.fused_elementwise
     with _quiet_exporter():
         try:
             # the graph's attention: plugin nodes, or ONNX ops traced from SDPA (the compiled CPU
-            # kernel the engine may verify with here is not exportable); norms as plain ONNX ops
+            # kernel the engine may verify with here is not exportable); norms and rotary as plain ONNX ops
             model.use_attention_kernel("tree_attention" if plugins else "sdpa")
-            model.fused_norms = False
+            model.use_fused_elementwise(False)
             return _export(model, draft_layers, out_dir, plugins)
         finally:
             model.use_attention_kernel(previous)
-            model.fused_norms = fused_norms
+            model.use_fused_elementwise(fused)
 
 
 def _export(model: LlamaModel, draft_layers: DraftLayers, out_dir: Path, plugins: bool) -> list[Path]:

@@ -437,7 +437,7 @@ def bench_steps(
         "dtype": dtype_name,
         "torch": torch.__version__,
         "attention_kernel": engine.model.torch_model.attention_kernel,
-        "fused_norms": engine.model.torch_model.fused_norms,
+        "fused_elementwise": engine.model.torch_model.fused_elementwise,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "kv_budget": kv_budget,
         "step_repeats": step_repeats,
@@ -452,7 +452,8 @@ def bench_steps(
     written = write_step_report(costs, speedups, out, meta)
     click.echo(
         f"{model} ({dtype_name}, random weights) on {meta['device']}; copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s; attention {meta['attention_kernel']}, fused norms {meta['fused_norms']}"
+        f"{bandwidth / 1e9:.1f} GB/s; attention {meta['attention_kernel']}, "
+        f"fused elementwise {meta['fused_elementwise']}"
     )
     steps = ["ar", "draft", "heads"] + [verify_step(size) for size in sizes]
     click.echo("context | " + " | ".join(f"{step} ms (floor)" for step in steps))

@@ -169,7 +169,7 @@ def load_engine(
     model.eval()
     draft_layers.eval()
     choose_attention_kernel(model, config, dtype, device)
-    choose_fused_norms(model, dtype, device)
+    choose_fused_elementwise(model, dtype, device)
     model.pack()  # CPU only: oneDNN-prepacked, fused weights (cpu_linear.py)
     pack_linears(draft_layers, half=True)  # drafts never change the output: half the bytes per draft pass
     vocab = draft_layers.vocab
@@ -185,23 +185,24 @@ def load_engine(
 
 
 CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `kernel` (default) or `flash_cascade`
-FUSED_NORMS_ENV = "TOKENSWIFT_FUSED_NORMS"  # `1`: residual add + RMSNorm as one CUDA kernel (off by default)
+FUSED_ELEMENTWISE_ENV = "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1`: add + RMSNorm, rotary as CUDA kernels
 
 
-def choose_fused_norms(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
-    """With TOKENSWIFT_FUSED_NORMS=1, on CUDA with float16/bfloat16, each residual add and the RMSNorm
-    after it run as one kernel (`kernels.add_rms_norm`, src/rms_norm.cu). Off by default until a GPU
-    session has measured it (docs/gpu.md)."""
+def choose_fused_elementwise(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
+    """With TOKENSWIFT_FUSED_ELEMENTWISE=1, on CUDA with float16/bfloat16, each residual add and the
+    RMSNorm after it, and each step's q/k rotary embedding, run as one kernel each
+    (`kernels.add_rms_norm`, `kernels.rotary_qk`). Off by default until a GPU session has measured
+    it (docs/gpu.md)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return
-    if os.environ.get(FUSED_NORMS_ENV, "0") != "1":
+    if os.environ.get(FUSED_ELEMENTWISE_ENV, "0") != "1":
         return
     status = kernels.load_cuda_kernels()
     if status.loaded:
-        model.fused_norms = True
+        model.use_fused_elementwise(True)
         return
     warnings.warn(
-        f"fused add + RMSNorm kernel not used ({status.reason}); the PyTorch ops run",
+        f"fused elementwise kernels not used ({status.reason}); the PyTorch ops run",
         KernelFallbackWarning,
         stacklevel=3,
     )

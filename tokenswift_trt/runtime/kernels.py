@@ -27,10 +27,13 @@ from pathlib import Path
 
 import torch
 
+from .rope import apply_rotary
+
 LOGGER = logging.getLogger(__name__)
 TREE_ATTENTION_OP = "tokenswift::tree_attention"
 KV_SELECT_OP = "tokenswift::kv_importance_select"
 ADD_RMS_NORM_OP = "tokenswift::add_rms_norm"
+ROTARY_QK_OP = "tokenswift::rotary_qk"
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_TREE_TOKENS = 256
 
@@ -190,6 +193,28 @@ def _add_rms_norm_shape(x, delta, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
+def rotary_qk_reference(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotated query [heads, T, D], rotated key [kv_heads, T, D]), contiguous, with cos/sin [T, D]:
+    rope.apply_rotary."""
+    return apply_rotary(query, cos, sin).contiguous(), apply_rotary(key, cos, sin).contiguous()
+
+
+@torch.library.custom_op(ROTARY_QK_OP, mutates_args=())
+def rotary_qk(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's rotary embedding of queries and keys in one kernel on CUDA (src/rotary.cu), the same
+    bits as `rope.apply_rotary` (no reduction: every product and sum rounds as PyTorch's do)."""
+    return rotary_qk_reference(query, key, cos, sin)
+
+
+@rotary_qk.register_fake
+def _rotary_qk_shape(query, key, cos, sin):
+    return query.new_empty(query.shape), key.new_empty(key.shape)
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
@@ -236,6 +261,7 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
                 str(root / "src" / "tree_attention.cu"),
                 str(root / "src" / "kv_importance_select.cu"),
                 str(root / "src" / "rms_norm.cu"),
+                str(root / "src" / "rotary.cu"),
             ],
             extra_include_paths=[str(root / "include")],
             extra_cflags=["-O3"],
@@ -256,7 +282,28 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
         kernel_or_reference(module.kv_importance_select, kv_importance_select_reference)
     )
     add_rms_norm.register_kernel("cuda")(_add_rms_norm_cuda(module))
+    rotary_qk.register_kernel("cuda")(_rotary_qk_cuda(module))
     return KernelStatus(True, "", module)
+
+
+def _rotary_qk_cuda(module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The kernel for fp16/bf16 q/k with a contiguous last dimension, the reference otherwise."""
+
+    def run(
+        query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        usable = (
+            query.dtype in (torch.float16, torch.bfloat16)
+            and key.dtype == cos.dtype == sin.dtype == query.dtype
+            and query.stride(-1) == 1
+            and key.stride(-1) == 1
+        )
+        if not usable:
+            return rotary_qk_reference(query, key, cos, sin)
+        rotated_query, rotated_key = module.rotary_qk(query, key, cos, sin)
+        return rotated_query, rotated_key
+
+    return run
 
 
 def _add_rms_norm_cuda(module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

@@ -160,6 +160,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
         self.fused: FusedLinears | None = None  # Q/K/V as one packed product on a CPU (`pack`)
+        self.fused_rotary = False  # q and k rotated by one op (`LlamaModel.use_fused_elementwise`)
 
     def pack(self) -> None:
         self.fused = FusedLinears.pack([self.q_proj, self.k_proj, self.v_proj])
@@ -181,8 +182,11 @@ class Attention(nn.Module):
         q = q.view(count, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, head_dim]
         k = k.view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v = v.view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.fused_rotary:
+            q, k = kernels.rotary_qk(q, k, cos, sin)
+        else:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         keys, values = cache.attend_kv(layer, k, v)  # [kv_heads, prefix + T, head_dim]
         scale = kernels.default_scale(self.head_dim)
         if mask.kernel == "tree_attention":
@@ -346,7 +350,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, device="cpu" if str(device) == "meta" else device)
         self.attention_kernel = "sdpa"  # see ATTENTION_KERNELS; `use_attention_kernel` switches it
         self.cpu_decoder: CpuDecoder | None = None  # the compiled stack for a few CPU tokens (`pack`)
-        self.fused_norms = False  # residual add + RMSNorm as one op per pair (CUDA: `choose_fused_norms`)
+        self.fused_norms = False  # residual add + RMSNorm as one op per pair (`use_fused_elementwise`)
         self._packed_masks: dict[
             tuple[int, bytes], torch.Tensor
         ] = {}  # CPU kernel: packed tree masks by bits
@@ -354,6 +358,17 @@ class LlamaModel(nn.Module):
     @property
     def torch_model(self) -> LlamaModel:
         return self
+
+    @property
+    def fused_elementwise(self) -> bool:
+        return self.fused_norms
+
+    def use_fused_elementwise(self, on: bool) -> None:
+        """Residual add + RMSNorm and the q/k rotary embedding as one op each (`kernels.add_rms_norm`,
+        `kernels.rotary_qk`: one CUDA kernel each, the PyTorch composition elsewhere)."""
+        self.fused_norms = on
+        for layer in self.model.layers:
+            layer.self_attn.fused_rotary = on
 
     def use_attention_kernel(self, kernel: str) -> None:
         if kernel not in ATTENTION_KERNELS:

@@ -99,4 +99,26 @@ struct RmsNormParams {
 
 cudaError_t add_rms_norm(const RmsNormParams& params, cudaStream_t stream);
 
+// Rotary embedding of a step's queries and keys in one launch (src/rotary.cu): out = x * cos +
+// rotate_half(x) * sin, each product and the sum rounded to the element type as PyTorch rounds them.
+struct RotaryParams {
+    DataType dtype = DataType::kBFloat16;
+    const void* query = nullptr;     // [num_heads, num_tokens, head_dim]: last dim contiguous, strides below
+    const void* key = nullptr;       // [num_kv_heads, num_tokens, head_dim], likewise
+    int64_t query_head_stride = 0;
+    int64_t query_token_stride = 0;
+    int64_t key_head_stride = 0;
+    int64_t key_token_stride = 0;
+    const void* cos = nullptr;       // [num_tokens, head_dim], contiguous
+    const void* sin = nullptr;
+    void* query_out = nullptr;       // [num_heads, num_tokens, head_dim], contiguous
+    void* key_out = nullptr;         // [num_kv_heads, num_tokens, head_dim], contiguous
+    int32_t num_heads = 0;
+    int32_t num_kv_heads = 0;
+    int32_t num_tokens = 0;
+    int32_t head_dim = 0;            // even
+};
+
+cudaError_t rotary(const RotaryParams& params, cudaStream_t stream);
+
 }  // namespace tokenswift

@@ -1,7 +1,7 @@
 // Torch bindings of the CUDA kernels. runtime/kernels.py compiles this file with
 // torch.utils.cpp_extension and registers the functions as the CUDA implementations of
-// torch.ops.tokenswift.tree_attention, torch.ops.tokenswift.kv_importance_select and
-// torch.ops.tokenswift.add_rms_norm.
+// torch.ops.tokenswift.tree_attention, torch.ops.tokenswift.kv_importance_select,
+// torch.ops.tokenswift.add_rms_norm and torch.ops.tokenswift.rotary_qk.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -201,6 +201,47 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at
     return {sum_out, normed};
 }
 
+// Rotary embedding of q [heads, T, D] and k [kv_heads, T, D] (any head / token strides, last dim
+// contiguous) with cos/sin [T, D] -> contiguous rotated copies.
+std::vector<at::Tensor> rotary_qk(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cos,
+                                  const at::Tensor& sin) {
+    TORCH_CHECK(query.is_cuda() && query.dim() == 3 && query.stride(2) == 1,
+                "query must be a CUDA tensor [heads, T, head_dim] with a contiguous last dimension");
+    TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && key.size(1) == query.size(1),
+                "key must be [kv_heads, T, head_dim] with a contiguous last dimension");
+    check_like(key, query, "key", false);
+    TORCH_CHECK(query.size(2) % 2 == 0, "head_dim must be even");
+    const at::Tensor cos_rows = cos.contiguous();
+    const at::Tensor sin_rows = sin.contiguous();
+    for (const at::Tensor* table : {&cos_rows, &sin_rows}) {
+        TORCH_CHECK(table->dim() == 2 && table->size(0) == query.size(1) && table->size(1) == query.size(2),
+                    "cos and sin must be [T, head_dim]");
+        check_like(*table, query, "cos/sin", false);
+    }
+    const c10::cuda::CUDAGuard guard(query.device());
+    at::Tensor query_out = at::empty(query.sizes(), query.options());
+    at::Tensor key_out = at::empty(key.sizes(), key.options());
+    tokenswift::RotaryParams params;
+    params.dtype = element_type(query);
+    params.query = query.data_ptr();
+    params.key = key.data_ptr();
+    params.query_head_stride = query.stride(0);
+    params.query_token_stride = query.stride(1);
+    params.key_head_stride = key.stride(0);
+    params.key_token_stride = key.stride(1);
+    params.cos = cos_rows.data_ptr();
+    params.sin = sin_rows.data_ptr();
+    params.query_out = query_out.data_ptr();
+    params.key_out = key_out.data_ptr();
+    params.num_heads = static_cast<int32_t>(query.size(0));
+    params.num_kv_heads = static_cast<int32_t>(key.size(0));
+    params.num_tokens = static_cast<int32_t>(query.size(1));
+    params.head_dim = static_cast<int32_t>(query.size(2));
+    const cudaError_t status = tokenswift::rotary(params, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(status == cudaSuccess, "tokenswift rotary failed: ", cudaGetErrorString(status));
+    return {query_out, key_out};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -212,4 +253,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("kv_importance_select", &kv_importance_select, "partial-cache position selection");
     module.def("kv_importance_select_gather", &kv_importance_select_gather, "selection + K/V gather");
     module.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (see runtime/kernels.py)");
+    module.def("rotary_qk", &rotary_qk, "rotary embedding of queries and keys (see runtime/kernels.py)");
 }

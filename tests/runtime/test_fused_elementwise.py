@@ -1,6 +1,6 @@
-"""Residual add + RMSNorm as one op (`kernels.add_rms_norm`; one CUDA kernel, src/rms_norm.cu): the
-same function as the model's add and RMSNorm, and a model running its layers through it gives the
-same numbers and tokens."""
+"""Fused elementwise ops: residual add + RMSNorm (`kernels.add_rms_norm`, src/rms_norm.cu) and the q/k
+rotary embedding (`kernels.rotary_qk`, src/rotary.cu), one CUDA kernel each: the same functions as the
+model's own ops, and a model running its layers through them gives the same numbers and tokens."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 
 from tokenswift_trt.runtime import kernels
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import FUSED_NORMS_ENV, choose_fused_norms
+from tokenswift_trt.runtime.engine import FUSED_ELEMENTWISE_ENV, choose_fused_elementwise
 from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.model import RMSNorm
+from tokenswift_trt.runtime.rope import apply_rotary
 from tokenswift_trt.runtime.sampling import SamplingConfig
 
 from conftest import quiet_load
@@ -34,7 +35,20 @@ def test_add_rms_norm_is_the_models_add_then_norm(dtype, with_delta):
         assert torch.equal(normed, norm(expected))
 
 
-def test_a_model_with_fused_norms_computes_what_the_plain_loop_does(llama_dir):
+def test_rotary_qk_is_apply_rotary_on_strided_projections():
+    generator = torch.Generator().manual_seed(4)
+    projected = torch.randn(6, 6 * 16, generator=generator).bfloat16()  # [T, (4 heads + 2 kv heads) · D]
+    q = projected[:, :64].view(6, 4, 16).transpose(0, 1)  # [heads, T, D], strided as the model's are
+    k = projected[:, 64:].view(6, 2, 16).transpose(0, 1)
+    cos = torch.randn(6, 16, generator=generator).bfloat16()
+    sin = torch.randn(6, 16, generator=generator).bfloat16()
+    rotated_q, rotated_k = kernels.rotary_qk(q, k, cos, sin)
+    assert rotated_q.is_contiguous() and rotated_k.is_contiguous()
+    assert torch.equal(rotated_q, apply_rotary(q, cos, sin))
+    assert torch.equal(rotated_k, apply_rotary(k, cos, sin))
+
+
+def test_a_model_with_fused_elementwise_ops_computes_what_the_plain_layers_do(llama_dir):
     engine = quiet_load(llama_dir[0])
     engine.model.cpu_decoder = None  # the Python layers on both sides (the compiled CPU stack has its own)
     generator = torch.Generator().manual_seed(0)
@@ -45,7 +59,7 @@ def test_a_model_with_fused_norms_computes_what_the_plain_loop_does(llama_dir):
     c = engine.config
     outputs = []
     for fused in (False, True):
-        engine.model.fused_norms = fused
+        engine.model.use_fused_elementwise(fused)
         cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 100)
         engine.model(torch.arange(5, 45), torch.arange(40), cache)
         cache.commit()
@@ -56,23 +70,26 @@ def test_a_model_with_fused_norms_computes_what_the_plain_loop_does(llama_dir):
     config = GenerationConfig(
         max_new_tokens=40, tree="1,3,3", sampling=SamplingConfig(min_p=0.1), seed=2, ignore_eos=True
     )
-    engine.model.fused_norms = False
+    engine.model.use_fused_elementwise(False)
     plain, _ = generate(engine, list(range(5, 40)), config)
-    engine.model.fused_norms = True
+    engine.model.use_fused_elementwise(True)
     fused, _ = generate(engine, list(range(5, 40)), config)
     ar, _ = generate(engine, list(range(5, 40)), replace(config, method="ar"))
     assert fused == plain == ar
 
 
-def test_fused_norms_stay_off_on_a_cpu_in_float32_and_unless_asked_for(monkeypatch):
-    model = type("M", (), {"fused_norms": False})()
-    choose_fused_norms(model, torch.float32, torch.device("cpu"))
-    choose_fused_norms(model, torch.bfloat16, torch.device("cpu"))
-    monkeypatch.delenv(FUSED_NORMS_ENV, raising=False)
-    choose_fused_norms(model, torch.bfloat16, torch.device("cuda"))  # off unless asked for, before any build
-    monkeypatch.setenv(FUSED_NORMS_ENV, "0")
-    choose_fused_norms(model, torch.bfloat16, torch.device("cuda"))
-    assert model.fused_norms is False
+def test_fused_elementwise_ops_stay_off_on_a_cpu_in_float32_and_unless_asked_for(monkeypatch):
+    turned_on: list[bool] = []
+    model = type("M", (), {"use_fused_elementwise": lambda self, on: turned_on.append(on)})()
+    choose_fused_elementwise(model, torch.float32, torch.device("cpu"))
+    monkeypatch.setenv(FUSED_ELEMENTWISE_ENV, "1")
+    choose_fused_elementwise(model, torch.bfloat16, torch.device("cpu"))
+    choose_fused_elementwise(model, torch.float32, torch.device("cuda"))
+    monkeypatch.delenv(FUSED_ELEMENTWISE_ENV)
+    choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"))  # off unless asked for
+    monkeypatch.setenv(FUSED_ELEMENTWISE_ENV, "0")
+    choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"))
+    assert turned_on == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel needs a CUDA GPU")
@@ -98,3 +115,21 @@ def test_the_cuda_kernel_matches_the_reference(dtype, rows, hidden):
     many = kernels.add_rms_norm(x, delta, weight, 1e-5)[1]
     one = kernels.add_rms_norm(x[:1].clone(), delta[:1].clone(), weight, 1e-5)[1]
     assert torch.equal(many[:1], one)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,tokens,dim", [(32, 8, 1, 128), (32, 8, 64, 128), (9, 3, 200, 64)])
+def test_the_cuda_rotary_kernel_gives_apply_rotarys_bits(dtype, heads, kv_heads, tokens, dim):
+    status = kernels.load_cuda_kernels()
+    if not status.loaded:
+        pytest.skip(status.reason)
+    generator = torch.Generator().manual_seed(heads + tokens)
+    projected = torch.randn(tokens, (heads + kv_heads) * dim, generator=generator).to("cuda", dtype)
+    q = projected[:, : heads * dim].view(tokens, heads, dim).transpose(0, 1)
+    k = projected[:, heads * dim :].view(tokens, kv_heads, dim).transpose(0, 1)
+    angles = torch.rand(tokens, dim, generator=generator) * 6.3
+    cos, sin = angles.cos().to("cuda", dtype), angles.sin().to("cuda", dtype)
+    rotated_q, rotated_k = kernels.rotary_qk(q, k, cos, sin)
+    assert torch.equal(rotated_q, apply_rotary(q, cos, sin))  # no reduction: the same bits
+    assert torch.equal(rotated_k, apply_rotary(k, cos, sin))
