@@ -47,6 +47,19 @@ def test_device_loop_tokens_equal_ar_and_the_host_loop(llama_engine64, sampling,
     assert abs(stats.accepted_tokens - host_stats.accepted_tokens) <= 0.2 * host_stats.accepted_tokens + 3
 
 
+def test_device_loop_through_the_flash_cascade_gives_ars_tokens(llama_engine64, monkeypatch):
+    """The device loop's fixed-shape verify with tree attention as a FlashAttention cascade (CPU flash
+    op here): AR's tokens under sampling, with n-gram branches."""
+    monkeypatch.setattr(llama_engine64.model, "attention_kernel", "flash_cascade")
+    prompt = _prompt(llama_engine64.config.vocab_size)
+    base = dict(max_new_tokens=96, sampling=PAPER_SAMPLING, seed=2, ignore_eos=True)
+    config = GenerationConfig(**base, tree="3,3,3", ngram_topk=20, draft_source="verify", device_loop=True)
+    device, stats = generate(llama_engine64, prompt, config)
+    monkeypatch.setattr(llama_engine64.model, "attention_kernel", "sdpa")
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert device == ar and stats.iterations < len(device)
+
+
 class HostValueCopies(TorchDispatchMode):
     """Records operations that read a tensor made from Python data (`lift_fresh`: `x[i] = True`,
     `torch.tensor(...)`). On a GPU each is a copy from ordinary host memory, which a CUDA graph
@@ -71,9 +84,13 @@ class HostValueCopies(TorchDispatchMode):
         return out
 
 
-def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch):
+@pytest.mark.parametrize("kernel", ["default", "flash_cascade"])
+def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch, kernel):
     """What CUDA graph capture needs, checked on the CPU: no operation of an iteration reads a
-    tensor made from host data (the H100 run found `matched[0] = True` in the walk this way)."""
+    tensor made from host data (the H100 run found `matched[0] = True` in the walk this way); the
+    FlashAttention cascade's verify included (its key ranges come from the device-side length)."""
+    if kernel != "default":  # the shared engine gets its kernel back after the test
+        monkeypatch.setattr(llama_engine64.model, "attention_kernel", kernel)
     recorder = HostValueCopies()
     step = DeviceLoop.step
 
