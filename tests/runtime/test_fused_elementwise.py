@@ -49,7 +49,9 @@ def test_rotary_qk_is_apply_rotary_on_strided_projections():
 
 
 def test_a_model_with_fused_elementwise_ops_computes_what_the_plain_layers_do(llama_dir):
-    engine = quiet_load(llama_dir[0])
+    """float64: the packed Q/K/V and gate/up products order their sums as the product library likes,
+    so the two sides agree to rounding; the elementwise ops themselves are the same functions."""
+    engine = quiet_load(llama_dir[0], dtype=torch.float64)  # its own engine: this test repacks weights
     engine.model.cpu_decoder = None  # the Python layers on both sides (the compiled CPU stack has its own)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # real norms are not all ones: a norm taken from the wrong layer must show
@@ -60,13 +62,17 @@ def test_a_model_with_fused_elementwise_ops_computes_what_the_plain_layers_do(ll
     outputs = []
     for fused in (False, True):
         engine.model.use_fused_elementwise(fused)
-        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 100)
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 100, dtype=torch.float64)
         engine.model(torch.arange(5, 45), torch.arange(40), cache)
         cache.commit()
         tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
         outputs.append(engine.model(torch.tensor([7, 3, 9]), torch.tensor([40, 41, 41]), cache, tree, True))
-    assert torch.equal(outputs[0].hidden, outputs[1].hidden)
-    assert all(torch.equal(a, b) for a, b in zip(outputs[0].queries, outputs[1].queries))
+    torch.testing.assert_close(outputs[1].hidden, outputs[0].hidden, rtol=1e-12, atol=1e-12)
+    for fused_queries, plain_queries in zip(outputs[1].queries, outputs[0].queries):
+        torch.testing.assert_close(fused_queries, plain_queries, rtol=1e-12, atol=1e-12)
+    attention, mlp = engine.model.model.layers[0].self_attn, engine.model.model.layers[0].mlp
+    assert attention.qkv is not None and mlp.gate_up is not None  # the packed products ran
+    assert attention.k_proj.weight.data_ptr() == attention.qkv.weight[attention.qkv.sizes[0]].data_ptr()
     config = GenerationConfig(
         max_new_tokens=40, tree="1,3,3", sampling=SamplingConfig(min_p=0.1), seed=2, ignore_eos=True
     )
@@ -133,3 +139,25 @@ def test_the_cuda_rotary_kernel_gives_apply_rotarys_bits(dtype, heads, kv_heads,
     rotated_q, rotated_k = kernels.rotary_qk(q, k, cos, sin)
     assert torch.equal(rotated_q, apply_rotary(q, cos, sin))  # no reduction: the same bits
     assert torch.equal(rotated_k, apply_rotary(k, cos, sin))
+
+
+def test_silu_mul_is_silu_of_gate_times_up():
+    gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(1)).bfloat16()
+    gate, up = gate_up[:, :40], gate_up[:, 40:]
+    assert torch.equal(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,inner", [(1, 14336), (64, 14336), (7, 1536)])
+def test_the_cuda_silu_mul_kernel_gives_pytorchs_bits(dtype, rows, inner):
+    status = kernels.load_cuda_kernels()
+    if not status.loaded:
+        pytest.skip(status.reason)
+    gate_up = (torch.randn(rows, 2 * inner, generator=torch.Generator().manual_seed(rows)) * 3).to(
+        "cuda", dtype
+    )
+    expected = kernels.silu_mul_reference(gate_up)
+    got = kernels.silu_mul(gate_up)
+    mismatched = (got != expected).float().mean().item()
+    assert mismatched == 0.0, f"{mismatched:.2%} of the outputs differ from PyTorch's silu * up"

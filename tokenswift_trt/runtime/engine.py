@@ -185,14 +185,14 @@ def load_engine(
 
 
 CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `kernel` (default) or `flash_cascade`
-FUSED_ELEMENTWISE_ENV = "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1`: add + RMSNorm, rotary as CUDA kernels
+FUSED_ELEMENTWISE_ENV = "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1`: fewer, fused kernels per layer on CUDA
 
 
 def choose_fused_elementwise(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
-    """With TOKENSWIFT_FUSED_ELEMENTWISE=1, on CUDA with float16/bfloat16, each residual add and the
-    RMSNorm after it, and each step's q/k rotary embedding, run as one kernel each
-    (`kernels.add_rms_norm`, `kernels.rotary_qk`). Off by default until a GPU session has measured
-    it (docs/gpu.md)."""
+    """With TOKENSWIFT_FUSED_ELEMENTWISE=1, on CUDA with float16/bfloat16: fewer kernels per layer
+    (`LlamaModel.use_fused_elementwise`: add + RMSNorm, rotary and SiLU·up as one kernel each, Q/K/V
+    and gate/up as one product each). Off by default until a GPU session has measured it
+    (docs/gpu.md)."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return
     if os.environ.get(FUSED_ELEMENTWISE_ENV, "0") != "1":

@@ -34,6 +34,7 @@ TREE_ATTENTION_OP = "tokenswift::tree_attention"
 KV_SELECT_OP = "tokenswift::kv_importance_select"
 ADD_RMS_NORM_OP = "tokenswift::add_rms_norm"
 ROTARY_QK_OP = "tokenswift::rotary_qk"
+SILU_MUL_OP = "tokenswift::silu_mul"
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_TREE_TOKENS = 256
 
@@ -215,6 +216,24 @@ def _rotary_qk_shape(query, key, cos, sin):
     return query.new_empty(query.shape), key.new_empty(key.shape)
 
 
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 · inner] (gate, then up) -> SiLU(gate) · up [rows, inner]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@torch.library.custom_op(SILU_MUL_OP, mutates_args=())
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """An MLP's activation over its packed gate-up product in one kernel on CUDA (src/silu_mul.cu),
+    the same bits as `silu_mul_reference` (elementwise, rounded as PyTorch's ops)."""
+    return silu_mul_reference(gate_up)
+
+
+@silu_mul.register_fake
+def _silu_mul_shape(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
@@ -262,6 +281,7 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
                 str(root / "src" / "kv_importance_select.cu"),
                 str(root / "src" / "rms_norm.cu"),
                 str(root / "src" / "rotary.cu"),
+                str(root / "src" / "silu_mul.cu"),
             ],
             extra_include_paths=[str(root / "include")],
             extra_cflags=["-O3"],
@@ -283,7 +303,19 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
     )
     add_rms_norm.register_kernel("cuda")(_add_rms_norm_cuda(module))
     rotary_qk.register_kernel("cuda")(_rotary_qk_cuda(module))
+    silu_mul.register_kernel("cuda")(_silu_mul_cuda(module))
     return KernelStatus(True, "", module)
+
+
+def _silu_mul_cuda(module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The kernel for contiguous fp16/bf16 [rows, 2 · inner], the reference otherwise."""
+
+    def run(gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() == 2 and gate_up.dtype in (torch.float16, torch.bfloat16):
+            return module.silu_mul(gate_up.contiguous())
+        return silu_mul_reference(gate_up)
+
+    return run
 
 
 def _rotary_qk_cuda(module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

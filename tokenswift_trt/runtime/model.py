@@ -7,7 +7,7 @@ drafting). Parameter names equal Hugging Face's, so checkpoints load key for key
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -139,6 +139,36 @@ class StaticAttention:
     prefix_length: torch.Tensor  # 0-d int64 on the device: committed slots
 
 
+@dataclass
+class PackedProjection:
+    """Linears that read the same input as one product: their weights concatenated into one tensor
+    whose row blocks are the parts' own weights (views: no second copy), and the output sizes."""
+
+    weight: torch.Tensor  # [sum(out), in]
+    bias: torch.Tensor | None  # [sum(out)]
+    sizes: list[int]
+
+    @classmethod
+    def share(cls, parts: Sequence[nn.Linear]) -> PackedProjection:
+        """Concatenate the parts' weights (and biases) and make each part's parameter a view of its
+        block; the old tensors are freed with the parameters that held them."""
+        sizes = [part.out_features for part in parts]
+        with torch.no_grad():
+            weight = torch.cat([part.weight for part in parts])
+            biases = [part.bias for part in parts]
+            bias = torch.cat(biases) if all(b is not None for b in biases) else None
+            start = 0
+            for part, size in zip(parts, sizes):
+                part.weight = nn.Parameter(weight[start : start + size], requires_grad=False)
+                if bias is not None:
+                    part.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
+                start += size
+        return cls(weight, bias, sizes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [..., sum(out)]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -161,6 +191,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
         self.fused: FusedLinears | None = None  # Q/K/V as one packed product on a CPU (`pack`)
         self.fused_rotary = False  # q and k rotated by one op (`LlamaModel.use_fused_elementwise`)
+        self.qkv: PackedProjection | None = None  # Q/K/V as one product (`LlamaModel.use_fused_elementwise`)
 
     def pack(self) -> None:
         self.fused = FusedLinears.pack([self.q_proj, self.k_proj, self.v_proj])
@@ -177,6 +208,8 @@ class Attention(nn.Module):
         count = x.shape[0]
         if self.fused is not None and self.fused.usable(x):
             q, k, v = self.fused(x)
+        elif self.qkv is not None:
+            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(count, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, head_dim]
@@ -256,6 +289,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused: FusedLinears | None = None  # gate and up as one packed product on a CPU (`pack`)
+        # gate and up as one product, its activation one op (`LlamaModel.use_fused_elementwise`)
+        self.gate_up: PackedProjection | None = None
 
     def pack(self) -> None:
         self.fused = FusedLinears.pack([self.gate_proj, self.up_proj])
@@ -263,6 +298,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.usable(x):
             gate, up = self.fused(x)
+        elif self.gate_up is not None:
+            return self.down_proj(kernels.silu_mul(self.gate_up(x)))  # [T, 2 · inner] -> [T, inner]
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -364,11 +401,19 @@ class LlamaModel(nn.Module):
         return self.fused_norms
 
     def use_fused_elementwise(self, on: bool) -> None:
-        """Residual add + RMSNorm and the q/k rotary embedding as one op each (`kernels.add_rms_norm`,
-        `kernels.rotary_qk`: one CUDA kernel each, the PyTorch composition elsewhere)."""
+        """Fewer, larger kernels per layer (#20, "AR at the floor"): residual add + RMSNorm, the q/k
+        rotary embedding and SiLU·up as one op each (`kernels.add_rms_norm`, `.rotary_qk`, `.silu_mul`:
+        one CUDA kernel each, the PyTorch composition elsewhere), Q/K/V and gate/up as one product each
+        (their weights concatenated in place, `PackedProjection.share`; they stay so when turned off)."""
         self.fused_norms = on
         for layer in self.model.layers:
-            layer.self_attn.fused_rotary = on
+            attention, mlp = layer.self_attn, layer.mlp
+            attention.fused_rotary = on
+            if on and attention.qkv is None:
+                attention.qkv = PackedProjection.share([attention.q_proj, attention.k_proj, attention.v_proj])
+                mlp.gate_up = PackedProjection.share([mlp.gate_proj, mlp.up_proj])
+            elif not on:
+                attention.qkv, mlp.gate_up = None, None
 
     def use_attention_kernel(self, kernel: str) -> None:
         if kernel not in ATTENTION_KERNELS:

@@ -121,4 +121,15 @@ struct RotaryParams {
 
 cudaError_t rotary(const RotaryParams& params, cudaStream_t stream);
 
+// SiLU(gate) * up of an MLP's packed gate-up product (src/silu_mul.cu), rounded as PyTorch's ops.
+struct SiluMulParams {
+    DataType dtype = DataType::kBFloat16;
+    const void* gate_up = nullptr;   // [rows, 2 * inner], contiguous: gate, then up
+    void* out = nullptr;             // [rows, inner], contiguous
+    int32_t rows = 0;
+    int32_t inner = 0;
+};
+
+cudaError_t silu_mul(const SiluMulParams& params, cudaStream_t stream);
+
 }  // namespace tokenswift

@@ -1,7 +1,7 @@
 // Torch bindings of the CUDA kernels. runtime/kernels.py compiles this file with
 // torch.utils.cpp_extension and registers the functions as the CUDA implementations of
 // torch.ops.tokenswift.tree_attention, torch.ops.tokenswift.kv_importance_select,
-// torch.ops.tokenswift.add_rms_norm and torch.ops.tokenswift.rotary_qk.
+// torch.ops.tokenswift.add_rms_norm, torch.ops.tokenswift.rotary_qk and torch.ops.tokenswift.silu_mul.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -242,6 +242,23 @@ std::vector<at::Tensor> rotary_qk(const at::Tensor& query, const at::Tensor& key
     return {query_out, key_out};
 }
 
+// SiLU(gate) * up of a packed gate-up product [rows, 2 * inner] -> [rows, inner].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+    TORCH_CHECK(gate_up.is_cuda() && gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+                "gate_up must be a contiguous CUDA tensor [rows, 2 * inner]");
+    const c10::cuda::CUDAGuard guard(gate_up.device());
+    at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    tokenswift::SiluMulParams params;
+    params.dtype = element_type(gate_up);
+    params.gate_up = gate_up.data_ptr();
+    params.out = out.data_ptr();
+    params.rows = static_cast<int32_t>(gate_up.size(0));
+    params.inner = static_cast<int32_t>(gate_up.size(1) / 2);
+    const cudaError_t status = tokenswift::silu_mul(params, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(status == cudaSuccess, "tokenswift silu_mul failed: ", cudaGetErrorString(status));
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -254,4 +271,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("kv_importance_select_gather", &kv_importance_select_gather, "selection + K/V gather");
     module.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (see runtime/kernels.py)");
     module.def("rotary_qk", &rotary_qk, "rotary embedding of queries and keys (see runtime/kernels.py)");
+    module.def("silu_mul", &silu_mul, "SiLU(gate) * up of a packed gate-up product (see runtime/kernels.py)");
 }
