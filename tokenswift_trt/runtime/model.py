@@ -404,7 +404,8 @@ class LlamaModel(nn.Module):
         """Fewer, larger kernels per layer (#20, "AR at the floor"): residual add + RMSNorm, the q/k
         rotary embedding and SiLU·up as one op each (`kernels.add_rms_norm`, `.rotary_qk`, `.silu_mul`:
         one CUDA kernel each, the PyTorch composition elsewhere), Q/K/V and gate/up as one product each
-        (their weights concatenated in place, `PackedProjection.share`; they stay so when turned off)."""
+        (their weights concatenated in place, `PackedProjection.share`; they stay so when turned off).
+        Call it once the weights are on their device: moving the model afterwards splits the views."""
         self.fused_norms = on
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
