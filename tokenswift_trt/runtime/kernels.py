@@ -191,7 +191,7 @@ def add_rms_norm(
 
 @add_rms_norm.register_fake
 def _add_rms_norm_shape(x, delta, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
+    return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 def rotary_qk_reference(

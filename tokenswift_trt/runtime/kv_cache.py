@@ -168,8 +168,8 @@ class PartialKVCache:
         keep = length if length <= self.budget else self.budget - self.recent
         for layer, query in enumerate(queries):
             index = kv_importance_select(
-                full.keys[layer, :, :length], query, keep, self.sinks
-            )  # [kv_heads, keep]
+                full.keys[layer, :, :length], query.contiguous(), keep, self.sinks
+            )  # [kv_heads, keep]; a query picked from a verify's rows is a strided view
             gather = index[:, :, None].expand(-1, -1, self.keys.shape[-1])
             self.keys[layer, :, :keep] = torch.gather(full.keys[layer, :, :length], 1, gather)
             self.values[layer, :, :keep] = torch.gather(full.values[layer, :, :length], 1, gather)

@@ -6,7 +6,8 @@
 // the sum is rounded to the element type (PyTorch's add); the mean of squares of that rounded sum is
 // taken in fp32; x * rsqrt(mean + eps) is rounded to the element type, then scaled by the weight in
 // fp32 and rounded again (PyTorch's half-precision multiply). Only the order of the fp32 sum of
-// squares differs, so outputs can differ from PyTorch's in the last bit.
+// squares differs, so the normalised value can differ from PyTorch's in its last bit (and the
+// output, after the weight's product, by up to two units in the last place).
 //
 // One block per row; rows are independent, so a row's outputs are the same bits whatever the row
 // count (an AR step's one row and a verify's 64 agree).
@@ -47,7 +48,9 @@ __global__ void __launch_bounds__(kNormThreads)
     if (warp == 0) {
         float total = lane < kNormThreads / 32 ? partial[lane] : 0.0f;
         total = detail::warp_sum(total);
-        if (lane == 0) scale = rsqrtf(total / static_cast<float>(hidden) + eps);
+        // PyTorch's mean multiplies the sum by 1/N, and adds eps in a kernel of its own: no fused
+        // multiply-add here, or the rounding would differ
+        if (lane == 0) scale = rsqrtf(__fadd_rn(__fmul_rn(total, 1.0f / static_cast<float>(hidden)), eps));
     }
     __syncthreads();
 
@@ -70,11 +73,11 @@ cudaError_t launch(const RmsNormParams& params, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t add_rms_norm(const RmsNormParams& params, cudaStream_t stream) {
+    if (params.rows == 0) return cudaSuccess;  // nothing to do (an empty tensor's pointer is null)
     if (params.rows < 0 || params.hidden <= 0 || params.x == nullptr || params.weight == nullptr ||
         params.sum_out == nullptr || params.normed == nullptr) {
         return cudaErrorInvalidValue;
     }
-    if (params.rows == 0) return cudaSuccess;
     return params.dtype == DataType::kFloat16 ? launch<__half>(params, stream) : launch<__nv_bfloat16>(params, stream);
 }
 

@@ -50,13 +50,13 @@ __global__ void __launch_bounds__(kRotaryThreads) rotary_kernel(RotaryParams par
 }  // namespace
 
 cudaError_t rotary(const RotaryParams& params, cudaStream_t stream) {
+    const int64_t rows = static_cast<int64_t>(params.num_heads + params.num_kv_heads) * params.num_tokens;
+    if (rows == 0) return cudaSuccess;  // nothing to do (an empty tensor's pointer is null)
     if (params.query == nullptr || params.key == nullptr || params.cos == nullptr || params.sin == nullptr ||
         params.query_out == nullptr || params.key_out == nullptr || params.head_dim <= 0 ||
         params.head_dim % 2 != 0 || params.num_tokens < 0) {
         return cudaErrorInvalidValue;
     }
-    const int64_t rows = static_cast<int64_t>(params.num_heads + params.num_kv_heads) * params.num_tokens;
-    if (rows == 0) return cudaSuccess;
     const int blocks = detail::ceil_div(rows, kRowsPerBlock);
     if (params.dtype == DataType::kFloat16) {
         rotary_kernel<__half><<<blocks, kRotaryThreads, 0, stream>>>(params);

@@ -39,10 +39,10 @@ cudaError_t launch(const SiluMulParams& params, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t silu_mul(const SiluMulParams& params, cudaStream_t stream) {
+    if (params.rows == 0) return cudaSuccess;  // nothing to do (an empty tensor's pointer is null)
     if (params.gate_up == nullptr || params.out == nullptr || params.rows < 0 || params.inner <= 0) {
         return cudaErrorInvalidValue;
     }
-    if (params.rows == 0) return cudaSuccess;
     return params.dtype == DataType::kFloat16 ? launch<__half>(params, stream) : launch<__nv_bfloat16>(params, stream);
 }
 
