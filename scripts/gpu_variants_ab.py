@@ -1,0 +1,140 @@
+"""Step costs of one engine under several kernel variants, side by side in one process.
+
+    python3 scripts/gpu_variants_ab.py [--model llama3.1-8b] [--contexts 4096,102400] [--tree-sizes 1,64]
+        [--variants kernel,flash_cascade,kernel+fused,flash_cascade+fused] [--rounds 2] [--out DIR]
+
+A variant is an attention kernel (`kernel`: our CUDA tree-attention kernel, `flash_cascade`: the
+FlashAttention cascade, `sdpa`) with `+fused` for the fused elementwise kernels and packed products
+(`LlamaModel.use_fused_elementwise`). One random-weights engine serves them all (the same weights,
+caches and GPU state); the variants take turns in every round, the order reversed every other round,
+and each step's figure is the median over rounds of `bench-steps`' own timing (CUDA-graph replays on
+a GPU). Prints a table of ms per step and each variant's ratio to the first; writes variants.json
+under --out. On a CPU it runs too (slowly; a check of the mechanics, e.g. --model swift-tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from tokenswift_trt.bench.steps import (
+    StepBenchError,
+    measure_copy_bandwidth,
+    measure_step_costs,
+    random_engine,
+)
+from tokenswift_trt.runtime.engine import flash_cascade_problem
+
+ATTENTION = ("kernel", "flash_cascade", "sdpa")
+
+
+def parse_variant(text: str) -> tuple[str, bool]:
+    attention, _, extra = text.partition("+")
+    if attention not in ATTENTION or extra not in ("", "fused"):
+        raise SystemExit(
+            f"variant {text!r}: an attention kernel ({', '.join(ATTENTION)}) with an optional +fused"
+        )
+    return attention, extra == "fused"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3.1-8b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--contexts", default="4096,102400")
+    parser.add_argument("--tree-sizes", default="1,64")
+    parser.add_argument("--kv-budget", type=int, default=4096)
+    parser.add_argument("--variants", default="kernel,flash_cascade,kernel+fused,flash_cascade+fused")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    sizes = [int(t) for t in args.tree_sizes.split(",")]
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if any(attention == "flash_cascade" for attention, _ in variants) and device.type == "cuda":
+        problem = flash_cascade_problem(dtype, 128, device)
+        if problem is not None:
+            raise SystemExit(f"flash_cascade cannot run here: {problem}")
+    try:
+        engine, _ = random_engine(args.model, dtype, device)
+    except (StepBenchError, ValueError, RuntimeError) as error:
+        raise SystemExit(str(error).splitlines()[0]) from None
+    model = engine.model.torch_model
+    default_kernel = model.attention_kernel  # what the engine chose: our kernel where it built
+    bandwidth = measure_copy_bandwidth(device)
+    samples: dict[str, dict[tuple[int, str], list[float]]] = {}
+    failed: dict[str, str] = {}  # variant -> the first line of its error
+    floors: dict[tuple[int, str], float] = {}
+    for round_index in range(args.rounds):
+        order = variants if round_index % 2 == 0 else variants[::-1]
+        for attention, fused in order:
+            name = attention + ("+fused" if fused else "")
+            model.use_attention_kernel(default_kernel if attention == "kernel" else attention)
+            model.use_fused_elementwise(fused)  # packing stays once done; off runs the parts' views
+            print(f"round {round_index + 1}: {name} ({model.attention_kernel})", file=sys.stderr, flush=True)
+            if name in failed:
+                continue
+            try:
+                costs = measure_step_costs(engine, contexts, sizes, args.kv_budget, args.repeats, bandwidth)
+            except StepBenchError as error:
+                raise SystemExit(str(error)) from None
+            except RuntimeError as error:  # a variant that breaks on this GPU: say so, time the others
+                failed[name] = (
+                    str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                )
+                print(f"{name} failed: {failed[name]}", file=sys.stderr, flush=True)
+                continue
+            for cost in costs:
+                samples.setdefault(name, {}).setdefault((cost.context, cost.step), []).append(cost.seconds)
+                floors[(cost.context, cost.step)] = cost.bandwidth_seconds
+    for name, reason in failed.items():
+        print(f"{name}: not timed ({reason})")
+    if not samples:
+        raise SystemExit("no variant could be timed")
+    names = list(samples)
+    keys = list(samples[names[0]])
+    medians = {name: {key: statistics.median(samples[name][key]) * 1e3 for key in keys} for name in names}
+    header = " | ".join(f"{name} ms" + ("" if index == 0 else " (ratio)") for index, name in enumerate(names))
+    print(
+        f"{args.model} ({args.dtype}) on {device}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+        f"{args.rounds} rounds"
+    )
+    print(f"| context | step | floor ms | {header} |")
+    print("|---" * (3 + len(names)) + "|")
+    for key in keys:
+        base = medians[names[0]][key]
+        cells = [f"{base:.3f}"] + [f"{medians[n][key]:.3f} ({medians[n][key] / base:.3f})" for n in names[1:]]
+        print(f"| {key[0]} | {key[1]} | {floors[key] * 1e3:.3f} | " + " | ".join(cells) + " |")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = {
+            "command": " ".join(sys.argv),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+            "failed": failed,
+            "rows": [
+                {
+                    "variant": n,
+                    "context": k[0],
+                    "step": k[1],
+                    "ms": round(medians[n][k], 4),
+                    "floor_ms": floors[k] * 1e3,
+                }
+                for n in names
+                for k in keys
+            ],
+        }
+        (args.out / "variants.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
