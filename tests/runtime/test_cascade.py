@@ -230,3 +230,19 @@ def test_flash_cascade_on_cuda_matches_the_reference_in_bfloat16_and_under_graph
         torch.cuda.synchronize()
         expected = reference(committed)
         assert ((static_out.float() - expected).norm() / expected.norm()) <= 1e-2
+
+
+def test_flash_cascade_in_bfloat16_stays_within_bf16_error_of_the_fp32_reference():
+    """The dtypes of a GPU run (bf16 rows and cache, fp32 log-sum-exps and merge), on the CPU flash op."""
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, count, prefix, capacity = 8, 2, 24, 900, 1000
+    query = torch.randn(heads, count, 64, generator=generator).bfloat16()
+    keys, values = _cache_with_tree(kv_heads, capacity, prefix, count, 64, torch.bfloat16, generator)
+    tree = _tree(count, generator)
+    got = flash_cascade_attention(query, keys, values, tree, torch.tensor(prefix), 0.125, 4)
+    end = prefix + count
+    expected = kernels.tree_attention_reference(
+        query.float(), keys[:, :end].float(), values[:, :end].float(), kernels.pack_tree_mask(tree), 0.125
+    )
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert (got.float() - expected).norm() / expected.norm() <= 1e-2
