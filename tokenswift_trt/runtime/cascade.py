@@ -154,10 +154,10 @@ def flash_prefix_block(
     else:
         outs, lses = _flash_ranges_cpu(rows, keys, values, offsets, scale)
     present = (offsets[1:] > offsets[:-1])[:, None, None]  # [splits, 1, 1]
-    # an empty range: FlashAttention writes zeros and a log-sum-exp of +inf, which must not win the merge
+    # an empty range: FlashAttention writes zeros (which the merge then weighs 0) and a log-sum-exp
+    # of +inf, which must not win the merge
     dtype = torch.promote_types(outs.dtype, torch.float32)
-    lses = torch.where(present, lses.to(dtype), float("-inf"))
-    return torch.where(present[..., None], outs.to(dtype), 0.0), lses
+    return outs.to(dtype), torch.where(present, lses.to(dtype), float("-inf"))
 
 
 def _flash_varlen(

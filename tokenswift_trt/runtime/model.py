@@ -387,7 +387,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, device="cpu" if str(device) == "meta" else device)
         self.attention_kernel = "sdpa"  # see ATTENTION_KERNELS; `use_attention_kernel` switches it
         self.cpu_decoder: CpuDecoder | None = None  # the compiled stack for a few CPU tokens (`pack`)
-        self.fused_norms = False  # residual add + RMSNorm as one op per pair (`use_fused_elementwise`)
+        self.fused_elementwise = False  # fewer, fused ops per layer (`use_fused_elementwise`)
         self._packed_masks: dict[
             tuple[int, bytes], torch.Tensor
         ] = {}  # CPU kernel: packed tree masks by bits
@@ -396,17 +396,13 @@ class LlamaModel(nn.Module):
     def torch_model(self) -> LlamaModel:
         return self
 
-    @property
-    def fused_elementwise(self) -> bool:
-        return self.fused_norms
-
     def use_fused_elementwise(self, on: bool) -> None:
         """Fewer, larger kernels per layer (#20, "AR at the floor"): residual add + RMSNorm, the q/k
         rotary embedding and SiLU·up as one op each (`kernels.add_rms_norm`, `.rotary_qk`, `.silu_mul`:
         one CUDA kernel each, the PyTorch composition elsewhere), Q/K/V and gate/up as one product each
         (their weights concatenated in place, `PackedProjection.share`; they stay so when turned off).
         Call it once the weights are on their device: moving the model afterwards splits the views."""
-        self.fused_norms = on
+        self.fused_elementwise = on
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             attention.fused_rotary = on
@@ -471,7 +467,7 @@ class LlamaModel(nn.Module):
         if compiled and static is None and self.cpu_decoder.usable(tokens.shape[0], cache):
             return self._compiled_decode(x, cos, sin, mask, cache, keep_queries)
         queries: list[torch.Tensor] | None = [] if keep_queries else None
-        if self.fused_norms:
+        if self.fused_elementwise:
             hidden = self._fused_norm_layers(x, cos, sin, mask, cache, queries)
             return ForwardOutput(hidden=hidden, queries=queries)
         for index, layer in enumerate(self.model.layers):
