@@ -126,7 +126,7 @@ EOF"
     variants)  # the cascade's and the fused kernels' GPU tests, then all four variants' steps in one process
         stage variants 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
             tests/runtime/test_fused_elementwise.py && $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
-            --tree-sizes 1,64 --rounds 2 --out $OUT_DIR/variants"
+            --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"
         ;;
     e2e-paper)  # the same with the paper's tree, drafted on the partial cache by the host loop
         stage e2e-paper 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \

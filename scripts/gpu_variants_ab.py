@@ -83,7 +83,17 @@ def main() -> None:
             if name in failed:
                 continue
             try:
-                costs = measure_step_costs(engine, contexts, sizes, args.kv_budget, args.repeats, bandwidth)
+                costs = measure_step_costs(
+                    engine,
+                    contexts,
+                    sizes,
+                    args.kv_budget,
+                    args.repeats,
+                    bandwidth,
+                    on_step=lambda c, n=name: print(  # partial figures survive a time limit
+                        f"  {n} {c.context} {c.step} {c.seconds * 1e3:.3f} ms", file=sys.stderr, flush=True
+                    ),
+                )
             except StepBenchError as error:
                 raise SystemExit(str(error)) from None
             except RuntimeError as error:  # a variant that breaks on this GPU: say so, time the others
