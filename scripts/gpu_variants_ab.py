@@ -28,9 +28,9 @@ from tokenswift_trt.bench.steps import (
     measure_step_costs,
     random_engine,
 )
-from tokenswift_trt.runtime.engine import flash_cascade_problem
+from tokenswift_trt.runtime.engine import CASCADE_MIN_WORK, flash_cascade_problem
 
-ATTENTION = ("kernel", "flash_cascade", "sdpa")
+ATTENTION = ("kernel", "flash_cascade", "auto", "sdpa")
 
 
 def parse_variant(text: str) -> tuple[str, bool]:
@@ -59,7 +59,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     sizes = [int(t) for t in args.tree_sizes.split(",")]
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    if any(attention == "flash_cascade" for attention, _ in variants) and device.type == "cuda":
+    if any(attention in ("flash_cascade", "auto") for attention, _ in variants) and device.type == "cuda":
         problem = flash_cascade_problem(dtype, 128, device)
         if problem is not None:
             raise SystemExit(f"flash_cascade cannot run here: {problem}")
@@ -68,7 +68,11 @@ def main() -> None:
     except (StepBenchError, ValueError, RuntimeError) as error:
         raise SystemExit(str(error).splitlines()[0]) from None
     model = engine.model.torch_model
-    default_kernel = model.attention_kernel  # what the engine chose: our kernel where it built
+    # our tree kernel where it built (`auto` keeps it for narrow trees and short contexts)
+    default_kernel = (
+        model.cascade_fallback if model.attention_kernel == "flash_cascade" else model.attention_kernel
+    )
+    auto_work = CASCADE_MIN_WORK
     bandwidth = measure_copy_bandwidth(device)
     samples: dict[str, dict[tuple[int, str], list[float]]] = {}
     failed: dict[str, str] = {}  # variant -> the first line of its error
@@ -77,7 +81,10 @@ def main() -> None:
         order = variants if round_index % 2 == 0 else variants[::-1]
         for attention, fused in order:
             name = attention + ("+fused" if fused else "")
-            model.use_attention_kernel(default_kernel if attention == "kernel" else attention)
+            if attention in ("flash_cascade", "auto"):  # every tree / wide trees over long contexts
+                model.use_flash_cascade(0 if attention == "flash_cascade" else auto_work, default_kernel)
+            else:
+                model.use_attention_kernel(default_kernel if attention == "kernel" else attention)
             model.use_fused_elementwise(fused)  # packing stays once done; off runs the parts' views
             print(f"round {round_index + 1}: {name} ({model.attention_kernel})", file=sys.stderr, flush=True)
             if name in failed:

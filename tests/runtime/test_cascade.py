@@ -176,8 +176,41 @@ def test_the_flash_cascade_is_chosen_by_environment_and_refused_where_it_cannot_
     monkeypatch.setenv(CUDA_ATTENTION_ENV, "fast")
     model = type("M", (), {"use_attention_kernel": lambda self, kernel: None})()
     config = type("C", (), {"head_dim": 64})()
-    with pytest.raises(ValueError, match="must be `kernel` or `flash_cascade`"):
+    with pytest.raises(ValueError, match="must be one of auto, kernel, flash_cascade"):
         choose_attention_kernel(model, config, torch.bfloat16, torch.device("cuda"))
+
+
+def test_the_cascade_runs_only_where_rows_times_keys_reach_its_threshold_and_the_fallback_elsewhere(
+    llama_dir,
+):
+    """`auto` (the CUDA default): the cascade's fixed cost per layer pays only for wide trees over long
+    contexts; narrow verifies and AR steps take the fallback kernel, dynamic and fixed-shape alike."""
+    from tokenswift_trt.runtime.kv_cache import KVCache
+    from tokenswift_trt.runtime.model import StaticAttention
+
+    from conftest import quiet_load
+
+    engine = quiet_load(llama_dir[0])
+    model, c = engine.model, engine.config
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 200)
+    engine.model(torch.arange(100) % 40 + 5, torch.arange(100), cache)
+    cache.commit()  # 100 committed keys
+    model.use_flash_cascade(16 * 116, "sdpa")
+    cpu = torch.device("cpu")
+    assert model._attention_mask(16, cache, None, None, cpu).kernel == "flash_cascade"  # 16 x 116 keys
+    assert model._attention_mask(15, cache, None, None, cpu).kernel == "sdpa"  # 15 x 115 < 16 x 116
+    assert model._attention_mask(1, cache, None, None, cpu).kernel == "sdpa"
+    full = torch.ones(8, 128, dtype=torch.bool)  # fixed shape: the capacity is the mask's width
+    static = StaticAttention(
+        full_mask=full, tree_mask=torch.ones(8, 8, dtype=torch.bool).tril(), prefix_length=torch.tensor(100)
+    )
+    assert model._attention_mask(8, cache, None, static, cpu).kernel == "sdpa"  # 8 x 128 < 1,856
+    model.use_flash_cascade(8 * 128, "sdpa")
+    assert model._attention_mask(8, cache, None, static, cpu).kernel == "flash_cascade"
+    model.use_flash_cascade(0, "sdpa")  # `flash_cascade` by name: every tree
+    assert model._attention_mask(1, cache, None, None, cpu).kernel == "flash_cascade"
+    with pytest.raises(ValueError, match="fallback"):
+        model.use_flash_cascade(0, "flash_cascade")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's CUDA op needs a CUDA GPU")

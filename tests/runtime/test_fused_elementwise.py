@@ -84,18 +84,23 @@ def test_a_model_with_fused_elementwise_ops_computes_what_the_plain_layers_do(ll
     assert fused == plain == ar
 
 
-def test_fused_elementwise_ops_stay_off_on_a_cpu_in_float32_and_unless_asked_for(monkeypatch):
+def test_fused_elementwise_ops_are_on_for_cuda_half_engines_by_default_and_off_elsewhere_or_when_asked(
+    monkeypatch,
+):
     turned_on: list[bool] = []
     model = type("M", (), {"use_fused_elementwise": lambda self, on: turned_on.append(on)})()
+    monkeypatch.delenv(FUSED_ELEMENTWISE_ENV, raising=False)
     choose_fused_elementwise(model, torch.float32, torch.device("cpu"))
-    monkeypatch.setenv(FUSED_ELEMENTWISE_ENV, "1")
     choose_fused_elementwise(model, torch.bfloat16, torch.device("cpu"))
     choose_fused_elementwise(model, torch.float32, torch.device("cuda"))
-    monkeypatch.delenv(FUSED_ELEMENTWISE_ENV)
-    choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"))  # off unless asked for
     monkeypatch.setenv(FUSED_ELEMENTWISE_ENV, "0")
-    choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"))
+    choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"))  # switched off
     assert turned_on == []
+    monkeypatch.delenv(FUSED_ELEMENTWISE_ENV)
+    loaded = kernels.KernelStatus(loaded=True, reason="")
+    monkeypatch.setattr(kernels, "load_cuda_kernels", lambda: loaded)  # as on a GPU where they built
+    choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"))  # on by default
+    assert turned_on == [True]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel needs a CUDA GPU")

@@ -184,18 +184,25 @@ def load_engine(
     return Engine(config, model, draft_layers, bool(draft), dtype, device)
 
 
-CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `kernel` (default) or `flash_cascade`
-FUSED_ELEMENTWISE_ENV = "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1`: fewer, fused kernels per layer on CUDA
+CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `auto` (default), `kernel` or `flash_cascade`
+CUDA_ATTENTION_CHOICES = ("auto", "kernel", "flash_cascade")
+# `auto`: the cascade where T query rows x the cache's key capacity reach this. On an H200 (8B shape,
+# bf16) the cascade's verify cost 1.37-1.40x the kernel's at 4K keys (T = 64, 128) and 0.93x / 0.80x
+# at 102K; by the two contexts' slopes they cross near 36K keys for T = 128 and 70K for T = 64.
+CASCADE_MIN_WORK = 128 * 36 * 1024
+FUSED_ELEMENTWISE_ENV = (
+    "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1` (default): fewer, fused kernels per layer on CUDA
+)
 
 
 def choose_fused_elementwise(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
     """With TOKENSWIFT_FUSED_ELEMENTWISE=1, on CUDA with float16/bfloat16: fewer kernels per layer
     (`LlamaModel.use_fused_elementwise`: add + RMSNorm, rotary and SiLU·up as one kernel each, Q/K/V
-    and gate/up as one product each). Off by default until a GPU session has measured it
-    (docs/gpu.md)."""
+    and gate/up as one product each). On by default (an H200 measured the 8B shape's AR step 0.76x
+    with them, docs/gpu.md); TOKENSWIFT_FUSED_ELEMENTWISE=0 runs the PyTorch ops."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return
-    if os.environ.get(FUSED_ELEMENTWISE_ENV, "0") != "1":
+    if os.environ.get(FUSED_ELEMENTWISE_ENV, "1") != "1":
         return
     status = kernels.load_cuda_kernels()
     if status.loaded:
@@ -226,8 +233,10 @@ def choose_attention_kernel(
 ) -> None:
     """Verify through a tree-attention kernel: on CUDA with fp16/bf16 and a supported head size; on a
     CPU with float32, head_dim 16/32/64/128 and AVX-512 (compiled on first use; TOKENSWIFT_CPU_KERNEL=0
-    keeps SDPA, =1 takes the kernel without AVX-512). On CUDA, TOKENSWIFT_CUDA_ATTENTION=flash_cascade
-    verifies through the FlashAttention cascade instead (`cascade.flash_cascade_attention`)."""
+    keeps SDPA, =1 takes the kernel without AVX-512). On CUDA (TOKENSWIFT_CUDA_ATTENTION): `auto`, the
+    default, verifies wide trees over long contexts through the FlashAttention cascade
+    (`cascade.flash_cascade_attention`, T x keys >= CASCADE_MIN_WORK) and everything else through the
+    kernel; `kernel` never takes the cascade; `flash_cascade` takes it for every tree."""
     if device.type == "cpu":
         if (
             not kernels.cpu_kernel_supports(dtype, config.head_dim)
@@ -247,32 +256,35 @@ def choose_attention_kernel(
         return
     if device.type != "cuda":
         return
-    wanted = os.environ.get(CUDA_ATTENTION_ENV, "kernel")
-    if wanted not in ("kernel", "flash_cascade"):
-        raise ValueError(f"{CUDA_ATTENTION_ENV} must be `kernel` or `flash_cascade`, got {wanted!r}")
-    if wanted == "flash_cascade":
-        problem = flash_cascade_problem(dtype, config.head_dim, device)
-        if problem is None:
-            model.use_attention_kernel("flash_cascade")
-            return
-        warnings.warn(
-            f"flash_cascade attention not used ({problem}); trying the tree-attention kernel",
-            KernelFallbackWarning,
-            stacklevel=3,
+    wanted = os.environ.get(CUDA_ATTENTION_ENV, "auto")
+    if wanted not in CUDA_ATTENTION_CHOICES:
+        raise ValueError(
+            f"{CUDA_ATTENTION_ENV} must be one of {', '.join(CUDA_ATTENTION_CHOICES)}, got {wanted!r}"
         )
     if not kernels.kernel_supports(dtype, config.head_dim):
-        reason = f"the kernel covers float16/bfloat16 and head_dim {kernels.SUPPORTED_HEAD_DIMS}"
+        problem = f"the kernel covers float16/bfloat16 and head_dim {kernels.SUPPORTED_HEAD_DIMS}"
     else:
         status = kernels.load_cuda_kernels()
         problem = (
             kernels.shared_memory_problem(status, config.head_dim, device) if status.loaded else status.reason
         )
-        if problem is None:
-            model.use_attention_kernel("tree_attention")
+    tree_kernel = "tree_attention" if problem is None else "sdpa"
+    if wanted != "kernel":
+        cascade_problem = flash_cascade_problem(dtype, config.head_dim, device)
+        if cascade_problem is None:
+            model.use_flash_cascade(CASCADE_MIN_WORK if wanted == "auto" else 0, tree_kernel)
             return
-        reason = problem
+        if wanted == "flash_cascade":  # asked for by name: say why not
+            warnings.warn(
+                f"flash_cascade attention not used ({cascade_problem}); trying the tree-attention kernel",
+                KernelFallbackWarning,
+                stacklevel=3,
+            )
+    if problem is None:
+        model.use_attention_kernel("tree_attention")
+        return
     warnings.warn(
-        f"tree-attention kernel not used ({reason}); attention runs through SDPA",
+        f"tree-attention kernel not used ({problem}); attention runs through SDPA",
         KernelFallbackWarning,
         stacklevel=3,
     )

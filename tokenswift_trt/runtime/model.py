@@ -388,6 +388,10 @@ class LlamaModel(nn.Module):
         self.attention_kernel = "sdpa"  # see ATTENTION_KERNELS; `use_attention_kernel` switches it
         self.cpu_decoder: CpuDecoder | None = None  # the compiled stack for a few CPU tokens (`pack`)
         self.fused_elementwise = False  # fewer, fused ops per layer (`use_fused_elementwise`)
+        # the FlashAttention cascade for T query rows over `capacity` keys only where T * capacity >=
+        # this (`use_flash_cascade`); below it `cascade_fallback` runs (0: always the cascade)
+        self.cascade_min_work = 0
+        self.cascade_fallback = "sdpa"
         self._packed_masks: dict[
             tuple[int, bytes], torch.Tensor
         ] = {}  # CPU kernel: packed tree masks by bits
@@ -411,6 +415,16 @@ class LlamaModel(nn.Module):
                 mlp.gate_up = PackedProjection.share([mlp.gate_proj, mlp.up_proj])
             elif not on:
                 attention.qkv, mlp.gate_up = None, None
+
+    def use_flash_cascade(self, min_work: int, fallback: str) -> None:
+        """Verify through the FlashAttention cascade where T query rows over `capacity` keys make
+        T * capacity >= `min_work`, and through `fallback` ("tree_attention" or "sdpa") otherwise: the
+        cascade's tree block and merge cost a fixed ~0.1 ms per layer, which only long contexts and
+        wide trees repay (docs/gpu.md, "H200, fourth session")."""
+        if fallback not in ("tree_attention", "sdpa"):
+            raise ValueError(f"the cascade's fallback must be tree_attention or sdpa, got {fallback!r}")
+        self.attention_kernel = "flash_cascade"
+        self.cascade_min_work, self.cascade_fallback = min_work, fallback
 
     def use_attention_kernel(self, kernel: str) -> None:
         if kernel not in ATTENTION_KERNELS:
@@ -559,9 +573,13 @@ class LlamaModel(nn.Module):
         device: torch.device,
     ) -> AttentionMask:
         # the kernel is for trees (T <= 256); long prefill chunks take SDPA
-        use_kernel = self.attention_kernel == "tree_attention" and count <= kernels.MAX_TREE_TOKENS
-        if self.attention_kernel == "flash_cascade" and count <= kernels.MAX_TREE_TOKENS:
-            return self._flash_cascade_mask(count, cache, tree_mask, static, device)
+        kernel = self.attention_kernel
+        if kernel == "flash_cascade" and count <= kernels.MAX_TREE_TOKENS:
+            capacity = static.full_mask.shape[1] if static is not None else cache.prefix_length + count
+            if count * capacity >= self.cascade_min_work:
+                return self._flash_cascade_mask(count, cache, tree_mask, static, device)
+            kernel = self.cascade_fallback
+        use_kernel = kernel == "tree_attention" and count <= kernels.MAX_TREE_TOKENS
         if static is not None:
             if use_kernel:
                 return AttentionMask(
@@ -580,7 +598,7 @@ class LlamaModel(nn.Module):
         if use_kernel:
             causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
             return AttentionMask(
-                self.attention_kernel,
+                "tree_attention",
                 kernels.pack_tree_mask(causal if tree_mask is None else tree_mask.to(device)),
             )
         return AttentionMask("sdpa", attention_mask(cache.prefix_length, tree_mask, count, device))
