@@ -86,6 +86,7 @@ def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_p
         assert row["auto_plans"].startswith("probe 1,3,2,1 k=4")  # the CPU's probe, partial drafting
     meta = json.loads((out / "bench.json").read_text())["meta"]
     assert meta["tree"] == "auto" and "bench" in meta["command"]
+    assert meta["attention"] in ("sdpa", "cpu_tree_attention") and meta["fused_elementwise"] is False
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "alpha.png").stat().st_size > 1000
 
 

@@ -202,6 +202,32 @@ def test_device_ngram_table_counts_and_ranks_grams():
     assert valid.tolist() == [False, False]
 
 
+def test_device_ngram_table_fills_from_a_whole_prompt_with_each_starts_k_most_counted_grams():
+    """add_all in a few vectorised ops: the exact counts, the k most counted grams per start token,
+    ties to the earlier first occurrence (a small vocabulary so most starts have more than k grams)."""
+    from collections import Counter
+
+    tokens = torch.randint(0, 5, (600,), generator=torch.Generator().manual_seed(4))
+    table = DeviceNgramTable(vocab=5, k=3, device=torch.device("cpu"))
+    table.add_all(tokens)
+    listed = tokens.tolist()
+    grams = [tuple(listed[i : i + 4]) for i in range(len(listed) - 3)]
+    counts, first = Counter(grams), {}
+    for position, gram in enumerate(grams):
+        first.setdefault(gram, position)
+    for start in range(5):
+        ranked = sorted((g for g in counts if g[0] == start), key=lambda g: (-counts[g], first[g]))[:3]
+        got, valid = table.top(torch.tensor(start))
+        assert [tuple([start, *row]) for row in got.tolist()] == ranked and valid.all()
+        assert table.counts[start].tolist() == [counts[g] for g in ranked]
+    assert sum(counts[g] for g in counts if g[0] == 4) > table.counts[4].sum()  # some grams left out
+    short = DeviceNgramTable(vocab=5, k=3, device=torch.device("cpu"))
+    short.add_all(tokens[:3])  # no whole gram
+    assert not short.counts.any()
+    with pytest.raises(ValueError, match="empty"):
+        table.add_all(tokens)
+
+
 def _random_trie_case(generator: torch.Generator, vocab: int = 6):
     """A static tree filled with candidates from a small vocabulary (many duplicates), and n-grams."""
     tree = build_static_tree("2,2,1")

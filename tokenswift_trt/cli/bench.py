@@ -148,6 +148,9 @@ def bench(
         "dtype": str(engine.dtype),
         "interleave": interleave,
     }
+    steps = engine.model
+    if getattr(steps, "torch_model", None) is steps:  # a PyTorch engine: what its steps ran
+        meta.update(attention=steps.attention_summary(), fused_elementwise=steps.fused_elementwise)
     if random_weights:
         meta.update(model=model, random_weights=True, accept_length=accept_length)
         for row in rows:
@@ -436,7 +439,7 @@ def bench_steps(
         "device": device_description(engine.device),
         "dtype": dtype_name,
         "torch": torch.__version__,
-        "attention_kernel": engine.model.torch_model.attention_kernel,
+        "attention_kernel": engine.model.torch_model.attention_summary(),
         "fused_elementwise": engine.model.torch_model.fused_elementwise,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "kv_budget": kv_budget,

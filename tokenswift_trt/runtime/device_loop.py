@@ -68,9 +68,30 @@ class DeviceNgramTable:
         self.ids.index_put_((start, slot), torch.where(valid, continuation[None], old_ids))
 
     def add_all(self, tokens: torch.Tensor) -> None:
-        """Count every gram of tokens [L] (setup, before the loop; reads on the host are fine here)."""
-        for stop in range(GRAM, tokens.numel() + 1):
-            self.add(tokens[stop - GRAM : stop], torch.ones((), dtype=torch.bool, device=tokens.device))
+        """Fill an empty table from every gram of tokens [L] at once (the setup before the loop): each
+        start token's k most counted grams with their exact counts, ties to the earlier first
+        occurrence, most counted in slot 0. A handful of device ops for any L: adding the grams one by
+        one was ~10 launches each, seconds at a 100K-token prompt (docs/gpu.md, "H200, fourth session")."""
+        if bool(self.counts.any()):
+            raise ValueError("add_all fills an empty n-gram table; later grams go through add")
+        count = tokens.numel() - GRAM + 1
+        if count <= 0:
+            return
+        grams = tokens.unfold(0, GRAM, 1)  # [n, 4]
+        unique, inverse, counts = torch.unique(grams, dim=0, return_inverse=True, return_counts=True)
+        order = torch.arange(count, device=tokens.device)
+        first = torch.full((unique.shape[0],), count, dtype=torch.long, device=tokens.device)
+        first.scatter_reduce_(0, inverse, order, reduce="amin")  # [u] each gram's first position
+        # rank by (start, count descending, first occurrence): stable sorts, least significant key first
+        rank = first.argsort(stable=True)
+        rank = rank[(-counts[rank]).argsort(stable=True)]
+        rank = rank[unique[rank, 0].argsort(stable=True)]
+        starts = unique[rank, 0]  # [u] sorted
+        place = torch.arange(starts.numel(), device=tokens.device) - torch.searchsorted(starts, starts)
+        kept = place < self.k  # the k best of each start token
+        rows, slots = starts[kept], place[kept]
+        self.ids[rows, slots] = unique[rank[kept], 1:]
+        self.counts[rows, slots] = counts[rank[kept]]
 
     def top(self, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """start 0-d -> (continuations [k, 3] most counted first, valid [k] bool)."""

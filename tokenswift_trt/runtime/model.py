@@ -426,6 +426,12 @@ class LlamaModel(nn.Module):
         self.attention_kernel = "flash_cascade"
         self.cascade_min_work, self.cascade_fallback = min_work, fallback
 
+    def attention_summary(self) -> str:
+        """What verifies, for bench records: the kernel, and for the cascade where it applies."""
+        if self.attention_kernel != "flash_cascade" or self.cascade_min_work == 0:
+            return self.attention_kernel
+        return f"flash_cascade where T x keys >= {self.cascade_min_work}, else {self.cascade_fallback}"
+
     def use_attention_kernel(self, kernel: str) -> None:
         if kernel not in ATTENTION_KERNELS:
             raise ValueError(
