@@ -16,6 +16,7 @@ STAGES=${*:-env tests kernels steps host loop}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tokenswift_torch_ext}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/*.py import the package from this checkout
 CLI=("$PYTHON" -m tokenswift_trt.cli)
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log, report the exit code

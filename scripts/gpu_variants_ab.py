@@ -4,12 +4,14 @@
         [--variants kernel,flash_cascade,kernel+fused,flash_cascade+fused] [--rounds 2] [--out DIR]
 
 A variant is an attention kernel (`kernel`: our CUDA tree-attention kernel, `flash_cascade`: the
-FlashAttention cascade, `sdpa`) with `+fused` for the fused elementwise kernels and packed products
-(`LlamaModel.use_fused_elementwise`). One random-weights engine serves them all (the same weights,
-caches and GPU state); the variants take turns in every round, the order reversed every other round,
-and each step's figure is the median over rounds of `bench-steps`' own timing (CUDA-graph replays on
-a GPU). Prints a table of ms per step and each variant's ratio to the first; writes variants.json
-under --out. On a CPU it runs too (slowly; a check of the mechanics, e.g. --model swift-tiny).
+FlashAttention cascade for every step, `auto`: the cascade where T x keys >= engine.CASCADE_MIN_WORK
+and the kernel elsewhere, as CUDA engines run by default, `sdpa`) with `+fused` for the fused
+elementwise kernels and packed products (`LlamaModel.use_fused_elementwise`). One random-weights
+engine serves them all (the same weights, caches and GPU state); the variants take turns in every
+round, the order reversed every other round, and each step's figure is the median over rounds of
+`bench-steps`' own timing (CUDA-graph replays on a GPU). Prints a table of ms per step and each
+variant's ratio to the first; writes variants.json under --out. On a CPU it runs too (slowly; a
+check of the mechanics, e.g. --model swift-tiny).
 """
 
 from __future__ import annotations
