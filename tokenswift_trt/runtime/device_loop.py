@@ -5,18 +5,19 @@ the trie in Python and walks it node by node; on a GPU that is several blocking 
 small launches per iteration. Here one iteration is a fixed sequence of tensor operations over
 buffers at fixed addresses, so on CUDA it is captured once as a graph and replayed:
 
-  propose   the draft layers' logits at the last accepted node (kept from the last verify's
-            LM-head pass) -> per depth the top candidates, ranked with the target's noise;
+  propose   the draft layers' logits at the last accepted node (kept from the last commit)
+            -> per depth the top candidates, ranked with the target's noise;
   trie      the static tree's slots filled from the candidates, then k n-gram branches read from
             a device table [V, k, 3] (`DeviceNgramTable`); duplicate paths are de-duplicated
             into their first slot (`TrieSlots.assemble`), the rest masked out;
-  verify    one fixed-shape forward of every slot (static_step.fixed_shape_forward), one LM-head
-            pass giving the target's and the draft layers' logits of every slot;
+  verify    one fixed-shape forward of every slot (static_step.fixed_shape_forward), the LM head's
+            pass over every slot (the target's logits);
   accept    every slot's sample (position-keyed noise, per-slot penalty windows), then the
             acceptance walk as tensor algebra (`walk`): a slot is on the accepted chain when it
             and each of its ancestors is the target's sample at its parent;
-  commit    KV compaction of the chain into the committed slots, token history, the n-gram
-            table's new grams, the committed count, the EOS / max-length flag.
+  commit    KV compaction of the chain into the committed slots, token history, the draft layers'
+            logits at the last accepted slot (the next propose's), the n-gram table's new grams,
+            the committed count, the EOS / max-length flag.
 
 The host learns what an iteration committed from one small report copied asynchronously into
 pinned memory, read one iteration late (the next iteration is already queued): the overlap
@@ -25,9 +26,11 @@ the one that finished is a no-op (the done flag zeroes its commit). On a CPU the
 eagerly; its tokens equal the host loop's, token for token (tests/runtime/test_device_loop.py).
 
 Scope: drafting from the verify pass with a static tree (`--draft-source verify --tree 3,3,3`);
-the n-gram table keeps, per start token, k continuations by the Space-Saving rule (a new gram
-replaces the least counted one and takes its count + 1), which can differ from the host table's
-exact top-k: drafts only decide how much is accepted, never what is sampled.
+the n-gram table starts from the prompt's exact top-k per start token (`DeviceNgramTable.add_all`)
+and then keeps k continuations by the Space-Saving rule (a new gram replaces the least counted one
+and takes its count + 1), which can differ from the host table's exact top-k: drafts only decide
+how much is accepted, never what is sampled. Each phase above runs under a profiler label
+(`device_loop.<phase>`), which `scripts/gpu_iteration_profile.py` reads.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from .engine import Engine
 from .model import reads_root
@@ -310,66 +314,77 @@ class DeviceLoop:
         sampler = state.sampler
         count, history = self.count, state.history
         root = history[(count - 1).reshape(1)][0]
-        noise = self._noise()
-        # propose: the kept draft logits, ranked with the noise the target will sample with
-        ranked = sampler.rank(
-            self.draft_logits,
-            self._windows(None, None),
-            None if noise is None else noise[: self.depth],
-            slots.width,
-        )  # [D, width]
-        # trie
-        if self.table is not None:
-            grams, gram_valid = self.table.top(root)
-        else:
-            grams = root.new_zeros(0, GRAM - 1)
-            gram_valid = torch.zeros(0, dtype=torch.bool, device=root.device)
-        trie = slots.assemble(root, ranked, grams, gram_valid)
-        # verify
+        with record_function("device_loop.propose"):
+            noise = self._noise()
+            # the kept draft logits, ranked with the noise the target will sample with
+            ranked = sampler.rank(
+                self.draft_logits,
+                self._windows(None, None),
+                None if noise is None else noise[: self.depth],
+                slots.width,
+            )  # [D, width]
+        with record_function("device_loop.trie"):
+            if self.table is not None:
+                grams, gram_valid = self.table.top(root)
+            else:
+                grams = root.new_zeros(0, GRAM - 1)
+                gram_valid = torch.zeros(0, dtype=torch.bool, device=root.device)
+            trie = slots.assemble(root, ranked, grams, gram_valid)
         length = count - 1  # the root is not cached yet
-        out = self.forward(
-            engine.model.torch_model,
-            state.full,
-            trie.tokens,
-            length + trie.depths,
-            trie.mask,
-            length,
-            self.columns,
-        )
-        if self.root_conditioned:  # the drafts read the last slot's sample: a head pass of their own below
+        with record_function("device_loop.verify"):
+            out = self.forward(
+                engine.model.torch_model,
+                state.full,
+                trie.tokens,
+                length + trie.depths,
+                trie.mask,
+                length,
+                self.columns,
+            )
+        with record_function("device_loop.heads"):  # the target's; the drafts only at the last slot (commit)
             target_logits = engine.model.logits(out.hidden)  # [S, V]
-        else:  # one head pass for the target and the draft layers at every slot
-            heads = engine.model.head_logits(out.hidden, engine.draft_layers, self.depth)  # [1 + D, S, V]
-            target_logits = heads[0]
-        # accept
-        windows = self._windows(trie.paths, trie.depths)
-        samples = sampler.sample_rows(
-            target_logits, windows, None if noise is None else noise[trie.depths]
-        )  # [S]
-        result = walk(trie, samples, self.limit - count, self.stop_ids, slots.max_depth)
-        committed = torch.where(self.done, 0, result.count)
-        # commit: the chain's K/V into the committed slots, history, draft logits, grams, flags
+        with record_function("device_loop.accept"):
+            windows = self._windows(trie.paths, trie.depths)
+            samples = sampler.sample_rows(
+                target_logits, windows, None if noise is None else noise[trie.depths]
+            )  # [S]
+            result = walk(trie, samples, self.limit - count, self.stop_ids, slots.max_depth)
+            committed = torch.where(self.done, 0, result.count)
+        with record_function("device_loop.commit"):
+            self._commit(out.hidden, samples, result, committed)
+
+    def _commit(
+        self,
+        hidden: torch.Tensor,  # [S, H] the verify's hidden states
+        samples: torch.Tensor,  # [S] every slot's sample
+        result: Walk,
+        committed: torch.Tensor,  # 0-d: tokens this iteration commits (0 once done)
+    ) -> None:
+        """The chain's K/V into the committed slots, history, draft logits, grams, flags."""
+        engine, state, slots = self.engine, self.state, self.slots
+        count, history = self.count, state.history
+        length = count - 1
         source, target = length + result.chain, length + self.levels
         for cache_tensor in (state.full.keys, state.full.values):
             cache_tensor.index_copy_(2, target, cache_tensor.index_select(2, source))
         history.index_copy_(0, count + self.levels, result.emitted)
         last = result.last.reshape(1)
-        if self.root_conditioned:  # the new root is the last slot's sample
-            hidden, root = out.hidden.index_select(0, last), samples.index_select(0, last)  # [1, H], [1]
-            drafts = engine.model.draft_logits(hidden, engine.draft_layers, self.depth, root)  # [D, 1, V]
-        else:
-            drafts = heads[1:].index_select(1, last)  # [D, 1, V]
-        self.draft_logits.copy_(drafts[:, 0])
+        with record_function("device_loop.drafts"):  # the draft layers at the last accepted slot only
+            chosen, root = hidden.index_select(0, last), samples.index_select(0, last)  # [1, H], [1]
+            # root-conditioned layers read the new root, the last slot's sample; others ignore it
+            drafts = engine.model.draft_logits(chosen, engine.draft_layers, self.depth, root)  # [D, 1, V]
+            self.draft_logits.copy_(drafts[:, 0])
         accepted = committed - 1
         from_ngrams = (
             (result.chain >= slots.tree_nodes) & (self.levels >= 1) & (self.levels <= accepted)
         ).sum()
         new_count = count + committed
         if self.table is not None:
-            for offset in range(slots.max_depth + 1):
-                stop = count - self.exclusion + 1 + offset  # exclusive end of the gram
-                gram = history[(stop + self.gram_offsets).clamp(min=0)]
-                self.table.add(gram, (offset < committed) & (stop >= GRAM))
+            with record_function("device_loop.ngrams"):
+                for offset in range(slots.max_depth + 1):
+                    stop = count - self.exclusion + 1 + offset  # exclusive end of the gram
+                    gram = history[(stop + self.gram_offsets).clamp(min=0)]
+                    self.table.add(gram, (offset < committed) & (stop >= GRAM))
         self.report.copy_(
             torch.cat(
                 (
