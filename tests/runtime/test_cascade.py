@@ -170,6 +170,41 @@ def test_the_flash_cascade_verifies_as_sdpa_does_in_a_model(llama_dir):
     assert (outputs[0] - outputs[1]).abs().max() <= 1e-4
 
 
+def test_fixed_shape_steps_keep_a_graph_per_attention_route_chosen_from_the_committed_length(
+    llama_dir, monkeypatch
+):
+    """The host loop's fixed-shape verifies (`StaticForward`) choose the route from the committed
+    length they know, not the cache's capacity: a generation from a short prompt verifies through the
+    fallback first and the cascade later, each its own bucket, with AR's tokens."""
+    from tokenswift_trt.runtime import static_step
+    from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+    from tokenswift_trt.runtime.sampling import SamplingConfig
+
+    from conftest import quiet_load
+
+    engine = quiet_load(llama_dir[0], dtype=torch.float64)
+    routes: list[tuple[int, bool | None]] = []
+    fixed_shape_forward = static_step.fixed_shape_forward
+
+    def recorded(model, cache, tokens, *rest):  # noting each forward's bucket and route
+        routes.append((tokens.shape[0], rest[-1]))
+        return fixed_shape_forward(model, cache, tokens, *rest)
+
+    monkeypatch.setattr(static_step, "fixed_shape_forward", recorded)
+    assert engine.model.cascade_route(16, 1000) is None  # not on the cascade: no route to choose
+    engine.model.use_flash_cascade(16 * (40 + 50 + 16), "sdpa")  # a 16-row verify: ~50 tokens in
+    assert engine.model.cascade_route(16, 40) is False and engine.model.cascade_route(16, 90) is True
+    prompt = list(range(5, 45))
+    base = dict(max_new_tokens=100, sampling=SamplingConfig(temperature=0), ignore_eos=True)
+    config = GenerationConfig(**base, tree="2,2,1", ngram_topk=2, draft_source="verify", static_steps=True)
+    tokens, _ = generate(engine, prompt, config)
+    engine.model.use_attention_kernel("sdpa")
+    ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
+    assert tokens == ar
+    verify_routes = [route for size, route in routes if size == 16]
+    assert verify_routes[0] is False and verify_routes[-1] is True and verify_routes == sorted(verify_routes)
+
+
 def test_the_flash_cascade_is_chosen_by_environment_and_refused_where_it_cannot_run(monkeypatch):
     assert "float16/bfloat16" in flash_cascade_problem(torch.float32, 128, torch.device("cpu"))
     assert "head_dim" in flash_cascade_problem(torch.bfloat16, 100, torch.device("cpu"))

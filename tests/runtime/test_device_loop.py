@@ -60,6 +60,35 @@ def test_device_loop_through_the_flash_cascade_gives_ars_tokens(llama_engine64, 
     assert device == ar and stats.iterations < len(device)
 
 
+def test_device_loop_moves_to_the_cascade_once_the_context_makes_it_pay(llama_engine64, monkeypatch):
+    """A long generation from a short prompt under `auto`: the fallback's route while T x keys is under
+    the cascade's threshold, the cascade's once the committed length the host has read passes it (one
+    iteration per route), and AR's tokens throughout."""
+    from tokenswift_trt.runtime import device_loop
+
+    model = llama_engine64.model
+    routes: list[bool | None] = []
+
+    def recorded(*args):  # fixed_shape_forward, noting the route each iteration's verify took
+        routes.append(args[-1])
+        return fixed_shape_forward(*args)
+
+    fixed_shape_forward = device_loop.fixed_shape_forward
+    monkeypatch.setattr(device_loop, "fixed_shape_forward", recorded)
+    for name in ("attention_kernel", "cascade_min_work", "cascade_fallback"):
+        monkeypatch.setattr(model, name, getattr(model, name))  # put back after the test
+    slots = 40 + 20 * 3  # tree 3,3,3 and 20 n-gram branches (no bucket on the CPU)
+    model.use_flash_cascade(slots * (48 + 1 + 60 + slots), "sdpa")  # passed ~60 tokens in
+    prompt = _prompt(llama_engine64.config.vocab_size)
+    base = dict(max_new_tokens=140, sampling=PAPER_SAMPLING, seed=2, ignore_eos=True)
+    config = GenerationConfig(**base, tree="3,3,3", ngram_topk=20, draft_source="verify", device_loop=True)
+    device, _ = generate(llama_engine64, prompt, config)
+    model.use_attention_kernel("sdpa")
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert device == ar
+    assert routes[0] is False and routes[-1] is True and routes == sorted(routes)  # moved once, stayed
+
+
 class HostValueCopies(TorchDispatchMode):
     """Records operations that read a tensor made from Python data (`lift_fresh`: `x[i] = True`,
     `torch.tensor(...)`). On a GPU each is a copy from ordinary host memory, which a CUDA graph
@@ -94,9 +123,9 @@ def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch
     recorder = HostValueCopies()
     step = DeviceLoop.step
 
-    def recorded_step(self) -> None:
+    def recorded_step(self, route: bool | None = None) -> None:
         with recorder:
-            step(self)
+            step(self, route)
 
     monkeypatch.setattr(DeviceLoop, "step", recorded_step)
     prompt = _prompt(llama_engine64.config.vocab_size)

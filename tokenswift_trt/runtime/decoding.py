@@ -503,7 +503,7 @@ def _device_loop(
         yield stats
     state.full.length = len(state.tokens) - 1  # the device's committed slots
     stats.graph_replays += loop.replays
-    stats.graph_captures += loop.graph is not None
+    stats.graph_captures += len(loop.graphs)
 
 
 def _refresh_drafting_state(state: DecodeState) -> None:

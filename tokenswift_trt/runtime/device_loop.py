@@ -283,7 +283,10 @@ class DeviceLoop:
             self.table.add_all(state.history[: max(end, 0)])
         self.report = torch.zeros(self.slots.max_depth + 5, dtype=torch.long, device=device)
         self.capture = capture and device.type == "cuda"
-        self.graph: object | None = None
+        # one captured iteration per attention route (`LlamaModel.cascade_route`), chosen by the host
+        # from the committed length it has read (one iteration late: a few tokens behind)
+        self.graphs: dict[bool | None, object] = {}
+        self.known_count = len(state.tokens)
         self.replays = 0
 
     # ------------------------------------------------------------ the iteration (no reads)
@@ -308,8 +311,9 @@ class DeviceLoop:
         columns = depths[:, None] + (self.window_offsets + self.window)[None, :]
         return rows.gather(1, columns)
 
-    def step(self) -> None:
-        """One iteration on the device state (eager, or recorded into the graph)."""
+    def step(self, route: bool | None = None) -> None:
+        """One iteration on the device state (eager, or recorded into a graph); `route`: the verify's
+        attention route (`LlamaModel.cascade_route`, None: by the cache's capacity)."""
         engine, state, slots = self.engine, self.state, self.slots
         sampler = state.sampler
         count, history = self.count, state.history
@@ -340,6 +344,7 @@ class DeviceLoop:
                 trie.mask,
                 length,
                 self.columns,
+                route,
             )
         with record_function("device_loop.heads"):  # the target's; the drafts only at the last slot (commit)
             target_logits = engine.model.logits(out.hidden)  # [S, V]
@@ -400,17 +405,24 @@ class DeviceLoop:
 
     # ------------------------------------------------------------ the host side
 
+    @property
+    def route(self) -> bool | None:
+        """The attention route for the committed length the host knows."""
+        return self.engine.model.torch_model.cascade_route(self.slots.size, self.known_count)
+
     def launch(self) -> None:
-        """Queue one iteration: a graph replay on CUDA (captured at the first call), else eager."""
+        """Queue one iteration: a graph replay on CUDA (each route's captured at its first call), else
+        eager."""
+        route = self.route
         if not self.capture:
-            self.step()
+            self.step(route)
             return
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()  # type: ignore[union-attr]
+        if route not in self.graphs:
+            self.graphs[route] = self._capture(route)
+        self.graphs[route].replay()  # type: ignore[attr-defined]
         self.replays += 1
 
-    def _capture(self) -> None:
+    def _capture(self, route: bool | None) -> object:
         # The warm-up outside the graph (allocator, kernel choice) must not change the sequence:
         # what it writes to read state is put back. Its cache and history writes land past the
         # committed `count`, which the real iteration rewrites before reading, so those (the KV
@@ -422,14 +434,14 @@ class DeviceLoop:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.step()
+            self.step(route)
         torch.cuda.current_stream().wait_stream(side)
         for tensor, before in zip(written, saved):
             tensor.copy_(before)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records the iteration without running it
-            self.step()
-        self.graph = graph
+            self.step(route)
+        return graph
 
 
 def read_report(values: list[int], max_depth: int) -> Report:
@@ -464,6 +476,7 @@ def run_device_loop(loop: DeviceLoop, timer: Callable[[str, float], None]) -> De
             if waiting is not None:
                 waiting.synchronize()
             report = read_report(buffers[previous].tolist(), loop.slots.max_depth)
+            loop.known_count += len(report.tokens)
             timer("wait", time.perf_counter() - tick)
             yield report
             if report.done:  # the iteration queued after it commits nothing

@@ -137,6 +137,9 @@ class StaticAttention:
     full_mask: torch.Tensor  # [T, capacity] bool: committed slots + the tree among the new slots
     tree_mask: torch.Tensor  # [T, T] bool on the device
     prefix_length: torch.Tensor  # 0-d int64 on the device: committed slots
+    # the FlashAttention cascade or not, as the caller chose from the committed length it knows
+    # (`LlamaModel.cascade_route`); None: by T x the cache's capacity
+    cascade: bool | None = None
 
 
 @dataclass
@@ -426,6 +429,16 @@ class LlamaModel(nn.Module):
         self.attention_kernel = "flash_cascade"
         self.cascade_min_work, self.cascade_fallback = min_work, fallback
 
+    def cascade_route(self, count: int, committed: int) -> bool | None:
+        """For a fixed-shape forward of `count` rows after `committed` keys, as its caller knows them:
+        whether it takes the FlashAttention cascade (T x keys >= `cascade_min_work`), or None where the
+        model is not on the cascade. A captured graph holds one route: callers keep a graph per route,
+        so that a long generation from a short prompt starts on the kernel and moves to the cascade
+        once its context makes the cascade pay."""
+        if self.attention_kernel != "flash_cascade" or count > kernels.MAX_TREE_TOKENS:
+            return None
+        return count * (committed + count) >= self.cascade_min_work
+
     def attention_summary(self) -> str:
         """What verifies, for bench records: the kernel, and for the cascade where it applies."""
         if self.attention_kernel != "flash_cascade" or self.cascade_min_work == 0:
@@ -581,8 +594,12 @@ class LlamaModel(nn.Module):
         # the kernel is for trees (T <= 256); long prefill chunks take SDPA
         kernel = self.attention_kernel
         if kernel == "flash_cascade" and count <= kernels.MAX_TREE_TOKENS:
-            capacity = static.full_mask.shape[1] if static is not None else cache.prefix_length + count
-            if count * capacity >= self.cascade_min_work:
+            if static is not None and static.cascade is not None:  # the caller's route
+                cascade = static.cascade
+            else:
+                capacity = static.full_mask.shape[1] if static is not None else cache.prefix_length + count
+                cascade = count * capacity >= self.cascade_min_work
+            if cascade:
                 return self._flash_cascade_mask(count, cache, tree_mask, static, device)
             kernel = self.cascade_fallback
         use_kernel = kernel == "tree_attention" and count <= kernels.MAX_TREE_TOKENS

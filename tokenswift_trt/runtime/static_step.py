@@ -60,6 +60,7 @@ class _Bucket:
     tokens: torch.Tensor  # [Tb] int64
     positions: torch.Tensor  # [Tb] int64
     tree_mask: torch.Tensor  # [Tb, Tb] bool
+    route: bool | None = None  # the FlashAttention cascade or not (`LlamaModel.cascade_route`)
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     output: ForwardOutput | None = None  # the graph's static outputs
 
@@ -80,16 +81,18 @@ def fixed_shape_forward(
     tree_mask: torch.Tensor,
     length: torch.Tensor,
     columns: torch.Tensor,
+    cascade: bool | None = None,
 ) -> ForwardOutput:
     """One forward of tokens/positions [Tb] (device) with tree_mask [Tb, Tb] bool (device) after the
     `length` (0-d int64, device) committed slots of `cache`, over its whole capacity (columns =
     arange(capacity) on the device): no value is read back to the host, so a CUDA graph can hold it.
-    The new K/V land in slots length .. length + Tb - 1."""
+    The new K/V land in slots length .. length + Tb - 1. `cascade`: the attention route the caller
+    chose (`LlamaModel.cascade_route`); None decides by the capacity."""
     size = tokens.shape[0]
     slots = length + torch.arange(size, device=columns.device)  # [Tb]
     mask = (columns[None, :] < length).expand(size, -1).clone()  # [Tb, capacity]: committed
     mask[:, slots] = tree_mask  # the new tokens among themselves
-    static = StaticAttention(full_mask=mask, tree_mask=tree_mask, prefix_length=length)
+    static = StaticAttention(full_mask=mask, tree_mask=tree_mask, prefix_length=length, cascade=cascade)
     return model.decode(tokens, positions, _SlotWriter(cache, slots), keep_queries=True, static=static)
 
 
@@ -98,7 +101,8 @@ def compiled_forward() -> Callable[..., ForwardOutput]:
     floor: norms, rotary, SiLU·mul and the cache write fused around the matrix products), one
     compiled graph per bucket shape; on CUDA it runs inside our own captured graphs."""
     # every bucket is a shape of its own: allow one compiled graph per bucket, full and partial
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(BUCKETS))
+    # (and per attention route: x2)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(BUCKETS))
     return torch.compile(fixed_shape_forward, dynamic=False)
 
 
@@ -116,7 +120,7 @@ class StaticForward:
         self.capture = capture and device.type == "cuda"
         self.columns = torch.arange(self.capacity, device=device)  # [capacity]
         self.length = torch.zeros((), dtype=torch.long, device=device)  # committed slots, set before each run
-        self.buckets: dict[int, _Bucket] = {}
+        self.buckets: dict[tuple[int, bool | None], _Bucket] = {}  # by size and attention route
         self.counters = StepCounters()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -135,7 +139,8 @@ class StaticForward:
         size = bucket_for(count)
         if not self.fits(count):
             raise ValueError(f"fixed-shape forward of {size} tokens past cache capacity {self.capacity}")
-        bucket = self.buckets.get(size) or self._new_bucket(size)
+        route = self.model.cascade_route(size, self.cache.length)  # the committed length is known here
+        bucket = self.buckets.get((size, route)) or self._new_bucket(size, route)
         bucket.tokens[:count].copy_(tokens)
         bucket.tokens[count:].zero_()
         bucket.positions[:count].copy_(positions)
@@ -167,19 +172,22 @@ class StaticForward:
             hidden=output.hidden[:count].clone(), queries=[q[:count].clone() for q in output.queries]
         )
 
-    def _new_bucket(self, size: int) -> _Bucket:
+    def _new_bucket(self, size: int, route: bool | None) -> _Bucket:
         device = self.columns.device
         bucket = _Bucket(
             tokens=torch.zeros(size, dtype=torch.long, device=device),
             positions=torch.zeros(size, dtype=torch.long, device=device),
             tree_mask=torch.eye(size, dtype=torch.bool, device=device),
+            route=route,
         )
-        self.buckets[size] = bucket
+        self.buckets[(size, route)] = bucket
         return bucket
 
     def _forward(self, bucket: _Bucket) -> ForwardOutput:
         tokens, positions, tree_mask = bucket.tokens, bucket.positions, bucket.tree_mask
-        return self.forward(self.model, self.cache, tokens, positions, tree_mask, self.length, self.columns)
+        return self.forward(
+            self.model, self.cache, tokens, positions, tree_mask, self.length, self.columns, bucket.route
+        )
 
     def _capture(self, bucket: _Bucket) -> None:
         side = torch.cuda.Stream()
