@@ -186,7 +186,7 @@ def load_engine(
 
 CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `auto` (default), `kernel` or `flash_cascade`
 CUDA_ATTENTION_CHOICES = ("auto", "kernel", "flash_cascade")
-# `auto`: the cascade where T query rows x the cache's key capacity reach this. On an H200 (8B shape,
+# `auto`: the cascade where T query rows x the committed keys reach this. On an H200 (8B shape,
 # bf16) the cascade's verify cost 1.37-1.40x the kernel's at 4K keys (T = 64, 128) and 0.93x / 0.80x
 # at 102K; by the two contexts' slopes they cross near 36K keys for T = 128 and 70K for T = 64.
 CASCADE_MIN_WORK = 128 * 36 * 1024

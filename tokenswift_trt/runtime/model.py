@@ -138,7 +138,7 @@ class StaticAttention:
     tree_mask: torch.Tensor  # [T, T] bool on the device
     prefix_length: torch.Tensor  # 0-d int64 on the device: committed slots
     # the FlashAttention cascade or not, as the caller chose from the committed length it knows
-    # (`LlamaModel.cascade_route`); None: by T x the cache's capacity
+    # (`LlamaModel.cascade_route`); None: by T x the cache's capacity (a dynamic forward: its keys)
     cascade: bool | None = None
 
 
