@@ -124,7 +124,7 @@ EOF"
             --dtype bfloat16 --contexts 4096 --tree-sizes 1,64 --kv-budget 4096 --host-overhead-ms 2.5 \
             --out $OUT_DIR/steps-fused-\$fused; done"
         ;;
-    variants)  # the cascade's and the fused kernels' GPU tests, then all four variants' steps in one process
+    variants)  # the cascade's and the fused kernels' GPU tests, then the variants' steps in one process
         stage variants 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
             tests/runtime/test_fused_elementwise.py && $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
             --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"

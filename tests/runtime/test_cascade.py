@@ -122,9 +122,12 @@ def test_flash_cascade_equals_one_masked_attention_over_a_whole_capacity_cache(
     expected = kernels.tree_attention_reference(
         query, keys[:, : prefix + count], values[:, : prefix + count], kernels.pack_tree_mask(tree), 0.25
     )
-    got = flash_cascade_attention(query, keys, values, tree, torch.tensor(prefix), 0.25, splits)
-    assert got.dtype == torch.float64
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for fused_tail in (False, True):  # the tail as PyTorch ops, and as the one op (its CPU face here)
+        got = flash_cascade_attention(
+            query, keys, values, tree, torch.tensor(prefix), 0.25, splits, fused_tail
+        )
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_split_offsets_cut_the_committed_keys_into_near_equal_ranges():
@@ -203,6 +206,80 @@ def test_fixed_shape_steps_keep_a_graph_per_attention_route_chosen_from_the_comm
     assert tokens == ar
     verify_routes = [route for size, route in routes if size == 16]
     assert verify_routes[0] is False and verify_routes[-1] is True and verify_routes == sorted(verify_routes)
+
+
+def _tail_case(count: int, prefix: int, splits: int, dtype: torch.dtype, device: str, dim: int = 128):
+    """Inputs of `cascade_tail` as the prefix block leaves them on a GPU: outputs [splits, kv, R, D] as a
+    permuted view, log-sum-exps as a transposed view, +inf / zeros for empty ranges."""
+    generator = torch.Generator().manual_seed(count * 7 + prefix + splits)
+    heads, kv_heads, capacity = 32, 8, prefix + count + 40
+    rows = heads // kv_heads * count
+    query = torch.randn(heads, count, dim, generator=generator).to(device, dtype)
+    keys, values = _cache_with_tree(kv_heads, capacity, prefix, count, dim, dtype, generator, device)
+    tree = _tree(count, generator).to(device)
+    offsets = split_offsets(torch.tensor(prefix), splits).to(device)
+    raw = torch.randn(splits * rows, kv_heads, dim, generator=generator)  # the flash op's own layout
+    outs = raw.to(device, dtype).view(splits, rows, kv_heads, dim).permute(0, 2, 1, 3)
+    lses = (torch.randn(kv_heads, splits * rows, generator=generator) * 3 + 10).to(device)
+    lses = lses.view(kv_heads, splits, rows).transpose(0, 1)  # [splits, kv_heads, R], strided
+    empty = (offsets[1:] == offsets[:-1]).cpu()
+    outs[empty.to(device)] = 0
+    lses[empty.to(device)] = float("inf")
+    length = torch.tensor(prefix, device=device)
+    return query, keys, values, tree, length, outs, lses, offsets
+
+
+def test_cascade_tail_with_only_empty_ranges_is_the_tree_block_alone():
+    """Nothing committed: every range is empty (zeros, log-sum-exp +inf, as FlashAttention leaves
+    them) and must not enter the merge; the op (its CPU face here) gives the tree's own attention."""
+    from tokenswift_trt.runtime.cascade import cascade_tail
+
+    query, keys, values, tree, length, outs, lses, offsets = _tail_case(5, 0, 3, torch.float32, "cpu", 64)
+    got = cascade_tail(query, keys, values, tree, length, outs, lses, offsets, 0.088)
+    expected = kernels.tree_attention_reference(
+        query, keys[:, :5], values[:, :5], kernels.pack_tree_mask(tree), 0.088
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cascade-tail kernel needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "count,prefix,splits,dim", [(64, 100_000, 17, 128), (128, 5_000, 8, 128), (7, 2, 4, 64), (1, 0, 3, 128)]
+)
+def test_cascade_tail_kernel_matches_its_reference_and_replays_in_a_graph(dtype, count, prefix, splits, dim):
+    """src/cascade_tail.cu against `cascade_tail_reference` (both fp32 inside, one rounding at the end):
+    strided prefix outputs and log-sum-exps, empty ranges, a poisoned output; then one captured graph
+    replayed at a second committed length (read on the device)."""
+    from tokenswift_trt.runtime.cascade import cascade_tail, cascade_tail_reference
+
+    status = kernels.load_cuda_kernels()
+    if not status.loaded:
+        pytest.skip(status.reason)
+    inputs = _tail_case(count, prefix, splits, dtype, "cuda", dim)
+    expected = cascade_tail_reference(*inputs, 0.088).float()
+    got = status.module.cascade_tail(*inputs[:4], inputs[4].long(), *inputs[5:], 0.088)
+    assert torch.isfinite(got).all() and got.dtype == dtype
+    assert ((got.float() - expected).norm() / expected.norm()) <= 2e-3
+    assert ((cascade_tail(*inputs, 0.088).float() - expected).norm() / expected.norm()) <= 2e-3  # the op
+    query, keys, values, tree, length, outs, lses, offsets = inputs
+    static_out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        cascade_tail(*inputs, 0.088)
+        with torch.cuda.graph(graph, stream=stream):
+            static_out.copy_(cascade_tail(*inputs, 0.088))
+    moved = max(0, prefix // 2 - 3)
+    keys[:, moved : moved + count], values[:, moved : moved + count] = (
+        keys[:, prefix : prefix + count].clone(),
+        values[:, prefix : prefix + count].clone(),
+    )
+    length.fill_(moved)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = cascade_tail_reference(*inputs, 0.088).float()
+    assert ((static_out.float() - expected).norm() / expected.norm()) <= 2e-3
 
 
 def test_the_flash_cascade_is_chosen_by_environment_and_refused_where_it_cannot_run(monkeypatch):

@@ -18,9 +18,13 @@ cascade against `kernels.tree_attention_reference` and the merge against one sof
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .kernels import unpack_tree_mask
+
+CASCADE_TAIL_OP = "tokenswift::cascade_tail"
 
 
 def pack_group_rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -148,14 +152,34 @@ def flash_prefix_block(
     """The rows over the committed keys in `splits` ranges -> (outputs [splits, kv_heads, R, D] in fp32
     or wider, each normalised within its range, log-sum-exps [splits, kv_heads, R], -inf for an empty
     range). CUDA: FlashAttention's variable-length op; elsewhere the CPU flash op range by range."""
+    outs, lses, offsets = _flash_prefix_raw(rows, keys, values, prefix_length, scale, splits)
+    return _present_ranges(outs, lses, offsets)
+
+
+def _flash_prefix_raw(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    prefix_length: torch.Tensor,
+    scale: float,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefix block as the flash op returns it: (outputs [splits, kv_heads, R, D] in its dtype,
+    log-sum-exps [splits, kv_heads, R] with +inf for an empty range, offsets [splits + 1])."""
     offsets = split_offsets(prefix_length, splits)  # [splits + 1]
     if rows.is_cuda:
         outs, lses = _flash_varlen(rows, keys, values, offsets, scale, splits)
     else:
         outs, lses = _flash_ranges_cpu(rows, keys, values, offsets, scale)
+    return outs, lses, offsets
+
+
+def _present_ranges(
+    outs: torch.Tensor, lses: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs in fp32 or wider and log-sum-exps with -inf for every empty range: FlashAttention writes
+    zeros there (which the merge then weighs 0) and a log-sum-exp of +inf, which must not win the merge."""
     present = (offsets[1:] > offsets[:-1])[:, None, None]  # [splits, 1, 1]
-    # an empty range: FlashAttention writes zeros (which the merge then weighs 0) and a log-sum-exp
-    # of +inf, which must not win the merge
     dtype = torch.promote_types(outs.dtype, torch.float32)
     return outs.to(dtype), torch.where(present, lses.to(dtype), float("-inf"))
 
@@ -220,21 +244,121 @@ def flash_cascade_attention(
     prefix_length: torch.Tensor,  # 0-d integer tensor on the keys' device
     scale: float,
     splits: int,
+    fused_tail: bool = False,
 ) -> torch.Tensor:
     """Tree attention as a cascade whose prefix block runs through FlashAttention (`flash_prefix_block`)
-    and whose tree block and merge are `attend_partial` / `merge_stacked` -> [heads, T, D] in the
-    query's dtype. Every shape is fixed by T, the capacity and `splits`: it can be captured."""
+    and whose tree block and merge are `attend_partial` / `merge_stacked` (`fused_tail`: one op for
+    both, `cascade_tail`, a kernel of our own on CUDA) -> [heads, T, D] in the query's dtype. Every
+    shape is fixed by T, the capacity and `splits`: it can be captured."""
+    kv_heads = keys.shape[0]
+    rows = pack_group_rows(query, kv_heads)  # [kv_heads, group·T, D]
+    outs, lses, offsets = _flash_prefix_raw(rows, keys, values, prefix_length, scale, splits)
+    tail = cascade_tail if fused_tail else cascade_tail_reference
+    return tail(
+        query.contiguous(),
+        keys,
+        values,
+        tree_visible,
+        prefix_length.to(torch.int64),
+        outs,
+        lses,
+        offsets,
+        scale,
+    )
+
+
+def cascade_tail_reference(
+    query: torch.Tensor,  # [heads, T, D]
+    keys: torch.Tensor,  # [kv_heads, capacity, D]
+    values: torch.Tensor,  # [kv_heads, capacity, D]
+    tree_visible: torch.Tensor,  # [T, T] bool
+    prefix_length: torch.Tensor,  # 0-d int64: the tree's keys start there
+    prefix_outs: torch.Tensor,  # [splits, kv_heads, R, D] each range's normalised output
+    prefix_lses: torch.Tensor,  # [splits, kv_heads, R] each range's log-sum-exp (+inf when empty)
+    offsets: torch.Tensor,  # [splits + 1] int32: range bounds (equal bounds: an empty range)
+    scale: float,
+) -> torch.Tensor:
+    """The cascade after its prefix block: the packed rows over the tree's own keys through the
+    ancestor mask (fp32), merged with every non-empty range -> [heads, T, D] in the query's dtype."""
     heads, count, _ = query.shape
     kv_heads = keys.shape[0]
     rows = pack_group_rows(query, kv_heads)  # [kv_heads, group·T, D]
-    prefix_outs, prefix_lses = flash_prefix_block(rows, keys, values, prefix_length, scale, splits)
-    positions = prefix_length.to(torch.int64) + torch.arange(count, device=keys.device)  # [T]
+    outs, lses = _present_ranges(prefix_outs, prefix_lses, offsets)
+    positions = prefix_length + torch.arange(count, device=keys.device)  # [T]
     visible = tree_visible.repeat(heads // kv_heads, 1)  # [group·T, T]
     tree_out, tree_lse = attend_partial(
         rows, keys.index_select(1, positions), values.index_select(1, positions), scale, visible
     )
     merged = merge_stacked(
-        torch.cat((prefix_outs, tree_out[None].to(prefix_outs.dtype))),
-        torch.cat((prefix_lses, tree_lse[None].to(prefix_lses.dtype))),
+        torch.cat((outs, tree_out[None].to(outs.dtype))), torch.cat((lses, tree_lse[None].to(lses.dtype)))
     )  # [kv_heads, group·T, D]
     return unpack_group_rows(merged, heads).to(query.dtype)
+
+
+@torch.library.custom_op(CASCADE_TAIL_OP, mutates_args=())
+def cascade_tail(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tree_visible: torch.Tensor,
+    prefix_length: torch.Tensor,
+    prefix_outs: torch.Tensor,
+    prefix_lses: torch.Tensor,
+    offsets: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`cascade_tail_reference` as one op: one kernel on CUDA once the CUDA kernels load
+    (src/cascade_tail.cu: a warp per packed row, fp32 inside, the output rounded once)."""
+    return cascade_tail_reference(
+        query, keys, values, tree_visible, prefix_length, prefix_outs, prefix_lses, offsets, scale
+    )
+
+
+@cascade_tail.register_fake
+def _cascade_tail_shape(
+    query, keys, values, tree_visible, prefix_length, prefix_outs, prefix_lses, offsets, scale
+):
+    return torch.empty_like(query)
+
+
+def cascade_tail_cuda(module) -> Callable[..., torch.Tensor]:
+    """The kernel where it applies (fp16/bf16, head_dim 64/128/256, outputs in the query's dtype,
+    float32 log-sum-exps), the reference otherwise."""
+
+    def run(
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tree_visible: torch.Tensor,
+        prefix_length: torch.Tensor,
+        prefix_outs: torch.Tensor,
+        prefix_lses: torch.Tensor,
+        offsets: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        usable = (
+            query.dtype in (torch.float16, torch.bfloat16)
+            and query.shape[-1] in (64, 128, 256)
+            and prefix_outs.dtype == query.dtype
+            and prefix_outs.stride(-1) == 1
+            and prefix_lses.dtype == torch.float32
+            and keys.stride(-1) == 1
+            and keys.stride(1) == keys.shape[-1]
+            and values.stride() == keys.stride()
+        )
+        arguments = (query, keys, values, tree_visible, prefix_length, prefix_outs, prefix_lses, offsets)
+        if not usable:
+            return cascade_tail_reference(*arguments, scale)
+        return module.cascade_tail(
+            query.contiguous(),
+            keys,
+            values,
+            tree_visible.contiguous(),
+            prefix_length.to(torch.int64),
+            prefix_outs,
+            prefix_lses,
+            offsets.to(torch.int32).contiguous(),
+            scale,
+        )
+
+    return run

@@ -190,6 +190,9 @@ CUDA_ATTENTION_CHOICES = ("auto", "kernel", "flash_cascade")
 # bf16) the cascade's verify cost 1.37-1.40x the kernel's at 4K keys (T = 64, 128) and 0.93x / 0.80x
 # at 102K; by the two contexts' slopes they cross near 36K keys for T = 128 and 70K for T = 64.
 CASCADE_MIN_WORK = 128 * 36 * 1024
+# `kernel`: the cascade's tree block and merge through src/cascade_tail.cu (one launch per layer instead
+# of ~25 small ops); `torch` (default until a GPU has checked the kernel): the PyTorch ops
+CASCADE_TAIL_ENV = "TOKENSWIFT_CASCADE_TAIL"
 FUSED_ELEMENTWISE_ENV = (
     "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1` (default): fewer, fused kernels per layer on CUDA
 )
@@ -273,6 +276,10 @@ def choose_attention_kernel(
         cascade_problem = flash_cascade_problem(dtype, config.head_dim, device)
         if cascade_problem is None:
             model.use_flash_cascade(CASCADE_MIN_WORK if wanted == "auto" else 0, tree_kernel)
+            tail = os.environ.get(CASCADE_TAIL_ENV, "torch")
+            if tail not in ("torch", "kernel"):
+                raise ValueError(f"{CASCADE_TAIL_ENV} must be `torch` or `kernel`, got {tail!r}")
+            model.cascade_fused_tail = tail == "kernel"
             return
         if wanted == "flash_cascade":  # asked for by name: say why not
             warnings.warn(

@@ -282,6 +282,7 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
                 str(root / "src" / "rms_norm.cu"),
                 str(root / "src" / "rotary.cu"),
                 str(root / "src" / "silu_mul.cu"),
+                str(root / "src" / "cascade_tail.cu"),
             ],
             extra_include_paths=[str(root / "include")],
             extra_cflags=["-O3"],
@@ -304,6 +305,9 @@ def load_cuda_kernels(verbose: bool = False) -> KernelStatus:
     add_rms_norm.register_kernel("cuda")(_add_rms_norm_cuda(module))
     rotary_qk.register_kernel("cuda")(_rotary_qk_cuda(module))
     silu_mul.register_kernel("cuda")(_silu_mul_cuda(module))
+    from .cascade import cascade_tail, cascade_tail_cuda  # cascade.py imports this module
+
+    cascade_tail.register_kernel("cuda")(cascade_tail_cuda(module))
     return KernelStatus(True, "", module)
 
 

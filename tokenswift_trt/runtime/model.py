@@ -128,6 +128,7 @@ class AttentionMask:
     prefix_length: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     splits: int = 1
+    fused_tail: bool = False  # flash_cascade: the tree block and merge as one op (`cascade.cascade_tail`)
 
 
 @dataclass
@@ -239,7 +240,7 @@ class Attention(nn.Module):
         elif mask.kernel == "flash_cascade":
             assert mask.prefix_length is not None
             out = cascade.flash_cascade_attention(
-                q, keys, values, mask.mask, mask.prefix_length, scale, mask.splits
+                q, keys, values, mask.mask, mask.prefix_length, scale, mask.splits, mask.fused_tail
             )
         else:
             assert mask.bias is not None
@@ -395,6 +396,7 @@ class LlamaModel(nn.Module):
         # this (`use_flash_cascade`); below it `cascade_fallback` runs (0: always the cascade)
         self.cascade_min_work = 0
         self.cascade_fallback = "sdpa"
+        self.cascade_fused_tail = False  # its tree block and merge as one op (`cascade.cascade_tail`)
         self._packed_masks: dict[
             tuple[int, bytes], torch.Tensor
         ] = {}  # CPU kernel: packed tree masks by bits
@@ -581,7 +583,7 @@ class LlamaModel(nn.Module):
         processors = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
         group_rows = count * (c.num_heads // c.num_kv_heads)
         splits = cascade.flash_splits(group_rows, c.num_kv_heads, capacity, processors)
-        return AttentionMask("flash_cascade", tree, prefix, splits=splits)
+        return AttentionMask("flash_cascade", tree, prefix, splits=splits, fused_tail=self.cascade_fused_tail)
 
     def _attention_mask(
         self,

@@ -132,4 +132,37 @@ struct SiluMulParams {
 
 cudaError_t silu_mul(const SiluMulParams& params, cudaStream_t stream);
 
+// The FlashAttention cascade's tree block and log-sum-exp merge (src/cascade_tail.cu; runtime/cascade.py):
+// per packed row (node t of query head h), attention over the tree's own keys at [prefix, prefix + T) of
+// the cache through the ancestor mask, merged with the prefix block's per-range outputs and
+// log-sum-exps; fp32 inside, the output rounded once.
+struct CascadeTailParams {
+    DataType dtype = DataType::kBFloat16;
+    const void* query = nullptr;         // [num_heads, num_tokens, head_dim], contiguous
+    const void* keys = nullptr;          // cache [num_kv_heads, capacity, head_dim], rows contiguous
+    const void* values = nullptr;        // same layout as keys
+    int64_t cache_head_stride = 0;       // elements between KV heads (keys and values alike)
+    const bool* tree_visible = nullptr;  // [num_tokens, num_tokens], contiguous: node i may see node j
+    const int64_t* prefix_length = nullptr;  // device scalar: committed keys; the tree's start
+    const void* prefix_out = nullptr;    // [splits, num_kv_heads, rows, head_dim], element strides below
+    int64_t out_split_stride = 0;
+    int64_t out_head_stride = 0;
+    int64_t out_row_stride = 0;
+    const float* prefix_lse = nullptr;   // [splits, num_kv_heads, rows], element strides below
+    int64_t lse_split_stride = 0;
+    int64_t lse_head_stride = 0;
+    int64_t lse_row_stride = 0;
+    const int32_t* offsets = nullptr;    // [splits + 1] key-range bounds: a range with equal bounds is empty
+    void* out = nullptr;                 // [num_heads, num_tokens, head_dim], contiguous
+    int32_t num_heads = 0;
+    int32_t num_kv_heads = 0;
+    int32_t num_tokens = 0;              // T; rows = num_heads / num_kv_heads * T
+    int32_t head_dim = 0;                // 64, 128 or 256
+    int32_t splits = 0;
+    float scale = 0.0f;
+};
+
+bool cascade_tail_supports(int32_t head_dim);
+cudaError_t cascade_tail(const CascadeTailParams& params, cudaStream_t stream);
+
 }  // namespace tokenswift

@@ -1,7 +1,8 @@
 // Torch bindings of the CUDA kernels. runtime/kernels.py compiles this file with
 // torch.utils.cpp_extension and registers the functions as the CUDA implementations of
 // torch.ops.tokenswift.tree_attention, torch.ops.tokenswift.kv_importance_select,
-// torch.ops.tokenswift.add_rms_norm, torch.ops.tokenswift.rotary_qk and torch.ops.tokenswift.silu_mul.
+// torch.ops.tokenswift.add_rms_norm, torch.ops.tokenswift.rotary_qk, torch.ops.tokenswift.silu_mul and
+// torch.ops.tokenswift.cascade_tail.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -259,6 +260,73 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     return out;
 }
 
+// The cascade's tree block and merge: query [heads, T, D] (contiguous), the layer's cache keys/values
+// [kv_heads, capacity, D], tree_visible [T, T] bool, prefix_length 0-d int64, the prefix block's
+// outputs [splits, kv_heads, rows, D] (query dtype, last dim contiguous) and log-sum-exps [splits,
+// kv_heads, rows] (float32), offsets [splits + 1] int32 -> [heads, T, D].
+at::Tensor cascade_tail(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                        const at::Tensor& tree_visible, const at::Tensor& prefix_length, const at::Tensor& prefix_out,
+                        const at::Tensor& prefix_lse, const at::Tensor& offsets, double scale) {
+    TORCH_CHECK(query.is_cuda() && query.dim() == 3 && query.is_contiguous(),
+                "query must be a contiguous CUDA tensor [heads, T, head_dim]");
+    check_cache(keys, "keys");
+    check_cache(values, "values");
+    check_like(keys, query, "keys", false);
+    check_like(values, keys, "values", true);
+    TORCH_CHECK(keys.stride(0) == values.stride(0), "keys and values must share their head stride");
+    const int64_t heads = query.size(0), tokens = query.size(1), kv_heads = keys.size(0);
+    TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of the KV heads");
+    TORCH_CHECK(tokens <= keys.size(1), "more tree tokens than cache slots");
+    TORCH_CHECK(tokenswift::cascade_tail_supports(static_cast<int32_t>(query.size(2))), "head_dim must be 64, 128 or 256");
+    TORCH_CHECK(tree_visible.scalar_type() == at::kBool && tree_visible.is_contiguous() && tree_visible.dim() == 2 &&
+                    tree_visible.size(0) == tokens && tree_visible.size(1) == tokens,
+                "tree_visible must be a contiguous bool tensor [T, T]");
+    TORCH_CHECK(prefix_length.scalar_type() == at::kLong && prefix_length.numel() == 1, "prefix_length must be 0-d int64");
+    const int64_t rows = heads / kv_heads * tokens;
+    const int64_t splits = prefix_out.size(0);
+    TORCH_CHECK(prefix_out.dim() == 4 && prefix_out.size(1) == kv_heads && prefix_out.size(2) == rows &&
+                    prefix_out.stride(3) == 1,
+                "prefix_out must be [splits, kv_heads, rows, head_dim] with a contiguous last dimension");
+    check_like(prefix_out, query, "prefix_out", false);
+    TORCH_CHECK(prefix_lse.scalar_type() == at::kFloat && prefix_lse.dim() == 3 && prefix_lse.size(0) == splits &&
+                    prefix_lse.size(1) == kv_heads && prefix_lse.size(2) == rows,
+                "prefix_lse must be float32 [splits, kv_heads, rows]");
+    TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.is_contiguous() && offsets.numel() == splits + 1,
+                "offsets must be contiguous int32 [splits + 1]");
+    for (const at::Tensor* tensor : {&tree_visible, &prefix_length, &prefix_out, &prefix_lse, &offsets}) {
+        TORCH_CHECK(tensor->device() == query.device(), "every input must be on ", query.device());
+    }
+    const c10::cuda::CUDAGuard guard(query.device());
+    at::Tensor out = at::empty(query.sizes(), query.options());
+    tokenswift::CascadeTailParams params;
+    params.dtype = element_type(query);
+    params.query = query.data_ptr();
+    params.keys = keys.data_ptr();
+    params.values = values.data_ptr();
+    params.cache_head_stride = keys.stride(0);
+    params.tree_visible = tree_visible.data_ptr<bool>();
+    params.prefix_length = prefix_length.data_ptr<int64_t>();
+    params.prefix_out = prefix_out.data_ptr();
+    params.out_split_stride = prefix_out.stride(0);
+    params.out_head_stride = prefix_out.stride(1);
+    params.out_row_stride = prefix_out.stride(2);
+    params.prefix_lse = prefix_lse.data_ptr<float>();
+    params.lse_split_stride = prefix_lse.stride(0);
+    params.lse_head_stride = prefix_lse.stride(1);
+    params.lse_row_stride = prefix_lse.stride(2);
+    params.offsets = offsets.data_ptr<int32_t>();
+    params.out = out.data_ptr();
+    params.num_heads = static_cast<int32_t>(heads);
+    params.num_kv_heads = static_cast<int32_t>(kv_heads);
+    params.num_tokens = static_cast<int32_t>(tokens);
+    params.head_dim = static_cast<int32_t>(query.size(2));
+    params.splits = static_cast<int32_t>(splits);
+    params.scale = static_cast<float>(scale);
+    const cudaError_t status = tokenswift::cascade_tail(params, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(status == cudaSuccess, "tokenswift cascade_tail failed: ", cudaGetErrorString(status));
+    return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -272,4 +340,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (see runtime/kernels.py)");
     module.def("rotary_qk", &rotary_qk, "rotary embedding of queries and keys (see runtime/kernels.py)");
     module.def("silu_mul", &silu_mul, "SiLU(gate) * up of a packed gate-up product (see runtime/kernels.py)");
+    module.def("cascade_tail", &cascade_tail, "the FlashAttention cascade's tree block and merge (runtime/cascade.py)");
 }
