@@ -318,7 +318,7 @@ def cascade_tail(
 def _cascade_tail_shape(
     query, keys, values, tree_visible, prefix_length, prefix_outs, prefix_lses, offsets, scale
 ):
-    return torch.empty_like(query)
+    return query.new_empty(query.shape)  # contiguous, as the kernel's
 
 
 def cascade_tail_cuda(module) -> Callable[..., torch.Tensor]:
@@ -345,6 +345,8 @@ def cascade_tail_cuda(module) -> Callable[..., torch.Tensor]:
             and keys.stride(-1) == 1
             and keys.stride(1) == keys.shape[-1]
             and values.stride() == keys.stride()
+            and tree_visible.dtype == torch.bool
+            and all(t.device == query.device for t in (keys, values, tree_visible, prefix_length, offsets))
         )
         arguments = (query, keys, values, tree_visible, prefix_length, prefix_outs, prefix_lses, offsets)
         if not usable:

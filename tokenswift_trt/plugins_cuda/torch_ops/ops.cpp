@@ -283,9 +283,9 @@ at::Tensor cascade_tail(const at::Tensor& query, const at::Tensor& keys, const a
                 "tree_visible must be a contiguous bool tensor [T, T]");
     TORCH_CHECK(prefix_length.scalar_type() == at::kLong && prefix_length.numel() == 1, "prefix_length must be 0-d int64");
     const int64_t rows = heads / kv_heads * tokens;
+    TORCH_CHECK(prefix_out.dim() == 4, "prefix_out must be [splits, kv_heads, rows, head_dim]");
     const int64_t splits = prefix_out.size(0);
-    TORCH_CHECK(prefix_out.dim() == 4 && prefix_out.size(1) == kv_heads && prefix_out.size(2) == rows &&
-                    prefix_out.stride(3) == 1,
+    TORCH_CHECK(prefix_out.size(1) == kv_heads && prefix_out.size(2) == rows && prefix_out.stride(3) == 1,
                 "prefix_out must be [splits, kv_heads, rows, head_dim] with a contiguous last dimension");
     check_like(prefix_out, query, "prefix_out", false);
     TORCH_CHECK(prefix_lse.scalar_type() == at::kFloat && prefix_lse.dim() == 3 && prefix_lse.size(0) == splits &&
