@@ -285,6 +285,51 @@ def test_cascade_tail_kernel_matches_its_reference_and_replays_in_a_graph(dtype,
     assert ((static_out.float() - expected).norm() / expected.norm()) <= 2e-3
 
 
+def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(llama_dir, monkeypatch):
+    """What `choose_attention_kernel` gives a CUDA engine where FlashAttention can run (both probes,
+    our own functions, stubbed to a GPU's answers): `auto` = the cascade above the threshold and the
+    tree kernel below; without the tree kernel, the cascade for every tree (SDPA over the whole
+    capacity is no fallback) with a warning; `kernel` never; the fused tail only when asked for, and a
+    bad value refused before the model changes."""
+    from tokenswift_trt.runtime import engine as engine_module
+    from tokenswift_trt.runtime.engine import CASCADE_MIN_WORK, CASCADE_TAIL_ENV, KernelFallbackWarning
+
+    from conftest import quiet_load
+
+    model = quiet_load(llama_dir[0]).model
+    config = type("C", (), {"head_dim": 64})()
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(engine_module, "flash_cascade_problem", lambda dtype, head_dim, device: None)
+    monkeypatch.setattr(kernels, "shared_memory_problem", lambda status, head_dim, device: None)
+    built = kernels.KernelStatus(loaded=True, reason="")
+    monkeypatch.setattr(kernels, "load_cuda_kernels", lambda: built)
+    monkeypatch.delenv(CUDA_ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(CASCADE_TAIL_ENV, raising=False)
+    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    assert (model.attention_kernel, model.cascade_min_work) == ("flash_cascade", CASCADE_MIN_WORK)
+    assert model.cascade_fallback == "tree_attention" and not model.cascade_fused_tail
+    monkeypatch.setenv(CASCADE_TAIL_ENV, "kernel")
+    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    assert model.cascade_fused_tail and "fused tail" in model.attention_summary()
+    monkeypatch.setenv(CUDA_ATTENTION_ENV, "kernel")
+    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    assert model.attention_kernel == "tree_attention"
+    monkeypatch.setenv(CUDA_ATTENTION_ENV, "auto")
+    monkeypatch.setattr(kernels, "load_cuda_kernels", lambda: kernels.KernelStatus(False, "no nvcc"))
+    with pytest.warns(KernelFallbackWarning, match="no nvcc"):
+        choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    assert (model.attention_kernel, model.cascade_min_work, model.cascade_fallback) == (
+        "flash_cascade",
+        0,
+        "sdpa",
+    )
+    monkeypatch.setenv(CASCADE_TAIL_ENV, "fast")
+    model.use_attention_kernel("sdpa")
+    with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_TAIL must be"):
+        choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    assert model.attention_kernel == "sdpa"
+
+
 def test_the_flash_cascade_is_chosen_by_environment_and_refused_where_it_cannot_run(monkeypatch):
     assert "float16/bfloat16" in flash_cascade_problem(torch.float32, 128, torch.device("cpu"))
     assert "head_dim" in flash_cascade_problem(torch.bfloat16, 100, torch.device("cpu"))

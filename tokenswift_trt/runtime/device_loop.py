@@ -286,6 +286,8 @@ class DeviceLoop:
         # one captured iteration per attention route (`LlamaModel.cascade_route`), chosen by the host
         # from the committed length it has read (one iteration late: a few tokens behind)
         self.graphs: dict[bool | None, object] = {}
+        # one memory pool for them: they never run at once and write only buffers made outside them
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.known_count = len(state.tokens)
         self.replays = 0
 
@@ -439,7 +441,7 @@ class DeviceLoop:
         for tensor, before in zip(written, saved):
             tensor.copy_(before)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records the iteration without running it
+        with torch.cuda.graph(graph, pool=self.pool):  # records the iteration without running it
             self.step(route)
         return graph
 

@@ -271,14 +271,22 @@ def choose_attention_kernel(
         problem = (
             kernels.shared_memory_problem(status, config.head_dim, device) if status.loaded else status.reason
         )
-    tree_kernel = "tree_attention" if problem is None else "sdpa"
+    tail = os.environ.get(CASCADE_TAIL_ENV, "torch")
+    if tail not in ("torch", "kernel"):
+        raise ValueError(f"{CASCADE_TAIL_ENV} must be `torch` or `kernel`, got {tail!r}")
     if wanted != "kernel":
         cascade_problem = flash_cascade_problem(dtype, config.head_dim, device)
         if cascade_problem is None:
-            model.use_flash_cascade(CASCADE_MIN_WORK if wanted == "auto" else 0, tree_kernel)
-            tail = os.environ.get(CASCADE_TAIL_ENV, "torch")
-            if tail not in ("torch", "kernel"):
-                raise ValueError(f"{CASCADE_TAIL_ENV} must be `torch` or `kernel`, got {tail!r}")
+            if problem is None:  # the tree kernel below the threshold (measured against it)
+                model.use_flash_cascade(CASCADE_MIN_WORK if wanted == "auto" else 0, "tree_attention")
+            else:  # SDPA over the whole capacity would be the fallback: the cascade for every tree instead
+                warnings.warn(
+                    f"tree-attention kernel not used ({problem}); trees verify through the FlashAttention "
+                    "cascade",
+                    KernelFallbackWarning,
+                    stacklevel=3,
+                )
+                model.use_flash_cascade(0, "sdpa")
             model.cascade_fused_tail = tail == "kernel"
             return
         if wanted == "flash_cascade":  # asked for by name: say why not

@@ -443,11 +443,16 @@ class LlamaModel(nn.Module):
 
     def attention_summary(self) -> str:
         """What verifies, for bench records: the kernel, and for the cascade where it applies."""
-        if self.attention_kernel != "flash_cascade" or self.cascade_min_work == 0:
+        if self.attention_kernel != "flash_cascade":
             return self.attention_kernel
-        return f"flash_cascade where T x keys >= {self.cascade_min_work}, else {self.cascade_fallback}"
+        name = "flash_cascade, fused tail" if self.cascade_fused_tail else "flash_cascade"
+        if self.cascade_min_work == 0:
+            return name
+        return f"{name} where T x keys >= {self.cascade_min_work}, else {self.cascade_fallback}"
 
     def use_attention_kernel(self, kernel: str) -> None:
+        """Switch the attention kernel (ATTENTION_KERNELS). "flash_cascade" keeps the cascade's threshold
+        and fallback as `use_flash_cascade` last set them (0 and SDPA unless set: every tree)."""
         if kernel not in ATTENTION_KERNELS:
             raise ValueError(
                 f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}"
