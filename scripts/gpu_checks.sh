@@ -126,7 +126,7 @@ EOF"
         ;;
     variants)  # the cascade's and the fused kernels' GPU tests, then the variants' steps in one process
         stage variants 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
-            tests/runtime/test_fused_elementwise.py && $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
+            tests/runtime/test_fused_elementwise.py tests/runtime/test_triton_prefix.py; $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
             --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"
         ;;
     iteration)  # where the device loop's iteration goes, phase by phase, at 4K and 98K (setup, replay, labels)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -292,7 +294,12 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     capacity is no fallback) with a warning; `kernel` never; the fused tail only when asked for, and a
     bad value refused before the model changes."""
     from tokenswift_trt.runtime import engine as engine_module
-    from tokenswift_trt.runtime.engine import CASCADE_MIN_WORK, CASCADE_TAIL_ENV, KernelFallbackWarning
+    from tokenswift_trt.runtime.engine import (
+        CASCADE_MIN_WORK,
+        CASCADE_PREFIX_ENV,
+        CASCADE_TAIL_ENV,
+        KernelFallbackWarning,
+    )
 
     from conftest import quiet_load
 
@@ -305,12 +312,25 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     monkeypatch.setattr(kernels, "load_cuda_kernels", lambda: built)
     monkeypatch.delenv(CUDA_ATTENTION_ENV, raising=False)
     monkeypatch.delenv(CASCADE_TAIL_ENV, raising=False)
+    monkeypatch.delenv(CASCADE_PREFIX_ENV, raising=False)
     choose_attention_kernel(model, config, torch.bfloat16, cuda)
     assert (model.attention_kernel, model.cascade_min_work) == ("flash_cascade", CASCADE_MIN_WORK)
     assert model.cascade_fallback == "tree_attention" and not model.cascade_fused_tail
     monkeypatch.setenv(CASCADE_TAIL_ENV, "kernel")
     choose_attention_kernel(model, config, torch.bfloat16, cuda)
     assert model.cascade_fused_tail and "fused tail" in model.attention_summary()
+    monkeypatch.setenv(CASCADE_PREFIX_ENV, "triton")  # our Triton prefix block: where Triton is installed
+    if importlib.util.find_spec("triton") is None:
+        with pytest.warns(KernelFallbackWarning, match="needs Triton"):
+            choose_attention_kernel(model, config, torch.bfloat16, cuda)
+        assert model.cascade_prefix == "flash"
+    else:
+        choose_attention_kernel(model, config, torch.bfloat16, cuda)
+        assert model.cascade_prefix == "triton" and "triton prefix" in model.attention_summary()
+    monkeypatch.setenv(CASCADE_PREFIX_ENV, "cutlass")
+    with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_PREFIX must be"):
+        choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    monkeypatch.delenv(CASCADE_PREFIX_ENV)
     monkeypatch.setenv(CUDA_ATTENTION_ENV, "kernel")
     choose_attention_kernel(model, config, torch.bfloat16, cuda)
     assert model.attention_kernel == "tree_attention"

@@ -163,11 +163,18 @@ def _flash_prefix_raw(
     prefix_length: torch.Tensor,
     scale: float,
     splits: int,
+    backend: str = "flash",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prefix block as the flash op returns it: (outputs [splits, kv_heads, R, D] in its dtype,
-    log-sum-exps [splits, kv_heads, R] with +inf for an empty range, offsets [splits + 1])."""
+    """The prefix block as its kernel returns it: (outputs [splits, kv_heads, R, D] in its dtype,
+    log-sum-exps [splits, kv_heads, R] with +inf (flash) or -inf (triton) for an empty range, offsets
+    [splits + 1]). `backend`: "flash" (PyTorch's FlashAttention on CUDA, the CPU flash op range by
+    range elsewhere) or "triton" (`triton_prefix.prefix_block`, our own kernel)."""
     offsets = split_offsets(prefix_length, splits)  # [splits + 1]
-    if rows.is_cuda:
+    if backend == "triton":
+        from .triton_prefix import prefix_block  # Triton comes with CUDA builds of PyTorch only
+
+        outs, lses = prefix_block(rows, keys, values, offsets, scale, splits)
+    elif rows.is_cuda:
         outs, lses = _flash_varlen(rows, keys, values, offsets, scale, splits)
     else:
         outs, lses = _flash_ranges_cpu(rows, keys, values, offsets, scale)
@@ -245,14 +252,16 @@ def flash_cascade_attention(
     scale: float,
     splits: int,
     fused_tail: bool = False,
+    prefix_backend: str = "flash",
 ) -> torch.Tensor:
     """Tree attention as a cascade whose prefix block runs through FlashAttention (`flash_prefix_block`)
     and whose tree block and merge are `attend_partial` / `merge_stacked` (`fused_tail`: one op for
-    both, `cascade_tail`, a kernel of our own on CUDA) -> [heads, T, D] in the query's dtype. Every
-    shape is fixed by T, the capacity and `splits`: it can be captured."""
+    both, `cascade_tail`, a kernel of our own on CUDA; `prefix_backend` "triton": the prefix block
+    through our Triton kernel, `triton_prefix`) -> [heads, T, D] in the query's dtype. Every shape is
+    fixed by T, the capacity and `splits`: it can be captured."""
     kv_heads = keys.shape[0]
     rows = pack_group_rows(query, kv_heads)  # [kv_heads, group·T, D]
-    outs, lses, offsets = _flash_prefix_raw(rows, keys, values, prefix_length, scale, splits)
+    outs, lses, offsets = _flash_prefix_raw(rows, keys, values, prefix_length, scale, splits, prefix_backend)
     tail = cascade_tail if fused_tail else cascade_tail_reference
     return tail(
         query.contiguous(),

@@ -6,6 +6,7 @@ weight is used; tensors are read through safetensors' memory map onto a meta-ini
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -193,6 +194,9 @@ CASCADE_MIN_WORK = 128 * 36 * 1024
 # `kernel`: the cascade's tree block and merge through src/cascade_tail.cu (one launch per layer instead
 # of ~25 small ops); `torch` (default until a GPU has checked the kernel): the PyTorch ops
 CASCADE_TAIL_ENV = "TOKENSWIFT_CASCADE_TAIL"
+# `triton`: the cascade's prefix block through our Triton kernel (runtime/triton_prefix.py) instead of
+# PyTorch's FlashAttention-2 (`flash`, the default until a GPU has measured it)
+CASCADE_PREFIX_ENV = "TOKENSWIFT_CASCADE_PREFIX"
 FUSED_ELEMENTWISE_ENV = (
     "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1` (default): fewer, fused kernels per layer on CUDA
 )
@@ -274,6 +278,19 @@ def choose_attention_kernel(
     tail = os.environ.get(CASCADE_TAIL_ENV, "torch")
     if tail not in ("torch", "kernel"):
         raise ValueError(f"{CASCADE_TAIL_ENV} must be `torch` or `kernel`, got {tail!r}")
+    prefix = os.environ.get(CASCADE_PREFIX_ENV, "flash")
+    if prefix not in ("flash", "triton"):
+        raise ValueError(f"{CASCADE_PREFIX_ENV} must be `flash` or `triton`, got {prefix!r}")
+    if prefix == "triton" and (
+        importlib.util.find_spec("triton") is None or config.head_dim not in (32, 64, 128)
+    ):
+        warnings.warn(
+            f"{CASCADE_PREFIX_ENV}=triton needs Triton (it comes with CUDA builds of PyTorch) and head_dim "
+            f"32, 64 or 128 (this model's: {config.head_dim}); the prefix block runs through FlashAttention",
+            KernelFallbackWarning,
+            stacklevel=3,
+        )
+        prefix = "flash"
     if wanted != "kernel":
         cascade_problem = flash_cascade_problem(dtype, config.head_dim, device)
         if cascade_problem is None:
@@ -288,6 +305,7 @@ def choose_attention_kernel(
                 )
                 model.use_flash_cascade(0, "sdpa")
             model.cascade_fused_tail = tail == "kernel"
+            model.cascade_prefix = prefix
             return
         if wanted == "flash_cascade":  # asked for by name: say why not
             warnings.warn(

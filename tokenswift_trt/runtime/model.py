@@ -129,6 +129,7 @@ class AttentionMask:
     bias: torch.Tensor | None = None
     splits: int = 1
     fused_tail: bool = False  # flash_cascade: the tree block and merge as one op (`cascade.cascade_tail`)
+    prefix_backend: str = "flash"  # flash_cascade: the prefix block's kernel, "flash" or "triton"
 
 
 @dataclass
@@ -240,7 +241,15 @@ class Attention(nn.Module):
         elif mask.kernel == "flash_cascade":
             assert mask.prefix_length is not None
             out = cascade.flash_cascade_attention(
-                q, keys, values, mask.mask, mask.prefix_length, scale, mask.splits, mask.fused_tail
+                q,
+                keys,
+                values,
+                mask.mask,
+                mask.prefix_length,
+                scale,
+                mask.splits,
+                mask.fused_tail,
+                mask.prefix_backend,
             )
         else:
             assert mask.bias is not None
@@ -397,6 +406,7 @@ class LlamaModel(nn.Module):
         self.cascade_min_work = 0
         self.cascade_fallback = "sdpa"
         self.cascade_fused_tail = False  # its tree block and merge as one op (`cascade.cascade_tail`)
+        self.cascade_prefix = "flash"  # its prefix block's kernel: "flash" or "triton" (`triton_prefix`)
         self._packed_masks: dict[
             tuple[int, bytes], torch.Tensor
         ] = {}  # CPU kernel: packed tree masks by bits
@@ -445,7 +455,8 @@ class LlamaModel(nn.Module):
         """What verifies, for bench records: the kernel, and for the cascade where it applies."""
         if self.attention_kernel != "flash_cascade":
             return self.attention_kernel
-        name = "flash_cascade, fused tail" if self.cascade_fused_tail else "flash_cascade"
+        name = "flash_cascade" + (", triton prefix" if self.cascade_prefix == "triton" else "")
+        name += ", fused tail" if self.cascade_fused_tail else ""
         if self.cascade_min_work == 0:
             return name
         return f"{name} where T x keys >= {self.cascade_min_work}, else {self.cascade_fallback}"
@@ -588,7 +599,14 @@ class LlamaModel(nn.Module):
         processors = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
         group_rows = count * (c.num_heads // c.num_kv_heads)
         splits = cascade.flash_splits(group_rows, c.num_kv_heads, capacity, processors)
-        return AttentionMask("flash_cascade", tree, prefix, splits=splits, fused_tail=self.cascade_fused_tail)
+        return AttentionMask(
+            "flash_cascade",
+            tree,
+            prefix,
+            splits=splits,
+            fused_tail=self.cascade_fused_tail,
+            prefix_backend=self.cascade_prefix,
+        )
 
     def _attention_mask(
         self,

@@ -1,0 +1,127 @@
+"""The cascade's prefix block as a Triton kernel (runtime/triton_prefix.py): through Triton's
+interpreter on the CPU where Triton is installed, and compiled on a GPU where there is one."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tokenswift_trt.runtime import kernels
+from tokenswift_trt.runtime.cascade import _flash_ranges_cpu, flash_cascade_attention, split_offsets
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:  # Triton reads this when it is first imported
+    os.environ["TRITON_INTERPRET"] = "1"  # no GPU: its interpreter runs the kernel on CPU tensors
+pytest.importorskip("triton", reason="Triton comes with CUDA builds of PyTorch; this environment has none")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(
+    ON_GPU or not INTERPRETED, reason="Triton's interpreter (no GPU, Triton imported after this module)"
+)
+
+
+def _case(kv_heads: int, rows: int, capacity: int, prefix: int, dim: int, dtype, device, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    packed = torch.randn(kv_heads, rows, dim, generator=generator).to(device, dtype)
+    keys = (torch.randn(kv_heads, capacity, dim, generator=generator) * 2).to(device, dtype)
+    values = torch.randn(kv_heads, capacity, dim, generator=generator).to(device, dtype)
+    keys[:, prefix:] = 1e4  # past the committed keys: junk that would dominate any softmax reading it
+    return packed, keys, values
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "kv_heads,rows,capacity,prefix,splits,dim",
+    [
+        (2, 28, 300, 250, 3, 64),  # rows not a multiple of the row block
+        (2, 130, 200, 190, 2, 64),  # two row blocks of 128
+        (1, 8, 40, 3, 6, 64),  # fewer committed keys than ranges: empty ranges
+        (1, 16, 64, 0, 2, 128),  # nothing committed
+    ],
+)
+def test_triton_prefix_block_equals_the_flash_ranges_in_the_interpreter(
+    kv_heads, rows, capacity, prefix, splits, dim
+):
+    from tokenswift_trt.runtime.triton_prefix import prefix_block
+
+    packed, keys, values = _case(kv_heads, rows, capacity, prefix, dim, torch.float32, "cpu", rows + prefix)
+    offsets = split_offsets(torch.tensor(prefix), splits)
+    outs, lses = prefix_block(packed, keys, values, offsets, 0.125, splits)
+    expected_outs, expected_lses = _flash_ranges_cpu(packed, keys, values, offsets, 0.125)
+    present = offsets[1:] > offsets[:-1]
+    assert outs.shape == expected_outs.shape and lses.shape == expected_lses.shape
+    torch.testing.assert_close(outs[present], expected_outs[present], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lses[present], expected_lses[present], rtol=1e-5, atol=1e-5)
+    assert (outs[~present] == 0).all() and (lses[~present] == float("-inf")).all()
+
+
+@interpreter
+def test_the_cascade_through_the_triton_prefix_equals_one_masked_attention():
+    """The whole cascade with its prefix block through the kernel (interpreted) and the tail as
+    PyTorch ops and as the one op: the reference tree attention over the committed keys and the tree."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, count, prefix, capacity = 8, 2, 6, 150, 180
+    query = torch.randn(heads, count, 64, generator=generator)
+    keys = torch.randn(kv_heads, capacity, 64, generator=generator)
+    values = torch.randn(kv_heads, capacity, 64, generator=generator)
+    tree = torch.eye(count, dtype=torch.bool)
+    tree[1:, 0] = True  # a root and its five children
+    expected = kernels.tree_attention_reference(
+        query, keys[:, : prefix + count], values[:, : prefix + count], kernels.pack_tree_mask(tree), 0.125
+    )
+    for fused_tail in (False, True):
+        got = flash_cascade_attention(
+            query, keys, values, tree, torch.tensor(prefix), 0.125, 3, fused_tail, prefix_backend="triton"
+        )
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernel needs a CUDA GPU")
+@pytest.mark.parametrize("count,prefix,splits", [(64, 100_000, 17), (128, 4_000, 8), (7, 2, 4)])
+def test_triton_prefix_block_on_cuda_matches_fp32_and_replays_in_a_graph(count, prefix, splits):
+    """bf16 on the GPU against the fp32 CPU ranges (relative error <= 1e-2), a poisoned output block,
+    then one captured graph replayed at a second committed length (offsets computed on the device)."""
+    from tokenswift_trt.runtime.triton_prefix import prefix_block
+
+    kv_heads, rows = 8, 4 * count
+    packed, keys, values = _case(kv_heads, rows, prefix + 200, prefix, 128, torch.bfloat16, "cuda", count)
+    length = torch.tensor(prefix, device="cuda")
+
+    def expected(committed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = split_offsets(torch.tensor(committed), splits)
+        return _flash_ranges_cpu(
+            packed.float().cpu(), keys.float().cpu(), values.float().cpu(), offsets, 0.088
+        )
+
+    poison = torch.full((splits, kv_heads, rows, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    del poison  # freed: the kernel's output likely reuses the block
+    outs, lses = prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits)
+    want_outs, want_lses = expected(prefix)
+    present = (
+        split_offsets(torch.tensor(prefix), splits)[1:] > split_offsets(torch.tensor(prefix), splits)[:-1]
+    )
+    got = outs.float().cpu()[present]
+    assert torch.isfinite(got).all()
+    assert ((got - want_outs[present]).norm() / want_outs[present].norm()) <= 1e-2
+    torch.testing.assert_close(lses.cpu()[present], want_lses[present].float(), rtol=1e-3, atol=1e-2)
+    static_outs = torch.zeros_like(outs)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits)  # compiled, warm
+        with torch.cuda.graph(graph, stream=stream):
+            static_outs.copy_(
+                prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits)[0]
+            )
+    moved = max(1, prefix // 2)
+    length.fill_(moved)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_outs, _ = expected(moved)
+    present = split_offsets(torch.tensor(moved), splits)
+    present = present[1:] > present[:-1]
+    got = static_outs.float().cpu()[present]
+    assert ((got - want_outs[present]).norm() / want_outs[present].norm()) <= 1e-2

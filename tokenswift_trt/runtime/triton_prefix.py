@@ -1,0 +1,150 @@
+"""The FlashAttention cascade's prefix block as a Triton kernel (`TOKENSWIFT_CASCADE_PREFIX=triton`).
+
+What it computes is `cascade._flash_varlen`'s: the packed rows of each KV head ([kv_heads, R, D],
+R = group x T) attend without a mask to the committed keys, cut into `splits` consecutive ranges
+whose bounds (`offsets`, [splits + 1] int32) live on the device; per range, every row's output
+normalised within it and the log-sum-exp of its scores. Why a kernel of our own: PyTorch's
+FlashAttention-2 ran this block at ~170-250 TFLOP/s on an H200 (docs/gpu.md, "H200, fourth session"),
+while Triton lowers `tl.dot` to Hopper's wgmma and pipelines the key tiles' loads; and the grid
+(row block, KV head, range) reads each range's keys for all of a head's rows in adjacent programs.
+
+Imported only when that backend is chosen (Triton ships with CUDA builds of PyTorch, not the CPU
+build). With TRITON_INTERPRET=1 set before this module is imported, the kernel runs on CPU tensors
+through Triton's interpreter: that is how it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1 / math.log(2)  # the kernel divides by the same constant
+HEAD_DIMS = (32, 64, 128)  # a row block's accumulator [128, D] fp32 stays in registers
+
+
+@triton.jit
+def _prefix_kernel(
+    rows_ptr,
+    keys_ptr,
+    values_ptr,
+    out_ptr,
+    lse_ptr,
+    offsets_ptr,
+    stride_rows_head,
+    stride_rows_row,
+    stride_keys_head,
+    stride_keys_key,
+    stride_values_head,
+    stride_values_key,
+    stride_out_split,
+    stride_out_head,
+    stride_out_row,
+    stride_lse_split,
+    stride_lse_head,
+    row_count,
+    scale_log2,  # softmax scale x log2(e): scores in base 2
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    row_block = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    start = tl.load(offsets_ptr + split)
+    end = tl.load(offsets_ptr + split + 1)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < row_count
+    query = tl.load(
+        rows_ptr + head * stride_rows_head + rows[:, None] * stride_rows_row + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )  # [BLOCK_M, D]
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for first in range(start, end, BLOCK_N):
+        keys = first + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        key_tile = tl.load(
+            keys_ptr + head * stride_keys_head + keys[None, :] * stride_keys_key + dims[:, None],
+            mask=key_ok[None, :],
+            other=0.0,
+        )  # [D, BLOCK_N]
+        scores = tl.dot(query, key_tile) * scale_log2  # [BLOCK_M, BLOCK_N] fp32
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        next_top = tl.maximum(top, tl.max(scores, 1))  # finite: a tile holds at least one key
+        shrink = tl.exp2(top - next_top)
+        weights = tl.exp2(scores - next_top[:, None])
+        total = total * shrink + tl.sum(weights, 1)
+        value_tile = tl.load(
+            values_ptr + head * stride_values_head + keys[:, None] * stride_values_key + dims[None, :],
+            mask=key_ok[:, None],
+            other=0.0,
+        )  # [BLOCK_N, D]
+        acc = acc * shrink[:, None] + tl.dot(weights.to(value_tile.dtype), value_tile)
+        top = next_top
+    seen = total > 0.0  # an empty range: no key, zeros and a log-sum-exp of -inf
+    out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, (top + tl.log2(tl.where(seen, total, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(
+        out_ptr
+        + split * stride_out_split
+        + head * stride_out_head
+        + rows[:, None] * stride_out_row
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    tl.store(lse_ptr + split * stride_lse_split + head * stride_lse_head + rows, lse, mask=row_ok)
+
+
+def prefix_block(
+    rows: torch.Tensor,  # [kv_heads, R, D], last dim contiguous
+    keys: torch.Tensor,  # [kv_heads, capacity, D], last dim contiguous
+    values: torch.Tensor,  # [kv_heads, capacity, D], last dim contiguous
+    offsets: torch.Tensor,  # [splits + 1] int32 on the keys' device
+    scale: float,
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (outputs [splits, kv_heads, R, D] in the rows' dtype, log-sum-exps [splits, kv_heads, R]
+    in float32, -inf and zeros for an empty range). No host read: it can be captured."""
+    kv_heads, count, dim = rows.shape
+    if dim not in HEAD_DIMS or rows.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError(
+            f"the Triton prefix block takes head_dim {HEAD_DIMS} with contiguous rows, got {dim}"
+        )
+    out = rows.new_empty(splits, kv_heads, count, dim)
+    lse = torch.empty(splits, kv_heads, count, dtype=torch.float32, device=rows.device)
+    block_m = 128 if count > 64 else 64
+    grid = (triton.cdiv(count, block_m), kv_heads, splits)
+    _prefix_kernel[grid](
+        rows,
+        keys,
+        values,
+        out,
+        lse,
+        offsets,
+        rows.stride(0),
+        rows.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        count,
+        scale * LOG2E,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        HEAD_DIM=dim,
+        num_warps=8 if block_m == 128 else 4,
+        num_stages=3,
+    )
+    return out, lse
