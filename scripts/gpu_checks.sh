@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
-#                                                      divergence e2e e2e-100k e2e-100k-k4 compile-4k cascade fused variants iteration e2e-paper
+#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 compile-4k cascade fused variants iteration e2e-paper
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -101,6 +101,12 @@ EOF"
             --tree 3,3,3 --device-loop --gen-len 1024 --prefix-len 4096,98304 --interleave 512 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-100k"
         ;;
+    e2e-curve)  # the iteration at four prompt lengths; bench models a 94K-token generation from 4K from them
+        stage e2e-curve 420 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
+            --tree 3,3,3 --ngram-topk 4 --device-loop --gen-len 512 --prefix-len 4096,32768,65536,98304 \
+            --interleave 256 --no-extras --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 \
+            --out "$OUT_DIR/e2e-curve"
+        ;;
     e2e-100k-k4)  # the same with 4 n-gram branches: 52 slots (bucket 64) instead of 100 (bucket 128)
         stage e2e-100k-k4 300 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
             --tree 3,3,3 --ngram-topk 4 --device-loop --gen-len 1024 --prefix-len 4096,98304 --interleave 512 \
@@ -137,6 +143,6 @@ EOF"
             --tree 1,3,3,3 --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-100k-k4 compile-4k cascade fused variants iteration e2e-paper)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 compile-4k cascade fused variants iteration e2e-paper)"; exit 2 ;;
     esac
 done

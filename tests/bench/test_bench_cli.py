@@ -20,7 +20,7 @@ from tokenswift_trt.bench.run import (
 )
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.cli.bench import measured_iteration_times
+from tokenswift_trt.cli.bench import measured_iteration_times, modeled_long_run
 from tokenswift_trt.runtime.autotune import AR_PLAN, Plan
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats
 from tokenswift_trt.runtime.sampling import SamplingConfig
@@ -258,17 +258,41 @@ def test_a_snapshots_decode_time_per_iteration_leaves_the_prefill_out():
     assert times["iteration_over_ar_step"] == 2.5 and times["modeled_speedup"] == pytest.approx(1.6)
 
 
+def test_a_long_run_is_modeled_from_the_times_measured_at_each_prompt_length():
+    # AR 10 -> 20 ms per token, an iteration 20 -> 80 ms, from a 1,000- to a 3,000-token context
+    rows = [
+        {"prefix_len": 3000, "ar_ms_per_token": 20.0, "tokenswift_ms_per_iteration": 80.0},
+        {"prefix_len": 1000, "ar_ms_per_token": 10.0, "tokenswift_ms_per_iteration": 20.0},
+        {"prefix_len": 2000, "ar_ms_per_token": 15.0, "tokenswift_ms_per_iteration": 40.0},
+    ]
+    run = modeled_long_run(rows, 4.0)
+    assert (run["from_context"], run["to_context"], run["tokens"]) == (1000, 3000, 2000)
+    assert run["ar_s"] == pytest.approx(1000 * 0.0125 + 1000 * 0.0175)  # 30 s
+    assert run["tokenswift_s"] == pytest.approx((1000 * 0.030 + 1000 * 0.060) / 4)  # 22.5 s
+    assert run["modeled_speedup"] == pytest.approx(30 / 22.5, rel=1e-3)
+    assert modeled_long_run(rows[:1], 4.0) is None  # one prompt length: nothing to integrate
+
+
 def test_bench_times_a_model_shape_with_random_weights_and_models_the_speedup(tmp_path):
     """`bench --random-weights`: whole generations of a preset's shape with no checkpoint or text
     (on a GPU: the 8B shape end to end); the row's times are the measured ones, and the modeled
     speedup is what an iteration of that cost gives at --accept-length tokens."""
     args = ["bench", "--model", "swift-tiny", "--random-weights", "--tree", "1,3", "--gen-len", "24,40"]
-    args += ["--prefix-len", "16", "--no-extras", "--accept-length", "3", "--out", str(tmp_path / "rw")]
+    args += ["--prefix-len", "16,32", "--no-extras", "--accept-length", "3", "--out", str(tmp_path / "rw")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "rw" / "bench.json").read_text())
     assert report["meta"]["random_weights"] and report["meta"]["accept_length"] == 3
-    assert [row["gen_len"] for row in report["rows"]] == [24, 40]
+    assert [(row["prefix_len"], row["gen_len"]) for row in report["rows"]] == [
+        (16, 24),
+        (16, 40),
+        (32, 24),
+        (32, 40),
+    ]
+    assert (
+        report["meta"]["modeled_long_run"]["tokens"] == 16
+        and "modeled generation of 16 tokens" in result.stdout
+    )
     for row in report["rows"]:
         assert row["tokens_equal_ar"]
         # the times are decoding's alone: the prompt's prefill (seconds at a 100K prompt) is left out

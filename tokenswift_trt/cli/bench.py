@@ -151,10 +151,14 @@ def bench(
     steps = engine.model
     if getattr(steps, "torch_model", None) is steps:  # a PyTorch engine: what its steps ran
         meta.update(attention=steps.attention_summary(), fused_elementwise=steps.fused_elementwise)
+    long_run = None
     if random_weights:
         meta.update(model=model, random_weights=True, accept_length=accept_length)
         for row in rows:
             row.update(measured_iteration_times(row, accept_length))
+        long_run = modeled_long_run(rows, accept_length)
+        if long_run is not None:  # e.g. --prefix-len 4096,32768,65536,98304: a ~100K-token generation
+            meta["modeled_long_run"] = long_run
     written = write_results(rows, out, meta)
     columns = [
         "prefix_len",
@@ -187,6 +191,12 @@ def bench(
     click.echo(" | ".join(columns))
     for row in rows:
         click.echo(" | ".join(str(row[c]) for c in columns))
+    if long_run is not None:
+        click.echo(
+            f"modeled generation of {long_run['tokens']} tokens from a {long_run['from_context']}-token "
+            f"prompt (linear between the measured prompt lengths, {accept_length} tokens per iteration): AR "
+            f"{long_run['ar_s']} s, TokenSwift {long_run['tokenswift_s']} s, {long_run['modeled_speedup']}x"
+        )
     if not all(row["tokens_equal_ar"] for row in rows):
         click.echo(unequal_tokens_note(opts["device"], str(engine.dtype)), err=True)
     click.echo("wrote " + ", ".join(str(p) for p in written))
@@ -244,6 +254,29 @@ def measured_iteration_times(row: dict, accept_length: float) -> dict:
         "tokenswift_ms_per_iteration": round(iteration_ms, 3),
         "iteration_over_ar_step": round(iteration_ms / ar_ms, 3),
         "modeled_speedup": round(accept_length * ar_ms / iteration_ms, 3),
+    }
+
+
+def modeled_long_run(rows: list[dict], accept_length: float) -> dict | None:
+    """A generation from the shortest measured prompt to the longest, modeled from the rows' measured
+    times at each prompt length (linear between them): each new token costs AR one step at its context,
+    and TokenSwift 1 / `accept_length` of an iteration there. None with fewer than two prompt lengths."""
+    by_context = sorted({row["prefix_len"]: row for row in rows}.items())
+    if len(by_context) < 2:
+        return None
+    ar_s = tokenswift_s = 0.0
+    for (start, low), (end, high) in zip(by_context, by_context[1:]):
+        tokens = end - start  # the mean of a linear cost over the span: the mean of its ends
+        ar_s += tokens * (low["ar_ms_per_token"] + high["ar_ms_per_token"]) / 2e3
+        iteration = (low["tokenswift_ms_per_iteration"] + high["tokenswift_ms_per_iteration"]) / 2e3
+        tokenswift_s += tokens * iteration / accept_length
+    return {
+        "from_context": by_context[0][0],
+        "to_context": by_context[-1][0],
+        "tokens": by_context[-1][0] - by_context[0][0],
+        "ar_s": round(ar_s, 2),
+        "tokenswift_s": round(tokenswift_s, 2),
+        "modeled_speedup": round(ar_s / tokenswift_s, 3),
     }
 
 
