@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
-#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 compile-4k cascade fused variants iteration e2e-paper
+#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 compile-4k cascade fused variants iteration invariant e2e-paper
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -87,6 +87,11 @@ EOF"
     syncs)
         stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
         ;;
+    invariant)  # bf16 with batch-invariant products and norms: how far TokenSwift's tokens now follow AR's; their cost
+        stage invariant 400 bash -c "TOKENSWIFT_BATCH_INVARIANT=1 $PYTHON scripts/ar_divergence.py --device cuda \
+            --dtypes bfloat16 --tokens 512 && $PYTHON scripts/gpu_variants_ab.py --contexts 4096 --tree-sizes 1,64 \
+            --variants kernel+fused,kernel+fused+invariant --rounds 2 --out $OUT_DIR/invariant"
+        ;;
     divergence)  # where TokenSwift's tokens part from AR's per dtype (bf16 verify vs 1-token steps round differently)
         stage divergence 400 bash -c "$PYTHON scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512 \
             && $PYTHON scripts/ar_divergence.py --device cuda --dtypes bfloat16 --tokens 512 --full-precision-reductions"
@@ -132,7 +137,8 @@ EOF"
         ;;
     variants)  # the cascade's and the fused kernels' GPU tests, then the variants' steps in one process
         stage variants 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
-            tests/runtime/test_fused_elementwise.py tests/runtime/test_triton_prefix.py; $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
+            tests/runtime/test_fused_elementwise.py tests/runtime/test_triton_prefix.py tests/runtime/test_triton_linear.py; \
+            $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
             --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"
         ;;
     iteration)  # where the device loop's iteration goes, phase by phase, at 4K and 98K (setup, replay, labels)
@@ -143,6 +149,6 @@ EOF"
             --tree 1,3,3,3 --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 compile-4k cascade fused variants iteration e2e-paper)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
     esac
 done

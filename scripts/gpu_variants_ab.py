@@ -9,7 +9,8 @@ FlashAttention cascade for every step, `auto`: the cascade where T x keys >= eng
 and the kernel elsewhere, as CUDA engines run by default, `sdpa`) with `+fused` for the fused
 elementwise kernels and packed products (`LlamaModel.use_fused_elementwise`) and `+tail` for the
 cascade's tree block and merge as one kernel (`TOKENSWIFT_CASCADE_TAIL=kernel`), `+triton` for its
-prefix block through our Triton kernel (`TOKENSWIFT_CASCADE_PREFIX=triton`). One random-weights
+prefix block through our Triton kernel (`TOKENSWIFT_CASCADE_PREFIX=triton`), `+invariant` for
+batch-invariant products and norms (`TOKENSWIFT_BATCH_INVARIANT=1`). One random-weights
 engine serves them all (the same weights, caches and GPU state); the variants take turns in every
 round, the order reversed every other round, and each step's figure is the median over rounds of
 `bench-steps`' own timing (CUDA-graph replays on a GPU). Prints a table of ms per step and each
@@ -38,16 +39,20 @@ from tokenswift_trt.runtime.engine import CASCADE_MIN_WORK, flash_cascade_proble
 ATTENTION = ("kernel", "flash_cascade", "auto", "sdpa")
 
 
-def parse_variant(text: str) -> tuple[str, bool, bool, bool]:
-    """`attention[+fused][+tail][+triton]` -> (attention, fused elementwise kernels, the cascade's fused
-    tail, its prefix block through the Triton kernel)."""
+EXTRAS = ("fused", "tail", "triton", "invariant")
+
+
+def parse_variant(text: str) -> tuple[str, set[str]]:
+    """`attention[+fused][+tail][+triton][+invariant]` -> (attention, extras): fused elementwise
+    kernels, the cascade's fused tail, its prefix block through the Triton kernel, batch-invariant
+    products and norms."""
     attention, *extras = text.split("+")
-    if attention not in ATTENTION or any(extra not in ("fused", "tail", "triton") for extra in extras):
+    if attention not in ATTENTION or any(extra not in EXTRAS for extra in extras):
         raise SystemExit(
-            f"variant {text!r}: an attention kernel ({', '.join(ATTENTION)}) with optional +fused, +tail, "
-            "+triton"
+            f"variant {text!r}: an attention kernel ({', '.join(ATTENTION)}) with optional "
+            + ", ".join("+" + extra for extra in EXTRAS)
         )
-    return attention, "fused" in extras, "tail" in extras, "triton" in extras
+    return attention, set(extras)
 
 
 def main() -> None:
@@ -70,7 +75,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     sizes = [int(t) for t in args.tree_sizes.split(",")]
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    if any(attention in ("flash_cascade", "auto") for attention, *_ in variants) and device.type == "cuda":
+    if any(attention in ("flash_cascade", "auto") for attention, _ in variants) and device.type == "cuda":
         problem = flash_cascade_problem(dtype, 128, device)
         if problem is not None:
             raise SystemExit(f"flash_cascade cannot run here: {problem}")
@@ -90,20 +95,17 @@ def main() -> None:
     floors: dict[tuple[int, str], float] = {}
     for round_index in range(args.rounds):
         order = variants if round_index % 2 == 0 else variants[::-1]
-        for attention, fused, tail, triton in order:
-            name = (
-                attention
-                + ("+fused" if fused else "")
-                + ("+tail" if tail else "")
-                + ("+triton" if triton else "")
-            )
+        for attention, extras in order:
+            name = attention + "".join("+" + extra for extra in EXTRAS if extra in extras)
+            fused = "fused" in extras
             if attention in ("flash_cascade", "auto"):  # every tree / wide trees over long contexts
                 fallback = default_kernel if default_kernel in ("tree_attention", "sdpa") else "sdpa"
                 model.use_flash_cascade(0 if attention == "flash_cascade" else auto_work, fallback)
             else:
                 model.use_attention_kernel(default_kernel if attention == "kernel" else attention)
-            model.cascade_fused_tail = tail  # the cascade's tree block and merge as one kernel
-            model.cascade_prefix = "triton" if triton else "flash"  # its prefix block's kernel
+            model.cascade_fused_tail = "tail" in extras  # the cascade's tree block and merge as one kernel
+            model.cascade_prefix = "triton" if "triton" in extras else "flash"  # its prefix block's kernel
+            model.use_batch_invariant("invariant" in extras)  # products and norms row by row
             model.use_fused_elementwise(fused)  # packing stays once done; off runs the parts' views
             print(f"round {round_index + 1}: {name} ({model.attention_kernel})", file=sys.stderr, flush=True)
             if name in failed:

@@ -39,7 +39,12 @@ from tokenswift_trt.runtime.admission import GIB, available_bytes, plan_memory
 from tokenswift_trt.runtime.config import config_from_dict, load_config
 from tokenswift_trt.runtime.cpu_linear import pack_linears
 from tokenswift_trt.runtime.draft_layers import DraftLayers
-from tokenswift_trt.runtime.engine import Engine, choose_attention_kernel, choose_fused_elementwise
+from tokenswift_trt.runtime.engine import (
+    Engine,
+    choose_attention_kernel,
+    choose_batch_invariant,
+    choose_fused_elementwise,
+)
 from tokenswift_trt.runtime.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.runtime.model import LlamaModel
 from tokenswift_trt.runtime.static_step import StaticForward, bucket_for
@@ -130,6 +135,7 @@ def random_engine(
     draft_layers.eval()
     choose_attention_kernel(base, config, dtype, device)
     choose_fused_elementwise(base, dtype, device)
+    choose_batch_invariant(base, dtype, device)
     base.pack()  # CPU only, as load_engine does
     pack_linears(draft_layers, half=True)
     return Engine(config, base, draft_layers, False, dtype, device), str(dtype).removeprefix("torch.")

@@ -80,8 +80,22 @@ def tiled_kernels():
     return status.module if status.loaded else None
 
 
+def batch_invariant_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias) with a row's bits independent of how many rows come with it: on CUDA through
+    `triton_linear` (up to its MAX_ROWS rows; longer inputs, i.e. prefill, keep cuBLAS)."""
+    if x.is_cuda:
+        from . import triton_linear  # Triton ships with CUDA builds of PyTorch only
+
+        if triton_linear.takes(x, weight):
+            return triton_linear.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
-    """nn.Linear with an optional prepacked copy of its weight for CPU inference."""
+    """nn.Linear with an optional prepacked copy of its weight for CPU inference, and on CUDA an
+    optional batch-invariant product (`batch_invariant`, set by `LlamaModel.use_batch_invariant`)."""
+
+    batch_invariant = False
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None
@@ -105,6 +119,8 @@ class Linear(nn.Linear):
         return self._packed is not None and self._packed_from == _identity(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        if self.batch_invariant and x.is_cuda:
+            return batch_invariant_product(x, self.weight, self.bias)
         usable = self._packed is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
         # torch.compile traces the plain product (the compiler does its own packing and fusion)
         if not usable or not torch.is_inference_mode_enabled() or torch.compiler.is_compiling():

@@ -171,6 +171,7 @@ def load_engine(
     draft_layers.eval()
     choose_attention_kernel(model, config, dtype, device)
     choose_fused_elementwise(model, dtype, device)
+    choose_batch_invariant(model, dtype, device)
     model.pack()  # CPU only: oneDNN-prepacked, fused weights (cpu_linear.py)
     pack_linears(draft_layers, half=True)  # drafts never change the output: half the bytes per draft pass
     vocab = draft_layers.vocab
@@ -220,6 +221,28 @@ def choose_fused_elementwise(model: LlamaModel, dtype: torch.dtype, device: torc
         KernelFallbackWarning,
         stacklevel=3,
     )
+
+
+BATCH_INVARIANT_ENV = "TOKENSWIFT_BATCH_INVARIANT"  # `1`: products and norms row by row on CUDA
+
+
+def choose_batch_invariant(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
+    """With TOKENSWIFT_BATCH_INVARIANT=1 on CUDA: the base model's products through `triton_linear` and
+    its norms one block per row (`LlamaModel.use_batch_invariant`), so that a row's logits do not depend
+    on how many rows its step has. Off by default: not yet measured on a GPU, and attention still
+    differs between AR steps and verifies (docs/gpu.md, "Toward AR's tokens on the GPU in bf16")."""
+    if device.type != "cuda" or os.environ.get(BATCH_INVARIANT_ENV, "0") != "1":
+        return
+    status = kernels.load_cuda_kernels()
+    if importlib.util.find_spec("triton") is None or not status.loaded:
+        reason = "Triton is not installed" if status.loaded else status.reason
+        warnings.warn(
+            f"batch-invariant products not used ({reason}); cuBLAS and PyTorch's norms run",
+            KernelFallbackWarning,
+            stacklevel=3,
+        )
+        return
+    model.use_batch_invariant(True)
 
 
 def flash_cascade_problem(dtype: torch.dtype, head_dim: int, device: torch.device) -> str | None:

@@ -18,7 +18,7 @@ from torch import nn
 from . import cascade, kernels
 from .config import ModelConfig
 from .cpu_decoder import CpuDecoder
-from .cpu_linear import FusedLinears, Linear, pack_linears
+from .cpu_linear import FusedLinears, Linear, batch_invariant_product, pack_linears
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -152,6 +152,7 @@ class PackedProjection:
     weight: torch.Tensor  # [sum(out), in]
     bias: torch.Tensor | None  # [sum(out)]
     sizes: list[int]
+    batch_invariant: bool = False  # CUDA: the product through `triton_linear` (as `Linear.batch_invariant`)
 
     @classmethod
     def share(cls, parts: Sequence[nn.Linear]) -> PackedProjection:
@@ -171,6 +172,8 @@ class PackedProjection:
         return cls(weight, bias, sizes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and x.is_cuda:
+            return batch_invariant_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)  # [..., sum(out)]
 
 
@@ -179,8 +182,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.row_wise = False  # through the one-block-per-row kernel (`LlamaModel.use_batch_invariant`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_wise and x.is_cuda and x.dim() == 2:  # PyTorch's reduction may split a lone row
+            return kernels.add_rms_norm(x, None, self.weight, self.eps)[1]
         return kernels.rms_norm_reference(x, self.weight, self.eps)
 
 
@@ -401,6 +407,7 @@ class LlamaModel(nn.Module):
         self.attention_kernel = "sdpa"  # see ATTENTION_KERNELS; `use_attention_kernel` switches it
         self.cpu_decoder: CpuDecoder | None = None  # the compiled stack for a few CPU tokens (`pack`)
         self.fused_elementwise = False  # fewer, fused ops per layer (`use_fused_elementwise`)
+        self.batch_invariant = False  # CUDA products and norms row by row (`use_batch_invariant`)
         # the FlashAttention cascade for T query rows over `capacity` keys only where T * capacity >=
         # this (`use_flash_cascade`); below it `cascade_fallback` runs (0: always the cascade)
         self.cascade_min_work = 0
@@ -415,6 +422,22 @@ class LlamaModel(nn.Module):
     def torch_model(self) -> LlamaModel:
         return self
 
+    def use_batch_invariant(self, on: bool) -> None:
+        """On CUDA, every product of the base model and its LM head through `triton_linear` (up to 256
+        rows) and every RMSNorm one block per row: a row's bits then do not depend on how many rows a
+        step has, so an AR step and a verify compute the same logits but for attention (docs/gpu.md,
+        "Toward AR's tokens on the GPU in bf16"). Draft layers keep cuBLAS: drafts never change the output."""
+        self.batch_invariant = on
+        for module in [*self.model.modules(), self.lm_head]:
+            if isinstance(module, Linear):
+                module.batch_invariant = on
+            elif isinstance(module, RMSNorm):
+                module.row_wise = on
+        for layer in self.model.layers:
+            for packed in (layer.self_attn.qkv, layer.mlp.gate_up):
+                if packed is not None:
+                    packed.batch_invariant = on
+
     def use_fused_elementwise(self, on: bool) -> None:
         """Fewer, larger kernels per layer (#20, "AR at the floor"): residual add + RMSNorm, the q/k
         rotary embedding and SiLU·up as one op each (`kernels.add_rms_norm`, `.rotary_qk`, `.silu_mul`:
@@ -428,6 +451,7 @@ class LlamaModel(nn.Module):
             if on and attention.qkv is None:
                 attention.qkv = PackedProjection.share([attention.q_proj, attention.k_proj, attention.v_proj])
                 mlp.gate_up = PackedProjection.share([mlp.gate_proj, mlp.up_proj])
+                attention.qkv.batch_invariant = mlp.gate_up.batch_invariant = self.batch_invariant
             elif not on:
                 attention.qkv, mlp.gate_up = None, None
 
