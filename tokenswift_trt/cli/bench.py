@@ -150,7 +150,11 @@ def bench(
     }
     steps = engine.model
     if getattr(steps, "torch_model", None) is steps:  # a PyTorch engine: what its steps ran
-        meta.update(attention=steps.attention_summary(), fused_elementwise=steps.fused_elementwise)
+        meta.update(
+            attention=steps.attention_summary(),
+            fused_elementwise=steps.fused_elementwise,
+            batch_invariant=steps.batch_invariant,
+        )
     long_run = None
     if random_weights:
         meta.update(model=model, random_weights=True, accept_length=accept_length)
@@ -474,6 +478,7 @@ def bench_steps(
         "torch": torch.__version__,
         "attention_kernel": engine.model.torch_model.attention_summary(),
         "fused_elementwise": engine.model.torch_model.fused_elementwise,
+        "batch_invariant": engine.model.torch_model.batch_invariant,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "kv_budget": kv_budget,
         "step_repeats": step_repeats,
