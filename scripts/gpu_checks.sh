@@ -53,7 +53,8 @@ EOF"
             tests/plugins_cuda/test_cuda_kernels.py tests/runtime/test_static_step.py tests/runtime/test_sampling.py \
             tests/runtime/test_kernels.py tests/runtime/test_model.py tests/bench/test_kernel_bench.py \
             tests/bench/test_steps.py tests/runtime/test_kv_cache.py tests/runtime/test_transfer.py \
-            tests/runtime/test_device_loop.py tests/runtime/test_fused_elementwise.py tests/runtime/test_cascade.py
+            tests/runtime/test_device_loop.py tests/runtime/test_fused_elementwise.py tests/runtime/test_cascade.py \
+            tests/runtime/test_triton_prefix.py tests/runtime/test_triton_linear.py
         ;;
     kernels)
         stage kernels 100 "${CLI[@]}" bench-kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
