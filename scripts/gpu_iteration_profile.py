@@ -1,7 +1,7 @@
 """Where one device-loop iteration's time goes, phase by phase, at a few prompt lengths.
 
     python3 scripts/gpu_iteration_profile.py [--model llama3.1-8b] [--contexts 4096,98304]
-        [--tree 3,3,3] [--ngram-topk 20] [--iterations 16] [--out DIR]
+        [--tree 3,3,3] [--ngram-topk 20] [--iterations 16] [--kernels 25] [--out DIR]
 
 One random-weights engine (the bench's `--random-weights` shape); per context a random prompt of that
 length is prefilled and a `DeviceLoop` set up as `bench --device-loop` runs it. Reported per context:
@@ -94,6 +94,13 @@ def measure(engine, context: int, args: argparse.Namespace) -> dict[str, object]
         synchronize(device)
     eager_ms = (time.perf_counter() - started) * 1e3 / args.iterations
     phases = phase_times(prof, args.iterations, device.type == "cuda")
+    if args.kernels > 0:  # the operators and kernels that take the most time, to stderr beside the table
+        sort = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        try:
+            top = prof.key_averages().table(sort_by=sort, row_limit=args.kernels, max_name_column_width=70)
+        except (KeyError, ValueError, AttributeError):  # an older profiler's column names
+            top = prof.key_averages().table(row_limit=args.kernels)
+        print(f"context {context}, {args.iterations} eager iterations:\n{top}", file=sys.stderr, flush=True)
     replay_ms = None
     if device.type == "cuda":
         captured = DeviceLoop(engine, state, tree, args.ngram_topk, hidden, capture=True)
@@ -126,6 +133,9 @@ def main() -> None:
     parser.add_argument("--tree", default="3,3,3")
     parser.add_argument("--ngram-topk", type=int, default=20)
     parser.add_argument("--iterations", type=int, default=16)
+    parser.add_argument(
+        "--kernels", type=int, default=25, help="rows of the profiler's table per context (0: none)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
