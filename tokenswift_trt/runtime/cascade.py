@@ -25,6 +25,9 @@ import torch
 from .kernels import unpack_tree_mask
 
 CASCADE_TAIL_OP = "tokenswift::cascade_tail"
+# head sizes of the Triton prefix block (`triton_prefix`): a row block's accumulator [128, D] fp32 stays
+# in registers
+TRITON_PREFIX_HEAD_DIMS = (32, 64, 128)
 
 
 def pack_group_rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -148,27 +151,13 @@ def flash_prefix_block(
     prefix_length: torch.Tensor,  # 0-d integer tensor on the keys' device
     scale: float,
     splits: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows over the committed keys in `splits` ranges -> (outputs [splits, kv_heads, R, D] in fp32
-    or wider, each normalised within its range, log-sum-exps [splits, kv_heads, R], -inf for an empty
-    range). CUDA: FlashAttention's variable-length op; elsewhere the CPU flash op range by range."""
-    outs, lses, offsets = _flash_prefix_raw(rows, keys, values, prefix_length, scale, splits)
-    return _present_ranges(outs, lses, offsets)
-
-
-def _flash_prefix_raw(
-    rows: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    prefix_length: torch.Tensor,
-    scale: float,
-    splits: int,
     backend: str = "flash",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prefix block as its kernel returns it: (outputs [splits, kv_heads, R, D] in its dtype,
-    log-sum-exps [splits, kv_heads, R] with +inf (flash) or -inf (triton) for an empty range, offsets
-    [splits + 1]). `backend`: "flash" (PyTorch's FlashAttention on CUDA, the CPU flash op range by
-    range elsewhere) or "triton" (`triton_prefix.prefix_block`, our own kernel)."""
+    """The rows over the committed keys in `splits` ranges, as the kernel returns them: (outputs
+    [splits, kv_heads, R, D] in its dtype, each normalised within its range, log-sum-exps [splits,
+    kv_heads, R] with +inf (flash) or -inf (triton) for an empty range, offsets [splits + 1]).
+    `backend`: "flash" (PyTorch's FlashAttention on CUDA, the CPU flash op range by range elsewhere)
+    or "triton" (`triton_prefix.prefix_block`, our own kernel)."""
     offsets = split_offsets(prefix_length, splits)  # [splits + 1]
     if backend == "triton":
         from .triton_prefix import prefix_block  # Triton comes with CUDA builds of PyTorch only
@@ -261,7 +250,7 @@ def flash_cascade_attention(
     fixed by T, the capacity and `splits`: it can be captured."""
     kv_heads = keys.shape[0]
     rows = pack_group_rows(query, kv_heads)  # [kv_heads, group·T, D]
-    outs, lses, offsets = _flash_prefix_raw(rows, keys, values, prefix_length, scale, splits, prefix_backend)
+    outs, lses, offsets = flash_prefix_block(rows, keys, values, prefix_length, scale, splits, prefix_backend)
     tail = cascade_tail if fused_tail else cascade_tail_reference
     return tail(
         query.contiguous(),

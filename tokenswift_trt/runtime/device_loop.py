@@ -43,7 +43,6 @@ import torch
 from torch.profiler import record_function
 
 from .engine import Engine
-from .model import reads_root
 from .sampling import PositionKeyedRandom, position_gumbel_tensor
 from .stages import DecodeState
 from .static_step import bucket_for, compiled_forward, fixed_shape_forward
@@ -274,7 +273,6 @@ class DeviceLoop:
         self.count = torch.tensor(len(state.tokens), dtype=torch.long, device=device)  # committed tokens
         self.done = torch.zeros((), dtype=torch.bool, device=device)
         model, layers = engine.model, engine.draft_layers
-        self.root_conditioned = reads_root(layers)
         root = state.history[len(state.tokens) - 1 : len(state.tokens)]  # [1]: the root follows last_hidden
         self.draft_logits = model.draft_logits(last_hidden[None], layers, self.depth, root)[:, 0]  # [D, V]
         self.table = DeviceNgramTable(self.vocab, ngram_topk, device) if ngram_topk > 0 else None

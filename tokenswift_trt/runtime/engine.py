@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import kernels
+from . import cascade, kernels
 from .config import ModelConfig, load_config
 from .cpu_linear import pack_linears
 from .draft_layers import DraftLayers, DraftLayout, draft_key, draft_layout, read_heads_file
@@ -305,11 +305,12 @@ def choose_attention_kernel(
     if prefix not in ("flash", "triton"):
         raise ValueError(f"{CASCADE_PREFIX_ENV} must be `flash` or `triton`, got {prefix!r}")
     if prefix == "triton" and (
-        importlib.util.find_spec("triton") is None or config.head_dim not in (32, 64, 128)
+        importlib.util.find_spec("triton") is None or config.head_dim not in cascade.TRITON_PREFIX_HEAD_DIMS
     ):
         warnings.warn(
             f"{CASCADE_PREFIX_ENV}=triton needs Triton (it comes with CUDA builds of PyTorch) and head_dim "
-            f"32, 64 or 128 (this model's: {config.head_dim}); the prefix block runs through FlashAttention",
+            f"{cascade.TRITON_PREFIX_HEAD_DIMS} (this model's: {config.head_dim}); the prefix block runs "
+            "through FlashAttention",
             KernelFallbackWarning,
             stacklevel=3,
         )

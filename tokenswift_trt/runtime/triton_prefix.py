@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .cascade import TRITON_PREFIX_HEAD_DIMS
+
 LOG2E = 1 / math.log(2)  # the kernel divides by the same constant
-HEAD_DIMS = (32, 64, 128)  # a row block's accumulator [128, D] fp32 stays in registers
 
 
 @triton.jit
@@ -113,9 +114,15 @@ def prefix_block(
     """-> (outputs [splits, kv_heads, R, D] in the rows' dtype, log-sum-exps [splits, kv_heads, R]
     in float32, -inf and zeros for an empty range). No host read: it can be captured."""
     kv_heads, count, dim = rows.shape
-    if dim not in HEAD_DIMS or rows.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+    if (
+        dim not in TRITON_PREFIX_HEAD_DIMS
+        or rows.stride(-1) != 1
+        or keys.stride(-1) != 1
+        or values.stride(-1) != 1
+    ):
         raise ValueError(
-            f"the Triton prefix block takes head_dim {HEAD_DIMS} with contiguous rows, got {dim}"
+            f"the Triton prefix block takes head_dim {TRITON_PREFIX_HEAD_DIMS} with contiguous rows, "
+            f"got {dim}"
         )
     out = rows.new_empty(splits, kv_heads, count, dim)
     lse = torch.empty(splits, kv_heads, count, dtype=torch.float32, device=rows.device)
