@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
-#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 compile-4k cascade fused variants iteration invariant e2e-paper
+#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 e2e-picked compile-4k cascade fused variants iteration invariant e2e-paper
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -118,6 +118,15 @@ EOF"
             --tree 3,3,3 --ngram-topk 4 --device-loop --gen-len 1024 --prefix-len 4096,98304 --interleave 512 \
             --no-extras --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-100k-k4"
         ;;
+    e2e-picked)  # e2e-100k-k4 with the cascade switches and threshold the variants stage measured best
+        "$PYTHON" scripts/pick_cascade.py "$OUT_DIR/variants/variants.json" >"$OUT_DIR/picked.env" \
+            || echo "# nothing picked: defaults" >"$OUT_DIR/picked.env"
+        cat "$OUT_DIR/picked.env"
+        stage e2e-picked 300 bash -c "source $OUT_DIR/picked.env; ${CLI[*]} bench --model llama3.1-8b --random-weights \
+            --device cuda --dtype bfloat16 --tree 3,3,3 --ngram-topk 4 --device-loop --gen-len 1024 \
+            --prefix-len 4096,98304 --interleave 512 --no-extras --min-p 0.1 --penalty 1.2 --penalty-window 1024 \
+            --seed 1 --out $OUT_DIR/e2e-picked"
+        ;;
     compile-4k)  # eager and compiled steps side by side at 4K only (one context compiles in ~2-3 minutes)
         stage compile-4k 240 bash -c "for flags in '' --compile-steps; do ${CLI[*]} bench-steps --model llama3.1-8b \
             --device cuda --dtype bfloat16 --contexts 4096 --tree-sizes 1,64 --kv-budget 4096 \$flags \
@@ -143,13 +152,14 @@ EOF"
             --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"
         ;;
     iteration)  # where the device loop's iteration goes, phase by phase, at 4K and 98K (setup, replay, labels)
-        stage iteration 300 "$PYTHON" scripts/gpu_iteration_profile.py --contexts 4096,98304 --out "$OUT_DIR/iteration"
+        stage iteration 300 bash -c "if [ -f $OUT_DIR/picked.env ]; then source $OUT_DIR/picked.env; fi; \
+            $PYTHON scripts/gpu_iteration_profile.py --contexts 4096,98304 --out $OUT_DIR/iteration"
         ;;
     e2e-paper)  # the same with the paper's tree, drafted on the partial cache by the host loop
         stage e2e-paper 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
             --tree 1,3,3,3 --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 e2e-picked compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
     esac
 done

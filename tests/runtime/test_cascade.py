@@ -296,6 +296,7 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     from tokenswift_trt.runtime import engine as engine_module
     from tokenswift_trt.runtime.engine import (
         CASCADE_MIN_WORK,
+        CASCADE_MIN_WORK_ENV,
         CASCADE_PREFIX_ENV,
         CASCADE_TAIL_ENV,
         KernelFallbackWarning,
@@ -313,8 +314,16 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     monkeypatch.delenv(CUDA_ATTENTION_ENV, raising=False)
     monkeypatch.delenv(CASCADE_TAIL_ENV, raising=False)
     monkeypatch.delenv(CASCADE_PREFIX_ENV, raising=False)
+    monkeypatch.delenv(CASCADE_MIN_WORK_ENV, raising=False)
     choose_attention_kernel(model, config, torch.bfloat16, cuda)
     assert (model.attention_kernel, model.cascade_min_work) == ("flash_cascade", CASCADE_MIN_WORK)
+    monkeypatch.setenv(CASCADE_MIN_WORK_ENV, "1000")  # a threshold measured on another GPU
+    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    assert model.cascade_min_work == 1000
+    monkeypatch.setenv(CASCADE_MIN_WORK_ENV, "-5")
+    with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_MIN_WORK must be a positive integer"):
+        choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    monkeypatch.delenv(CASCADE_MIN_WORK_ENV)
     assert model.cascade_fallback == "tree_attention" and not model.cascade_fused_tail
     monkeypatch.setenv(CASCADE_TAIL_ENV, "kernel")
     choose_attention_kernel(model, config, torch.bfloat16, cuda)

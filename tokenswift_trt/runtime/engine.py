@@ -192,6 +192,7 @@ CUDA_ATTENTION_CHOICES = ("auto", "kernel", "flash_cascade")
 # bf16) the cascade's verify cost 1.37-1.40x the kernel's at 4K keys (T = 64, 128) and 0.93x / 0.80x
 # at 102K; by the two contexts' slopes they cross near 36K keys for T = 128 and 70K for T = 64.
 CASCADE_MIN_WORK = 128 * 36 * 1024
+CASCADE_MIN_WORK_ENV = "TOKENSWIFT_CASCADE_MIN_WORK"  # a positive integer overrides CASCADE_MIN_WORK
 # `kernel`: the cascade's tree block and merge through src/cascade_tail.cu (one launch per layer instead
 # of ~25 small ops); `torch` (default until a GPU has checked the kernel): the PyTorch ops
 CASCADE_TAIL_ENV = "TOKENSWIFT_CASCADE_TAIL"
@@ -315,11 +316,14 @@ def choose_attention_kernel(
             stacklevel=3,
         )
         prefix = "flash"
+    min_work = os.environ.get(CASCADE_MIN_WORK_ENV, str(CASCADE_MIN_WORK))
+    if not min_work.isdigit() or int(min_work) < 1:
+        raise ValueError(f"{CASCADE_MIN_WORK_ENV} must be a positive integer (T x keys), got {min_work!r}")
     if wanted != "kernel":
         cascade_problem = flash_cascade_problem(dtype, config.head_dim, device)
         if cascade_problem is None:
             if problem is None:  # the tree kernel below the threshold (measured against it)
-                model.use_flash_cascade(CASCADE_MIN_WORK if wanted == "auto" else 0, "tree_attention")
+                model.use_flash_cascade(int(min_work) if wanted == "auto" else 0, "tree_attention")
             else:  # SDPA over the whole capacity would be the fallback: the cascade for every tree instead
                 warnings.warn(
                     f"tree-attention kernel not used ({problem}); trees verify through the FlashAttention "
