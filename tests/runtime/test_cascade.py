@@ -291,7 +291,8 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     """What `choose_attention_kernel` gives a CUDA engine where FlashAttention can run (both probes,
     our own functions, stubbed to a GPU's answers): `auto` = the cascade above the threshold and the
     tree kernel below; without the tree kernel, the cascade for every tree (SDPA over the whole
-    capacity is no fallback) with a warning; `kernel` never; the fused tail only when asked for, and a
+    capacity is no fallback) with a warning; `kernel` never; the fused tail and the Triton prefix by
+    default (each switchable), TOKENSWIFT_CASCADE_MIN_WORK overriding the threshold, and a
     bad value refused before the model changes."""
     from tokenswift_trt.runtime import engine as engine_module
     from tokenswift_trt.runtime.engine import (
@@ -324,12 +325,21 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_MIN_WORK must be a positive integer"):
         choose_attention_kernel(model, config, torch.bfloat16, cuda)
     monkeypatch.delenv(CASCADE_MIN_WORK_ENV)
-    assert model.cascade_fallback == "tree_attention" and not model.cascade_fused_tail
+    # the fused tail and (where Triton is installed, quietly otherwise) the Triton prefix by default
+    assert model.cascade_fallback == "tree_attention" and model.cascade_fused_tail
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert model.cascade_prefix == ("triton" if has_triton else "flash")
+    monkeypatch.setenv(CASCADE_TAIL_ENV, "torch")
+    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    assert not model.cascade_fused_tail and "fused tail" not in model.attention_summary()
     monkeypatch.setenv(CASCADE_TAIL_ENV, "kernel")
     choose_attention_kernel(model, config, torch.bfloat16, cuda)
     assert model.cascade_fused_tail and "fused tail" in model.attention_summary()
-    monkeypatch.setenv(CASCADE_PREFIX_ENV, "triton")  # our Triton prefix block: where Triton is installed
-    if importlib.util.find_spec("triton") is None:
+    monkeypatch.setenv(CASCADE_PREFIX_ENV, "flash")
+    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    assert model.cascade_prefix == "flash"
+    monkeypatch.setenv(CASCADE_PREFIX_ENV, "triton")  # asked for by name: a warning where it cannot run
+    if not has_triton:
         with pytest.warns(KernelFallbackWarning, match="needs Triton"):
             choose_attention_kernel(model, config, torch.bfloat16, cuda)
         assert model.cascade_prefix == "flash"

@@ -188,16 +188,17 @@ def load_engine(
 
 CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `auto` (default), `kernel` or `flash_cascade`
 CUDA_ATTENTION_CHOICES = ("auto", "kernel", "flash_cascade")
-# `auto`: the cascade where T query rows x the committed keys reach this. On an H200 (8B shape,
-# bf16) the cascade's verify cost 1.37-1.40x the kernel's at 4K keys (T = 64, 128) and 0.93x / 0.80x
-# at 102K; by the two contexts' slopes they cross near 36K keys for T = 128 and 70K for T = 64.
-CASCADE_MIN_WORK = 128 * 36 * 1024
+# `auto`: the cascade where T query rows x the committed keys reach this. On an H200 (8B shape, bf16,
+# fifth session) the cascade with its fused tail and Triton prefix block crossed the tree kernel near
+# 5.6K keys for T = 64 and 8.1K for T = 128 (the mean of T x keys; the first cascade, FlashAttention-2's
+# prefix block and a tail of PyTorch ops, crossed near 70K / 36K).
+CASCADE_MIN_WORK = 697_536
 CASCADE_MIN_WORK_ENV = "TOKENSWIFT_CASCADE_MIN_WORK"  # a positive integer overrides CASCADE_MIN_WORK
-# `kernel`: the cascade's tree block and merge through src/cascade_tail.cu (one launch per layer instead
-# of ~25 small ops); `torch` (default until a GPU has checked the kernel): the PyTorch ops
+# `kernel` (default where our CUDA kernels built): the cascade's tree block and merge through
+# src/cascade_tail.cu (one launch per layer instead of ~25 small ops); `torch`: the PyTorch ops
 CASCADE_TAIL_ENV = "TOKENSWIFT_CASCADE_TAIL"
-# `triton`: the cascade's prefix block through our Triton kernel (runtime/triton_prefix.py) instead of
-# PyTorch's FlashAttention-2 (`flash`, the default until a GPU has measured it)
+# `triton` (default where Triton is installed, as in CUDA builds of PyTorch): the cascade's prefix block
+# through our Triton kernel (runtime/triton_prefix.py); `flash`: PyTorch's FlashAttention-2
 CASCADE_PREFIX_ENV = "TOKENSWIFT_CASCADE_PREFIX"
 FUSED_ELEMENTWISE_ENV = (
     "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1` (default): fewer, fused kernels per layer on CUDA
@@ -299,22 +300,23 @@ def choose_attention_kernel(
         problem = (
             kernels.shared_memory_problem(status, config.head_dim, device) if status.loaded else status.reason
         )
-    tail = os.environ.get(CASCADE_TAIL_ENV, "torch")
+    tail = os.environ.get(CASCADE_TAIL_ENV, "kernel")
     if tail not in ("torch", "kernel"):
         raise ValueError(f"{CASCADE_TAIL_ENV} must be `torch` or `kernel`, got {tail!r}")
-    prefix = os.environ.get(CASCADE_PREFIX_ENV, "flash")
+    prefix = os.environ.get(CASCADE_PREFIX_ENV, "triton")
     if prefix not in ("flash", "triton"):
         raise ValueError(f"{CASCADE_PREFIX_ENV} must be `flash` or `triton`, got {prefix!r}")
     if prefix == "triton" and (
         importlib.util.find_spec("triton") is None or config.head_dim not in cascade.TRITON_PREFIX_HEAD_DIMS
     ):
-        warnings.warn(
-            f"{CASCADE_PREFIX_ENV}=triton needs Triton (it comes with CUDA builds of PyTorch) and head_dim "
-            f"{cascade.TRITON_PREFIX_HEAD_DIMS} (this model's: {config.head_dim}); the prefix block runs "
-            "through FlashAttention",
-            KernelFallbackWarning,
-            stacklevel=3,
-        )
+        if CASCADE_PREFIX_ENV in os.environ:  # asked for by name: say why not (the default is quiet)
+            warnings.warn(
+                f"{CASCADE_PREFIX_ENV}=triton needs Triton (it comes with CUDA builds of PyTorch) and "
+                f"head_dim {cascade.TRITON_PREFIX_HEAD_DIMS} (this model's: {config.head_dim}); the prefix "
+                "block runs through FlashAttention",
+                KernelFallbackWarning,
+                stacklevel=3,
+            )
         prefix = "flash"
     min_work = os.environ.get(CASCADE_MIN_WORK_ENV, str(CASCADE_MIN_WORK))
     if not min_work.isdigit() or int(min_work) < 1:
