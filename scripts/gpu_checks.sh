@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
-#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 e2e-picked compile-4k cascade fused variants iteration invariant e2e-paper
+#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 e2e-picked smollm2 compile-4k cascade fused variants iteration invariant e2e-paper
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -127,6 +127,18 @@ EOF"
             --prefix-len 4096,98304 --interleave 512 --no-extras --min-p 0.1 --penalty 1.2 --penalty-window 1024 \
             --seed 1 --out $OUT_DIR/e2e-picked"
         ;;
+    smollm2)  # the SmolLM2 preset with its trained layers: real acceptance on the GPU (#20 item 4b). Needs the
+        # GGUF's parts in .gpu_carry/ (scripts/gpu_carry_smollm2.sh, one part per call, back to back)
+        stage smollm2 480 bash -c "if [ ! -f models/smollm2-135m/config.json ]; then \
+            cat .gpu_carry/smol.part* >/tmp/smol.gguf && PYTHONPATH=$PWD/.gpu_carry/py:\$PYTHONPATH $PYTHON -c \
+            'from tokenswift_trt.builder.gguf_import import import_gguf; from tokenswift_trt.builder.smollm2 \
+            import SMOLLM2_SHA256 as sha; import_gguf(\"/tmp/smol.gguf\", \"models/smollm2-135m\", force=True, \
+            expected_sha256=sha)' || exit 1; fi; for flags in '--tree 3,3,3 --device-loop' '--tree 3,3,3 --ngram-topk 4 \
+            --device-loop' ''; do ${CLI[*]} bench --model smollm2-135m --prompt-file .gpu_carry/book.txt \
+            --device cuda --dtype bfloat16 \$flags --gen-len 1024,4096 --prefix-len 512 --min-p 0.1 \
+            --penalty 1.2 --penalty-window 256 --seed 1 --ignore-eos --no-extras --interleave 512 \
+            --out $OUT_DIR/smollm2\${flags//[^a-z0-9]/}; done"
+        ;;
     compile-4k)  # eager and compiled steps side by side at 4K only (one context compiles in ~2-3 minutes)
         stage compile-4k 240 bash -c "for flags in '' --compile-steps; do ${CLI[*]} bench-steps --model llama3.1-8b \
             --device cuda --dtype bfloat16 --contexts 4096 --tree-sizes 1,64 --kv-budget 4096 \$flags \
@@ -160,6 +172,6 @@ EOF"
             --tree 1,3,3,3 --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 e2e-picked compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 e2e-picked smollm2 compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
     esac
 done
