@@ -20,5 +20,6 @@ rm -rf .gpu_carry && mkdir -p .gpu_carry/py
 split -b 30M -d -a 1 "$gguf" .gpu_carry/smol.part
 cp -r "$("$PY" -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')" .gpu_carry/py/
 cp "$BOOK" .gpu_carry/book.txt
-grep -qx '/.gpu_carry/' .git/info/exclude 2>/dev/null || echo '/.gpu_carry/' >>.git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # ignored, so that only `carry` takes it along
+grep -qx '/.gpu_carry/' "$exclude" 2>/dev/null || echo '/.gpu_carry/' >>"$exclude"
 ls -l .gpu_carry
