@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepares .gpu_carry/ for taking the SmolLM2 preset to a lent GPU (docs/gpu.md, "Taking SmolLM2 to a
-# lent GPU"): the installed GGUF in 30 MiB parts (a device call carries 64 MiB, the working tree ~28 of
+# lent GPU"): the installed GGUF in three parts of ~31 MiB (a device call carries 64 MiB, the working tree ~27 of
 # them), the `gguf` package (pure Python; the GPU image lacks it) and the held-out book for prompts.
 #
 #   bash scripts/gpu_carry_smollm2.sh
@@ -17,7 +17,7 @@ gguf=$("$PY" -c "from tokenswift_trt.builder.smollm2 import find_smollm2_gguf; p
     || { echo "the SmolLM2 GGUF is not installed: run make models"; exit 1; }
 [ -f "$BOOK" ] || { echo "$BOOK not found: set BOOK to a text file to cut prompts from"; exit 1; }
 rm -rf .gpu_carry && mkdir -p .gpu_carry/py
-split -b 30M -d -a 1 "$gguf" .gpu_carry/smol.part
+split -n 3 -d -a 1 "$gguf" .gpu_carry/smol.part
 cp -r "$("$PY" -c 'import gguf, os; print(os.path.dirname(gguf.__file__))')" .gpu_carry/py/
 cp "$BOOK" .gpu_carry/book.txt
 exclude=$(git rev-parse --git-path info/exclude)  # ignored, so that only `carry` takes it along
