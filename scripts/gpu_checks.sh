@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
-#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 e2e-picked smollm2 compile-4k cascade fused variants iteration invariant e2e-paper
+#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 prefix-sweep e2e-picked smollm2 compile-4k cascade fused variants iteration invariant e2e-paper
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -118,9 +118,16 @@ EOF"
             --tree 3,3,3 --ngram-topk 4 --device-loop --gen-len 1024 --prefix-len 4096,98304 --interleave 512 \
             --no-extras --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-100k-k4"
         ;;
+    prefix-sweep)  # the Triton prefix block's launches (tiles, warps, stages) side by side; the best -> prefix.env
+        stage prefix-sweep 300 "$PYTHON" scripts/triton_prefix_sweep.py --out "$OUT_DIR/prefix-sweep"
+        grep '^export TOKENSWIFT_CASCADE_PREFIX=' "$OUT_DIR/prefix-sweep.log" >"$OUT_DIR/prefix.env" || true
+        ;;
     e2e-picked)  # e2e-100k-k4 with the cascade switches and threshold the variants stage measured best
         "$PYTHON" scripts/pick_cascade.py "$OUT_DIR/variants/variants.json" >"$OUT_DIR/picked.env" \
             || echo "# nothing picked: defaults" >"$OUT_DIR/picked.env"
+        if grep -q 'CASCADE_PREFIX=triton' "$OUT_DIR/picked.env" && [ -s "$OUT_DIR/prefix.env" ]; then
+            cat "$OUT_DIR/prefix.env" >>"$OUT_DIR/picked.env"  # the sweep's launch for the Triton prefix
+        fi
         cat "$OUT_DIR/picked.env"
         stage e2e-picked 300 bash -c "source $OUT_DIR/picked.env; ${CLI[*]} bench --model llama3.1-8b --random-weights \
             --device cuda --dtype bfloat16 --tree 3,3,3 --ngram-topk 4 --device-loop --gen-len 1024 \
@@ -172,6 +179,6 @@ EOF"
             --tree 1,3,3,3 --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 e2e-picked smollm2 compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 prefix-sweep e2e-picked smollm2 compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
     esac
 done

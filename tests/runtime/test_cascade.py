@@ -346,9 +346,14 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     else:
         choose_attention_kernel(model, config, torch.bfloat16, cuda)
         assert model.cascade_prefix == "triton" and "triton prefix" in model.attention_summary()
-    monkeypatch.setenv(CASCADE_PREFIX_ENV, "cutlass")
-    with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_PREFIX must be"):
+    monkeypatch.setenv(CASCADE_PREFIX_ENV, "triton:128,128,8,4")  # a launch the sweep measured best
+    if has_triton:
         choose_attention_kernel(model, config, torch.bfloat16, cuda)
+        assert model.cascade_prefix == "triton:128,128,8,4"
+    for bad in ("cutlass", "triton:100,64,8,3", "triton:128,64"):
+        monkeypatch.setenv(CASCADE_PREFIX_ENV, bad)
+        with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_PREFIX must be"):
+            choose_attention_kernel(model, config, torch.bfloat16, cuda)
     monkeypatch.delenv(CASCADE_PREFIX_ENV)
     monkeypatch.setenv(CUDA_ATTENTION_ENV, "kernel")
     choose_attention_kernel(model, config, torch.bfloat16, cuda)
@@ -478,3 +483,23 @@ def test_flash_cascade_in_bfloat16_stays_within_bf16_error_of_the_fp32_reference
     )
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert (got.float() - expected).norm() / expected.norm() <= 1e-2
+
+
+def test_prefix_backends_and_launches_parse_and_bad_ones_say_what_is_allowed():
+    from tokenswift_trt.runtime.cascade import PrefixConfig, default_prefix_config, parse_prefix_backend
+
+    assert parse_prefix_backend("flash") == ("flash", None)
+    assert parse_prefix_backend("triton") == ("triton", None)
+    assert parse_prefix_backend("triton:64,128,4,2") == ("triton", PrefixConfig(64, 128, 4, 2))
+    assert PrefixConfig(64, 128, 4, 2).text() == "64,128,4,2"
+    assert default_prefix_config(256) == PrefixConfig(128, 64, 8, 3)
+    assert default_prefix_config(28) == PrefixConfig(64, 64, 4, 3)
+    for bad, message in (
+        ("flash:64,64,4,3", "is `flash`, `triton` or"),
+        ("triton:64,64,4", "is `flash`, `triton` or"),
+        ("triton:48,64,4,3", "BLOCK_M and BLOCK_N from"),
+        ("triton:64,64,3,3", "WARPS from"),
+        ("triton:64,64,4,9", "STAGES 1-6"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_prefix_backend(bad)

@@ -44,17 +44,20 @@ def _case(kv_heads: int, rows: int, capacity: int, prefix: int, dim: int, dtype,
 def test_triton_prefix_block_equals_the_flash_ranges_in_the_interpreter(
     kv_heads, rows, capacity, prefix, splits, dim
 ):
+    from tokenswift_trt.runtime.cascade import PrefixConfig
     from tokenswift_trt.runtime.triton_prefix import prefix_block
 
     packed, keys, values = _case(kv_heads, rows, capacity, prefix, dim, torch.float32, "cpu", rows + prefix)
     offsets = split_offsets(torch.tensor(prefix), splits)
-    outs, lses = prefix_block(packed, keys, values, offsets, 0.125, splits)
     expected_outs, expected_lses = _flash_ranges_cpu(packed, keys, values, offsets, 0.125)
     present = offsets[1:] > offsets[:-1]
-    assert outs.shape == expected_outs.shape and lses.shape == expected_lses.shape
-    torch.testing.assert_close(outs[present], expected_outs[present], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(lses[present], expected_lses[present], rtol=1e-5, atol=1e-5)
-    assert (outs[~present] == 0).all() and (lses[~present] == float("-inf")).all()
+    # the default launch, and others a sweep may pick (smaller row tiles, wider key tiles)
+    for launch in (None, PrefixConfig(32, 128, 4, 2), PrefixConfig(128, 32, 8, 4)):
+        outs, lses = prefix_block(packed, keys, values, offsets, 0.125, splits, launch)
+        assert outs.shape == expected_outs.shape and lses.shape == expected_lses.shape
+        torch.testing.assert_close(outs[present], expected_outs[present], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lses[present], expected_lses[present], rtol=1e-5, atol=1e-5)
+        assert (outs[~present] == 0).all() and (lses[~present] == float("-inf")).all()
 
 
 @interpreter

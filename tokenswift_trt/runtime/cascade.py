@@ -19,6 +19,7 @@ cascade against `kernels.tree_attention_reference` and the merge against one sof
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,45 @@ CASCADE_TAIL_OP = "tokenswift::cascade_tail"
 # head sizes of the Triton prefix block (`triton_prefix`): a row block's accumulator [128, D] fp32 stays
 # in registers
 TRITON_PREFIX_HEAD_DIMS = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """The Triton prefix block's launch: rows and keys per tile, warps, pipelined key tiles."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def text(self) -> str:
+        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}"
+
+
+def default_prefix_config(rows: int) -> PrefixConfig:
+    """The launch the fifth H200 session measured (docs/gpu.md): 128-row tiles where there are
+    more than 64 rows, 64 keys per tile, 3 stages."""
+    return PrefixConfig(128, 64, 8, 3) if rows > 64 else PrefixConfig(64, 64, 4, 3)
+
+
+def parse_prefix_backend(text: str) -> tuple[str, PrefixConfig | None]:
+    """`flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES` (e.g. `triton:128,128,8,3`, as
+    `scripts/triton_prefix_sweep.py` prints its best) -> (backend, launch or None for the default)."""
+    backend, _, launch = text.partition(":")
+    if backend in ("flash", "triton") and not launch:
+        return backend, None
+    parts = launch.split(",")
+    if backend != "triton" or len(parts) != 4 or not all(part.isdigit() for part in parts):
+        raise ValueError(
+            f"a prefix block is `flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES`, got {text!r}"
+        )
+    block_m, block_n, warps, stages = (int(part) for part in parts)
+    tiles = (16, 32, 64, 128, 256)
+    if block_m not in tiles or block_n not in tiles or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 6:
+        raise ValueError(
+            f"{text!r}: BLOCK_M and BLOCK_N from {tiles}, WARPS from 1, 2, 4, 8, 16, STAGES 1-6"
+        )
+    return backend, PrefixConfig(block_m, block_n, warps, stages)
 
 
 def pack_group_rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -157,12 +197,13 @@ def flash_prefix_block(
     [splits, kv_heads, R, D] in its dtype, each normalised within its range, log-sum-exps [splits,
     kv_heads, R] with +inf (flash) or -inf (triton) for an empty range, offsets [splits + 1]).
     `backend`: "flash" (PyTorch's FlashAttention on CUDA, the CPU flash op range by range elsewhere)
-    or "triton" (`triton_prefix.prefix_block`, our own kernel)."""
+    or "triton" (`triton_prefix.prefix_block`, our own kernel; "triton:BM,BN,W,S" picks its launch)."""
     offsets = split_offsets(prefix_length, splits)  # [splits + 1]
+    backend, launch = parse_prefix_backend(backend)
     if backend == "triton":
         from .triton_prefix import prefix_block  # Triton comes with CUDA builds of PyTorch only
 
-        outs, lses = prefix_block(rows, keys, values, offsets, scale, splits)
+        outs, lses = prefix_block(rows, keys, values, offsets, scale, splits, launch)
     elif rows.is_cuda:
         outs, lses = _flash_varlen(rows, keys, values, offsets, scale, splits)
     else:

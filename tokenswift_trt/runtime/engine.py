@@ -198,7 +198,8 @@ CASCADE_MIN_WORK_ENV = "TOKENSWIFT_CASCADE_MIN_WORK"  # a positive integer overr
 # src/cascade_tail.cu (one launch per layer instead of ~25 small ops); `torch`: the PyTorch ops
 CASCADE_TAIL_ENV = "TOKENSWIFT_CASCADE_TAIL"
 # `triton` (default where Triton is installed, as in CUDA builds of PyTorch): the cascade's prefix block
-# through our Triton kernel (runtime/triton_prefix.py); `flash`: PyTorch's FlashAttention-2
+# through our Triton kernel (runtime/triton_prefix.py), `triton:BLOCK_M,BLOCK_N,WARPS,STAGES` with that
+# launch (scripts/triton_prefix_sweep.py measures them); `flash`: PyTorch's FlashAttention-2
 CASCADE_PREFIX_ENV = "TOKENSWIFT_CASCADE_PREFIX"
 FUSED_ELEMENTWISE_ENV = (
     "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1` (default): fewer, fused kernels per layer on CUDA
@@ -304,9 +305,11 @@ def choose_attention_kernel(
     if tail not in ("torch", "kernel"):
         raise ValueError(f"{CASCADE_TAIL_ENV} must be `torch` or `kernel`, got {tail!r}")
     prefix = os.environ.get(CASCADE_PREFIX_ENV, "triton")
-    if prefix not in ("flash", "triton"):
-        raise ValueError(f"{CASCADE_PREFIX_ENV} must be `flash` or `triton`, got {prefix!r}")
-    if prefix == "triton" and (
+    try:
+        cascade.parse_prefix_backend(prefix)
+    except ValueError as error:
+        raise ValueError(f"{CASCADE_PREFIX_ENV} must be `flash` or `triton`: {error}") from None
+    if prefix.startswith("triton") and (
         importlib.util.find_spec("triton") is None or config.head_dim not in cascade.TRITON_PREFIX_HEAD_DIMS
     ):
         if CASCADE_PREFIX_ENV in os.environ:  # asked for by name: say why not (the default is quiet)

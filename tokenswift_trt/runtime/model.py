@@ -129,7 +129,7 @@ class AttentionMask:
     bias: torch.Tensor | None = None
     splits: int = 1
     fused_tail: bool = False  # flash_cascade: the tree block and merge as one op (`cascade.cascade_tail`)
-    prefix_backend: str = "flash"  # flash_cascade: the prefix block's kernel, "flash" or "triton"
+    prefix_backend: str = "flash"  # flash_cascade: the prefix block's kernel, "flash" or "triton[:launch]"
 
 
 @dataclass
@@ -413,7 +413,7 @@ class LlamaModel(nn.Module):
         self.cascade_min_work = 0
         self.cascade_fallback = "sdpa"
         self.cascade_fused_tail = False  # its tree block and merge as one op (`cascade.cascade_tail`)
-        self.cascade_prefix = "flash"  # its prefix block's kernel: "flash" or "triton" (`triton_prefix`)
+        self.cascade_prefix = "flash"  # its prefix block's kernel: "flash" or "triton[:launch]"
         self._packed_masks: dict[
             tuple[int, bytes], torch.Tensor
         ] = {}  # CPU kernel: packed tree masks by bits
@@ -479,7 +479,7 @@ class LlamaModel(nn.Module):
         """What verifies, for bench records: the kernel, and for the cascade where it applies."""
         if self.attention_kernel != "flash_cascade":
             return self.attention_kernel
-        name = "flash_cascade" + (", triton prefix" if self.cascade_prefix == "triton" else "")
+        name = "flash_cascade" + (", triton prefix" if self.cascade_prefix.startswith("triton") else "")
         name += ", fused tail" if self.cascade_fused_tail else ""
         if self.cascade_min_work == 0:
             return name

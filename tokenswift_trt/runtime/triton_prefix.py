@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cascade import TRITON_PREFIX_HEAD_DIMS
+from .cascade import TRITON_PREFIX_HEAD_DIMS, PrefixConfig, default_prefix_config
 
 LOG2E = 1 / math.log(2)  # the kernel divides by the same constant
 
@@ -110,6 +110,7 @@ def prefix_block(
     offsets: torch.Tensor,  # [splits + 1] int32 on the keys' device
     scale: float,
     splits: int,
+    launch: PrefixConfig | None = None,  # None: `default_prefix_config`
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (outputs [splits, kv_heads, R, D] in the rows' dtype, log-sum-exps [splits, kv_heads, R]
     in float32, -inf and zeros for an empty range). No host read: it can be captured."""
@@ -126,8 +127,8 @@ def prefix_block(
         )
     out = rows.new_empty(splits, kv_heads, count, dim)
     lse = torch.empty(splits, kv_heads, count, dtype=torch.float32, device=rows.device)
-    block_m = 128 if count > 64 else 64
-    grid = (triton.cdiv(count, block_m), kv_heads, splits)
+    launch = default_prefix_config(count) if launch is None else launch
+    grid = (triton.cdiv(count, launch.block_m), kv_heads, splits)
     _prefix_kernel[grid](
         rows,
         keys,
@@ -148,10 +149,10 @@ def prefix_block(
         lse.stride(1),
         count,
         scale * LOG2E,
-        BLOCK_M=block_m,
-        BLOCK_N=64,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
         HEAD_DIM=dim,
-        num_warps=8 if block_m == 128 else 4,
-        num_stages=3,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out, lse
