@@ -54,7 +54,7 @@ EOF"
             tests/runtime/test_kernels.py tests/runtime/test_model.py tests/bench/test_kernel_bench.py \
             tests/bench/test_steps.py tests/runtime/test_kv_cache.py tests/runtime/test_transfer.py \
             tests/runtime/test_device_loop.py tests/runtime/test_fused_elementwise.py tests/runtime/test_cascade.py \
-            tests/runtime/test_triton_prefix.py tests/runtime/test_triton_linear.py
+            tests/runtime/test_triton_prefix.py tests/runtime/test_triton_linear.py tests/runtime/test_triton_aligned.py
         ;;
     kernels)
         stage kernels 100 "${CLI[@]}" bench-kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
@@ -166,7 +166,8 @@ EOF"
         ;;
     variants)  # the cascade's and the fused kernels' GPU tests, then the variants' steps in one process
         stage variants 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
-            tests/runtime/test_fused_elementwise.py tests/runtime/test_triton_prefix.py tests/runtime/test_triton_linear.py; \
+            tests/runtime/test_fused_elementwise.py tests/runtime/test_triton_prefix.py tests/runtime/test_triton_linear.py \
+            tests/runtime/test_triton_aligned.py; \
             $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
             --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"
         ;;
