@@ -152,3 +152,57 @@ def test_aligned_attention_on_cuda_in_bf16_matches_fp64_and_every_node_equals_it
     for node, path in enumerate(paths):
         step = aligned_attention(*as_ar_step(*tensors, committed, path), 0.088)
         assert torch.equal(step[:, 0], verify[:, node]), f"node {node} at depth {depths[node]}"
+
+
+@interpreter
+@pytest.mark.parametrize("static_steps", [False, True])
+def test_a_model_attending_position_aligned_takes_the_kernel_and_keeps_ar_tokens(
+    llama_dir, static_steps, monkeypatch
+):
+    """The model's switch (`LlamaModel.use_batch_invariant(..., attention=True)` sets it on CUDA): every
+    AR step and verify goes through `tree_attention_aligned` (the step's K/V found after the committed
+    ones, depths and ancestors from the tree mask), a verify's logits match SDPA's, and TokenSwift's
+    tokens equal AR's, greedy and seeded sampling, with dynamic and fixed-shape steps."""
+    from dataclasses import replace
+
+    from tokenswift_trt.runtime import triton_aligned
+    from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+    from tokenswift_trt.runtime.kv_cache import KVCache
+    from tokenswift_trt.runtime.sampling import SamplingConfig
+
+    from conftest import quiet_load
+
+    engine = quiet_load(llama_dir[0])
+    model = engine.model.torch_model
+    calls = []
+    original = triton_aligned.tree_attention_aligned
+
+    def counted(*args):
+        calls.append(args[3].shape[0])  # the step's row count
+        return original(*args)
+
+    monkeypatch.setattr(triton_aligned, "tree_attention_aligned", counted)
+    # one verify of a 5-node tree after 30 committed tokens: the same logits as through SDPA
+    tree = torch.tensor([[s in path for s in range(5)] for path in tree_of(PARENTS)[1]])
+    depths = torch.tensor(tree_of(PARENTS)[0])
+    logits = []
+    for aligned in (False, True):
+        model.aligned_attention = aligned
+        cache = KVCache(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, 64)
+        model.decode(torch.arange(3, 33), torch.arange(30), cache)
+        cache.commit()
+        out = model.decode(torch.tensor([40, 41, 42, 43, 44]), 30 + depths, cache, tree)
+        logits.append(model.logits(out.hidden))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    assert calls and calls[-1] == 5
+    config = GenerationConfig(
+        max_new_tokens=16, tree="1,3,3", seed=5, ignore_eos=True, static_steps=static_steps
+    )
+    paper = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16)
+    for sampling in (SamplingConfig(temperature=0), paper):
+        calls.clear()
+        ar, _ = generate(engine, list(range(5, 25)), replace(config, method="ar", sampling=sampling))
+        swift, _ = generate(engine, list(range(5, 25)), replace(config, sampling=sampling))
+        assert swift == ar
+        assert 1 in calls and max(calls) > 1  # AR steps and verifies both went through the kernel
+    model.aligned_attention = False

@@ -226,15 +226,21 @@ def choose_fused_elementwise(model: LlamaModel, dtype: torch.dtype, device: torc
     )
 
 
-BATCH_INVARIANT_ENV = "TOKENSWIFT_BATCH_INVARIANT"  # `1`: products and norms row by row on CUDA
+BATCH_INVARIANT_ENV = "TOKENSWIFT_BATCH_INVARIANT"  # `1`: row-wise products, norms, attention; `products`
+BATCH_INVARIANT_CHOICES = ("0", "1", "products")
 
 
 def choose_batch_invariant(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
-    """With TOKENSWIFT_BATCH_INVARIANT=1 on CUDA: the base model's products through `triton_linear` and
-    its norms one block per row (`LlamaModel.use_batch_invariant`), so that a row's logits do not depend
-    on how many rows its step has. Off by default: not yet measured on a GPU, and attention still
-    differs between AR steps and verifies (docs/gpu.md, "Toward AR's tokens on the GPU in bf16")."""
-    if device.type != "cuda" or os.environ.get(BATCH_INVARIANT_ENV, "0") != "1":
+    """With TOKENSWIFT_BATCH_INVARIANT=1 on CUDA: the base model's products through `triton_linear`, its
+    norms one block per row and its steps' attention position-aligned (`triton_aligned`;
+    `LlamaModel.use_batch_invariant`), so that a row's logits are the same bits in an AR step and in a
+    verify; `products` leaves attention as it was. Off by default (docs/gpu.md, "Toward AR's tokens on
+    the GPU in bf16": the products measured 1.10x an AR step, the attention not yet run on a GPU)."""
+    mode = os.environ.get(BATCH_INVARIANT_ENV, "0")
+    if mode not in BATCH_INVARIANT_CHOICES:
+        choices = ", ".join(BATCH_INVARIANT_CHOICES)
+        raise ValueError(f"{BATCH_INVARIANT_ENV} must be one of {choices}, got {mode!r}")
+    if device.type != "cuda" or mode == "0":
         return
     status = kernels.load_cuda_kernels()
     if importlib.util.find_spec("triton") is None or not status.loaded:
@@ -245,7 +251,7 @@ def choose_batch_invariant(model: LlamaModel, dtype: torch.dtype, device: torch.
             stacklevel=3,
         )
         return
-    model.use_batch_invariant(True)
+    model.use_batch_invariant(True, attention=mode == "1")
 
 
 def flash_cascade_problem(dtype: torch.dtype, head_dim: int, device: torch.device) -> str | None:

@@ -120,7 +120,9 @@ class AttentionMask:
       `prefix_length` (0-d int32, on the device) says where the tree's own K/V start;
     - "flash_cascade": `mask` [T, T] bool on the device (the tree among itself), `prefix_length` as
       above (0-d, on the device, static or not), `splits` key ranges of the FlashAttention prefix
-      block (`cascade.flash_cascade_attention`).
+      block (`cascade.flash_cascade_attention`);
+    - "aligned": `mask` and `prefix_length` as for the cascade; position-aligned attention
+      (`triton_aligned.tree_attention_aligned`: a row's bits as an AR step's at its position).
     """
 
     kernel: str
@@ -244,6 +246,11 @@ class Attention(nn.Module):
             out = kernels.tree_attention_static(
                 q.contiguous(), keys, values, mask.mask, mask.prefix_length, scale
             )
+        elif mask.kernel == "aligned":
+            assert mask.prefix_length is not None
+            from .triton_aligned import tree_attention_aligned  # Triton: CUDA builds of PyTorch only
+
+            out = tree_attention_aligned(q, keys, values, mask.mask, mask.prefix_length, scale)
         elif mask.kernel == "flash_cascade":
             assert mask.prefix_length is not None
             out = cascade.flash_cascade_attention(
@@ -408,6 +415,7 @@ class LlamaModel(nn.Module):
         self.cpu_decoder: CpuDecoder | None = None  # the compiled stack for a few CPU tokens (`pack`)
         self.fused_elementwise = False  # fewer, fused ops per layer (`use_fused_elementwise`)
         self.batch_invariant = False  # CUDA products and norms row by row (`use_batch_invariant`)
+        self.aligned_attention = False  # steps of <= 64 levels through `triton_aligned` (the same)
         # the FlashAttention cascade for T query rows over `capacity` keys only where T * capacity >=
         # this (`use_flash_cascade`); below it `cascade_fallback` runs (0: always the cascade)
         self.cascade_min_work = 0
@@ -422,12 +430,14 @@ class LlamaModel(nn.Module):
     def torch_model(self) -> LlamaModel:
         return self
 
-    def use_batch_invariant(self, on: bool) -> None:
+    def use_batch_invariant(self, on: bool, attention: bool = True) -> None:
         """On CUDA, every product of the base model and its LM head through `triton_linear` (up to 256
         rows) and every RMSNorm one block per row: a row's bits then do not depend on how many rows a
-        step has, so an AR step and a verify compute the same logits but for attention (docs/gpu.md,
-        "Toward AR's tokens on the GPU in bf16"). Draft layers keep cuBLAS: drafts never change the output."""
+        step has; with `attention`, steps also attend position-aligned (`triton_aligned`), so an AR step
+        and a verify compute the same logits (docs/gpu.md, "Toward AR's tokens on the GPU in bf16").
+        Draft layers keep cuBLAS: drafts never change the output."""
         self.batch_invariant = on
+        self.aligned_attention = on and attention
         for module in [*self.model.modules(), self.lm_head]:
             if isinstance(module, Linear):
                 module.batch_invariant = on
@@ -640,6 +650,16 @@ class LlamaModel(nn.Module):
         static: StaticAttention | None,
         device: torch.device,
     ) -> AttentionMask:
+        # position-aligned attention for steps and trees shallower than 64 (a causal chunk: T <= 64)
+        if self.aligned_attention and (static is not None or tree_mask is not None or count <= 64):
+            if static is not None:
+                tree, prefix = static.tree_mask, static.prefix_length
+            else:
+                causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+                tree = causal if tree_mask is None else tree_mask.to(device)
+                prefix = torch.full((), cache.prefix_length, dtype=torch.int64, device=device)
+            if count <= kernels.MAX_TREE_TOKENS:
+                return AttentionMask("aligned", tree, prefix)
         # the kernel is for trees (T <= 256); long prefill chunks take SDPA
         kernel = self.attention_kernel
         if kernel == "flash_cascade" and count <= kernels.MAX_TREE_TOKENS:

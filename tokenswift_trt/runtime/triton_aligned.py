@@ -340,3 +340,23 @@ def aligned_attention_reference(
             weights = torch.softmax(k @ query[h, t].double() * scale, 0)
             out[h, t] = weights @ v
     return out
+
+
+def tree_attention_aligned(
+    query: torch.Tensor,  # [heads, T, D]
+    keys: torch.Tensor,  # [kv_heads, >= committed + T, D]: the step's own K/V at committed + t
+    values: torch.Tensor,
+    tree: torch.Tensor,  # [T, T] bool on the device: node t sees node s (its ancestors and itself)
+    committed: torch.Tensor,  # 0-d integer tensor on the device
+    scale: float,
+) -> torch.Tensor:
+    """`aligned_attention` for a model's step, whose own K/V sit in the cache after the committed ones
+    (an AR step: T = 1, a verify: the tree): depths and ancestor slots derived from the tree mask on the
+    device (no host read: it can be captured). Trees shallower than 64."""
+    count = query.shape[1]
+    depths = tree.sum(1, dtype=torch.int32) - 1  # [T]
+    width = min(count, TILE)
+    levels = torch.arange(width, device=tree.device, dtype=torch.int32)
+    at_level = tree[:, None, :] & (depths[None, None, :] == levels[None, :, None])  # [T, width, T]
+    ancestors = at_level.to(torch.int32).argmax(-1).to(torch.int32) + committed.to(torch.int32)  # [T, width]
+    return aligned_attention(query, keys, values, keys, values, committed, depths, ancestors, scale)
