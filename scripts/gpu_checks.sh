@@ -88,10 +88,10 @@ EOF"
     syncs)
         stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
         ;;
-    invariant)  # bf16 with batch-invariant products and norms: how far TokenSwift's tokens now follow AR's; their cost
+    invariant)  # bf16 with batch-invariant products, norms and aligned attention: do TokenSwift's tokens follow AR's; cost
         stage invariant 400 bash -c "TOKENSWIFT_BATCH_INVARIANT=1 $PYTHON scripts/ar_divergence.py --device cuda \
-            --dtypes bfloat16 --tokens 512 && $PYTHON scripts/gpu_variants_ab.py --contexts 4096 --tree-sizes 1,64 \
-            --variants kernel+fused,kernel+fused+invariant --rounds 2 --out $OUT_DIR/invariant"
+            --dtypes bfloat16 --tokens 512 && $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 --tree-sizes 1,64 \
+            --variants kernel+fused,kernel+fused+products,kernel+fused+invariant --rounds 2 --out $OUT_DIR/invariant"
         ;;
     divergence)  # where TokenSwift's tokens part from AR's per dtype (bf16 verify vs 1-token steps round differently)
         stage divergence 400 bash -c "$PYTHON scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512 \

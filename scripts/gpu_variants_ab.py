@@ -10,9 +10,10 @@ and the kernel elsewhere, as CUDA engines run by default, `sdpa`) with `+fused` 
 elementwise kernels and packed products (`LlamaModel.use_fused_elementwise`) and `+tail` for the
 cascade's tree block and merge as one kernel (`TOKENSWIFT_CASCADE_TAIL=kernel`), `+triton` for its
 prefix block through our Triton kernel (`TOKENSWIFT_CASCADE_PREFIX=triton`), `+invariant` for
-batch-invariant products and norms (`TOKENSWIFT_BATCH_INVARIANT=1`). One random-weights
-engine serves them all (the same weights, caches and GPU state); the variants take turns in every
-round, the order reversed every other round, and each step's figure is the median over rounds of
+batch-invariant products and norms and position-aligned attention (`TOKENSWIFT_BATCH_INVARIANT=1`),
+`+products` for the products and norms alone (`=products`). One random-weights engine serves them
+all (the same weights, caches and GPU state); the variants take turns in every round, the order
+reversed every other round, and each step's figure is the median over rounds of
 `bench-steps`' own timing (CUDA-graph replays on a GPU). Prints a table of ms per step and each
 variant's ratio to the first; writes variants.json under --out. On a CPU it runs too (slowly; a
 check of the mechanics, e.g. --model swift-tiny).
@@ -39,11 +40,11 @@ from tokenswift_trt.runtime.engine import CASCADE_MIN_WORK, flash_cascade_proble
 ATTENTION = ("kernel", "flash_cascade", "auto", "sdpa")
 
 
-EXTRAS = ("fused", "tail", "triton", "invariant")
+EXTRAS = ("fused", "tail", "triton", "invariant", "products")
 
 
 def parse_variant(text: str) -> tuple[str, set[str]]:
-    """`attention[+fused][+tail][+triton][+invariant]` -> (attention, extras): fused elementwise
+    """`attention[+fused][+tail][+triton][+invariant|+products]` -> (attention, extras): fused elementwise
     kernels, the cascade's fused tail, its prefix block through the Triton kernel, batch-invariant
     products and norms."""
     attention, *extras = text.split("+")
@@ -105,7 +106,9 @@ def main() -> None:
                 model.use_attention_kernel(default_kernel if attention == "kernel" else attention)
             model.cascade_fused_tail = "tail" in extras  # the cascade's tree block and merge as one kernel
             model.cascade_prefix = "triton" if "triton" in extras else "flash"  # its prefix block's kernel
-            model.use_batch_invariant("invariant" in extras)  # products and norms row by row
+            # products and norms row by row, and (+invariant) position-aligned attention
+            invariant = bool(extras & {"invariant", "products"})
+            model.use_batch_invariant(invariant, attention="invariant" in extras)
             model.use_fused_elementwise(fused)  # packing stays once done; off runs the parts' views
             print(f"round {round_index + 1}: {name} ({model.attention_kernel})", file=sys.stderr, flush=True)
             if name in failed:

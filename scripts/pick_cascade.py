@@ -4,8 +4,8 @@
 
 Reads variants.json (median ms per step and variant), takes the fastest FlashAttention-cascade variant
 at the longest context's STEP (a variant counts only where it beats plain `flash_cascade+fused` by
-MARGIN), and prints the switches it needs (`TOKENSWIFT_CASCADE_TAIL=kernel`,
-`TOKENSWIFT_CASCADE_PREFIX=triton`) and the `auto` threshold re-derived against `kernel+fused`: for
+MARGIN), and prints both of the switches it sets (`TOKENSWIFT_CASCADE_TAIL=kernel|torch`,
+`TOKENSWIFT_CASCADE_PREFIX=triton|flash`) and the `auto` threshold re-derived against `kernel+fused`: for
 every tree size timed at two contexts, each side's cost as a line in the context, the keys where they
 cross, times T; the threshold is the mean of those products (`TOKENSWIFT_CASCADE_MIN_WORK`). Lines
 starting with `#` say why. `gpu_checks.sh`'s `e2e-picked` stage sources the output.
@@ -19,7 +19,10 @@ import statistics
 from pathlib import Path
 
 BASE, KERNEL = "flash_cascade+fused", "kernel+fused"
-SWITCHES = {"tail": "TOKENSWIFT_CASCADE_TAIL=kernel", "triton": "TOKENSWIFT_CASCADE_PREFIX=triton"}
+SWITCHES = {  # extra -> (its switch on, off)
+    "tail": ("TOKENSWIFT_CASCADE_TAIL=kernel", "TOKENSWIFT_CASCADE_TAIL=torch"),
+    "triton": ("TOKENSWIFT_CASCADE_PREFIX=triton", "TOKENSWIFT_CASCADE_PREFIX=flash"),
+}
 
 
 def crossing_work(kernel: dict[int, float], cascade: dict[int, float], tree_size: int) -> float | None:
@@ -48,7 +51,8 @@ def pick(rows: list[dict], step: str, margin: float) -> list[str]:
                 best, best_ms = variant, value
     lines = [f"# {step} at {longest} keys: {BASE} {base:.2f} ms, picked {best} {best_ms:.2f} ms"]
     extras = best.split("+")[2:]
-    lines += [f"export {SWITCHES[extra]}" for extra in extras if extra in SWITCHES]
+    # both switches, on or off: the engine's defaults may differ from the variant that won
+    lines += [f"export {on if extra in extras else off}" for extra, (on, off) in SWITCHES.items()]
     works = []
     for name in sorted({r["step"] for r in rows if r["step"].startswith("verify_T")}):
         size = int(name.removeprefix("verify_T"))

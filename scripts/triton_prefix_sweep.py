@@ -90,7 +90,7 @@ def main() -> None:
 
     preset, directory = resolve(BuildRequest(model=args.model, out=Path("."), random_weights=True))
     config = config_from_dict(preset.config) if preset is not None else load_config(directory)
-    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     device = torch.device("cuda")
     processors = torch.cuda.get_device_properties(device).multi_processor_count
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -192,7 +192,7 @@ def test_fixed_shape_steps_keep_a_graph_per_attention_route_chosen_from_the_comm
     fixed_shape_forward = static_step.fixed_shape_forward
 
     def recorded(model, cache, tokens, *rest):  # noting each forward's bucket and route
-        routes.append((tokens.shape[0], rest[-1]))
+        routes.append((tokens.shape[0], rest[4]))  # (positions, mask, length, columns, route, aligned)
         return fixed_shape_forward(model, cache, tokens, *rest)
 
     monkeypatch.setattr(static_step, "fixed_shape_forward", recorded)

@@ -70,7 +70,7 @@ def test_device_loop_moves_to_the_cascade_once_the_context_makes_it_pay(llama_en
     routes: list[bool | None] = []
 
     def recorded(*args):  # fixed_shape_forward, noting the route each iteration's verify took
-        routes.append(args[-1])
+        routes.append(args[7])  # (model, cache, tokens, positions, mask, length, columns, route, aligned)
         return fixed_shape_forward(*args)
 
     fixed_shape_forward = device_loop.fixed_shape_forward

@@ -126,6 +126,9 @@ def test_aligned_attention_refuses_deep_trees_and_unaligned_ranges():
         aligned_attention(*tensors, *depth0, torch.zeros(1, 1, dtype=torch.int32), 0.125, range_keys=100)
     with pytest.raises(ValueError, match="depth below 64"):
         aligned_attention(*tensors, *depth0, torch.zeros(1, TILE + 1, dtype=torch.int32), 0.125)
+    wide = case(2, 1, 48, 10, 1, torch.float32, "cpu", 3)
+    with pytest.raises(ValueError, match="head_dim"):
+        aligned_attention(*wide, *depth0, torch.zeros(1, 1, dtype=torch.int32), 0.125)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the compiled kernels need a CUDA GPU")
@@ -178,23 +181,25 @@ def test_a_model_attending_position_aligned_takes_the_kernel_and_keeps_ar_tokens
     original = triton_aligned.tree_attention_aligned
 
     def counted(*args):
-        calls.append(args[3].shape[0])  # the step's row count
+        calls.append(args[4].shape[0])  # the step's row count (its depths)
         return original(*args)
 
     monkeypatch.setattr(triton_aligned, "tree_attention_aligned", counted)
-    # one verify of a 5-node tree after 30 committed tokens: the same logits as through SDPA
+    # one verify of a 5-node tree after 190 committed tokens (dot tiles, two ranges and the tail): the
+    # same logits as through SDPA
     tree = torch.tensor([[s in path for s in range(5)] for path in tree_of(PARENTS)[1]])
     depths = torch.tensor(tree_of(PARENTS)[0])
+    prompt = torch.arange(190) % 90 + 3
     logits = []
     for aligned in (False, True):
         model.aligned_attention = aligned
-        cache = KVCache(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, 64)
-        model.decode(torch.arange(3, 33), torch.arange(30), cache)
+        cache = KVCache(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, 256)
+        model.decode(prompt, torch.arange(190), cache)  # a prefill chunk of 190: SDPA either way
         cache.commit()
-        out = model.decode(torch.tensor([40, 41, 42, 43, 44]), 30 + depths, cache, tree)
+        out = model.decode(torch.tensor([40, 41, 42, 43, 44]), 190 + depths, cache, tree)
         logits.append(model.logits(out.hidden))
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
-    assert calls and calls[-1] == 5
+    assert calls == [5, 5]  # the verify, both layers; the long prefill chunk stayed on SDPA
     config = GenerationConfig(
         max_new_tokens=16, tree="1,3,3", seed=5, ignore_eos=True, static_steps=static_steps
     )
@@ -206,3 +211,49 @@ def test_a_model_attending_position_aligned_takes_the_kernel_and_keeps_ar_tokens
         assert swift == ar
         assert 1 in calls and max(calls) > 1  # AR steps and verifies both went through the kernel
     model.aligned_attention = False
+
+
+@interpreter
+def test_steps_with_nodes_64_levels_deep_or_more_keep_their_kernel(llama_dir, monkeypatch):
+    """Position-aligned attention covers depths 0..63: a causal chain of 70 tokens (a tuner's timing
+    step, a prefill chunk) stays on the model's other kernel, dynamic and fixed-shape, while a shallow
+    tree of the same step size takes the aligned one; fixed-shape steps keep a graph for each."""
+    from tokenswift_trt.runtime import triton_aligned
+    from tokenswift_trt.runtime.kv_cache import KVCache
+    from tokenswift_trt.runtime.static_step import StaticForward
+
+    from conftest import quiet_load
+
+    model = quiet_load(llama_dir[0]).model.torch_model
+    calls = []
+    original = triton_aligned.tree_attention_aligned
+
+    def counted(*args):
+        calls.append(args[4].shape[0])
+        return original(*args)
+
+    monkeypatch.setattr(triton_aligned, "tree_attention_aligned", counted)
+    model.aligned_attention = True
+    try:
+        chain = torch.ones(70, 70, dtype=torch.bool).tril()
+        flat = torch.eye(70, dtype=torch.bool)
+        flat[:, 0] = True  # a root and 69 children: depth 1
+        for static in (False, True):
+            cache = KVCache(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, 512)
+            model.decode(torch.arange(3, 23), torch.arange(20), cache)
+            cache.commit()
+            forward = StaticForward(model, cache, capture=False) if static else None
+            rows = 96 if static else 70  # fixed-shape steps run the bucket's size
+            for mask, expected in ((chain, []), (flat, [rows, rows])):
+                calls.clear()
+                tokens, positions = torch.arange(5, 75), 20 + mask.sum(1) - 1
+                if forward is None:
+                    model.decode(tokens, positions, cache, mask)
+                else:
+                    forward.run(tokens, positions, mask)
+                cache.pending = 0
+                assert calls == expected, (static, expected)
+            if forward is not None:
+                assert {key[2] for key in forward.buckets} == {False, True}
+    finally:
+        model.aligned_attention = False

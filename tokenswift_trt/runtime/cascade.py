@@ -29,6 +29,8 @@ CASCADE_TAIL_OP = "tokenswift::cascade_tail"
 # head sizes of the Triton prefix block (`triton_prefix`): a row block's accumulator [128, D] fp32 stays
 # in registers
 TRITON_PREFIX_HEAD_DIMS = (32, 64, 128)
+# head sizes of the position-aligned attention (`triton_aligned`): powers of two, at least a product's 16
+ALIGNED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @dataclass(frozen=True)

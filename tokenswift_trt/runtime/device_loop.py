@@ -43,6 +43,7 @@ import torch
 from torch.profiler import record_function
 
 from .engine import Engine
+from .model import ALIGNED_MAX_LEVELS
 from .sampling import PositionKeyedRandom, position_gumbel_tensor
 from .stages import DecodeState
 from .static_step import bucket_for, compiled_forward, fixed_shape_forward
@@ -258,6 +259,9 @@ class DeviceLoop:
         self.vocab = engine.config.vocab_size
         self.index = torch.arange(self.vocab, dtype=torch.long, device=device)
         self.levels = torch.arange(self.slots.max_depth + 1, device=device)
+        # position-aligned attention where the model has it on and every slot is shallower than 64 levels
+        shallow = self.slots.max_depth < ALIGNED_MAX_LEVELS
+        self.aligned = engine.model.torch_model.aligned_attention and shallow
         self.gram_offsets = torch.arange(-GRAM, 0, device=device)  # a gram ending before `stop`
         self.stop_ids = torch.tensor(sorted(state.stop_tokens), dtype=torch.long, device=device)
         self.limit = state.limit
@@ -345,6 +349,7 @@ class DeviceLoop:
                 length,
                 self.columns,
                 route,
+                self.aligned,
             )
         with record_function("device_loop.heads"):  # the target's; the drafts only at the last slot (commit)
             target_logits = engine.model.logits(out.hidden)  # [S, V]

@@ -194,8 +194,9 @@ CUDA_ATTENTION_CHOICES = ("auto", "kernel", "flash_cascade")
 # prefix block and a tail of PyTorch ops, crossed near 70K / 36K).
 CASCADE_MIN_WORK = 697_536
 CASCADE_MIN_WORK_ENV = "TOKENSWIFT_CASCADE_MIN_WORK"  # a positive integer overrides CASCADE_MIN_WORK
-# `kernel` (default where our CUDA kernels built): the cascade's tree block and merge through
-# src/cascade_tail.cu (one launch per layer instead of ~25 small ops); `torch`: the PyTorch ops
+# `kernel` (default): the cascade's tree block and merge through src/cascade_tail.cu (one launch per
+# layer instead of ~25 small ops; the op runs its PyTorch composition where the kernel did not build);
+# `torch`: the PyTorch ops
 CASCADE_TAIL_ENV = "TOKENSWIFT_CASCADE_TAIL"
 # `triton` (default where Triton is installed, as in CUDA builds of PyTorch): the cascade's prefix block
 # through our Triton kernel (runtime/triton_prefix.py), `triton:BLOCK_M,BLOCK_N,WARPS,STAGES` with that

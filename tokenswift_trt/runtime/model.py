@@ -29,6 +29,7 @@ from .rope import RotaryEmbedding, apply_rotary
 # (AR steps too: with its prefetch it beats SDPA for one token, 7.6 vs 13.5 ms over SmolLM2's 30
 # layers at 4K context), SDPA for longer prefill chunks.
 ATTENTION_KERNELS = ("sdpa", "tree_attention", "cpu_tree_attention", "flash_cascade")
+ALIGNED_MAX_LEVELS = 64  # position-aligned attention: nodes at depths 0..63 (`triton_aligned`)
 CPU_KERNEL_MIN_TOKENS = 1
 PACKED_MASK_MEMO = 256  # packed tree masks kept per model (CPU kernel)
 GQA_FOLD_MAX_TOKENS = 8  # see grouped_sdpa
@@ -132,6 +133,8 @@ class AttentionMask:
     splits: int = 1
     fused_tail: bool = False  # flash_cascade: the tree block and merge as one op (`cascade.cascade_tail`)
     prefix_backend: str = "flash"  # flash_cascade: the prefix block's kernel, "flash" or "triton[:launch]"
+    depths: torch.Tensor | None = None  # aligned: [T] int32 (`triton_aligned.tree_depths_and_ancestors`)
+    ancestors: torch.Tensor | None = None  # aligned: [T, width] int32 cache slots
 
 
 @dataclass
@@ -144,6 +147,9 @@ class StaticAttention:
     # the FlashAttention cascade or not, as the caller chose from the committed length it knows
     # (`LlamaModel.cascade_route`); None: by T x the cache's capacity (a dynamic forward: its keys)
     cascade: bool | None = None
+    # position-aligned attention allowed: the caller knows every node is shallower than 64 levels
+    # (`triton_aligned`); False where it does not (a long causal chain)
+    aligned: bool = False
 
 
 @dataclass
@@ -248,9 +254,12 @@ class Attention(nn.Module):
             )
         elif mask.kernel == "aligned":
             assert mask.prefix_length is not None
+            assert mask.depths is not None and mask.ancestors is not None
             from .triton_aligned import tree_attention_aligned  # Triton: CUDA builds of PyTorch only
 
-            out = tree_attention_aligned(q, keys, values, mask.mask, mask.prefix_length, scale)
+            out = tree_attention_aligned(
+                q, keys, values, mask.prefix_length, mask.depths, mask.ancestors, scale
+            )
         elif mask.kernel == "flash_cascade":
             assert mask.prefix_length is not None
             out = cascade.flash_cascade_attention(
@@ -437,7 +446,7 @@ class LlamaModel(nn.Module):
         and a verify compute the same logits (docs/gpu.md, "Toward AR's tokens on the GPU in bf16").
         Draft layers keep cuBLAS: drafts never change the output."""
         self.batch_invariant = on
-        self.aligned_attention = on and attention
+        self.aligned_attention = on and attention and self.config.head_dim in cascade.ALIGNED_HEAD_DIMS
         for module in [*self.model.modules(), self.lm_head]:
             if isinstance(module, Linear):
                 module.batch_invariant = on
@@ -488,12 +497,15 @@ class LlamaModel(nn.Module):
     def attention_summary(self) -> str:
         """What verifies, for bench records: the kernel, and for the cascade where it applies."""
         if self.attention_kernel != "flash_cascade":
-            return self.attention_kernel
-        name = "flash_cascade" + (", triton prefix" if self.cascade_prefix.startswith("triton") else "")
-        name += ", fused tail" if self.cascade_fused_tail else ""
-        if self.cascade_min_work == 0:
-            return name
-        return f"{name} where T x keys >= {self.cascade_min_work}, else {self.cascade_fallback}"
+            name = self.attention_kernel
+        else:
+            name = "flash_cascade" + (", triton prefix" if self.cascade_prefix.startswith("triton") else "")
+            name += ", fused tail" if self.cascade_fused_tail else ""
+            if self.cascade_min_work > 0:
+                name = f"{name} where T x keys >= {self.cascade_min_work}, else {self.cascade_fallback}"
+        if self.aligned_attention:
+            return f"position-aligned for steps of < {ALIGNED_MAX_LEVELS} levels, else {name}"
+        return name
 
     def use_attention_kernel(self, kernel: str) -> None:
         """Switch the attention kernel (ATTENTION_KERNELS). "flash_cascade" keeps the cascade's threshold
@@ -642,6 +654,25 @@ class LlamaModel(nn.Module):
             prefix_backend=self.cascade_prefix,
         )
 
+    def _aligned_mask(
+        self,
+        count: int,
+        cache: AttentionCache,
+        tree_mask: torch.Tensor | None,
+        static: StaticAttention | None,
+        device: torch.device,
+    ) -> AttentionMask:
+        from .triton_aligned import tree_depths_and_ancestors  # Triton: CUDA builds of PyTorch only
+
+        if static is not None:
+            tree, prefix = static.tree_mask, static.prefix_length
+        else:
+            causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+            tree = causal if tree_mask is None else tree_mask.to(device)
+            prefix = torch.full((), cache.prefix_length, dtype=torch.int64, device=device)
+        depths, ancestors = tree_depths_and_ancestors(tree, prefix)  # once per forward, every layer reads
+        return AttentionMask("aligned", tree, prefix, depths=depths, ancestors=ancestors)
+
     def _attention_mask(
         self,
         count: int,
@@ -650,16 +681,17 @@ class LlamaModel(nn.Module):
         static: StaticAttention | None,
         device: torch.device,
     ) -> AttentionMask:
-        # position-aligned attention for steps and trees shallower than 64 (a causal chunk: T <= 64)
-        if self.aligned_attention and (static is not None or tree_mask is not None or count <= 64):
+        # position-aligned attention for steps whose nodes are all shallower than 64 levels, as known
+        # here: said by a fixed-shape caller, counted in a host mask, a causal chunk of <= 64 tokens
+        if self.aligned_attention and count <= kernels.MAX_TREE_TOKENS:
             if static is not None:
-                tree, prefix = static.tree_mask, static.prefix_length
+                shallow = static.aligned
+            elif tree_mask is None:
+                shallow = count <= ALIGNED_MAX_LEVELS
             else:
-                causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-                tree = causal if tree_mask is None else tree_mask.to(device)
-                prefix = torch.full((), cache.prefix_length, dtype=torch.int64, device=device)
-            if count <= kernels.MAX_TREE_TOKENS:
-                return AttentionMask("aligned", tree, prefix)
+                shallow = tree_mask.device.type == "cpu" and int(tree_mask.sum(1).max()) <= ALIGNED_MAX_LEVELS
+            if shallow:
+                return self._aligned_mask(count, cache, tree_mask, static, device)
         # the kernel is for trees (T <= 256); long prefill chunks take SDPA
         kernel = self.attention_kernel
         if kernel == "flash_cascade" and count <= kernels.MAX_TREE_TOKENS:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import KVCache, PartialKVCache
-from .model import ForwardOutput, LlamaModel, StaticAttention
+from .model import ALIGNED_MAX_LEVELS, ForwardOutput, LlamaModel, StaticAttention
 from .transfer import copy_from_host
 
 # Tree sizes a fixed-shape step is padded to. Padding nodes cost as much as real ones (each attends
@@ -61,6 +61,7 @@ class _Bucket:
     positions: torch.Tensor  # [Tb] int64
     tree_mask: torch.Tensor  # [Tb, Tb] bool
     route: bool | None = None  # the FlashAttention cascade or not (`LlamaModel.cascade_route`)
+    aligned: bool = False  # position-aligned attention (every node shallower than 64 levels)
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     output: ForwardOutput | None = None  # the graph's static outputs
 
@@ -82,17 +83,21 @@ def fixed_shape_forward(
     length: torch.Tensor,
     columns: torch.Tensor,
     cascade: bool | None = None,
+    aligned: bool = False,
 ) -> ForwardOutput:
     """One forward of tokens/positions [Tb] (device) with tree_mask [Tb, Tb] bool (device) after the
     `length` (0-d int64, device) committed slots of `cache`, over its whole capacity (columns =
     arange(capacity) on the device): no value is read back to the host, so a CUDA graph can hold it.
     The new K/V land in slots length .. length + Tb - 1. `cascade`: the attention route the caller
-    chose (`LlamaModel.cascade_route`); None decides by the capacity."""
+    chose (`LlamaModel.cascade_route`); None decides by the capacity. `aligned`: every node is
+    shallower than 64 levels, so a model with position-aligned attention may take it."""
     size = tokens.shape[0]
     slots = length + torch.arange(size, device=columns.device)  # [Tb]
     mask = (columns[None, :] < length).expand(size, -1).clone()  # [Tb, capacity]: committed
     mask[:, slots] = tree_mask  # the new tokens among themselves
-    static = StaticAttention(full_mask=mask, tree_mask=tree_mask, prefix_length=length, cascade=cascade)
+    static = StaticAttention(
+        full_mask=mask, tree_mask=tree_mask, prefix_length=length, cascade=cascade, aligned=aligned
+    )
     return model.decode(tokens, positions, _SlotWriter(cache, slots), keep_queries=True, static=static)
 
 
@@ -120,7 +125,8 @@ class StaticForward:
         self.capture = capture and device.type == "cuda"
         self.columns = torch.arange(self.capacity, device=device)  # [capacity]
         self.length = torch.zeros((), dtype=torch.long, device=device)  # committed slots, set before each run
-        self.buckets: dict[tuple[int, bool | None], _Bucket] = {}  # by size and attention route
+        # by size, attention route and whether position-aligned attention may run (shallow trees)
+        self.buckets: dict[tuple[int, bool | None, bool], _Bucket] = {}
         self.counters = StepCounters()
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -140,15 +146,16 @@ class StaticForward:
         if not self.fits(count):
             raise ValueError(f"fixed-shape forward of {size} tokens past cache capacity {self.capacity}")
         route = self.model.cascade_route(size, self.cache.length)  # the committed length is known here
-        bucket = self.buckets.get((size, route)) or self._new_bucket(size, route)
-        bucket.tokens[:count].copy_(tokens)
-        bucket.tokens[count:].zero_()
-        bucket.positions[:count].copy_(positions)
-        bucket.positions[count:].copy_(positions[:1].expand(size - count))
         mask = torch.eye(size, dtype=torch.bool)  # built on the host (small), one copy to the device
         mask[:count, :count] = (
             torch.ones(count, count, dtype=torch.bool).tril() if tree_mask is None else tree_mask
         )
+        aligned = self.model.aligned_attention and int(mask.sum(1).max()) <= ALIGNED_MAX_LEVELS
+        bucket = self.buckets.get((size, route, aligned)) or self._new_bucket(size, route, aligned)
+        bucket.tokens[:count].copy_(tokens)
+        bucket.tokens[count:].zero_()
+        bucket.positions[:count].copy_(positions)
+        bucket.positions[count:].copy_(positions[:1].expand(size - count))
         copy_from_host(bucket.tree_mask, mask)
         self.length.fill_(self.cache.length)
         self.counters.buckets_used.add(size)
@@ -172,21 +179,30 @@ class StaticForward:
             hidden=output.hidden[:count].clone(), queries=[q[:count].clone() for q in output.queries]
         )
 
-    def _new_bucket(self, size: int, route: bool | None) -> _Bucket:
+    def _new_bucket(self, size: int, route: bool | None, aligned: bool) -> _Bucket:
         device = self.columns.device
         bucket = _Bucket(
             tokens=torch.zeros(size, dtype=torch.long, device=device),
             positions=torch.zeros(size, dtype=torch.long, device=device),
             tree_mask=torch.eye(size, dtype=torch.bool, device=device),
             route=route,
+            aligned=aligned,
         )
-        self.buckets[(size, route)] = bucket
+        self.buckets[(size, route, aligned)] = bucket
         return bucket
 
     def _forward(self, bucket: _Bucket) -> ForwardOutput:
         tokens, positions, tree_mask = bucket.tokens, bucket.positions, bucket.tree_mask
         return self.forward(
-            self.model, self.cache, tokens, positions, tree_mask, self.length, self.columns, bucket.route
+            self.model,
+            self.cache,
+            tokens,
+            positions,
+            tree_mask,
+            self.length,
+            self.columns,
+            bucket.route,
+            bucket.aligned,
         )
 
     def _capture(self, bucket: _Bucket) -> None:

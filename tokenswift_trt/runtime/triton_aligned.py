@@ -22,8 +22,9 @@ other kernels, split and reduce them differently. Here every row at position p c
 L(p), the tiles, the ranges and the order of the fold depend on p alone, so an AR step (one node at depth
 0, n = p) and a verify's node at position p run the same arithmetic on the same values, provided a
 product's row does not depend on the other rows of its tile (one `tl.dot` shape for both; checked on a
-GPU by `tests/runtime/test_triton_aligned.py`). Not yet wired into the model: the GPU test comes first.
-Imported only where Triton is installed; with TRITON_INTERPRET=1 set before Triton's first import it runs
+GPU by `tests/runtime/test_triton_aligned.py`). The model takes it for steps shallower than 64 levels
+with `TOKENSWIFT_BATCH_INVARIANT=1` (`LlamaModel.use_batch_invariant`). Imported only where Triton is
+installed; with TRITON_INTERPRET=1 set before Triton's first import it runs
 on CPU tensors through Triton's interpreter, which is how it is tested without a GPU.
 """
 
@@ -34,6 +35,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from .cascade import ALIGNED_HEAD_DIMS
 
 TILE = 64  # keys per dot tile; part of the definition: AR and verify must share it
 TAIL = 2 * TILE  # the tail's most keys: L(p)..p
@@ -69,6 +72,7 @@ def _dot_kernel(
     BLOCK: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 products), the default otherwise
 ):
     row_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -79,7 +83,7 @@ def _dot_kernel(
     depth = tl.load(depths_ptr + rows % tree_count, mask=row_ok, other=0)
     position = committed + depth
     limit = tl.maximum(position // TILE_N - 1, 0) * TILE_N  # [BLOCK] dot tiles end here
-    limit = tl.where(row_ok, limit, 0)
+    limit = tl.where(row_ok, tl.minimum(limit, committed), 0)  # (never past n: depths stay below 64)
     dims = tl.arange(0, HEAD_DIM)
     query = tl.load(
         rows_ptr + head * stride_rows_head + rows[:, None] * stride_rows_row + dims[None, :],
@@ -101,7 +105,8 @@ def _dot_kernel(
         )  # [D, TILE_N]
         visible = keys[None, :] < limit[:, None]  # [BLOCK, TILE_N]
         seen = first < limit  # [BLOCK]: this tile holds some of the row's keys (then all of them)
-        scores = tl.where(visible, tl.dot(query, key_tile) * scale_log2, float("-inf"))
+        products = tl.dot(query, key_tile, input_precision=PRECISION)  # [BLOCK, TILE_N] fp32
+        scores = tl.where(visible, products * scale_log2, float("-inf"))
         next_top = tl.where(seen, tl.maximum(top, tl.max(scores, 1)), top)
         shrink = tl.where(seen, tl.exp2(top - next_top), 1.0)
         weights = tl.where(visible, tl.exp2(scores - next_top[:, None]), 0.0)
@@ -111,9 +116,8 @@ def _dot_kernel(
             other=0.0,
         )  # [TILE_N, D]
         total = tl.where(seen, total * shrink + tl.sum(weights, 1), total)
-        acc = tl.where(
-            seen[:, None], acc * shrink[:, None] + tl.dot(weights.to(value_tile.dtype), value_tile), acc
-        )
+        weighed = tl.dot(weights.to(value_tile.dtype), value_tile, input_precision=PRECISION)
+        acc = tl.where(seen[:, None], acc * shrink[:, None] + weighed, acc)
         top = next_top
     offsets = part * stride_part + head * stride_part_head + rows
     tl.store(top_ptr + offsets, top, mask=row_ok)
@@ -164,7 +168,7 @@ def _tail_kernel(
     keys = first + tl.arange(0, TAIL_N)
     visible = keys <= position
     cached = visible & (keys < committed)
-    own = visible & (keys >= committed)
+    own = visible & (keys >= committed) & (keys - committed < stride_ancestors)  # never past the table
     slot = tl.load(ancestors_ptr + node * stride_ancestors + (keys - committed), mask=own, other=0)
     dims = tl.arange(0, HEAD_DIM)
     query = tl.load(rows_ptr + head * stride_rows_head + row * stride_rows_row + dims).to(tl.float32)
@@ -272,6 +276,8 @@ def aligned_attention(
         raise ValueError(f"range_keys must be a positive multiple of {TILE}, got {range_keys}")
     if ancestors.shape[1] > TILE:
         raise ValueError(f"position-aligned attention takes trees of depth below {TILE}")
+    if dim not in ALIGNED_HEAD_DIMS:
+        raise ValueError(f"position-aligned attention takes head_dim {ALIGNED_HEAD_DIMS}, got {dim}")
     for tensor in (keys, values, tree_keys, tree_values):
         if tensor.stride(-1) != 1:
             raise ValueError("keys and values need a contiguous last dimension")
@@ -294,7 +300,8 @@ def aligned_attention(
         rows.stride(0), rows.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         part_top.stride(0), part_top.stride(1), part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         row_count, count, scale_log2,
-        RANGE=range_keys, BLOCK=BLOCK_M, TILE_N=TILE, HEAD_DIM=dim, num_warps=4, num_stages=2,
+        RANGE=range_keys, BLOCK=BLOCK_M, TILE_N=TILE, HEAD_DIM=dim,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
     )  # fmt: skip
     _tail_kernel[(row_count, kv_heads)](
         rows, keys, values, tree_keys, tree_values, depths, ancestors, committed,
@@ -342,21 +349,30 @@ def aligned_attention_reference(
     return out
 
 
+def tree_depths_and_ancestors(
+    tree: torch.Tensor,  # [T, T] bool on the device: node t sees node s (its ancestors and itself)
+    committed: torch.Tensor,  # 0-d integer tensor on the device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depths [T] int32, ancestors [T, min(T, 64)] int32: the cache slot of node t's ancestor at depth
+    d, its step's own K/V sitting after the committed ones), on the device (no host read). Computed once
+    per forward; every layer reads them."""
+    count = tree.shape[0]
+    depths = tree.sum(1, dtype=torch.int32) - 1  # [T]
+    levels = torch.arange(min(count, TILE), device=tree.device, dtype=torch.int32)
+    at_level = tree[:, None, :] & (depths[None, None, :] == levels[None, :, None])  # [T, width, T]
+    ancestors = at_level.to(torch.int32).argmax(-1).to(torch.int32) + committed.to(torch.int32)
+    return depths, ancestors
+
+
 def tree_attention_aligned(
     query: torch.Tensor,  # [heads, T, D]
     keys: torch.Tensor,  # [kv_heads, >= committed + T, D]: the step's own K/V at committed + t
     values: torch.Tensor,
-    tree: torch.Tensor,  # [T, T] bool on the device: node t sees node s (its ancestors and itself)
     committed: torch.Tensor,  # 0-d integer tensor on the device
+    depths: torch.Tensor,  # [T] int32 (`tree_depths_and_ancestors`), each below 64
+    ancestors: torch.Tensor,  # [T, width] int32 cache slots
     scale: float,
 ) -> torch.Tensor:
-    """`aligned_attention` for a model's step, whose own K/V sit in the cache after the committed ones
-    (an AR step: T = 1, a verify: the tree): depths and ancestor slots derived from the tree mask on the
-    device (no host read: it can be captured). Trees shallower than 64."""
-    count = query.shape[1]
-    depths = tree.sum(1, dtype=torch.int32) - 1  # [T]
-    width = min(count, TILE)
-    levels = torch.arange(width, device=tree.device, dtype=torch.int32)
-    at_level = tree[:, None, :] & (depths[None, None, :] == levels[None, :, None])  # [T, width, T]
-    ancestors = at_level.to(torch.int32).argmax(-1).to(torch.int32) + committed.to(torch.int32)  # [T, width]
+    """`aligned_attention` for a model's step (an AR step: T = 1, a verify: the tree), whose own K/V sit
+    in the cache after the committed ones."""
     return aligned_attention(query, keys, values, keys, values, committed, depths, ancestors, scale)
