@@ -53,22 +53,24 @@ def timed_ms(run) -> float:
 
 def sweep(block, repeats: int) -> tuple[dict[PrefixConfig, float], dict[PrefixConfig, str]]:
     """`block(launch)` runs the prefix block with a launch (None: the default) -> (median ms per launch
-    that compiled and matched the default's output, the reason for every other launch). The launches
-    take turns, one call each per round, so that a clock or power change hits them all alike."""
-    reference = block(None).float()
+    that compiled and matched the default's outputs and log-sum-exps, the reason for every other
+    launch). The launches take turns, one call each per round, so that a clock or power change hits them
+    all alike."""
+    reference, reference_lse = (part.float() for part in block(None))
     usable, failed = [], {}
     for launch in GRID:
         try:
-            outs = block(launch)
+            outs, lses = block(launch)
             torch.cuda.synchronize()
         except Exception as error:  # noqa: BLE001 - Triton's compile errors share no base class
             failed[launch] = (str(error).strip() or type(error).__name__).splitlines()[0][:120]
             continue
         error = ((outs.float() - reference).norm() / reference.norm()).item()
-        if error <= 1e-2:
+        lse_error = (lses - reference_lse).abs().max().item()
+        if error <= 1e-2 and lse_error <= 1e-2:
             usable.append(launch)
         else:
-            failed[launch] = f"relative error {error:.3g} against the default launch"
+            failed[launch] = f"relative error {error:.3g}, log-sum-exp {lse_error:.3g} against the default"
     samples: dict[PrefixConfig, list[float]] = {launch: [] for launch in usable}
     for round_index in range(repeats):
         for launch in usable if round_index % 2 == 0 else usable[::-1]:
@@ -107,7 +109,7 @@ def main() -> None:
         flops = 4 * heads * size * context * dim
 
         def block(launch, rows=rows, keys=keys, values=values, offsets=offsets, splits=splits):
-            return prefix_block(rows, keys, values, offsets, dim**-0.5, splits, launch)[0]
+            return prefix_block(rows, keys, values, offsets, dim**-0.5, splits, launch)
 
         timings, failed = sweep(block, args.repeats)
         default = default_prefix_config(rows.shape[1])
