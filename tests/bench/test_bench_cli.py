@@ -78,6 +78,8 @@ def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_p
         assert row["tokens_equal_ar"] == "True" and row["runs"] == "2"
         assert float(row["speedup_min"]) <= float(row["speedup"]) <= float(row["speedup_max"])
         assert 0 <= float(row["beta"]) <= float(row["alpha"]) <= 1
+        by_depth = [float(alpha) for alpha in row["alpha_by_depth"].split("/")]
+        assert by_depth and all(0 <= alpha <= 1 for alpha in by_depth)
         assert 1 <= float(row["tokens_per_iteration"]) <= 5  # 1 + accepted per iteration, depth 4 at most
         assert (
             0.5 <= float(row["tokens_per_forward"]) <= float(row["tokens_per_iteration"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -180,8 +181,9 @@ def test_installed_console_script_prints_no_traceback(tmp_path):
 
 def test_demo_compares_ar_and_tokenswift(model_dir):
     result = _run(
-        "demo", "--model-dir", str(model_dir), "--max-new-tokens", "64", "--temperature", "0", "--ignore-eos"
-    )
+        "demo", "--model-dir", str(model_dir), "--max-new-tokens", "64", "--temperature", "0", "--ignore-eos",
+        "--tree", "1,1",
+    )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "RANDOM weights" in result.stderr
     assert (
@@ -189,6 +191,10 @@ def test_demo_compares_ar_and_tokenswift(model_dir):
         and "speedup" in result.stdout
         and "tokens/forward" in result.stdout
     )
+    by_depth = re.search(r"α by depth: (.*?)   \(", result.stdout)
+    assert by_depth, result.stdout
+    alphas = [float(part.split()[1]) for part in re.findall(r"\d+: [0-9.]+ \(\d+\)", by_depth.group(1))]
+    assert alphas and all(0 <= alpha <= 1 for alpha in alphas)
 
 
 def test_random_model_refuses_to_overwrite(model_dir):

@@ -447,6 +447,20 @@ def test_drafted_tokens_count_the_tries_depth_when_ngram_branches_pass_the_tree(
     assert max(depths) == 4 > 1  # a 4-gram branch under a one-level tree
     assert stats.drafted_tokens == sum(depths) and stats.accepted_tokens <= stats.drafted_tokens
     assert stats.acceptance_rate <= 1
+    # α by depth: every iteration reaches depth 1, each accepted draft counted at its own depth
+    assert stats.reached_by_depth[0] == stats.iterations
+    assert sum(stats.accepted_by_depth) == stats.accepted_tokens
+
+
+def test_acceptance_by_depth_counts_the_iterations_that_reach_each_depth():
+    from tokenswift_trt.runtime.decoding import Stats
+
+    stats = Stats(method="tokenswift", seed=0)
+    stats.count_depths(3, 1)  # depth 1 accepted, depth 2 rejected, depth 3 never reached
+    stats.count_depths(2, 2)  # both accepted
+    stats.count_depths(4, 0)  # rejected at depth 1
+    assert stats.reached_by_depth == [3, 2, 0, 0] and stats.accepted_by_depth == [2, 1, 0, 0]
+    assert stats.acceptance_by_depth == [2 / 3, 0.5, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("draft_source", ["verify", "partial"])

@@ -47,6 +47,8 @@ class Snapshot:
     iterations: int
     forwards: int
     prefill_s: float = 0.0  # of elapsed_s: the prompt's forwards and the first token's sample
+    reached_by_depth: tuple[int, ...] = ()  # `Stats.reached_by_depth` / `accepted_by_depth` then
+    accepted_by_depth: tuple[int, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,6 +70,8 @@ class Snapshot:
             stats.iterations,
             stats.forwards,
             stats.prefill_s,
+            tuple(stats.reached_by_depth),
+            tuple(stats.accepted_by_depth),
         )
 
 
@@ -252,6 +256,16 @@ def run_bench(
     return rows
 
 
+def alpha_by_depth(snapshots: Sequence[Snapshot]) -> list[float]:
+    """α at each draft depth over several runs: accepted / reached, summed depth by depth."""
+    depth = max((len(s.reached_by_depth) for s in snapshots), default=0)
+    reached, accepted = [0] * depth, [0] * depth
+    for snapshot in snapshots:
+        for d, (r, a) in enumerate(zip(snapshot.reached_by_depth, snapshot.accepted_by_depth)):
+            reached[d], accepted[d] = reached[d] + r, accepted[d] + a
+    return [a / r if r else 0.0 for a, r in zip(accepted, reached)]
+
+
 def plans_before(plans: Sequence[Plan], gen_len: int) -> list[Plan]:
     """The `--tree auto` plans that started before token `gen_len`."""
     return [plan for plan in plans if plan.from_token < gen_len]
@@ -275,6 +289,8 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
         "beta": round(
             acceptance_rate(sum(s.ngram_accepted for s in swift), sum(s.drafted for s in swift)), 4
         ),
+        # α at each draft depth (accepted / reached, over the runs), "/"-separated
+        "alpha_by_depth": "/".join(f"{alpha:.3f}" for alpha in alpha_by_depth(swift)),
         # τ: tokens committed per decode iteration (accepted drafts + 1)
         "tokens_per_iteration": round(
             1 + sum(s.accepted for s in swift) / max(1, sum(s.iterations for s in swift)), 3

@@ -300,6 +300,15 @@ def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_token
     )
     if ar_ids != ts_ids:
         click.echo(unequal_tokens_note(str(loaded.engine.device), str(loaded.engine.dtype)), err=True)
+    by_depth = "  ".join(
+        f"{depth}: {alpha:.3f} ({reached})"
+        for depth, (alpha, reached) in enumerate(zip(ts.acceptance_by_depth, ts.reached_by_depth), 1)
+    )
+    click.echo(
+        f"α by depth: {by_depth}   (accepted / reached, iterations reaching the depth in brackets)"
+        if by_depth
+        else "α by depth: no drafting iteration (AR steps only)"
+    )
     click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
     if ts.plans:
         click.echo("plans (--tree auto): " + " | ".join(describe_plans(ts.plans)))

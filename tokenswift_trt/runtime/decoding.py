@@ -142,6 +142,10 @@ class Stats:
     graph_replays: int = 0  # of those, CUDA-graph replays
     graph_captures: int = 0
     plans: list[Plan] = field(default_factory=list)  # tree="auto": the plans run, in order
+    # per draft depth d (index d - 1): iterations whose walk reached depth d - 1 with a draft at depth d
+    # offered, and those that accepted it (α by depth = accepted / reached)
+    reached_by_depth: list[int] = field(default_factory=list)
+    accepted_by_depth: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     elapsed_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -151,6 +155,20 @@ class Stats:
     def acceptance_rate(self) -> float:
         """α = accepted draft tokens / drafted tokens."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """α at each draft depth: of the iterations that accepted every depth before it and offered a
+        draft there, the share that accepted that depth too."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_by_depth, self.reached_by_depth)]
+
+    def count_depths(self, offered: int, accepted: int) -> None:
+        """One iteration offering drafts `offered` levels deep, of which the walk accepted `accepted`."""
+        for lists in (self.reached_by_depth, self.accepted_by_depth):
+            lists.extend([0] * (offered - len(lists)))
+        for depth in range(min(offered, accepted + 1)):
+            self.reached_by_depth[depth] += 1
+            self.accepted_by_depth[depth] += depth < accepted
 
     @property
     def ngram_acceptance_rate(self) -> float:
@@ -494,6 +512,7 @@ def _device_loop(
         stats.forwards += 1
         stats.drafted_tokens += loop.slots.max_depth
         stats.accepted_tokens += report.accepted
+        stats.count_depths(loop.slots.max_depth, report.accepted)
         stats.ngram_accepted_tokens += report.ngram_accepted
         stats.ngram_hit_iterations += report.ngram_accepted > 0
         stats.new_tokens = len(state.tokens) - state.prompt_length
@@ -517,6 +536,7 @@ def _count_drafts(stats: Stats, trie, acceptance: Acceptance, forwards: int) -> 
     stats.forwards += forwards  # verify (+ the draft pass)
     stats.drafted_tokens += max(trie.depths)  # the longest draft offered (n-gram branches may pass the tree)
     stats.accepted_tokens += len(acceptance.nodes)
+    stats.count_depths(max(trie.depths), len(acceptance.nodes))
     ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
     stats.ngram_accepted_tokens += ngram_accepted
     stats.ngram_hit_iterations += ngram_accepted > 0
