@@ -499,6 +499,8 @@ def test_prefix_backends_and_launches_parse_and_bad_ones_say_what_is_allowed():
         ("triton:64,64,4", "is `flash`, `triton` or"),
         ("triton:48,64,4,3", "BLOCK_M and BLOCK_N from"),
         ("triton:64,64,3,3", "WARPS from"),
+        ("triton:256,64,8,3", "BLOCK_M and BLOCK_N from"),
+        ("triton:64,64,16,3", "WARPS from"),
         ("triton:64,64,4,9", "STAGES 1-6"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -64,11 +64,9 @@ def parse_prefix_backend(text: str) -> tuple[str, PrefixConfig | None]:
             f"a prefix block is `flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES`, got {text!r}"
         )
     block_m, block_n, warps, stages = (int(part) for part in parts)
-    tiles = (16, 32, 64, 128, 256)
-    if block_m not in tiles or block_n not in tiles or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 6:
-        raise ValueError(
-            f"{text!r}: BLOCK_M and BLOCK_N from {tiles}, WARPS from 1, 2, 4, 8, 16, STAGES 1-6"
-        )
+    tiles = (16, 32, 64, 128)  # larger tiles of a 128-wide head overflow a multiprocessor's memory
+    if block_m not in tiles or block_n not in tiles or warps not in (1, 2, 4, 8) or not 1 <= stages <= 6:
+        raise ValueError(f"{text!r}: BLOCK_M and BLOCK_N from {tiles}, WARPS from 1, 2, 4, 8, STAGES 1-6")
     return backend, PrefixConfig(block_m, block_n, warps, stages)
 
 
