@@ -30,6 +30,12 @@ from .rope import RotaryEmbedding, apply_rotary
 # layers at 4K context), SDPA for longer prefill chunks.
 ATTENTION_KERNELS = ("sdpa", "tree_attention", "cpu_tree_attention", "flash_cascade")
 ALIGNED_MAX_LEVELS = 64  # position-aligned attention: nodes at depths 0..63 (`triton_aligned`)
+
+
+def aligned_fits(tree_mask: torch.Tensor) -> bool:
+    """Whether every node of a host tree mask [T, T] (a node sees its ancestors and itself) is
+    shallower than ALIGNED_MAX_LEVELS levels, as position-aligned attention needs."""
+    return int(tree_mask.sum(1).max()) <= ALIGNED_MAX_LEVELS
 CPU_KERNEL_MIN_TOKENS = 1
 PACKED_MASK_MEMO = 256  # packed tree masks kept per model (CPU kernel)
 GQA_FOLD_MAX_TOKENS = 8  # see grouped_sdpa
@@ -625,6 +631,23 @@ class LlamaModel(nn.Module):
         )
         return ForwardOutput(hidden=hidden, queries=queries)  # queries: per layer [T, heads, head_dim]
 
+    @staticmethod
+    def _device_tree(
+        count: int,
+        cache: AttentionCache,
+        tree_mask: torch.Tensor | None,
+        static: StaticAttention | None,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the step's tree mask [T, T] bool, the committed length 0-d int64), both on the device: a
+        fixed-shape step's own (one graph for every context), else from the cache and the mask (causal
+        when None)."""
+        if static is not None:
+            return static.tree_mask, static.prefix_length
+        causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+        tree = causal if tree_mask is None else tree_mask.to(device)
+        return tree, torch.full((), cache.prefix_length, dtype=torch.int64, device=device)
+
     def _flash_cascade_mask(
         self,
         count: int,
@@ -634,13 +657,8 @@ class LlamaModel(nn.Module):
         device: torch.device,
     ) -> AttentionMask:
         c = self.config
-        if static is not None:  # the committed length lives on the device: one graph for every context
-            tree, prefix, capacity = static.tree_mask, static.prefix_length, static.full_mask.shape[1]
-        else:
-            causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-            tree = causal if tree_mask is None else tree_mask.to(device)
-            prefix = torch.full((), cache.prefix_length, dtype=torch.int64, device=device)
-            capacity = cache.prefix_length + count
+        tree, prefix = self._device_tree(count, cache, tree_mask, static, device)
+        capacity = static.full_mask.shape[1] if static is not None else cache.prefix_length + count
         cuda = device.type == "cuda"  # elsewhere (tests) one range: the CPU path runs range by range
         processors = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
         group_rows = count * (c.num_heads // c.num_kv_heads)
@@ -664,12 +682,7 @@ class LlamaModel(nn.Module):
     ) -> AttentionMask:
         from .triton_aligned import tree_depths_and_ancestors  # Triton: CUDA builds of PyTorch only
 
-        if static is not None:
-            tree, prefix = static.tree_mask, static.prefix_length
-        else:
-            causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-            tree = causal if tree_mask is None else tree_mask.to(device)
-            prefix = torch.full((), cache.prefix_length, dtype=torch.int64, device=device)
+        tree, prefix = self._device_tree(count, cache, tree_mask, static, device)
         depths, ancestors = tree_depths_and_ancestors(tree, prefix)  # once per forward, every layer reads
         return AttentionMask("aligned", tree, prefix, depths=depths, ancestors=ancestors)
 
@@ -689,7 +702,7 @@ class LlamaModel(nn.Module):
             elif tree_mask is None:
                 shallow = count <= ALIGNED_MAX_LEVELS
             else:
-                shallow = tree_mask.device.type == "cpu" and int(tree_mask.sum(1).max()) <= ALIGNED_MAX_LEVELS
+                shallow = tree_mask.device.type == "cpu" and aligned_fits(tree_mask)
             if shallow:
                 return self._aligned_mask(count, cache, tree_mask, static, device)
         # the kernel is for trees (T <= 256); long prefill chunks take SDPA

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import KVCache, PartialKVCache
-from .model import ALIGNED_MAX_LEVELS, ForwardOutput, LlamaModel, StaticAttention
+from .model import ForwardOutput, LlamaModel, StaticAttention, aligned_fits
 from .transfer import copy_from_host
 
 # Tree sizes a fixed-shape step is padded to. Padding nodes cost as much as real ones (each attends
@@ -150,7 +150,7 @@ class StaticForward:
         mask[:count, :count] = (
             torch.ones(count, count, dtype=torch.bool).tril() if tree_mask is None else tree_mask
         )
-        aligned = self.model.aligned_attention and int(mask.sum(1).max()) <= ALIGNED_MAX_LEVELS
+        aligned = self.model.aligned_attention and aligned_fits(mask)
         bucket = self.buckets.get((size, route, aligned)) or self._new_bucket(size, route, aligned)
         bucket.tokens[:count].copy_(tokens)
         bucket.tokens[count:].zero_()
