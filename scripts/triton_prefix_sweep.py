@@ -10,7 +10,9 @@ would use (`cascade.flash_splits`). Every launch of the grid is first checked ag
 launch's output (relative error <= 1e-2; a launch that does not compile, e.g. out of shared memory,
 is reported and skipped), then timed with CUDA events (median of --repeats, launches taking turns).
 Prints ms and TFLOP/s per launch, then the best launch for the widest tree at the longest context as
-`export TOKENSWIFT_CASCADE_PREFIX=triton:BLOCK_M,BLOCK_N,WARPS,STAGES`, which engines take (docs/gpu.md).
+`export TOKENSWIFT_CASCADE_PREFIX=triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]`, which engines take
+(docs/gpu.md). The launches cover the prefix block's three kernels (cascade.PREFIX_VARIANTS; `tma` on
+Hopper and later only).
 Writes prefix_sweep.json under --out. Needs a CUDA GPU and Triton.
 """
 
@@ -35,9 +37,13 @@ from tokenswift_trt.runtime.cascade import (
 )
 from tokenswift_trt.runtime.config import config_from_dict, load_config
 
+# the measured kernel's launches, then the split-loop kernels' over the tiles likeliest to win
 GRID = [
-    PrefixConfig(m, n, w, s)
-    for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+    PrefixConfig(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+] + [
+    PrefixConfig(m, n, w, s, variant)
+    for variant in ("split", "tma")
+    for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))
 ]
 
 
@@ -51,14 +57,16 @@ def timed_ms(run) -> float:
     return start.elapsed_time(end)
 
 
-def sweep(block, repeats: int) -> tuple[dict[PrefixConfig, float], dict[PrefixConfig, str]]:
+def sweep(
+    block, repeats: int, grid: list[PrefixConfig]
+) -> tuple[dict[PrefixConfig, float], dict[PrefixConfig, str]]:
     """`block(launch)` runs the prefix block with a launch (None: the default) -> (median ms per launch
     that compiled and matched the default's outputs and log-sum-exps, the reason for every other
     launch). The launches take turns, one call each per round, so that a clock or power change hits them
     all alike."""
     reference, reference_lse = (part.float() for part in block(None))
     usable, failed = [], {}
-    for launch in GRID:
+    for launch in grid:
         try:
             outs, lses = block(launch)
             torch.cuda.synchronize()
@@ -98,6 +106,8 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     sizes = [int(t) for t in args.tree_sizes.split(",")]
     generator = torch.Generator(device=device).manual_seed(0)
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    grid = [launch for launch in GRID if hopper or launch.variant != "tma"]  # TMA: Hopper and later
     rows_out = []
     for context, size in itertools.product(contexts, sizes):
         query = torch.randn(heads, size, dim, device=device, generator=generator).to(torch.bfloat16)
@@ -111,7 +121,7 @@ def main() -> None:
         def block(launch, rows=rows, keys=keys, values=values, offsets=offsets, splits=splits):
             return prefix_block(rows, keys, values, offsets, dim**-0.5, splits, launch)
 
-        timings, failed = sweep(block, args.repeats)
+        timings, failed = sweep(block, args.repeats, grid)
         default = default_prefix_config(rows.shape[1])
         print(
             f"context {context}, T {size}: {rows.shape[1]} rows per KV head, {splits} ranges; "
@@ -131,7 +141,7 @@ def main() -> None:
             )
         for launch, reason in failed.items():
             print(f"  {launch.text()}: not timed ({reason})", file=sys.stderr)
-    print("| context | T | launch (BLOCK_M,BLOCK_N,WARPS,STAGES) | ms | TFLOP/s | default |")
+    print("| context | T | launch (BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]) | ms | TFLOP/s | default |")
     print("|---|---|---|---|---|---|")
     for row in rows_out:
         print(

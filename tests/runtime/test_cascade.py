@@ -492,6 +492,11 @@ def test_prefix_backends_and_launches_parse_and_bad_ones_say_what_is_allowed():
     assert parse_prefix_backend("triton") == ("triton", None)
     assert parse_prefix_backend("triton:64,128,4,2") == ("triton", PrefixConfig(64, 128, 4, 2))
     assert PrefixConfig(64, 128, 4, 2).text() == "64,128,4,2"
+    for variant in ("split", "tma"):  # the other kernels: a fifth field, which the text gives back
+        launch = PrefixConfig(128, 64, 8, 3, variant)
+        assert parse_prefix_backend(f"triton:128,64,8,3,{variant}") == ("triton", launch)
+        assert parse_prefix_backend(f"triton:{launch.text()}") == ("triton", launch)
+    assert parse_prefix_backend("triton:128,64,8,3,loads") == ("triton", PrefixConfig(128, 64, 8, 3))
     assert default_prefix_config(256) == PrefixConfig(128, 64, 8, 3)
     assert default_prefix_config(28) == PrefixConfig(64, 64, 4, 3)
     for bad, message in (
@@ -502,6 +507,8 @@ def test_prefix_backends_and_launches_parse_and_bad_ones_say_what_is_allowed():
         ("triton:256,64,8,3", "BLOCK_M and BLOCK_N from"),
         ("triton:64,64,16,3", "WARPS from"),
         ("triton:64,64,4,9", "STAGES 1-6"),
+        ("triton:64,64,4,3,wgmma", "VARIANT is one of loads, split, tma"),
+        ("triton:64,64,4,3,tma,x", "is `flash`, `triton` or"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_prefix_backend(bad)

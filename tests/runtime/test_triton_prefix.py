@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from tokenswift_trt.runtime import kernels
-from tokenswift_trt.runtime.cascade import _flash_ranges_cpu, flash_cascade_attention, split_offsets
+from tokenswift_trt.runtime.cascade import (
+    PREFIX_VARIANTS,
+    _flash_ranges_cpu,
+    default_prefix_config,
+    flash_cascade_attention,
+    split_offsets,
+)
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU and "triton" not in sys.modules:  # Triton reads this when it is first imported
@@ -39,6 +46,7 @@ def _case(kv_heads: int, rows: int, capacity: int, prefix: int, dim: int, dtype,
         (2, 130, 200, 190, 2, 64),  # two row blocks of 128
         (1, 8, 40, 3, 6, 64),  # fewer committed keys than ranges: empty ranges
         (1, 16, 64, 0, 2, 128),  # nothing committed
+        (1, 12, 300, 256, 2, 64),  # ranges of whole key tiles: no partial tail
     ],
 )
 def test_triton_prefix_block_equals_the_flash_ranges_in_the_interpreter(
@@ -51,8 +59,17 @@ def test_triton_prefix_block_equals_the_flash_ranges_in_the_interpreter(
     offsets = split_offsets(torch.tensor(prefix), splits)
     expected_outs, expected_lses = _flash_ranges_cpu(packed, keys, values, offsets, 0.125)
     present = offsets[1:] > offsets[:-1]
-    # the default launch, and others a sweep may pick (smaller row tiles, wider key tiles)
-    for launch in (None, PrefixConfig(32, 128, 4, 2), PrefixConfig(128, 32, 8, 4)):
+    # the default launch, and others a sweep may pick (smaller row tiles, wider key tiles, each kernel)
+    launches = (
+        None,
+        PrefixConfig(32, 128, 4, 2),
+        PrefixConfig(128, 32, 8, 4),
+        PrefixConfig(64, 32, 4, 3, "split"),
+        PrefixConfig(128, 64, 8, 3, "split"),
+        PrefixConfig(64, 32, 4, 3, "tma"),
+        PrefixConfig(16, 64, 4, 2, "tma"),
+    )
+    for launch in launches:
         outs, lses = prefix_block(packed, keys, values, offsets, 0.125, splits, launch)
         assert outs.shape == expected_outs.shape and lses.shape == expected_lses.shape
         torch.testing.assert_close(outs[present], expected_outs[present], rtol=1e-4, atol=1e-5)
@@ -82,11 +99,17 @@ def test_the_cascade_through_the_triton_prefix_equals_one_masked_attention():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernel needs a CUDA GPU")
+@pytest.mark.parametrize("variant", PREFIX_VARIANTS)
 @pytest.mark.parametrize("count,prefix,splits", [(64, 100_000, 17), (128, 4_000, 8), (7, 2, 4)])
-def test_triton_prefix_block_on_cuda_matches_fp32_and_replays_in_a_graph(count, prefix, splits):
+def test_triton_prefix_block_on_cuda_matches_fp32_and_replays_in_a_graph(count, prefix, splits, variant):
     """bf16 on the GPU against the fp32 CPU ranges (relative error <= 1e-2), a poisoned output block,
-    then one captured graph replayed at a second committed length (offsets computed on the device)."""
+    then one captured graph replayed at a second committed length (offsets computed on the device);
+    each of the block's kernels at the default tiles (`tma` only where the GPU has the accelerator)."""
     from tokenswift_trt.runtime.triton_prefix import prefix_block
+
+    if variant == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the tensor memory accelerator comes with Hopper GPUs and later")
+    launch = replace(default_prefix_config(4 * count), variant=variant)
 
     kv_heads, rows = 8, 4 * count
     packed, keys, values = _case(kv_heads, rows, prefix + 200, prefix, 128, torch.bfloat16, "cuda", count)
@@ -100,7 +123,7 @@ def test_triton_prefix_block_on_cuda_matches_fp32_and_replays_in_a_graph(count, 
 
     poison = torch.full((splits, kv_heads, rows, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     del poison  # freed: the kernel's output likely reuses the block
-    outs, lses = prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits)
+    outs, lses = prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits, launch)
     want_outs, want_lses = expected(prefix)
     present = (
         split_offsets(torch.tensor(prefix), splits)[1:] > split_offsets(torch.tensor(prefix), splits)[:-1]
@@ -114,10 +137,10 @@ def test_triton_prefix_block_on_cuda_matches_fp32_and_replays_in_a_graph(count, 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits)  # compiled, warm
+        prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits, launch)  # compiles
         with torch.cuda.graph(graph, stream=stream):
             static_outs.copy_(
-                prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits)[0]
+                prefix_block(packed, keys, values, split_offsets(length, splits), 0.088, splits, launch)[0]
             )
     moved = max(1, prefix // 2)
     length.fill_(moved)

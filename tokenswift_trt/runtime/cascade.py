@@ -33,17 +33,28 @@ TRITON_PREFIX_HEAD_DIMS = (32, 64, 128)
 ALIGNED_HEAD_DIMS = (16, 32, 64, 128)
 
 
+# the Triton prefix block's kernels (`triton_prefix`): "loads", every key tile through masked pointer
+# loads (the kernel the fifth H200 session measured); "split", whole key tiles unmasked and one masked
+# tail per range, the softmax scale folded into the exponent's argument, P·V accumulated by the product
+# itself; "tma", "split" with each key and value tile fetched by the tensor memory accelerator (Hopper
+# and later)
+PREFIX_VARIANTS = ("loads", "split", "tma")
+
+
 @dataclass(frozen=True)
 class PrefixConfig:
-    """The Triton prefix block's launch: rows and keys per tile, warps, pipelined key tiles."""
+    """The Triton prefix block's launch: rows and keys per tile, warps, pipelined key tiles, and which
+    of its kernels (PREFIX_VARIANTS)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    variant: str = "loads"
 
     def text(self) -> str:
-        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}"
+        launch = f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}"
+        return launch if self.variant == "loads" else f"{launch},{self.variant}"
 
 
 def default_prefix_config(rows: int) -> PrefixConfig:
@@ -53,21 +64,26 @@ def default_prefix_config(rows: int) -> PrefixConfig:
 
 
 def parse_prefix_backend(text: str) -> tuple[str, PrefixConfig | None]:
-    """`flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES` (e.g. `triton:128,128,8,3`, as
-    `scripts/triton_prefix_sweep.py` prints its best) -> (backend, launch or None for the default)."""
+    """`flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]` (e.g. `triton:128,128,8,3`
+    or `triton:128,64,8,3,tma`, as `scripts/triton_prefix_sweep.py` prints its best) -> (backend, launch
+    or None for the default)."""
     backend, _, launch = text.partition(":")
     if backend in ("flash", "triton") and not launch:
         return backend, None
     parts = launch.split(",")
+    variant = parts.pop() if len(parts) == 5 else "loads"
     if backend != "triton" or len(parts) != 4 or not all(part.isdigit() for part in parts):
         raise ValueError(
-            f"a prefix block is `flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES`, got {text!r}"
+            "a prefix block is `flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]`, "
+            f"got {text!r}"
         )
     block_m, block_n, warps, stages = (int(part) for part in parts)
     tiles = (16, 32, 64, 128)  # larger tiles of a 128-wide head overflow a multiprocessor's memory
     if block_m not in tiles or block_n not in tiles or warps not in (1, 2, 4, 8) or not 1 <= stages <= 6:
         raise ValueError(f"{text!r}: BLOCK_M and BLOCK_N from {tiles}, WARPS from 1, 2, 4, 8, STAGES 1-6")
-    return backend, PrefixConfig(block_m, block_n, warps, stages)
+    if variant not in PREFIX_VARIANTS:
+        raise ValueError(f"{text!r}: VARIANT is one of {', '.join(PREFIX_VARIANTS)}")
+    return backend, PrefixConfig(block_m, block_n, warps, stages, variant)
 
 
 def pack_group_rows(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -197,7 +213,8 @@ def flash_prefix_block(
     [splits, kv_heads, R, D] in its dtype, each normalised within its range, log-sum-exps [splits,
     kv_heads, R] with +inf (flash) or -inf (triton) for an empty range, offsets [splits + 1]).
     `backend`: "flash" (PyTorch's FlashAttention on CUDA, the CPU flash op range by range elsewhere)
-    or "triton" (`triton_prefix.prefix_block`, our own kernel; "triton:BM,BN,W,S" picks its launch)."""
+    or "triton" (`triton_prefix.prefix_block`, our own kernel; "triton:BM,BN,W,S[,VARIANT]" picks its
+    launch)."""
     offsets = split_offsets(prefix_length, splits)  # [splits + 1]
     backend, launch = parse_prefix_backend(backend)
     if backend == "triton":

@@ -8,6 +8,12 @@ FlashAttention-2 ran this block at ~170-250 TFLOP/s on an H200 (docs/gpu.md, "H2
 while Triton lowers `tl.dot` to Hopper's wgmma and pipelines the key tiles' loads; and the grid
 (row block, KV head, range) reads each range's keys for all of a head's rows in adjacent programs.
 
+Three kernels compute it (`cascade.PREFIX_VARIANTS`, the launch's `variant`): `_prefix_kernel` ("loads",
+masked loads of every key tile, the one measured on a GPU), `_prefix_kernel_split` ("split": whole key
+tiles unmasked, one masked tail per range, the scale folded into the exponent, P·V accumulated in
+place) and the same with the key and value tiles fetched through tensor-memory-accelerator descriptors
+("tma", Hopper and later).
+
 Imported only when that backend is chosen (Triton ships with CUDA builds of PyTorch, not the CPU
 build). With TRITON_INTERPRET=1 set before this module is imported, the kernel runs on CPU tensors
 through Triton's interpreter: that is how it is tested without a GPU.
@@ -20,6 +26,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .cascade import TRITON_PREFIX_HEAD_DIMS, PrefixConfig, default_prefix_config
 
@@ -103,6 +110,120 @@ def _prefix_kernel(
     tl.store(lse_ptr + split * stride_lse_split + head * stride_lse_head + rows, lse, mask=row_ok)
 
 
+@triton.jit
+def _online_update(acc, top, total, raw, value_tile, key_ok, scale_log2, MASKED: tl.constexpr):
+    """One key tile into a row block's online softmax: raw = query . keys [BLOCK_M, BLOCK_N] unscaled;
+    with MASKED, the keys where key_ok is False weigh nothing (a tile holds at least one key)."""
+    if MASKED:
+        scores = tl.where(key_ok[None, :], raw * scale_log2, float("-inf"))
+        next_top = tl.maximum(top, tl.max(scores, 1))
+        weights = tl.exp2(scores - next_top[:, None])
+    else:  # the scale goes into the exponent's argument: one multiply-add per score
+        next_top = tl.maximum(top, tl.max(raw, 1) * scale_log2)
+        weights = tl.exp2(raw * scale_log2 - next_top[:, None])
+    shrink = tl.exp2(top - next_top)
+    total = total * shrink + tl.sum(weights, 1)
+    acc = tl.dot(weights.to(value_tile.dtype), value_tile, acc * shrink[:, None])  # accumulates in place
+    return acc, next_top, total
+
+
+@triton.jit
+def _prefix_kernel_split(
+    rows_ptr,
+    keys_ptr,  # TMA: a descriptor of the keys [kv_heads, capacity, D], block [1, BLOCK_N, D]
+    values_ptr,  # TMA: the same for the values
+    out_ptr,
+    lse_ptr,
+    offsets_ptr,
+    stride_rows_head,
+    stride_rows_row,
+    stride_keys_head,
+    stride_keys_key,
+    stride_values_head,
+    stride_values_key,
+    stride_out_split,
+    stride_out_head,
+    stride_out_row,
+    stride_lse_split,
+    stride_lse_head,
+    row_count,
+    scale_log2,  # softmax scale x log2(e): scores in base 2
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """`_prefix_kernel`'s outputs, with each range's whole key tiles unmasked and a masked tail."""
+    row_block = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    start = tl.load(offsets_ptr + split)
+    end = tl.load(offsets_ptr + split + 1)
+    whole_end = start + (end - start) // BLOCK_N * BLOCK_N
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    tile = tl.arange(0, BLOCK_N)
+    row_ok = rows < row_count
+    query = tl.load(
+        rows_ptr + head * stride_rows_head + rows[:, None] * stride_rows_row + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )  # [BLOCK_M, D]
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    everything = tl.full([BLOCK_N], 1, tl.int1)
+    for first in range(start, whole_end, BLOCK_N):
+        if TMA:
+            key_tile = tl.trans(keys_ptr.load([head, first, 0]).reshape(BLOCK_N, HEAD_DIM))  # [D, BLOCK_N]
+            value_tile = values_ptr.load([head, first, 0]).reshape(BLOCK_N, HEAD_DIM)
+        else:
+            keys = first + tile
+            key_tile = tl.load(
+                keys_ptr + head * stride_keys_head + keys[None, :] * stride_keys_key + dims[:, None]
+            )  # [D, BLOCK_N]
+            value_tile = tl.load(
+                values_ptr + head * stride_values_head + keys[:, None] * stride_values_key + dims[None, :]
+            )  # [BLOCK_N, D]
+        acc, top, total = _online_update(
+            acc, top, total, tl.dot(query, key_tile), value_tile, everything, scale_log2, False
+        )
+    if whole_end < end:  # the range's last, partial tile: keys past its end are another range's or junk
+        keys = whole_end + tile
+        key_ok = keys < end
+        if TMA:  # rows past the cache's end come back as zeros; junk values are zeroed below
+            key_tile = tl.trans(keys_ptr.load([head, whole_end, 0]).reshape(BLOCK_N, HEAD_DIM))
+            value_tile = values_ptr.load([head, whole_end, 0]).reshape(BLOCK_N, HEAD_DIM)
+            value_tile = tl.where(key_ok[:, None], value_tile, 0.0).to(value_tile.dtype)
+        else:
+            key_tile = tl.load(
+                keys_ptr + head * stride_keys_head + keys[None, :] * stride_keys_key + dims[:, None],
+                mask=key_ok[None, :],
+                other=0.0,
+            )
+            value_tile = tl.load(
+                values_ptr + head * stride_values_head + keys[:, None] * stride_values_key + dims[None, :],
+                mask=key_ok[:, None],
+                other=0.0,
+            )
+        acc, top, total = _online_update(
+            acc, top, total, tl.dot(query, key_tile), value_tile, key_ok, scale_log2, True
+        )
+    seen = total > 0.0  # an empty range: no key, zeros and a log-sum-exp of -inf
+    out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, (top + tl.log2(tl.where(seen, total, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(
+        out_ptr
+        + split * stride_out_split
+        + head * stride_out_head
+        + rows[:, None] * stride_out_row
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    tl.store(lse_ptr + split * stride_lse_split + head * stride_lse_head + rows, lse, mask=row_ok)
+
+
 def prefix_block(
     rows: torch.Tensor,  # [kv_heads, R, D], last dim contiguous
     keys: torch.Tensor,  # [kv_heads, capacity, D], last dim contiguous
@@ -129,10 +250,19 @@ def prefix_block(
     lse = torch.empty(splits, kv_heads, count, dtype=torch.float32, device=rows.device)
     launch = default_prefix_config(count) if launch is None else launch
     grid = (triton.cdiv(count, launch.block_m), kv_heads, splits)
-    _prefix_kernel[grid](
+    kernel, extra, key_source, value_source = _prefix_kernel, {}, keys, values
+    if launch.variant != "loads":
+        kernel, extra = _prefix_kernel_split, {"TMA": launch.variant == "tma"}
+    if launch.variant == "tma":
+        if rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] < 9:
+            raise ValueError("the `tma` prefix kernel needs a Hopper or later GPU: take `split` or `loads`")
+        block = [1, launch.block_n, dim]
+        key_source = TensorDescriptor(keys, list(keys.shape), list(keys.stride()), block)
+        value_source = TensorDescriptor(values, list(values.shape), list(values.stride()), block)
+    kernel[grid](
         rows,
-        keys,
-        values,
+        key_source,
+        value_source,
         out,
         lse,
         offsets,
@@ -154,5 +284,6 @@ def prefix_block(
         HEAD_DIM=dim,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        **extra,
     )
     return out, lse
