@@ -96,6 +96,12 @@ def test_the_cascade_through_the_triton_prefix_equals_one_masked_attention():
             query, keys, values, tree, torch.tensor(prefix), 0.125, 3, fused_tail, prefix_backend="triton"
         )
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # the other kernels, as the switch names them
+    for backend in ("triton:64,32,4,2,split", "triton:32,32,4,2,tma"):
+        got = flash_cascade_attention(
+            query, keys, values, tree, torch.tensor(prefix), 0.125, 3, True, prefix_backend=backend
+        )
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled Triton kernel needs a CUDA GPU")
