@@ -2,7 +2,7 @@
 pipeline stages run the cascade's prefix block fastest for a model's shape.
 
     python3 scripts/triton_prefix_sweep.py [--model llama3.1-8b] [--contexts 32768,102400]
-        [--tree-sizes 64,128] [--repeats 20] [--out DIR]
+        [--tree-sizes 64,128] [--repeats 20] [--budget-s 200] [--out DIR]
 
 For each (context, tree size): the packed rows of a verify ([kv_heads, group x T, head_dim], random
 bf16) against that many committed keys of a cache of the model's shape, cut into the ranges the engine
@@ -12,7 +12,8 @@ is reported and skipped), then timed with CUDA events (median of --repeats, laun
 Prints ms and TFLOP/s per launch, then the best launch for the widest tree at the longest context as
 `export TOKENSWIFT_CASCADE_PREFIX=triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]`, which engines take
 (docs/gpu.md). The launches cover the prefix block's three kernels (cascade.PREFIX_VARIANTS; `tma` on
-Hopper and later only).
+Hopper and later only), each kernel at the tiles measured best so far first: compiling all 68 may
+take minutes, so after --budget-s seconds no new launch is compiled (those skipped are listed).
 Writes prefix_sweep.json under --out. Needs a CUDA GPU and Triton.
 """
 
@@ -23,12 +24,14 @@ import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from tokenswift_trt.builder.build import BuildRequest, resolve
 from tokenswift_trt.runtime.cascade import (
+    PREFIX_VARIANTS,
     PrefixConfig,
     default_prefix_config,
     flash_splits,
@@ -37,14 +40,21 @@ from tokenswift_trt.runtime.cascade import (
 )
 from tokenswift_trt.runtime.config import config_from_dict, load_config
 
-# the measured kernel's launches, then the split-loop kernels' over the tiles likeliest to win
-GRID = [
+# each kernel at the tiles measured best so far first, so that a sweep cut short by --budget-s has timed
+# those; then the measured kernel's other launches, then the split-loop kernels' over the likeliest tiles
+FIRST = [
+    PrefixConfig(m, n, w, s, variant)
+    for m, n, w, s in ((128, 64, 8, 3), (64, 64, 4, 3))
+    for variant in PREFIX_VARIANTS
+]
+REST = [
     PrefixConfig(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
 ] + [
     PrefixConfig(m, n, w, s, variant)
     for variant in ("split", "tma")
     for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))
 ]
+GRID = FIRST + [launch for launch in REST if launch not in FIRST]
 
 
 def timed_ms(run) -> float:
@@ -58,21 +68,26 @@ def timed_ms(run) -> float:
 
 
 def sweep(
-    block, repeats: int, grid: list[PrefixConfig]
+    block, repeats: int, grid: list[PrefixConfig], deadline: float, compiled: set[PrefixConfig]
 ) -> tuple[dict[PrefixConfig, float], dict[PrefixConfig, str]]:
     """`block(launch)` runs the prefix block with a launch (None: the default) -> (median ms per launch
     that compiled and matched the default's outputs and log-sum-exps, the reason for every other
     launch). The launches take turns, one call each per round, so that a clock or power change hits them
-    all alike."""
+    all alike. Past `deadline` (time.monotonic()) only launches in `compiled` (compiled by an earlier
+    call: Triton caches them) are run; the ones that ran are added to it."""
     reference, reference_lse = (part.float() for part in block(None))
     usable, failed = [], {}
     for launch in grid:
+        if launch not in compiled and time.monotonic() > deadline:
+            failed[launch] = "skipped: the sweep's --budget-s ran out before it was compiled"
+            continue
         try:
             outs, lses = block(launch)
             torch.cuda.synchronize()
         except Exception as error:  # noqa: BLE001 - Triton's compile errors share no base class
             failed[launch] = (str(error).strip() or type(error).__name__).splitlines()[0][:120]
             continue
+        compiled.add(launch)
         error = ((outs.float() - reference).norm() / reference.norm()).item()
         lse_error = (lses - reference_lse).abs().max().item()
         if error <= 1e-2 and lse_error <= 1e-2:
@@ -93,7 +108,11 @@ def main() -> None:
     parser.add_argument("--tree-sizes", default="64,128")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--budget-s", type=float, default=200, help="seconds after which no new launch is compiled"
+    )
     args = parser.parse_args()
+    deadline, compiled = time.monotonic() + args.budget_s, set()
     if not torch.cuda.is_available():
         raise SystemExit("the sweep times the compiled kernel: it needs a CUDA GPU")
     from tokenswift_trt.runtime.triton_prefix import prefix_block  # Triton: CUDA builds of PyTorch
@@ -121,7 +140,7 @@ def main() -> None:
         def block(launch, rows=rows, keys=keys, values=values, offsets=offsets, splits=splits):
             return prefix_block(rows, keys, values, offsets, dim**-0.5, splits, launch)
 
-        timings, failed = sweep(block, args.repeats, grid)
+        timings, failed = sweep(block, args.repeats, grid, deadline, compiled)
         default = default_prefix_config(rows.shape[1])
         print(
             f"context {context}, T {size}: {rows.shape[1]} rows per KV head, {splits} ranges; "
