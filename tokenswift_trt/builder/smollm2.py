@@ -13,6 +13,7 @@ import argparse
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from .gguf_import import IMPORT_FORMAT, SOURCE_FILE, GGUFImportError, Progress, import_gguf, read_source
 
@@ -63,7 +64,7 @@ def prepare_smollm2(out_dir: Path = DEFAULT_DIR, progress: Progress | None = Non
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tokenswift_trt.builder.smollm2 --out DIR`: progress on stderr, the directory on stdout."""
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     parser = argparse.ArgumentParser(
         prog="python -m tokenswift_trt.builder.smollm2",
@@ -71,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR, help=f"model directory ({DEFAULT_DIR})")
     args = parser.parse_args(argv)
-    bars: dict[str, tqdm] = {}
+    bars: dict[str, Any] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
         bar = bars.get(stage)
         if bar is None:
             unit = "MiB" if "hash" in stage else "tensor"
-            bar = bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, unit=unit)
+            bar = bars[stage] = progress_bar(total=total, desc=stage, unit=unit)
         bar.update(done - bar.n)
         if done >= total:
             bar.close()

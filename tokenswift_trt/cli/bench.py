@@ -83,9 +83,9 @@ def bench(
     **opts,
 ) -> None:
     """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG."""
-    from tqdm import tqdm
-
     from tokenswift_trt.bench.run import BenchSpec, run_bench, write_results
+
+    from ..progress import progress_bar
 
     gen_lens, prefix_lens = int_list(gen_len, "--gen-len"), int_list(prefix_len, "--prefix-len")
     if prompts < 1 or repeats < 1:
@@ -122,7 +122,7 @@ def bench(
         )
 
     def progress(label: str, total: int):
-        bar = tqdm(total=total, desc=label, unit="tok", file=sys.stderr, leave=False)
+        bar = progress_bar(total=total, desc=label, unit="tok", leave=False)
 
         def update(ids: list[int]) -> None:
             bar.update(len(ids))
@@ -355,7 +355,6 @@ def bench_steps(
     the speedup those costs imply (docs/gpu.md)."""
     import torch
     from click.core import ParameterSource
-    from tqdm import tqdm
 
     from tokenswift_trt.bench.host import reference_host_ms
     from tokenswift_trt.bench.kernels import device_description
@@ -374,6 +373,8 @@ def bench_steps(
     )
     from tokenswift_trt.runtime.decoding import GenerationConfig
     from tokenswift_trt.runtime.engine import KernelFallbackWarning
+
+    from ..progress import progress_bar
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         reason = "this torch is CPU-only" if torch.version.cuda is None else "no CUDA GPU is visible"
@@ -421,16 +422,15 @@ def bench_steps(
     except ValueError as error:
         raise fail(error) from None
     bandwidth = measure_copy_bandwidth(engine.device)
-    bar = tqdm(
+    bar = progress_bar(
         total=len(context_list) * (3 + len(sizes)),
         desc="step costs",
         unit="step",
-        file=sys.stderr,
         leave=False,
     )
 
     def on_step(cost) -> None:
-        bar.set_postfix_str(f"L={cost.context} {cost.step}")
+        bar.set_postfix_str(f"L={cost.context} {cost.step}", refresh=False)
         bar.update(1)
 
     host_measured = host_overhead_ms is None
@@ -620,10 +620,11 @@ def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max
 def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype, repeats, out) -> None:
     """Tree attention vs masked SDPA and vs the memory-bandwidth time; CSV + JSON (docs/kernels.md)."""
     import torch
-    from tqdm import tqdm
 
     from tokenswift_trt.bench.kernels import bench_tree_attention, device_description, write_kernel_report
     from tokenswift_trt.runtime import kernels
+
+    from ..progress import progress_bar
 
     sizes, lengths = int_list(tree_sizes, "--tree-sizes"), int_list(contexts, "--contexts")
     if max(sizes) > kernels.MAX_TREE_TOKENS:
@@ -645,7 +646,7 @@ def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype
         if problem is not None:
             raise CliError(problem)
     target = torch.device(device)
-    bar = tqdm(total=len(sizes) * len(lengths), desc="kernels", unit="case", file=sys.stderr, leave=False)
+    bar = progress_bar(total=len(sizes) * len(lengths), desc="kernels", unit="case", leave=False)
     try:
         rows, bandwidth = bench_tree_attention(
             target,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -40,18 +40,17 @@ from .common import DTYPES, CliError, fail
 @click.option("--force", is_flag=True, help="replace an existing engine directory")
 def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force) -> None:
     """Build an engine directory from a preset, checkpoint or GGUF file (torch, onnx or tensorrt backend)."""
-    from tqdm import tqdm
-
     from tokenswift_trt.builder.build import BuildError, BuildRequest, build_engine
 
-    bars: dict[str, tqdm] = {}
+    from ..progress import progress_bar
+
+    bars: dict[str, Any] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
         bar = bars.get(stage)
         if bar is None:
-            bar = bars[stage] = tqdm(total=total, desc=stage, file=sys.stderr, leave=False)
-        bar.n = done
-        bar.refresh()
+            bar = bars[stage] = progress_bar(total=total, desc=stage, leave=False)
+        bar.update(done - bar.n)  # redraws as often as the bar allows (a log: every few seconds)
         if done >= total:
             bar.close()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -72,8 +71,6 @@ def generate(
 ) -> None:
     """Generate a continuation of a prompt with TokenSwift (or the AR baseline); journal and resume long
     runs."""
-    from tqdm import tqdm
-
     from tokenswift_trt.runtime.autotune import describe_plans
     from tokenswift_trt.runtime.decoding import GenerationError
     from tokenswift_trt.runtime.decoding import generate as run_generate
@@ -86,6 +83,8 @@ def generate(
     )
     from tokenswift_trt.runtime.request import OUTPUT_DECIDING, SPEED_ONLY, with_fixed_seed
     from tokenswift_trt.runtime.text import StreamDecoder
+
+    from ..progress import progress_bar
 
     done_ids: list[int] = []
     if resume is not None:
@@ -166,11 +165,10 @@ def generate(
     stream_decoder = StreamDecoder(codec)
     if stream and done_ids:
         click.echo(stream_decoder.push(done_ids), nl=False)
-    progress = tqdm(
+    progress = progress_bar(
         total=config.max_new_tokens,
         initial=len(done_ids),
         unit="tok",
-        file=sys.stderr,
         disable=True if (as_json or stream) else None,
     )
 
@@ -241,12 +239,12 @@ def generate(
 def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, **opts) -> None:
     """Generate with AR and with TokenSwift on the same engine, taking turns; print speedup, α, β,
     Distinct-n and agreement."""
-    from tqdm import tqdm
-
     from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.bench.run import take_turns
     from tokenswift_trt.runtime.autotune import describe_plans
     from tokenswift_trt.runtime.decoding import GenerationError, decode_steps
+
+    from ..progress import progress_bar
 
     if opts["seed"] is None:
         opts["seed"] = 0
@@ -268,7 +266,7 @@ def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_token
     prompt_ids = loaded.codec.encode(prompt_text)
     # the two methods take turns (256 new tokens each), each timed on its own clock: a machine whose
     # speed drifts while the demo runs slows both alike (docs/benchmarks.md); one bar for both
-    bar = tqdm(total=2 * max_new_tokens, unit="tok", desc="AR + TokenSwift", file=sys.stderr)
+    bar = progress_bar(total=2 * max_new_tokens, unit="tok", desc="AR + TokenSwift")
     steps = {
         method: decode_steps(
             loaded.engine,

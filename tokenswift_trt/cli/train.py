@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import click
@@ -136,8 +135,6 @@ def train_heads(
     device,
 ) -> None:
     """Train the 3 chained draft layers of a model with its base frozen."""
-    from tqdm import tqdm
-
     from tokenswift_trt.training.train_heads import (
         CHECKPOINT,
         HEADS_FILE,
@@ -151,6 +148,8 @@ def train_heads(
         token_splits,
         write_combined,
     )
+
+    from ..progress import progress_bar
 
     config = TrainHeadsConfig(
         steps=steps,
@@ -197,13 +196,13 @@ def train_heads(
         err=True,
     )
     if config.state_cache:
-        with tqdm(total=config.state_cache, desc="base states", unit="seq", file=sys.stderr) as bar:
+        with progress_bar(total=config.state_cache, desc="base states", unit="seq") as bar:
             trainer.cache_states(lambda done: bar.update(1))
-    with tqdm(total=steps, initial=trainer.step, desc="train-heads", unit="step", file=sys.stderr) as bar:
+    with progress_bar(total=steps, initial=trainer.step, desc="train-heads", unit="step") as bar:
 
         def on_step(step: int, loss: float) -> None:
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update's redraw
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
 
         trainer.run(on_step)
     heads_path = out / HEADS_FILE
