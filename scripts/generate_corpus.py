@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 )  # [B, P + new]
             for row in ids.tolist():
                 out.write(json.dumps({"text": codec.decode(row)}) + "\n")
+            out.flush()  # a run stopped by a time limit keeps its finished batches
             written += count
             rate = written * args.new_tokens / (time.time() - start)
             print(f"{written}/{args.sequences} sequences, {rate:.0f} new tokens/s", file=sys.stderr)

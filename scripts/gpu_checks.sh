@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
-#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 prefix-sweep e2e-picked smollm2 compile-4k cascade fused variants iteration invariant e2e-paper
+#                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 prefix-sweep e2e-picked smollm2 heads compile-4k cascade fused variants iteration invariant e2e-paper
 #                                                      (default: env tests kernels steps host loop)
 #
 # Each stage writes its log (and its bench output folder) under OUT_DIR and has its own time limit,
@@ -34,6 +34,12 @@ if ! "$PYTHON" -c "import tokenswift_trt.runtime" 2>/dev/null; then
     "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT_DIR/install.log" 2>&1 \
         || { echo "install failed"; tail -n 20 "$OUT_DIR/install.log"; exit 1; }
 fi
+
+# joins the SmolLM2 GGUF's parts carried in .gpu_carry/, checks its sha256 and imports it (once per machine)
+SMOLLM2_IMPORT="if [ ! -f models/smollm2-135m/config.json ]; then cat .gpu_carry/smol.part* >/tmp/smol.gguf \
+    && PYTHONPATH=$PWD/.gpu_carry/py:\$PYTHONPATH $PYTHON -c 'from tokenswift_trt.builder.gguf_import import \
+    import_gguf; from tokenswift_trt.builder.smollm2 import SMOLLM2_SHA256 as sha; import_gguf(\"/tmp/smol.gguf\", \
+    \"models/smollm2-135m\", force=True, expected_sha256=sha)'; fi"
 
 for name in $STAGES; do
     case $name in
@@ -136,15 +142,31 @@ EOF"
         ;;
     smollm2)  # the SmolLM2 preset with its trained layers: real acceptance on the GPU (#20 item 4b). Needs the
         # GGUF's parts in .gpu_carry/ (scripts/gpu_carry_smollm2.sh, one part per call, back to back)
-        stage smollm2 480 bash -c "if [ ! -f models/smollm2-135m/config.json ]; then \
-            cat .gpu_carry/smol.part* >/tmp/smol.gguf && PYTHONPATH=$PWD/.gpu_carry/py:\$PYTHONPATH $PYTHON -c \
-            'from tokenswift_trt.builder.gguf_import import import_gguf; from tokenswift_trt.builder.smollm2 \
-            import SMOLLM2_SHA256 as sha; import_gguf(\"/tmp/smol.gguf\", \"models/smollm2-135m\", force=True, \
-            expected_sha256=sha)' || exit 1; fi; for flags in '--tree 3,3,3 --device-loop' '--tree 3,3,3 --ngram-topk 4 \
+        stage smollm2 480 bash -c "$SMOLLM2_IMPORT || exit 1; for flags in '--tree 3,3,3 --device-loop' '--tree 3,3,3 --ngram-topk 4 \
             --device-loop' ''; do ${CLI[*]} bench --model smollm2-135m --prompt-file .gpu_carry/book.txt \
             --device cuda --dtype bfloat16 \$flags --gen-len 1024,4096 --prefix-len 512 --min-p 0.1 \
             --penalty 1.2 --penalty-window 256 --seed 1 --ignore-eos --no-extras --interleave 512 \
             --out $OUT_DIR/smollm2\${flags//[^a-z0-9]/}; done"
+        ;;
+    heads)  # #19: a GPU-scale round of SmolLM2's draft layers from the committed ones: more of the model's own
+        # text (a new seed), train-heads on it and the books, then layer 1's agreement with the model's samples for
+        # the committed and the new file side by side. Needs the GGUF's parts, its `gguf` package and the books in
+        # .gpu_carry/ (scripts/gpu_carry_smollm2.sh); ~8 minutes: a call of its own. The new heads come back as
+        # OUT_DIR/heads/run/heads.safetensors.
+        books=(--data .gpu_carry/books/iliad.txt --data .gpu_carry/books/moby_dick.txt
+            --data .gpu_carry/books/war_and_peace.txt)
+        stage heads-import 120 bash -c "$SMOLLM2_IMPORT"
+        stage heads-text 200 "$PYTHON" scripts/generate_corpus.py --model-dir models/smollm2-135m "${books[@]}" \
+            --out "$OUT_DIR/heads/generated.jsonl" --sequences 512 --batch 256 --new-tokens 1024 --seed 1 --device cuda
+        stage heads-train 330 "${CLI[@]}" train-heads --model-dir models/smollm2-135m \
+            --data "$OUT_DIR/heads/generated.jsonl" "${books[@]}" --eval-data .gpu_carry/book.txt \
+            --out "$OUT_DIR/heads/run" --steps 1500 --seq-len 1024 --batch 16 --grad-accum 1 --lr 1e-3 \
+            --warmup-steps 50 --checkpoint-every 100 --root-width 2304 --draft-vocab 8192 --state-cache 3000 \
+            --init-heads models/heads/smollm2-135m.safetensors --device cuda
+        rm -f "$OUT_DIR/heads/run/checkpoint.pt"  # 60 MB of optimizer state; the heads file is what comes back
+        stage heads-agree 240 bash -c "for heads in models/heads/smollm2-135m.safetensors \
+            $OUT_DIR/heads/run/heads.safetensors; do echo \$heads; $PYTHON scripts/first_level_agreement.py \
+            --heads \$heads --prompt-file .gpu_carry/book.txt; done"
         ;;
     compile-4k)  # eager and compiled steps side by side at 4K only (one context compiles in ~2-3 minutes)
         stage compile-4k 240 bash -c "for flags in '' --compile-steps; do ${CLI[*]} bench-steps --model llama3.1-8b \
@@ -180,6 +202,6 @@ EOF"
             --tree 1,3,3,3 --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-paper"
         ;;
-    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 prefix-sweep e2e-picked smollm2 compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
+    *) echo "unknown stage $name (env tests kernels steps host loop compile profile syncs divergence e2e e2e-100k e2e-curve e2e-100k-k4 prefix-sweep e2e-picked smollm2 heads compile-4k cascade fused variants iteration invariant e2e-paper)"; exit 2 ;;
     esac
 done
