@@ -350,7 +350,15 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     if has_triton:
         choose_attention_kernel(model, config, torch.bfloat16, cuda)
         assert model.cascade_prefix == "triton:128,128,8,4"
-    for bad in ("cutlass", "triton:100,64,8,3", "triton:128,64"):
+    monkeypatch.setenv(CASCADE_PREFIX_ENV, "triton:128,64,8,3,tma")  # the accelerator: Hopper and later
+    if has_triton and torch.cuda.is_available():
+        if torch.cuda.get_device_capability()[0] >= 9:
+            choose_attention_kernel(model, config, torch.bfloat16, cuda)
+            assert model.cascade_prefix == "triton:128,64,8,3,tma"
+        else:
+            with pytest.raises(ValueError, match="needs a Hopper or later GPU"):
+                choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    for bad in ("cutlass", "triton:100,64,8,3", "triton:128,64", "triton:128,64,8,3,wgmma"):
         monkeypatch.setenv(CASCADE_PREFIX_ENV, bad)
         with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_PREFIX must be"):
             choose_attention_kernel(model, config, torch.bfloat16, cuda)

@@ -313,9 +313,16 @@ def choose_attention_kernel(
         raise ValueError(f"{CASCADE_TAIL_ENV} must be `torch` or `kernel`, got {tail!r}")
     prefix = os.environ.get(CASCADE_PREFIX_ENV, "triton")
     try:
-        cascade.parse_prefix_backend(prefix)
+        _, launch = cascade.parse_prefix_backend(prefix)
     except ValueError as error:
         raise ValueError(f"{CASCADE_PREFIX_ENV} must be `flash` or `triton`: {error}") from None
+    if launch is not None and launch.variant == "tma" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 9:  # refused here, not at the first verify inside a graph capture
+            raise ValueError(
+                f"{CASCADE_PREFIX_ENV}: the `tma` prefix kernel needs a Hopper or later GPU (this one is "
+                f"sm_{major}{minor}): take `split` or `loads`"
+            )
     if prefix.startswith("triton") and (
         importlib.util.find_spec("triton") is None or config.head_dim not in cascade.TRITON_PREFIX_HEAD_DIMS
     ):
