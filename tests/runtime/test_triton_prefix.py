@@ -157,3 +157,24 @@ def test_triton_prefix_block_on_cuda_matches_fp32_and_replays_in_a_graph(count, 
     present = present[1:] > present[:-1]
     got = static_outs.float().cpu()[present]
     assert ((got - want_outs[present]).norm() / want_outs[present].norm()) <= 1e-2
+
+
+def test_triton_prefix_block_refuses_offsets_that_are_not_int32():
+    from tokenswift_trt.runtime.triton_prefix import prefix_block
+
+    packed, keys, values = _case(1, 8, 64, 40, 64, torch.float32, "cpu", 3)
+    offsets = split_offsets(torch.tensor(40), 2).long()  # the descriptors' kernels take 32-bit offsets only
+    with pytest.raises(ValueError, match="int32 range offsets"):
+        prefix_block(packed, keys, values, offsets, 0.125, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="shared-memory limits are a GPU's")
+def test_a_prefix_launch_too_large_for_the_gpu_says_which_and_what_to_take():
+    from tokenswift_trt.runtime.cascade import PrefixConfig
+    from tokenswift_trt.runtime.triton_prefix import prefix_block
+
+    packed, keys, values = _case(8, 256, 4096, 4000, 128, torch.bfloat16, "cuda", 4)
+    offsets = split_offsets(torch.tensor(4000, device="cuda"), 4)
+    too_large = PrefixConfig(128, 128, 8, 6)  # ~430 KB of shared memory: more than any GPU has
+    with pytest.raises(ValueError, match="does not fit this GPU.*smaller BLOCK_N or fewer stages"):
+        prefix_block(packed, keys, values, offsets, 0.088, 4, too_large)

@@ -11,8 +11,8 @@ while Triton lowers `tl.dot` to Hopper's wgmma and pipelines the key tiles' load
 Three kernels compute it (`cascade.PREFIX_VARIANTS`, the launch's `variant`): `_prefix_kernel` ("loads",
 masked loads of every key tile, the one measured on a GPU), `_prefix_kernel_split` ("split": whole key
 tiles unmasked, one masked tail per range, the scale folded into the exponent, P·V accumulated in
-place) and the same with the key and value tiles fetched through tensor-memory-accelerator descriptors
-("tma", Hopper and later).
+place) and the same with the whole tiles' keys and values fetched through tensor-memory-accelerator
+descriptors ("tma", Hopper and later).
 
 Imported only when that backend is chosen (Triton ships with CUDA builds of PyTorch, not the CPU
 build). With TRITON_INTERPRET=1 set before this module is imported, the kernel runs on CPU tensors
@@ -26,6 +26,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+import triton.runtime.errors
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .cascade import TRITON_PREFIX_HEAD_DIMS, PrefixConfig, default_prefix_config
@@ -130,8 +131,10 @@ def _online_update(acc, top, total, raw, value_tile, key_ok, scale_log2, MASKED:
 @triton.jit
 def _prefix_kernel_split(
     rows_ptr,
-    keys_ptr,  # TMA: a descriptor of the keys [kv_heads, capacity, D], block [1, BLOCK_N, D]
-    values_ptr,  # TMA: the same for the values
+    keys_ptr,
+    values_ptr,
+    keys_desc,  # TMA: a descriptor of the keys [kv_heads, capacity, D], block [1, BLOCK_N, D]; else None
+    values_desc,  # TMA: the same for the values
     out_ptr,
     lse_ptr,
     offsets_ptr,
@@ -175,8 +178,8 @@ def _prefix_kernel_split(
     everything = tl.full([BLOCK_N], 1, tl.int1)
     for first in range(start, whole_end, BLOCK_N):
         if TMA:
-            key_tile = tl.trans(keys_ptr.load([head, first, 0]).reshape(BLOCK_N, HEAD_DIM))  # [D, BLOCK_N]
-            value_tile = values_ptr.load([head, first, 0]).reshape(BLOCK_N, HEAD_DIM)
+            key_tile = tl.trans(keys_desc.load([head, first, 0]).reshape(BLOCK_N, HEAD_DIM))  # [D, BLOCK_N]
+            value_tile = values_desc.load([head, first, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
             keys = first + tile
             key_tile = tl.load(
@@ -189,23 +192,20 @@ def _prefix_kernel_split(
             acc, top, total, tl.dot(query, key_tile), value_tile, everything, scale_log2, False
         )
     if whole_end < end:  # the range's last, partial tile: keys past its end are another range's or junk
+        # masked pointer loads for both kernels: through the accelerator this one tile would wait on each
+        # copy in turn and take its values through the registers to zero the junk past `end`
         keys = whole_end + tile
         key_ok = keys < end
-        if TMA:  # rows past the cache's end come back as zeros; junk values are zeroed below
-            key_tile = tl.trans(keys_ptr.load([head, whole_end, 0]).reshape(BLOCK_N, HEAD_DIM))
-            value_tile = values_ptr.load([head, whole_end, 0]).reshape(BLOCK_N, HEAD_DIM)
-            value_tile = tl.where(key_ok[:, None], value_tile, 0.0).to(value_tile.dtype)
-        else:
-            key_tile = tl.load(
-                keys_ptr + head * stride_keys_head + keys[None, :] * stride_keys_key + dims[:, None],
-                mask=key_ok[None, :],
-                other=0.0,
-            )
-            value_tile = tl.load(
-                values_ptr + head * stride_values_head + keys[:, None] * stride_values_key + dims[None, :],
-                mask=key_ok[:, None],
-                other=0.0,
-            )
+        key_tile = tl.load(
+            keys_ptr + head * stride_keys_head + keys[None, :] * stride_keys_key + dims[:, None],
+            mask=key_ok[None, :],
+            other=0.0,
+        )
+        value_tile = tl.load(
+            values_ptr + head * stride_values_head + keys[:, None] * stride_values_key + dims[None, :],
+            mask=key_ok[:, None],
+            other=0.0,
+        )
         acc, top, total = _online_update(
             acc, top, total, tl.dot(query, key_tile), value_tile, key_ok, scale_log2, True
         )
@@ -241,49 +241,60 @@ def prefix_block(
         or rows.stride(-1) != 1
         or keys.stride(-1) != 1
         or values.stride(-1) != 1
+        or offsets.dtype != torch.int32
     ):
         raise ValueError(
-            f"the Triton prefix block takes head_dim {TRITON_PREFIX_HEAD_DIMS} with contiguous rows, "
-            f"got {dim}"
+            f"the Triton prefix block takes head_dim {TRITON_PREFIX_HEAD_DIMS} with contiguous rows and "
+            f"int32 range offsets, got {dim} and {offsets.dtype}"
         )
     out = rows.new_empty(splits, kv_heads, count, dim)
     lse = torch.empty(splits, kv_heads, count, dtype=torch.float32, device=rows.device)
     launch = default_prefix_config(count) if launch is None else launch
     grid = (triton.cdiv(count, launch.block_m), kv_heads, splits)
-    kernel, extra, key_source, value_source = _prefix_kernel, {}, keys, values
+    kernel, descriptors, extra = _prefix_kernel, (), {}
     if launch.variant != "loads":
-        kernel, extra = _prefix_kernel_split, {"TMA": launch.variant == "tma"}
+        kernel, descriptors, extra = _prefix_kernel_split, (None, None), {"TMA": launch.variant == "tma"}
     if launch.variant == "tma":
         if rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] < 9:
             raise ValueError("the `tma` prefix kernel needs a Hopper or later GPU: take `split` or `loads`")
         block = [1, launch.block_n, dim]
-        key_source = TensorDescriptor(keys, list(keys.shape), list(keys.stride()), block)
-        value_source = TensorDescriptor(values, list(values.shape), list(values.stride()), block)
-    kernel[grid](
-        rows,
-        key_source,
-        value_source,
-        out,
-        lse,
-        offsets,
-        rows.stride(0),
-        rows.stride(1),
-        keys.stride(0),
-        keys.stride(1),
-        values.stride(0),
-        values.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        lse.stride(0),
-        lse.stride(1),
-        count,
-        scale * LOG2E,
-        BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n,
-        HEAD_DIM=dim,
-        num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
-        **extra,
-    )
+        descriptors = tuple(
+            TensorDescriptor(cache, list(cache.shape), list(cache.stride()), block)
+            for cache in (keys, values)
+        )
+    try:
+        kernel[grid](
+            rows,
+            keys,
+            values,
+            *descriptors,
+            out,
+            lse,
+            offsets,
+            rows.stride(0),
+            rows.stride(1),
+            keys.stride(0),
+            keys.stride(1),
+            values.stride(0),
+            values.stride(1),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            count,
+            scale * LOG2E,
+            BLOCK_M=launch.block_m,
+            BLOCK_N=launch.block_n,
+            HEAD_DIM=dim,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+            **extra,
+        )
+    except triton.runtime.errors.OutOfResources as error:  # the launch's tiles x stages on this GPU
+        raise ValueError(
+            f"the prefix block's launch {launch.text()} does not fit this GPU ({error.name}: "
+            f"{error.required} > {error.limit}): take a smaller BLOCK_N or fewer stages in "
+            "TOKENSWIFT_CASCADE_PREFIX, or the sweep's pick (scripts/triton_prefix_sweep.py)"
+        ) from None
     return out, lse
