@@ -35,6 +35,28 @@ LOG2E = 1 / math.log(2)  # the kernel divides by the same constant
 
 
 @triton.jit
+def _store_range(
+    out_ptr, lse_ptr, acc, top, total, split, head, rows, dims, row_ok,
+    stride_out_split, stride_out_head, stride_out_row, stride_lse_split, stride_lse_head,
+):  # fmt: skip
+    """A row block's range: the output normalised within it and the log-sum-exp of its scores (base e);
+    an empty range (no key, total 0) gives zeros and -inf."""
+    seen = total > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, (top + tl.log2(tl.where(seen, total, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(
+        out_ptr
+        + split * stride_out_split
+        + head * stride_out_head
+        + rows[:, None] * stride_out_row
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    tl.store(lse_ptr + split * stride_lse_split + head * stride_lse_head + rows, lse, mask=row_ok)
+
+
+@triton.jit
 def _prefix_kernel(
     rows_ptr,
     keys_ptr,
@@ -96,19 +118,10 @@ def _prefix_kernel(
         )  # [BLOCK_N, D]
         acc = acc * shrink[:, None] + tl.dot(weights.to(value_tile.dtype), value_tile)
         top = next_top
-    seen = total > 0.0  # an empty range: no key, zeros and a log-sum-exp of -inf
-    out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, (top + tl.log2(tl.where(seen, total, 1.0))) / 1.4426950408889634, float("-inf"))
-    tl.store(
-        out_ptr
-        + split * stride_out_split
-        + head * stride_out_head
-        + rows[:, None] * stride_out_row
-        + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
-    tl.store(lse_ptr + split * stride_lse_split + head * stride_lse_head + rows, lse, mask=row_ok)
+    _store_range(
+        out_ptr, lse_ptr, acc, top, total, split, head, rows, dims, row_ok,
+        stride_out_split, stride_out_head, stride_out_row, stride_lse_split, stride_lse_head,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -209,19 +222,10 @@ def _prefix_kernel_split(
         acc, top, total = _online_update(
             acc, top, total, tl.dot(query, key_tile), value_tile, key_ok, scale_log2, True
         )
-    seen = total > 0.0  # an empty range: no key, zeros and a log-sum-exp of -inf
-    out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
-    lse = tl.where(seen, (top + tl.log2(tl.where(seen, total, 1.0))) / 1.4426950408889634, float("-inf"))
-    tl.store(
-        out_ptr
-        + split * stride_out_split
-        + head * stride_out_head
-        + rows[:, None] * stride_out_row
-        + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
-    tl.store(lse_ptr + split * stride_lse_split + head * stride_lse_head + rows, lse, mask=row_ok)
+    _store_range(
+        out_ptr, lse_ptr, acc, top, total, split, head, rows, dims, row_ok,
+        stride_out_split, stride_out_head, stride_out_row, stride_lse_split, stride_lse_head,
+    )  # fmt: skip
 
 
 def prefix_block(
