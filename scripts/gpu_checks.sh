@@ -155,18 +155,21 @@ EOF"
         # OUT_DIR/heads/run/heads.safetensors.
         books=(--data .gpu_carry/books/iliad.txt --data .gpu_carry/books/moby_dick.txt
             --data .gpu_carry/books/war_and_peace.txt)
+        mkdir -p "$OUT_DIR/heads"
         stage heads-import 120 bash -c "$SMOLLM2_IMPORT"
-        stage heads-text 200 "$PYTHON" scripts/generate_corpus.py --model-dir models/smollm2-135m "${books[@]}" \
-            --out "$OUT_DIR/heads/generated.jsonl" --sequences 512 --batch 256 --new-tokens 1024 --seed 1 --device cuda
-        stage heads-train 330 "${CLI[@]}" train-heads --model-dir models/smollm2-135m \
+        stage heads-text 180 "$PYTHON" scripts/generate_corpus.py --model-dir models/smollm2-135m "${books[@]}" \
+            --out "$OUT_DIR/heads/generated.jsonl" --sequences 384 --batch 192 --new-tokens 1024 --seed 1 --device cuda
+        stage heads-train 300 "${CLI[@]}" train-heads --model-dir models/smollm2-135m \
             --data "$OUT_DIR/heads/generated.jsonl" "${books[@]}" --eval-data .gpu_carry/book.txt \
-            --out "$OUT_DIR/heads/run" --steps 1500 --seq-len 1024 --batch 16 --grad-accum 1 --lr 1e-3 \
-            --warmup-steps 50 --checkpoint-every 100 --root-width 2304 --draft-vocab 8192 --state-cache 3000 \
+            --out "$OUT_DIR/heads/run" --steps 1200 --seq-len 1024 --batch 16 --grad-accum 1 --lr 1e-3 \
+            --warmup-steps 50 --checkpoint-every 100 --root-width 2304 --draft-vocab 8192 --state-cache 2000 \
             --init-heads models/heads/smollm2-135m.safetensors --device cuda
         rm -f "$OUT_DIR/heads/run/checkpoint.pt"  # 60 MB of optimizer state; the heads file is what comes back
-        stage heads-agree 240 bash -c "for heads in models/heads/smollm2-135m.safetensors \
-            $OUT_DIR/heads/run/heads.safetensors; do echo \$heads; $PYTHON scripts/first_level_agreement.py \
-            --heads \$heads --prompt-file .gpu_carry/book.txt; done"
+        # both scores at once on the machine's CPU cores (each generates its 1,536 tokens there)
+        stage heads-agree 150 bash -c "OMP_NUM_THREADS=8 $PYTHON scripts/first_level_agreement.py \
+            --heads models/heads/smollm2-135m.safetensors --prompt-file .gpu_carry/book.txt >$OUT_DIR/heads/agree-committed.txt & \
+            OMP_NUM_THREADS=8 $PYTHON scripts/first_level_agreement.py --heads $OUT_DIR/heads/run/heads.safetensors \
+            --prompt-file .gpu_carry/book.txt >$OUT_DIR/heads/agree-new.txt; wait; tail -n 3 $OUT_DIR/heads/agree-*.txt"
         ;;
     compile-4k)  # eager and compiled steps side by side at 4K only (one context compiles in ~2-3 minutes)
         stage compile-4k 240 bash -c "for flags in '' --compile-steps; do ${CLI[*]} bench-steps --model llama3.1-8b \
