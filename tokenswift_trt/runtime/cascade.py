@@ -36,8 +36,8 @@ ALIGNED_HEAD_DIMS = (16, 32, 64, 128)
 # the Triton prefix block's kernels (`triton_prefix`): "loads", every key tile through masked pointer
 # loads (the kernel the fifth H200 session measured); "split", whole key tiles unmasked and one masked
 # tail per range, the softmax scale folded into the exponent's argument, P·V accumulated by the product
-# itself; "tma", "split" with each key and value tile fetched by the tensor memory accelerator (Hopper
-# and later)
+# itself; "tma", "split" with the whole tiles' keys and values fetched by the tensor memory accelerator
+# (Hopper and later)
 PREFIX_VARIANTS = ("loads", "split", "tma")
 
 
