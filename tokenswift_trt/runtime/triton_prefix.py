@@ -258,9 +258,7 @@ def prefix_block(
     kernel, descriptors, extra = _prefix_kernel, (), {}
     if launch.variant != "loads":
         kernel, descriptors, extra = _prefix_kernel_split, (None, None), {"TMA": launch.variant == "tma"}
-    if launch.variant == "tma":
-        if rows.is_cuda and torch.cuda.get_device_capability(rows.device)[0] < 9:
-            raise ValueError("the `tma` prefix kernel needs a Hopper or later GPU: take `split` or `loads`")
+    if launch.variant == "tma":  # Hopper and later: the engine refuses it elsewhere when it loads
         block = [1, launch.block_n, dim]
         descriptors = tuple(
             TensorDescriptor(cache, list(cache.shape), list(cache.stride()), block)
