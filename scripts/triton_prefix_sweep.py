@@ -144,7 +144,7 @@ def main() -> None:
             return prefix_block(rows, keys, values, offsets, dim**-0.5, splits, launch)
 
         timings, failed = sweep(block, args.repeats, grid, deadline, compiled)
-        default = default_prefix_config(rows.shape[1])
+        default = default_prefix_config(rows.shape[1], torch.cuda.get_device_capability())
         print(
             f"context {context}, T {size}: {rows.shape[1]} rows per KV head, {splits} ranges; "
             f"default {default.text()} {timings.get(default, float('nan')):.3f} ms",

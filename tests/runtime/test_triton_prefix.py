@@ -115,7 +115,7 @@ def test_triton_prefix_block_on_cuda_matches_fp32_and_replays_in_a_graph(count, 
 
     if variant == "tma" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the tensor memory accelerator comes with Hopper GPUs and later")
-    launch = replace(default_prefix_config(4 * count), variant=variant)
+    launch = replace(default_prefix_config(4 * count, torch.cuda.get_device_capability()), variant=variant)
 
     kv_heads, rows = 8, 4 * count
     packed, keys, values = _case(kv_heads, rows, prefix + 200, prefix, 128, torch.bfloat16, "cuda", count)

@@ -57,9 +57,13 @@ class PrefixConfig:
         return launch if self.variant == "loads" else f"{launch},{self.variant}"
 
 
-def default_prefix_config(rows: int) -> PrefixConfig:
-    """The launch the fifth H200 session measured (docs/gpu.md): 128-row tiles where there are
-    more than 64 rows, 64 keys per tile, 3 stages."""
+def default_prefix_config(rows: int, capability: tuple[int, int] | None = None) -> PrefixConfig:
+    """The launch measured best (docs/gpu.md): on Hopper and later (`capability` >= (9, 0)) the split
+    loop on 64 x 64 tiles, 4 warps, 3 stages (the H100 sweep of stop 41: best or within 3% at 32K and
+    102K keys for 64 and 128 nodes); elsewhere the masked-loads kernel the fifth H200 session measured,
+    128-row tiles where there are more than 64 rows (the split loop spills registers on sm_80)."""
+    if capability is not None and capability >= (9, 0):
+        return PrefixConfig(64, 64, 4, 3, "split")
     return PrefixConfig(128, 64, 8, 3) if rows > 64 else PrefixConfig(64, 64, 4, 3)
 
 

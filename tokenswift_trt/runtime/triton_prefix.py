@@ -253,7 +253,9 @@ def prefix_block(
         )
     out = rows.new_empty(splits, kv_heads, count, dim)
     lse = torch.empty(splits, kv_heads, count, dtype=torch.float32, device=rows.device)
-    launch = default_prefix_config(count) if launch is None else launch
+    if launch is None:  # the GPU's generation picks the kernel (the interpreter's CPU tensors: none)
+        capability = torch.cuda.get_device_capability(rows.device) if rows.is_cuda else None
+        launch = default_prefix_config(count, capability)
     grid = (triton.cdiv(count, launch.block_m), kv_heads, splits)
     kernel, descriptors, extra = _prefix_kernel, (), {}
     if launch.variant != "loads":
