@@ -14,14 +14,14 @@
 # waiting on nothing, so fire the calls back to back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-QUEUE=/tmp/qrepo
+QUEUE=${GPU_QUEUE_DIR:-/tmp/qrepo}  # the copy the queue runs from
 case ${1:-} in
 start)
     out=${2:?usage: gpu_queue.sh start OUT_DIR STAGES [MODEL_STAGES]}
     rm -rf "$QUEUE" && mkdir -p "$QUEUE" "$out" || exit 1
-    tar --exclude=./.venv --exclude=./models/smollm2-135m -cf - . | tar -xf - -C "$QUEUE" || exit 1
+    tar --exclude=./.git --exclude=./.venv --exclude=./models/smollm2-135m -cf - . | tar -xf - -C "$QUEUE" || exit 1
     echo "$out" >"$QUEUE/.queue_out"
-    setsid nohup bash "$QUEUE/scripts/gpu_queue.sh" run "$out" "${3:-}" "${4:-}" >"$out/queue.log" 2>&1 </dev/null &
+    GPU_QUEUE_DIR=$QUEUE setsid nohup bash "$QUEUE/scripts/gpu_queue.sh" run "$out" "${3:-}" "${4:-}" >"$out/queue.log" 2>&1 </dev/null &
     sleep 2
     cat "$out/queue.log"
     ;;
