@@ -15,6 +15,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 QUEUE=${GPU_QUEUE_DIR:-/tmp/qrepo}  # the copy the queue runs from
+require_queue() {  # a bare machine (the last one went back) has no queue: stop at once
+    [ -f "$QUEUE/.queue_out" ] || { echo "no queue here: this machine is bare (the last went back)"; exit 3; }
+}
 case ${1:-} in
 start)
     out=${2:?usage: gpu_queue.sh start OUT_DIR STAGES [MODEL_STAGES]}
@@ -38,7 +41,7 @@ run)  # the queue itself (started by `start`, inside the copy)
     touch "$out/DONE"
     ;;
 add)
-    [ -f "$QUEUE/.queue_out" ] || { echo "no queue here: this machine is bare (the last went back)"; exit 3; }
+    require_queue
     mkdir -p "$QUEUE/.gpu_carry"
     for part in .gpu_carry/smol.part* .gpu_carry/books; do
         [ -e "$part" ] && cp -r "$part" "$QUEUE/.gpu_carry/"
@@ -48,7 +51,7 @@ add)
     cat "$(cat "$QUEUE/.queue_out")/queue.log"
     ;;
 wait)
-    [ -f "$QUEUE/.queue_out" ] || { echo "no queue here: this machine is bare (the last went back)"; exit 3; }
+    require_queue
     out=$(cat "$QUEUE/.queue_out")
     timeout "${2:?usage: gpu_queue.sh wait SECONDS}" bash -c "until [ -f $out/DONE ]; do sleep 5; done"
     cat "$out/queue.log"
