@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from first_level_agreement import HELD_OUT, PAPER_SAMPLING, coupled_ranks, evaluation_text, hit_rates
+from first_level_agreement import HELD_OUT, PAPER_SAMPLING, coupled_draws, evaluation_text, hit_rates
 from torch import nn
 
 from tokenswift_trt.cli.common import load_source
@@ -162,7 +162,8 @@ def main() -> None:
             for name, net in variants.items():
                 drafts[name] = F.linear(net(h[None], roots[None])[0], vocab_weight)
         for name, logits in drafts.items():
-            ranks = coupled_ranks(base, logits, layers.vocab, sequence, start, PAPER_SAMPLING)
+            draws = coupled_draws(base, logits, layers.vocab, sequence, start, PAPER_SAMPLING)
+            ranks = [draw.rank for draw in draws]
             print(f"{on:9s} {name:18s} hit@1..8: {hit_rates(ranks)}", flush=True)
 
 

@@ -100,8 +100,8 @@ def main() -> None:
         print(ngram_table(draws, ids.tolist(), first_position(start, PAPER_SAMPLING)))
     if args.depth == 2:
         reached = [rank < 3 for rank in first]
-        for name, rows in [("layer 2", drafts[1])] + [("path input", paths[0])] * bool(paths):
-            ranks = coupled_ranks(base, rows, columns, ids, start, PAPER_SAMPLING, depth=2)
+        for name, rows in [("layer 2", drafts[1])] + ([("path input", paths[0])] if paths else []):
+            ranks = [draw.rank for draw in coupled_draws(base, rows, columns, ids, start, PAPER_SAMPLING, 2)]
             print(f"{name} (x[t + 3]) hit@1..{WIDTH}: {hit_rates(ranks)}")
             print(f"  where layer 1's top 3 held x[t + 2]: {hit_rates(ranks, reached)}")
 
@@ -138,19 +138,6 @@ class Draw:
 def first_position(start: int, sampling: SamplingConfig) -> int:
     """The first t scored: at least one penalty window into the text."""
     return max(start, sampling.penalty_window)
-
-
-def coupled_ranks(
-    base: torch.Tensor,
-    drafts: torch.Tensor,
-    columns: torch.Tensor,
-    ids: torch.Tensor,
-    start: int,
-    sampling: SamplingConfig,
-    depth: int = 1,
-) -> list[int]:
-    """The rank of each position's target sample among the draft's candidates (`coupled_draws`)."""
-    return [draw.rank for draw in coupled_draws(base, drafts, columns, ids, start, sampling, depth)]
 
 
 def coupled_draws(
