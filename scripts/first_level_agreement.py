@@ -22,11 +22,10 @@ between layer 1's first and second candidates' perturbed scores; each fifth prin
 target's sample was the first, second and third candidate, and the tokens per iteration that trees
 `1`, `2`, `3`, `1,1` and `2,1` would commit there (layer 2 drafting depth 2). On generated text these
 use the noise that generated it (seed 1, position by position, as decoding does), so depth 2 is scored
-on the token the target really drew at depth 1.
-`--ngram` asks what TokenSwift's
-n-gram reuse would add here: how often the token after the last earlier occurrence of the n tokens
-ending at the root (n = 1..3) is the target's sample, over all positions and over those where layer
-1's first 3 candidates missed it.
+on the token the target really drew at depth 1. `--ngram` asks what TokenSwift's n-gram reuse would add
+here: how often the token after the last earlier occurrence of the n tokens ending at the root
+(n = 1..3) is the target's sample, over all positions and over those where layer 1's first 3
+candidates missed it.
 """
 
 from __future__ import annotations
@@ -92,6 +91,8 @@ def main() -> None:
     print(f"{args.model}, {len(first)} positions of {args.on} text")
     print(f"layer 1 (x[t + 2]) hit@1..{WIDTH}: {hit_rates(first)}")
     if args.by_confidence:
+        if len(drafts) < 2:
+            raise SystemExit("--by-confidence scores depth 2 too: these heads have one draft layer")
         seed = SEED if args.on == "generated" else None
         first_level = coupled_draws(base, drafts[0], columns, ids, start, PAPER_SAMPLING, 1, seed)
         second_level = coupled_draws(base, drafts[1], columns, ids, start, PAPER_SAMPLING, 2, seed)
@@ -193,8 +194,9 @@ def confidence_table(first: list[Draw], second: list[Draw], parts: int = 5) -> s
         widths = [int(width) for width in shape.split(",")]
         if one.rank >= widths[0]:
             return 1
-        deeper = len(widths) > 1 and one.rank == 0 and two.rank < widths[1]  # children of the first only
-        return 2 + deeper
+        # as runtime/tree.py builds it: every first-level node has widths[1] children, and without a
+        # path input layer 2 drafts the same children under each
+        return 2 + (len(widths) > 1 and two.rank < widths[1])
 
     order = sorted(range(len(first)), key=lambda i: first[i].gap)
     shapes = " | ".join(f"`{shape}`" for shape in SHAPES)
