@@ -13,6 +13,7 @@ from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
 from tokenswift_trt.runtime.draft_layers import DraftLayers
 from tokenswift_trt.runtime.engine import load_engine
+from tokenswift_trt.runtime.sampling import SamplingConfig, process_logits
 from tokenswift_trt.training.train_heads import (
     HEADS_FILE,
     HeadsTrainer,
@@ -21,6 +22,7 @@ from tokenswift_trt.training.train_heads import (
     base_hidden,
     draft_accuracy,
     lr_at,
+    sampled_teacher,
     save_heads,
     write_combined,
 )
@@ -48,7 +50,7 @@ def _trained_and_saved(model_dir, tmp_path):
     return engine, config, trainer
 
 
-@pytest.mark.parametrize("loss", ["tokens", "distill"])
+@pytest.mark.parametrize("loss", ["tokens", "distill", "sampled"])
 def test_loss_decreases_within_a_few_steps(model_dir, tmp_path, loss):
     engine = quiet_load(model_dir)
     config = TrainHeadsConfig(
@@ -95,6 +97,37 @@ def test_training_can_start_from_trained_layers_and_refuses_a_wrong_file(model_d
         HeadsTrainer(engine, _periodic_ids(), config, tmp_path, init_heads=tmp_path / "small.safetensors")
     with pytest.raises(TrainingError, match="loss must be one of"):
         TrainHeadsConfig(loss="mse").validate()
+    with pytest.raises(TrainingError, match="teacher min-p"):
+        TrainHeadsConfig(loss="sampled", teacher_min_p=1.5).validate()
+    with pytest.raises(TrainingError, match="teacher penalty"):
+        TrainHeadsConfig(loss="sampled", teacher_penalty=0.5).validate()
+
+
+def test_the_sampled_teacher_is_what_decoding_samples_from():
+    """Row t of the "sampled" teacher is the softmax of decoding's own transforms (penalty over the
+    W tokens before x[t + 1], then min-p) of the base logits for x[t + 1]; within a draft vocabulary,
+    the same over its columns, with tokens outside it ignored by the penalty."""
+    generator = torch.Generator().manual_seed(0)
+    vocab_size, length, window = 60, 40, 6
+    logits = torch.randn(length, vocab_size, generator=generator) * 3
+    ids = torch.randint(0, 12, (length,), generator=generator)  # few distinct tokens: windows repeat them
+    sampling = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.5, penalty_window=window)
+    teacher = sampled_teacher(logits, ids, None, 0.1, 1.5, window)
+    for t in range(length):
+        recent = ids[max(0, t + 1 - window) : t + 1]
+        expected = torch.softmax(process_logits(logits[t : t + 1], recent, sampling)[0], dim=-1)
+        torch.testing.assert_close(teacher[t], expected)
+    assert (teacher == 0).any(dim=-1).all()  # min-p dropped tokens in every row
+    # the raw softmax the "distill" loss uses is a different target
+    assert not torch.allclose(teacher, torch.softmax(logits, dim=-1), atol=1e-3)
+
+    vocab = torch.tensor([3, 0, 7, 11, 25, 40, 41, 59, 2, 5, *range(12, 24)])  # 22 columns, without 1, 4, 6
+    restricted = sampled_teacher(logits[:, vocab], ids, vocab, 0.1, 1.5, window)
+    for t in range(length):
+        recent = ids[max(0, t + 1 - window) : t + 1]
+        penalised = process_logits(logits[t : t + 1], recent, replace(sampling, min_p=0.0))[0, vocab]
+        cut = process_logits(penalised[None], ids[:0], replace(sampling, penalty=1.0))[0]  # min-p alone
+        torch.testing.assert_close(restricted[t], torch.softmax(cut, dim=-1))
 
 
 def test_checkpoint_resume_gives_identical_weights(model_dir, tmp_path):

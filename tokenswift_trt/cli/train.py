@@ -45,10 +45,26 @@ from .common import DTYPES, CliError, fail, load_source, resolve_source
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--loss",
-    type=click.Choice(["distill", "tokens"]),
+    type=click.Choice(["distill", "sampled", "tokens"]),
     default="distill",
     show_default=True,
-    help="distill: the base model's own distribution per token; tokens: the corpus token (the paper's)",
+    help="distill: the base model's own distribution per token; sampled: that distribution after the "
+    "sampling transforms (--teacher-*), what verification draws from; tokens: the corpus token (the paper's)",
+)
+@click.option("--teacher-min-p", type=float, default=0.1, show_default=True, help="--loss sampled: min-p")
+@click.option(
+    "--teacher-penalty",
+    type=float,
+    default=1.2,
+    show_default=True,
+    help="--loss sampled: penalty θ (1: none)",
+)
+@click.option(
+    "--teacher-window",
+    type=int,
+    default=256,
+    show_default=True,
+    help="--loss sampled: the penalty's window W in tokens",
 )
 @click.option(
     "--init-heads",
@@ -121,6 +137,9 @@ def train_heads(
     checkpoint_every,
     seed,
     loss,
+    teacher_min_p,
+    teacher_penalty,
+    teacher_window,
     init_heads,
     root_conditioned,
     root_width,
@@ -161,6 +180,9 @@ def train_heads(
         checkpoint_every=checkpoint_every,
         seed=seed,
         loss=loss,
+        teacher_min_p=teacher_min_p,
+        teacher_penalty=teacher_penalty,
+        teacher_window=teacher_window,
         root_conditioned=root_conditioned,
         root_width=root_width,
         path_width=path_width,

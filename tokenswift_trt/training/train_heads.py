@@ -5,6 +5,11 @@ after the base head's target, x[t + 1 + i], is scored by cross-entropy against
 - "distill" (default): the frozen base model's own distribution for that token, softmax of its
   logits at t + i (self-distillation: acceptance asks the draft to agree with the target model,
   not with the corpus, and a full distribution teaches more per position than one token);
+- "sampled": the same distribution after the sampling transforms that decoding applies
+  (`teacher_penalty` over the `teacher_window` tokens before it, then min-p `teacher_min_p`,
+  renormalised; within the draft vocabulary): under min-p 0.1 about a quarter of the raw softmax
+  lies on tokens sampling never draws (SmolLM2 on its own text), and coupled verification accepts
+  a draft exactly when it is the token sampling draws;
 - "tokens": the corpus token x[t + 1 + i] (the paper's objective);
 the mean over layers is minimised. Root-conditioned layers (`root_conditioned`) also read, at t,
 the embedding of x[t + 1]: the corpus token there, the target's own sample at inference.
@@ -42,10 +47,11 @@ from tokenswift_trt.runtime.draft_layers import (
 )
 from tokenswift_trt.runtime.engine import Engine
 from tokenswift_trt.runtime.kv_cache import KVCache
+from tokenswift_trt.runtime.sampling import apply_penalty, min_p_filter
 
 CHECKPOINT = "checkpoint.pt"
 HEADS_FILE = "heads.safetensors"
-LOSSES = ("distill", "tokens")
+LOSSES = ("distill", "sampled", "tokens")
 
 
 class TrainingError(ValueError):
@@ -65,6 +71,10 @@ class TrainHeadsConfig:
     eval_sequences: int = 8
     seed: int = 0
     loss: str = "distill"  # see LOSSES and the module docstring
+    # the "sampled" loss's transforms (the paper's sampling settings, W scaled to SmolLM2's runs)
+    teacher_min_p: float = 0.1
+    teacher_penalty: float = 1.2
+    teacher_window: int = 256
     root_conditioned: bool = False  # layers that read the root token (runtime/draft_layers.py)
     root_width: int = 0  # > 0: the root input is an MLP this wide (implies root_conditioned)
     path_width: int = 0  # > 0: a path input this wide drafts depths >= 2 (root-conditioned layers only)
@@ -96,6 +106,12 @@ class TrainHeadsConfig:
             raise TrainingError(
                 f"draft vocabulary size must be 0 (all tokens) or positive, got {self.draft_vocab}"
             )
+        if not 0 <= self.teacher_min_p < 1:
+            raise TrainingError(f"teacher min-p must be in [0, 1), got {self.teacher_min_p}")
+        if not self.teacher_penalty >= 1:
+            raise TrainingError(f"teacher penalty θ must be >= 1 (1: none), got {self.teacher_penalty}")
+        if self.teacher_window < 0:
+            raise TrainingError(f"teacher window must be >= 0 tokens, got {self.teacher_window}")
         if self.seq_len < 8:
             raise TrainingError(f"sequence length must be at least 8, got {self.seq_len}")
         if not self.lr > 0:
@@ -260,6 +276,36 @@ def path_logits(
     return out
 
 
+def sampled_teacher(
+    scores: torch.Tensor,
+    ids: torch.Tensor,
+    vocab: torch.Tensor | None,
+    min_p: float,
+    penalty: float,
+    window: int,
+) -> torch.Tensor:
+    """scores [T, K] (row t: the base's logits of x[t + 1], over the token ids `vocab` [K], or over
+    the whole vocabulary when None), ids [T] -> [T, K] the distribution sampling draws x[t + 1]
+    from: each row's logits penalised (θ = `penalty`) for the tokens among ids[t + 1 - W : t + 1], as
+    decoding's window of the last W tokens, then min-p (at least MIN_P_KEEP kept), then softmax; 0
+    where min-p drops a token. Within a draft vocabulary, min-p is relative to its best token."""
+    count, columns = scores.shape
+    spare = torch.zeros(count, 1, dtype=torch.float32, device=scores.device)
+    extended = torch.cat((scores.float(), spare), dim=-1)  # [T, K + 1]
+    if penalty != 1 and window > 0:
+        # each token's column, the last one (K, dropped below) for tokens outside `vocab` and padding
+        vocab_size = max(columns if vocab is None else int(vocab.max()) + 1, int(ids.max()) + 1)
+        column = torch.full((vocab_size + 1,), columns, dtype=torch.long, device=ids.device)
+        if vocab is None:
+            column[:columns] = torch.arange(columns, device=ids.device)
+        else:
+            column[vocab.to(ids.device)] = torch.arange(columns, device=ids.device)
+        padded = torch.cat((ids.new_full((window - 1,), vocab_size), ids))  # [W - 1 + T]
+        windows = column[padded.unfold(0, window, 1)]  # [T, W]: row t holds ids[t + 1 - W .. t]
+        extended = apply_penalty(extended, windows, penalty)
+    return F.softmax(min_p_filter(extended[:, :columns], min_p), dim=-1)
+
+
 def draft_loss(
     engine: Engine,
     weight: torch.Tensor,
@@ -268,10 +314,12 @@ def draft_loss(
     loss: str = "distill",
     hidden: torch.Tensor | None = None,
     path_only: bool = False,
+    transforms: tuple[float, float, int] = (0.1, 1.2, 256),
 ) -> torch.Tensor:
     """Mean over layers (and a path input's depths) of the loss of layer i at t for x[t + 1 + i]
     (see the module docstring), one sequence ids [T]; `hidden` [T, hidden]: its base states when
-    already known (`CachedStates`); `path_only`: the path input's depths alone."""
+    already known (`CachedStates`); `path_only`: the path input's depths alone; `transforms`: the
+    "sampled" teacher's (min-p, penalty θ, window W)."""
     hidden = base_hidden(engine, ids) if hidden is None else hidden.to(torch.float32)
     targets = vocab_targets(draft_layers, ids.to(engine.device))
     rows = weight  # the head's rows the layers draft from: the draft vocabulary's, or all
@@ -282,6 +330,10 @@ def draft_loss(
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
             # within the draft vocabulary: the softmax of its rows alone (6x fewer on SmolLM2)
             teacher = F.softmax(base_logits(engine, rows, hidden), dim=-1)
+    elif loss == "sampled":
+        with torch.no_grad():
+            scores = base_logits(engine, rows, hidden)
+            teacher = sampled_teacher(scores, ids.to(scores.device), draft_layers.vocab, *transforms)
     roots = root_embeddings(engine, draft_layers, ids)
     scored: list[tuple[int, torch.Tensor]] = []  # (i, logits of x[t + 1 + i])
     if path_only:
@@ -576,6 +628,7 @@ class HeadsTrainer:
                         self.config.loss,
                         states,
                         self.config.path_only,
+                        (self.config.teacher_min_p, self.config.teacher_penalty, self.config.teacher_window),
                     )
                     * scale
                 )
