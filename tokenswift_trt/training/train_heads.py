@@ -47,7 +47,7 @@ from tokenswift_trt.runtime.draft_layers import (
 )
 from tokenswift_trt.runtime.engine import Engine
 from tokenswift_trt.runtime.kv_cache import KVCache
-from tokenswift_trt.runtime.sampling import apply_penalty, min_p_filter
+from tokenswift_trt.runtime.sampling import min_p_filter
 
 CHECKPOINT = "checkpoint.pt"
 HEADS_FILE = "heads.safetensors"
@@ -276,6 +276,29 @@ def path_logits(
     return out
 
 
+def window_mask(ids: torch.Tensor, vocab: torch.Tensor | None, columns: int, window: int) -> torch.Tensor:
+    """ids [T] -> [T, columns] bool: row t marks the columns (token ids, or positions in the draft
+    vocabulary `vocab` [columns]) of the tokens among ids[t + 1 - W : t + 1], decoding's penalty
+    window when it samples x[t + 1]; tokens outside `vocab` mark nothing."""
+    count = ids.shape[0]
+    vocab_size = max(columns if vocab is None else int(vocab.max()) + 1, int(ids.max()) + 1)
+    column = torch.full((vocab_size + 1,), columns, dtype=torch.long, device=ids.device)  # spare: columns
+    known = torch.arange(columns, device=ids.device)
+    column[known if vocab is None else vocab.to(ids.device)] = known
+    padded = torch.cat((ids.new_full((window - 1,), vocab_size), ids))  # [W - 1 + T]
+    windows = column[padded.unfold(0, window, 1)]  # [T, W]: row t holds ids[t + 1 - W .. t]
+    mask = torch.zeros(count, columns + 1, dtype=torch.bool, device=ids.device)
+    return mask.scatter_(1, windows, True)[:, :columns]
+
+
+def penalise(logits: torch.Tensor, mask: torch.Tensor | None, theta: float) -> torch.Tensor:
+    """logits [T, K] with decoding's contextual penalty where `mask` [T, K] is set (positive / θ,
+    negative × θ, each token once), differentiable: the same values as `sampling.apply_penalty`."""
+    if mask is None or theta == 1:
+        return logits
+    return torch.where(mask, torch.where(logits > 0, logits / theta, logits * theta), logits)
+
+
 def sampled_teacher(
     scores: torch.Tensor,
     ids: torch.Tensor,
@@ -286,24 +309,11 @@ def sampled_teacher(
 ) -> torch.Tensor:
     """scores [T, K] (row t: the base's logits of x[t + 1], over the token ids `vocab` [K], or over
     the whole vocabulary when None), ids [T] -> [T, K] the distribution sampling draws x[t + 1]
-    from: each row's logits penalised (θ = `penalty`) for the tokens among ids[t + 1 - W : t + 1], as
-    decoding's window of the last W tokens, then min-p (at least MIN_P_KEEP kept), then softmax; 0
-    where min-p drops a token. Within a draft vocabulary, min-p is relative to its best token."""
-    count, columns = scores.shape
-    spare = torch.zeros(count, 1, dtype=torch.float32, device=scores.device)
-    extended = torch.cat((scores.float(), spare), dim=-1)  # [T, K + 1]
-    if penalty != 1 and window > 0:
-        # each token's column, the last one (K, dropped below) for tokens outside `vocab` and padding
-        vocab_size = max(columns if vocab is None else int(vocab.max()) + 1, int(ids.max()) + 1)
-        column = torch.full((vocab_size + 1,), columns, dtype=torch.long, device=ids.device)
-        if vocab is None:
-            column[:columns] = torch.arange(columns, device=ids.device)
-        else:
-            column[vocab.to(ids.device)] = torch.arange(columns, device=ids.device)
-        padded = torch.cat((ids.new_full((window - 1,), vocab_size), ids))  # [W - 1 + T]
-        windows = column[padded.unfold(0, window, 1)]  # [T, W]: row t holds ids[t + 1 - W .. t]
-        extended = apply_penalty(extended, windows, penalty)
-    return F.softmax(min_p_filter(extended[:, :columns], min_p), dim=-1)
+    from: each row's logits penalised (θ = `penalty`) for the tokens of its window (`window_mask`),
+    then min-p (at least MIN_P_KEEP kept), then softmax; 0 where min-p drops a token. Within a draft
+    vocabulary, min-p is relative to its best token."""
+    mask = window_mask(ids, vocab, scores.shape[1], window) if window > 0 else None
+    return F.softmax(min_p_filter(penalise(scores.float(), mask, penalty), min_p), dim=-1)
 
 
 def draft_loss(
@@ -325,15 +335,22 @@ def draft_loss(
     rows = weight  # the head's rows the layers draft from: the draft vocabulary's, or all
     if draft_layers.vocab is not None:
         rows = weight.index_select(0, draft_layers.vocab.to(weight.device))
-    teacher = None
+    teacher, windows = None, None  # windows: the "sampled" loss's penalty masks [T, V]
     if loss == "distill":
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
             # within the draft vocabulary: the softmax of its rows alone (6x fewer on SmolLM2)
             teacher = F.softmax(base_logits(engine, rows, hidden), dim=-1)
     elif loss == "sampled":
+        # the teacher after decoding's transforms, the student's logits after the same penalty (both
+        # are penalised before a draft is ranked); min-p cuts the teacher only, so the student is
+        # asked to put its mass where sampling can draw
+        min_p, penalty, window = transforms
         with torch.no_grad():
             scores = base_logits(engine, rows, hidden)
-            teacher = sampled_teacher(scores, ids.to(scores.device), draft_layers.vocab, *transforms)
+            on_device = ids.to(scores.device)
+            teacher = sampled_teacher(scores, on_device, draft_layers.vocab, min_p, penalty, window)
+            if window > 0:
+                windows = window_mask(on_device, draft_layers.vocab, scores.shape[1], window)
     roots = root_embeddings(engine, draft_layers, ids)
     scored: list[tuple[int, torch.Tensor]] = []  # (i, logits of x[t + 1 + i])
     if path_only:
@@ -352,7 +369,10 @@ def draft_loss(
             losses.append(F.cross_entropy(logits[:-shift].float(), targets[shift:], ignore_index=-100))
         else:  # layer i at t predicts x[t + 1 + i]: the base's row t + i
             soft = teacher[i : teacher.shape[0] - 1]  # [T - shift, V]
-            losses.append(-(soft * F.log_softmax(logits[:-shift].float(), dim=-1)).sum(-1).mean())
+            student = logits[:-shift].float()
+            if windows is not None:  # row t drafts x[t + 1 + i], whose window is row t + i's
+                student = penalise(student, windows[i : teacher.shape[0] - 1], transforms[1])
+            losses.append(-(soft * F.log_softmax(student, dim=-1)).sum(-1).mean())
     return torch.stack(losses).mean()
 
 
