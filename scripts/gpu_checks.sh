@@ -163,7 +163,7 @@ EOF"
             --data "$OUT_DIR/heads/generated.jsonl" "${books[@]}" --eval-data .gpu_carry/book.txt \
             --out "$OUT_DIR/heads/run" --steps 1200 --seq-len 1024 --batch 16 --grad-accum 1 --lr 1e-3 \
             --warmup-steps 50 --checkpoint-every 100 --root-width 2304 --draft-vocab 8192 --state-cache 2000 \
-            --init-heads models/heads/smollm2-135m.safetensors --device cuda
+            --loss sampled --init-heads models/heads/smollm2-135m.safetensors --device cuda
         rm -f "$OUT_DIR/heads/run/checkpoint.pt"  # 60 MB of optimizer state; the heads file is what comes back
         # both scores at once on the machine's CPU cores (each generates its 1,536 tokens there)
         stage heads-agree 150 bash -c "OMP_NUM_THREADS=8 $PYTHON scripts/first_level_agreement.py \
