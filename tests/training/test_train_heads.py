@@ -97,9 +97,9 @@ def test_training_can_start_from_trained_layers_and_refuses_a_wrong_file(model_d
         HeadsTrainer(engine, _periodic_ids(), config, tmp_path, init_heads=tmp_path / "small.safetensors")
     with pytest.raises(TrainingError, match="loss must be one of"):
         TrainHeadsConfig(loss="mse").validate()
-    with pytest.raises(TrainingError, match="teacher min-p"):
+    with pytest.raises(TrainingError, match="teacher: min-p must be"):
         TrainHeadsConfig(loss="sampled", teacher_min_p=1.5).validate()
-    with pytest.raises(TrainingError, match="teacher penalty"):
+    with pytest.raises(TrainingError, match="teacher: penalty must be"):
         TrainHeadsConfig(loss="sampled", teacher_penalty=0.5).validate()
 
 

@@ -47,7 +47,7 @@ from tokenswift_trt.runtime.draft_layers import (
 )
 from tokenswift_trt.runtime.engine import Engine
 from tokenswift_trt.runtime.kv_cache import KVCache
-from tokenswift_trt.runtime.sampling import min_p_filter
+from tokenswift_trt.runtime.sampling import SamplingConfig, min_p_filter
 
 CHECKPOINT = "checkpoint.pt"
 HEADS_FILE = "heads.safetensors"
@@ -106,12 +106,13 @@ class TrainHeadsConfig:
             raise TrainingError(
                 f"draft vocabulary size must be 0 (all tokens) or positive, got {self.draft_vocab}"
             )
-        if not 0 <= self.teacher_min_p < 1:
-            raise TrainingError(f"teacher min-p must be in [0, 1), got {self.teacher_min_p}")
-        if not self.teacher_penalty >= 1:
-            raise TrainingError(f"teacher penalty θ must be >= 1 (1: none), got {self.teacher_penalty}")
-        if self.teacher_window < 0:
-            raise TrainingError(f"teacher window must be >= 0 tokens, got {self.teacher_window}")
+        teacher = SamplingConfig(
+            min_p=self.teacher_min_p, penalty=self.teacher_penalty, penalty_window=self.teacher_window
+        )
+        try:  # decoding's own checks of the same settings
+            teacher.validate()
+        except ValueError as error:
+            raise TrainingError(f"the sampled loss's teacher: {error}") from None
         if self.seq_len < 8:
             raise TrainingError(f"sequence length must be at least 8, got {self.seq_len}")
         if not self.lr > 0:
