@@ -84,6 +84,13 @@ class TrainHeadsConfig:
     # memory) and every batch is drawn from them; 0: fresh sequences, a base forward each
     state_cache: int = 0
 
+    @property
+    def teacher(self) -> SamplingConfig:
+        """The "sampled" loss's transforms, as decoding takes them."""
+        return SamplingConfig(
+            min_p=self.teacher_min_p, penalty=self.teacher_penalty, penalty_window=self.teacher_window
+        )
+
     def validate(self) -> None:
         if self.loss not in LOSSES:
             raise TrainingError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
@@ -106,11 +113,8 @@ class TrainHeadsConfig:
             raise TrainingError(
                 f"draft vocabulary size must be 0 (all tokens) or positive, got {self.draft_vocab}"
             )
-        teacher = SamplingConfig(
-            min_p=self.teacher_min_p, penalty=self.teacher_penalty, penalty_window=self.teacher_window
-        )
         try:  # decoding's own checks of the same settings
-            teacher.validate()
+            self.teacher.validate()
         except ValueError as error:
             raise TrainingError(f"the sampled loss's teacher: {error}") from None
         if self.seq_len < 8:
@@ -314,6 +318,13 @@ def sampled_teacher(
     then min-p (at least MIN_P_KEEP kept), then softmax; 0 where min-p drops a token. Within a draft
     vocabulary, min-p is relative to its best token."""
     mask = window_mask(ids, vocab, scores.shape[1], window) if window > 0 else None
+    return cut_softmax(scores, mask, min_p, penalty)
+
+
+def cut_softmax(
+    scores: torch.Tensor, mask: torch.Tensor | None, min_p: float, penalty: float
+) -> torch.Tensor:
+    """`sampled_teacher` from its rows' window masks [T, K] (`window_mask`; None: no penalty)."""
     return F.softmax(min_p_filter(penalise(scores.float(), mask, penalty), min_p), dim=-1)
 
 
@@ -325,12 +336,12 @@ def draft_loss(
     loss: str = "distill",
     hidden: torch.Tensor | None = None,
     path_only: bool = False,
-    transforms: tuple[float, float, int] = (0.1, 1.2, 256),
+    sampling: SamplingConfig = TrainHeadsConfig().teacher,
 ) -> torch.Tensor:
     """Mean over layers (and a path input's depths) of the loss of layer i at t for x[t + 1 + i]
     (see the module docstring), one sequence ids [T]; `hidden` [T, hidden]: its base states when
-    already known (`CachedStates`); `path_only`: the path input's depths alone; `transforms`: the
-    "sampled" teacher's (min-p, penalty θ, window W)."""
+    already known (`CachedStates`); `path_only`: the path input's depths alone; `sampling`: the
+    "sampled" teacher's transforms (min-p, penalty θ, window W)."""
     hidden = base_hidden(engine, ids) if hidden is None else hidden.to(torch.float32)
     targets = vocab_targets(draft_layers, ids.to(engine.device))
     rows = weight  # the head's rows the layers draft from: the draft vocabulary's, or all
@@ -345,13 +356,12 @@ def draft_loss(
         # the teacher after decoding's transforms, the student's logits after the same penalty (both
         # are penalised before a draft is ranked); min-p cuts the teacher only, so the student is
         # asked to put its mass where sampling can draw
-        min_p, penalty, window = transforms
         with torch.no_grad():
             scores = base_logits(engine, rows, hidden)
-            on_device = ids.to(scores.device)
-            teacher = sampled_teacher(scores, on_device, draft_layers.vocab, min_p, penalty, window)
-            if window > 0:
-                windows = window_mask(on_device, draft_layers.vocab, scores.shape[1], window)
+            if sampling.penalty_window > 0:
+                on_device = ids.to(scores.device)
+                windows = window_mask(on_device, draft_layers.vocab, scores.shape[1], sampling.penalty_window)
+            teacher = cut_softmax(scores, windows, sampling.min_p, sampling.penalty)
     roots = root_embeddings(engine, draft_layers, ids)
     scored: list[tuple[int, torch.Tensor]] = []  # (i, logits of x[t + 1 + i])
     if path_only:
@@ -372,7 +382,7 @@ def draft_loss(
             soft = teacher[i : teacher.shape[0] - 1]  # [T - shift, V]
             student = logits[:-shift].float()
             if windows is not None:  # row t drafts x[t + 1 + i], whose window is row t + i's
-                student = penalise(student, windows[i : teacher.shape[0] - 1], transforms[1])
+                student = penalise(student, windows[i : teacher.shape[0] - 1], sampling.penalty)
             losses.append(-(soft * F.log_softmax(student, dim=-1)).sum(-1).mean())
     return torch.stack(losses).mean()
 
@@ -649,7 +659,7 @@ class HeadsTrainer:
                         self.config.loss,
                         states,
                         self.config.path_only,
-                        (self.config.teacher_min_p, self.config.teacher_penalty, self.config.teacher_window),
+                        self.config.teacher,
                     )
                     * scale
                 )
