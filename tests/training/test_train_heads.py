@@ -20,6 +20,7 @@ from tokenswift_trt.training.train_heads import (
     TrainHeadsConfig,
     TrainingError,
     base_hidden,
+    coupled_hit,
     draft_accuracy,
     lr_at,
     sampled_teacher,
@@ -50,7 +51,7 @@ def _trained_and_saved(model_dir, tmp_path):
     return engine, config, trainer
 
 
-@pytest.mark.parametrize("loss", ["tokens", "distill", "sampled"])
+@pytest.mark.parametrize("loss", ["tokens", "distill", "sampled", "coupled"])
 def test_loss_decreases_within_a_few_steps(model_dir, tmp_path, loss):
     engine = quiet_load(model_dir)
     config = TrainHeadsConfig(
@@ -128,6 +129,87 @@ def test_the_sampled_teacher_is_what_decoding_samples_from():
         penalised = process_logits(logits[t : t + 1], recent, replace(sampling, min_p=0.0))[0, vocab]
         cut = process_logits(penalised[None], ids[:0], replace(sampling, penalty=1.0))[0]  # min-p alone
         torch.testing.assert_close(restricted[t], torch.softmax(cut, dim=-1))
+
+
+def test_the_coupled_loss_scores_how_often_a_draft_ranked_with_the_targets_noise_is_its_sample():
+    """`coupled_hit` in closed form against counting: the target samples argmax(log p + g), the draft
+    ranks argmax(log q + g) with the same Gumbel noise g (decoding's coupled drafting), over many g."""
+    generator = torch.Generator().manual_seed(0)
+    rows, vocab_size, draws = 5, 80, 40_000
+    target = torch.randn(rows, vocab_size, generator=generator) * 3
+    teacher = sampled_teacher(target, torch.zeros(rows, dtype=torch.long), None, 0.1, 1.0, 0)  # min-p cut
+    student = 0.6 * target + torch.randn(rows, vocab_size, generator=generator) * 2
+    hits = coupled_hit(teacher, student)
+    noise = -torch.log(
+        -torch.log(torch.rand(draws, rows, vocab_size, generator=generator, dtype=torch.float64))
+    )
+    sampled = (teacher.double().log() + noise).argmax(-1)  # [draws, rows]
+    drafted = (torch.log_softmax(student.double(), -1) + noise).argmax(-1)
+    counted = (sampled == drafted).double().mean(0)
+    torch.testing.assert_close(hits.double(), counted, atol=0.01, rtol=0)
+    assert hits.min() > 0.02 and hits.max() < 0.9  # neither trivial case
+    torch.testing.assert_close(coupled_hit(teacher, teacher.log()), torch.ones(rows))  # q = p: always
+    # truncated to the teacher's few likely tokens, the same value (the rest enters through q's mass)
+    torch.testing.assert_close(coupled_hit(teacher, student, support=int((teacher > 0).sum(-1).max())), hits)
+
+
+def test_held_out_acceptance_is_how_often_decodings_own_sampler_draws_the_first_draft(model_dir, tmp_path):
+    """`coupled_acceptance` against counting with decoding's sampler: the target's sample and layer
+    1's draft (over a draft vocabulary) both through `TorchSampler`, penalty window and min-p
+    included, with the same noise row, over many rows; `draft_accuracy` reports its mean."""
+    from tokenswift_trt.runtime.sampling import TorchSampler
+    from tokenswift_trt.training.train_heads import (
+        base_logits,
+        coupled_acceptance,
+        draft_logits,
+        head_weight,
+        root_embeddings,
+    )
+
+    engine = quiet_load(model_dir)
+    config = TrainHeadsConfig(steps=2, seq_len=32, grad_accum=1, warmup_steps=1, draft_vocab=64)
+    trainer = HeadsTrainer(engine, _periodic_ids(), config, tmp_path)
+    trainer.run()
+    layers = trainer.draft_layers.eval()
+    ids = torch.cat(
+        (_periodic_ids(40), torch.randint(0, 200, (24,), generator=torch.Generator().manual_seed(1)))
+    )
+    sampling = SamplingConfig(min_p=0.1, penalty=1.5, penalty_window=8)
+    with torch.no_grad():
+        hidden = base_hidden(engine, ids)
+        weight = head_weight(engine)
+        base = base_logits(engine, weight, hidden)  # [T, V]
+        draft = draft_logits(weight, layers, hidden, root_embeddings(engine, layers, ids))[
+            0
+        ]  # layer 1, [T, K]
+        accuracy = draft_accuracy(engine, layers, [ids], sampling)
+        mean = float(coupled_acceptance(layers, base, draft, ids, 1, sampling).mean())
+    assert accuracy.acceptance[0] == pytest.approx(mean, abs=1e-5)
+    assert draft_accuracy(engine, layers, [ids]).acceptance == []  # greedy (no settings): not scored
+
+    # a random base is nearly flat: sharpen it, and give the draft a noisy copy of the row it drafts
+    generator = torch.Generator().manual_seed(2)
+    base = base * 8
+    vocab = layers.vocab
+    draft = base.roll(-1, 0)[:, vocab] + torch.randn(base.shape[0], vocab.numel(), generator=generator) * 2
+    acceptance = coupled_acceptance(layers, base, draft, ids, 1, sampling)  # [T - 2]
+    full = draft.new_full(base.shape, float("-inf"))
+    full[:, vocab] = draft
+    sampler, draws = TorchSampler(sampling), 6000
+    checked = []
+    order = acceptance.argsort().tolist()
+    for t in order[:: len(order) // 4]:  # from least to most likely: layer 1 at t drafts x[t + 2], the
+        # base's row t + 1, with the window before it
+        window = ids[max(0, t + 2 - 8) : t + 2]
+        noise = -torch.log(
+            -torch.log(torch.rand(draws, base.shape[1], generator=generator, dtype=torch.float64))
+        )
+        sampled = sampler.sample_rows(base[t + 1].expand(draws, -1), window, noise)
+        drafted = sampler.sample_rows(full[t].expand(draws, -1), window, noise)
+        counted = float((sampled == drafted).double().mean())
+        assert float(acceptance[t]) == pytest.approx(counted, abs=0.025), t
+        checked.append(counted)
+    assert max(checked) - min(checked) > 0.3  # positions that differ: not one constant
 
 
 def test_checkpoint_resume_gives_identical_weights(model_dir, tmp_path):

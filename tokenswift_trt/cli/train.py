@@ -45,26 +45,30 @@ from .common import DTYPES, CliError, fail, load_source, resolve_source
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--loss",
-    type=click.Choice(["distill", "sampled", "tokens"]),
+    type=click.Choice(["distill", "sampled", "coupled", "tokens"]),
     default="distill",
     show_default=True,
     help="distill: the base model's own distribution per token; sampled: that distribution after the "
-    "sampling transforms (--teacher-*), what verification draws from; tokens: the corpus token (the paper's)",
+    "sampling transforms (--teacher-*), what verification draws from; coupled: how often the first draft "
+    "is that draw under the same noise (acceptance itself), same teacher; tokens: the corpus token "
+    "(the paper's)",
 )
-@click.option("--teacher-min-p", type=float, default=0.1, show_default=True, help="--loss sampled: min-p")
+@click.option(
+    "--teacher-min-p", type=float, default=0.1, show_default=True, help="--loss sampled / coupled: min-p"
+)
 @click.option(
     "--teacher-penalty",
     type=float,
     default=1.2,
     show_default=True,
-    help="--loss sampled: penalty θ (1: none)",
+    help="--loss sampled / coupled: penalty θ (1: none)",
 )
 @click.option(
     "--teacher-window",
     type=int,
     default=256,
     show_default=True,
-    help="--loss sampled: the penalty's window W in tokens",
+    help="--loss sampled / coupled: the penalty's window W in tokens",
 )
 @click.option(
     "--init-heads",
@@ -230,7 +234,9 @@ def train_heads(
     heads_path = out / HEADS_FILE
     save_heads(trainer.draft_layers, heads_path)
     trainer.draft_layers.eval()
-    accuracy = draft_accuracy(engine, trainer.draft_layers, evaluation_sequences(eval_ids, seq_len, 8))
+    accuracy = draft_accuracy(
+        engine, trainer.draft_layers, evaluation_sequences(eval_ids, seq_len, 8), config.teacher
+    )
     report = {
         "steps": trainer.step,
         "final_loss": trainer.last_loss,
@@ -239,6 +245,8 @@ def train_heads(
         "draft_agrees_with_base": accuracy.agreement,
         "path_top1": accuracy.path_layers,
         "path_agrees_with_base": accuracy.path_agreement,
+        # under the --teacher-* sampling settings: the chance a layer's first draft is the sample
+        "draft_coupled_acceptance": accuracy.acceptance,
         "init_heads": None if init_heads is None else str(init_heads),
         "train_tokens": train_ids.numel(),
         "eval_tokens": eval_ids.numel(),
@@ -261,6 +269,13 @@ def train_heads(
         + ", ".join(f"layer {i} {a:.3f}" for i, a in enumerate(accuracy.agreement, start=1))
         + "".join(f", path depth {i} {a:.3f}" for i, a in enumerate(accuracy.path_agreement, start=2))
     )
+    if accuracy.acceptance:
+        teacher = config.teacher
+        click.echo(
+            f"held-out chance the first draft is the sample (min-p {teacher.min_p}, penalty "
+            f"{teacher.penalty} over {teacher.penalty_window}): "
+            + ", ".join(f"layer {i} {a:.3f}" for i, a in enumerate(accuracy.acceptance, start=1))
+        )
 
 
 @click.command("draft-vocab")

@@ -10,6 +10,11 @@ after the base head's target, x[t + 1 + i], is scored by cross-entropy against
   renormalised; within the draft vocabulary): under min-p 0.1 about a quarter of the raw softmax
   lies on tokens sampling never draws (SmolLM2 on its own text), and coupled verification accepts
   a draft exactly when it is the token sampling draws;
+- "coupled": one minus the probability that the draft's first candidate is the token sampling draws
+  when both are ranked with the same Gumbel noise (`coupled_hit`: coupled verification's acceptance
+  of a depth, in closed form), the "sampled" teacher against the student after the same penalty
+  and min-p cut: acceptance itself, not a proxy for it (on SmolLM2 it matches "sampled" at layer 1
+  and adds ~0.007 at layers 2 and 3, docs/smollm2.md);
 - "tokens": the corpus token x[t + 1 + i] (the paper's objective);
 the mean over layers is minimised. Root-conditioned layers (`root_conditioned`) also read, at t,
 the embedding of x[t + 1]: the corpus token there, the target's own sample at inference.
@@ -26,7 +31,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,7 +56,8 @@ from tokenswift_trt.runtime.sampling import SamplingConfig, min_p_filter
 
 CHECKPOINT = "checkpoint.pt"
 HEADS_FILE = "heads.safetensors"
-LOSSES = ("distill", "sampled", "tokens")
+LOSSES = ("distill", "sampled", "coupled", "tokens")
+COUPLED_SUPPORT = 64  # teacher tokens `coupled_hit` scores: min-p 0.1 keeps ~21 on SmolLM2 (at least 20)
 
 
 class TrainingError(ValueError):
@@ -328,6 +334,26 @@ def cut_softmax(
     return F.softmax(min_p_filter(penalise(scores.float(), mask, penalty), min_p), dim=-1)
 
 
+def coupled_hit(teacher: torch.Tensor, student: torch.Tensor, support: int = COUPLED_SUPPORT) -> torch.Tensor:
+    """teacher [N, V] probabilities (0 where sampling cannot draw), student [N, V] logits -> [N] the
+    probability that argmax(log q + g) = argmax(log p + g) for one Gumbel draw g, q = softmax(student):
+    how often a draft ranked with the target's own noise is the target's sample. For Gumbel-max
+    (exponential races) P(both pick i) = 1 / Σ_j max(p_j / p_i, q_j / q_i); summed over the teacher's
+    `support` most likely tokens (the rest of the vocabulary, p = 0 there, enters through q alone).
+    Differentiable in the student."""
+    p, index = teacher.float().topk(min(support, teacher.shape[-1]), dim=-1)  # [N, K]
+    # -inf (tokens a min-p cut dropped from the draft) kept finite: their q is 0 to float precision
+    log_q = F.log_softmax(student.float(), dim=-1).clamp_min(-1e4)  # [N, V]
+    lq = log_q.gather(-1, index)  # [N, K]
+    lp = p.clamp_min(1e-30).log()  # p = 0: ratios p_j / p_i vanish, and such an i never counts
+    # log Σ_j over the K columns of max(p_j / p_i, q_j / q_i): [N, K(i)]
+    ratios = torch.maximum(lp[:, None, :] - lp[:, :, None], lq[:, None, :] - lq[:, :, None])  # [N, K, K]
+    inside = torch.logsumexp(ratios, dim=-1)
+    rest = torch.log1p(-lq.exp().sum(-1).clamp(max=1 - 1e-6))  # log of q's mass beyond the K columns [N]
+    denominator = torch.logaddexp(inside, rest[:, None] - lq)  # [N, K]
+    return torch.where(p > 0, torch.exp(-denominator), 0.0).sum(-1)
+
+
 def draft_loss(
     engine: Engine,
     weight: torch.Tensor,
@@ -352,7 +378,7 @@ def draft_loss(
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
             # within the draft vocabulary: the softmax of its rows alone (6x fewer on SmolLM2)
             teacher = F.softmax(base_logits(engine, rows, hidden), dim=-1)
-    elif loss == "sampled":
+    elif loss in ("sampled", "coupled"):
         # the teacher after decoding's transforms, the student's logits after the same penalty (both
         # are penalised before a draft is ranked); min-p cuts the teacher only, so the student is
         # asked to put its mass where sampling can draw
@@ -383,7 +409,10 @@ def draft_loss(
             student = logits[:-shift].float()
             if windows is not None:  # row t drafts x[t + 1 + i], whose window is row t + i's
                 student = penalise(student, windows[i : teacher.shape[0] - 1], sampling.penalty)
-            losses.append(-(soft * F.log_softmax(student, dim=-1)).sum(-1).mean())
+            if loss == "coupled":  # decoding ranks the draft after the same min-p cut
+                losses.append(1 - coupled_hit(soft, min_p_filter(student, sampling.min_p)).mean())
+            else:
+                losses.append(-(soft * F.log_softmax(student, dim=-1)).sum(-1).mean())
     return torch.stack(losses).mean()
 
 
@@ -398,15 +427,26 @@ class DraftAccuracy:
     agreement: list[float]
     path_layers: list[float]  # a path input's depths 2.. (teacher-forced path) against the corpus ...
     path_agreement: list[float]  # ... and against the base's top-1; both empty without one
+    # per draft layer, the chance that its first draft is the token sampling draws under `sampling`
+    # (penalty and min-p on both sides, the same Gumbel noise: `coupled_hit`), what coupled
+    # verification accepts at that depth of a one-candidate chain; empty when greedy
+    acceptance: list[float] = field(default_factory=list)
 
 
 @torch.no_grad()
 def draft_accuracy(
-    engine: Engine, draft_layers: DraftLayers, sequences: Sequence[torch.Tensor]
+    engine: Engine,
+    draft_layers: DraftLayers,
+    sequences: Sequence[torch.Tensor],
+    sampling: SamplingConfig | None = None,
 ) -> DraftAccuracy:
+    """Held-out rates over `sequences`; with `sampling` (not greedy) also each layer's coupled
+    acceptance under those transforms."""
     weight = head_weight(engine)
     layers = len(draft_layers)
     hits, agree, totals = [0] * (1 + layers), [0] * layers, [0] * (1 + layers)
+    accepted = [0.0] * layers
+    coupled = sampling is not None and not sampling.greedy
     path_hits = [0] * (layers - 1 if draft_layers.path is not None else 0)
     path_agree = list(path_hits)
     for ids in sequences:
@@ -425,6 +465,11 @@ def draft_accuracy(
             totals[i] += targets.numel() - shift
             if i:
                 agree[i - 1] += int((top == base_top[i:-1]).sum())
+            if i and coupled:
+                assert sampling is not None
+                accepted[i - 1] += float(
+                    coupled_acceptance(draft_layers, base, logits, ids, i, sampling).sum()
+                )
         if path_hits:
             first_state = draft_layers.chain(hidden, 1, roots)[0][0]
             for i, logits in enumerate(path_logits(engine, weight, draft_layers, first_state, ids), start=2):
@@ -435,7 +480,34 @@ def draft_accuracy(
     agreement = [a / t if t else 0.0 for a, t in zip(agree, totals[1:])]
     path_rates = [h / t if t else 0.0 for h, t in zip(path_hits, totals[2:])]
     path_agreement = [a / t if t else 0.0 for a, t in zip(path_agree, totals[2:])]
-    return DraftAccuracy(rates[0], rates[1:], agreement, path_rates, path_agreement)
+    acceptance = [a / t if t else 0.0 for a, t in zip(accepted, totals[1:])] if coupled else []
+    return DraftAccuracy(rates[0], rates[1:], agreement, path_rates, path_agreement, acceptance)
+
+
+def coupled_acceptance(
+    draft_layers: DraftLayers,
+    base: torch.Tensor,
+    draft: torch.Tensor,
+    ids: torch.Tensor,
+    layer: int,
+    sampling: SamplingConfig,
+) -> torch.Tensor:
+    """base [T, V] the base's logits (row t: x[t + 1]), draft [T, K] layer `layer`'s logits over
+    its draft vocabulary (row t: x[t + 1 + layer]), ids [T] -> [T - 1 - layer] per position the
+    chance that the draft's first candidate is the target's sample: both sides penalised over the
+    sampled token's window, min-p cut, ranked with the same noise (`coupled_hit`)."""
+    shift = layer + 1
+    vocab = draft_layers.vocab
+    full = draft
+    if vocab is not None:  # tokens outside the draft vocabulary are never drafted
+        full = draft.new_full((draft.shape[0], base.shape[1]), float("-inf"))
+        full[:, vocab.to(draft.device)] = draft
+    windows = None
+    if sampling.penalty_window > 0:
+        windows = window_mask(ids.to(base.device), None, base.shape[1], sampling.penalty_window)[layer:-1]
+    teacher = cut_softmax(base[layer:-1], windows, sampling.min_p, sampling.penalty)
+    drafted = min_p_filter(penalise(full[:-shift].float(), windows, sampling.penalty), sampling.min_p)
+    return coupled_hit(teacher, drafted)
 
 
 def frequent_tokens(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
