@@ -381,7 +381,7 @@ def draft_loss(
     elif loss in ("sampled", "coupled"):
         # the teacher after decoding's transforms, the student's logits after the same penalty (both
         # are penalised before a draft is ranked); min-p cuts the teacher only, so the student is
-        # asked to put its mass where sampling can draw
+        # asked to put its mass where sampling can draw ("coupled" cuts the student too, below)
         with torch.no_grad():
             scores = base_logits(engine, rows, hidden)
             if sampling.penalty_window > 0:
