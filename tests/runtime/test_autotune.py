@@ -418,3 +418,84 @@ def test_a_kept_drafting_plan_is_audited_against_ar_steps_and_dropped_when_it_st
     # clearly faster (0.5 s a token): after one audit confirms it, no more until the next probe
     history = run(lambda new: 0.5, 2000)  # before the next probe (RETUNE_EVERY)
     assert len(audit_starts(history)) == 1 and history[-1].tree == "1,1"
+
+
+def _drive(engine, seconds_per_token: Callable[[str, int], float], tokens: int):
+    """A tuner drafting from the verify pass, driven for `tokens` new tokens (the cost model stubbed
+    by the caller); AR steps take 1 s a token, a drafting plan `seconds_per_token(tree, new
+    tokens so far)` (2 tokens an iteration). Returns the tuner."""
+    from tokenswift_trt.runtime.autotune import IterationCosts, Tuner
+    from tokenswift_trt.runtime.decoding import new_decode_state
+    from tokenswift_trt.runtime.sampling import PositionKeyedRandom
+
+    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
+    small = build_trie(5, build_static_tree("1,1"), [[10], [20]])
+    costs = IterationCosts(0.0, 0.0, 0.0, len(small))
+    state = new_decode_state(engine, [5, 6, 7], GenerationConfig(max_new_tokens=9000), PositionKeyedRandom(0))
+    tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens) - 3)
+    while len(state.tokens) - 3 < tokens:
+        if tuner.plan.tree == AR_PLAN:
+            state.append([len(state.tokens) % 50])
+            tuner.observe(None, [], None, hidden, False, 1.0, 1)
+        else:
+            state.append([len(state.tokens) % 50] * 2)
+            seconds = 2 * seconds_per_token(tuner.plan.tree, len(state.tokens) - 3)
+            tuner.observe(small, [], costs, hidden, False, seconds, 2)
+    return tuner
+
+
+def _stub_costs(monkeypatch):
+    from tokenswift_trt.runtime import autotune
+
+    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)
+
+
+def test_the_ar_turns_of_trials_and_audits_score_every_candidate(llama_engine64, monkeypatch):
+    """The probe trie drafted on the AR steps of a trial and of audits, as on a probe's: the candidates
+    outside the running plan (`3` while `1,1` runs) keep learning from the text as it goes on."""
+    from tokenswift_trt.runtime import autotune
+    from tokenswift_trt.runtime.autotune import Estimate
+
+    _stub_costs(monkeypatch)
+    monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
+    tuner = _drive(llama_engine64, lambda tree, new: 0.9, 600)  # a trial and one audit, passed
+    described = autotune.describe_plans(tuner.history)
+    assert [entry.split()[0] for entry in described] == ["probe", "trial", "1,1", "audit", "1,1"], described
+    scored = tuner.shared.iterations
+    # the probe's 32 AR steps, the trial's 32 and the audit's 32, each settled once 3 more tokens are
+    # known: up to 3 of a turn's last wait for the next turn's tokens (the probe's: recorded since)
+    expected = autotune.SHADOW_PROBE_STEPS + 2 * autotune.AR_TRIAL_STEPS
+    assert expected - 3 <= scored <= expected + 3
+    assert tuner.recorder.counts[("3", 0)] == scored  # outside the running 1,1: only these samples
+    assert tuner.recorder.counts[("1,1", 0)] > scored  # inside it: its own iterations too
+
+
+def test_a_passed_audit_tries_a_plan_the_shared_samples_favour_and_keeps_the_old_one_if_it_loses(
+    llama_engine64, monkeypatch
+):
+    from tokenswift_trt.runtime import autotune
+    from tokenswift_trt.runtime.autotune import Estimate
+
+    _stub_costs(monkeypatch)
+    first, second = Estimate("1,1", 0, 2.0, 1.0), Estimate("3", 0, 2.0, 0.9)  # 3: 11% more tokens a second
+
+    def choose(recorder, **kwargs):
+        if choose.calls == 0:  # the probe's choice
+            choose.calls += 1
+            return first, [first, second]
+        choose.calls += 1
+        return second, [second, first]
+
+    for slow_3, expected in ((2.0, "1,1"), (0.4, "3")):
+        choose.calls = 0
+        monkeypatch.setattr(autotune, "choose_plan", choose)
+        tuner = _drive(llama_engine64, lambda tree, new, slow=slow_3: slow if tree == "3" else 0.5, 700)
+        described = autotune.describe_plans(tuner.history)
+        assert described[1].startswith("trial 1,1") and described[3].startswith("audit 1,1"), described
+        assert described[4].startswith("trial 3 k=0 against ar steps"), described  # re-chosen after the audit
+        assert choose.calls == 2  # the probe's choice, then one re-choice: no new samples, no third
+        settled = [plan for plan in tuner.history if not (plan.probe or plan.trial or plan.audit)]
+        assert settled[-1].tree == expected  # 3 lost its trial: 1,1 again, not AR steps

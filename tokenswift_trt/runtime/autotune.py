@@ -38,6 +38,15 @@ ranking per AR step (~10% of a SmolLM2 step on a CPU) instead of verifying a 16-
 on a CPU costs 2-3 AR steps. A separate draft pass (the paper's partial-cache drafting) is a whole
 forward, so that probe still runs the probe tree for real.
 
+The probe's estimates come from the tokens right after it, and a plan that runs only informs the
+candidates inside it, so drafting from the verify pass the probe trie is also drafted on the AR
+steps of every trial and audit (~10% of those steps): samples that score every candidate on the same
+positions as the text goes on (`Tuner.shared`, with the probes'). After an audit the running plan
+passes, the cost model (its costs from the last probe) is asked again on those samples alone; a plan
+it expects to be at least 1 / TRIAL_MARGIN times faster is tried for real against AR steps, and if it
+loses its trial the plan that passed its audit runs on (SmolLM2 on a CPU: the probe after the prompt
+estimated `1,1` above `3`, which commits 1.61 tokens an iteration against 1.49 over 1,024 tokens).
+
 `Tuner` holds all of that state; the decode loop asks it for the plan to run and reports each
 iteration to it, and knows nothing of probes.
 """
@@ -476,6 +485,7 @@ class _Turns:
 
     plan: Plan  # the drafting plan tried or audited
     audit: bool  # an audit starts with AR steps (the plan was running), a trial with the plan
+    fallback: Plan = field(default_factory=lambda: Plan(AR_PLAN, 0))  # what runs if a trial fails
     drafting: _Trial = field(default_factory=_Trial)
     ar: _Trial = field(default_factory=_Trial)
     in_turn: int = 0  # iterations of the running turn
@@ -508,11 +518,18 @@ class Tuner:
         self.clock = clock  # new tokens so far (plans are logged by it)
         self.probe_tree, self.probe_topk = probe_plan("verify" if from_verify else "partial", engine.device)
         self._probe_static = build_static_tree(self.probe_tree)
-        # probe tries drafted on AR steps, waiting for their tokens: (trie, root index, depth, costs)
-        self._shadows: deque[tuple[Trie, int, int, IterationCosts]] = deque()
+        # probe tries drafted on AR steps, waiting for their tokens: (trie, root index, depth, costs or
+        # None for a shadow drafted outside a probe)
+        self._shadows: deque[tuple[Trie, int, int, IterationCosts | None]] = deque()
         max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
         # kept over all probes
         self.recorder = ProbeRecorder(max_depth, self.probe_tree, self.probe_topk)
+        # only the iterations that scored every candidate (probes, and the probe trie drafted on the AR
+        # turns of trials and audits): the same positions for all, so they compare candidates without
+        # the running plan's own text weighing on the plans inside it (`_rechoose`)
+        self.shared = ProbeRecorder(max_depth, self.probe_tree, self.probe_topk)
+        self._costs: dict | None = None  # the cost model's inputs at the last choice (`_choose`)
+        self._shared_at_choice = 0  # shared iterations when the last choice was made
         self.history: list[Plan] = []
         self._probe_costs = IterationCosts(0.0, 0.0, 0.0, 0)
         self._probe_iterations = 0
@@ -558,9 +575,11 @@ class Tuner:
         """Record one finished iteration (trie None: a plain AR step) that took `seconds` and
         committed `tokens`; returns the plan to run next."""
         plan = self.plan
+        if plan.tree == AR_PLAN and self.from_verify and (plan.trial or plan.audit):
+            self._shadow_draft(last_hidden, probe=False)  # every candidate scored, ~10% of a step
         if plan.probe:
             if plan.tree == AR_PLAN:
-                self._shadow_probe(last_hidden)
+                self._shadow_draft(last_hidden, probe=True)
                 needed = SHADOW_PROBE_STEPS
             else:  # a probe tree runs every iteration
                 assert trie is not None and costs is not None
@@ -569,6 +588,7 @@ class Tuner:
             if self._probe_iterations >= needed and not done:
                 self._choose(last_hidden)
         else:
+            self._settle_shadows()
             if trie is not None and not done:  # the running plan's iterations count too
                 self.recorder.record(trie, accepted_nodes, (plan.branching, plan.ngram_topk))
             if plan.trial or plan.audit:
@@ -580,10 +600,11 @@ class Tuner:
             self._start_turns(self.plan, audit=True)
         return self.plan
 
-    def _shadow_probe(self, hidden: torch.Tensor) -> None:
+    def _shadow_draft(self, hidden: torch.Tensor, probe: bool) -> None:
         """After an AR step (hidden [hidden]: the step's input token's, which sampled the new root):
         draft the probe trie at the new root as a verify-mode iteration would, and record every
-        earlier one whose continuation the AR tokens now cover."""
+        earlier one whose continuation the tokens now cover; `probe`: one of the probe's own
+        iterations (else a trial's or audit's AR turn: recorded, not a probe iteration)."""
         engine, state = self.engine, self.state
         if state.table is not None:  # AR steps leave the n-gram table behind; the trie needs it
             state.table.update(state.tokens, len(state.tokens) - state.ngram_exclusion)
@@ -593,13 +614,24 @@ class Tuner:
         ngrams = retrieve_ngrams(state, state.tokens[-1:], self.probe_topk)
         trie = build_trie(state.tokens[-1], self._probe_static, candidates, ngrams, ngrams_from_root=True)
         costs = IterationCosts(drafted - tick, time.perf_counter() - drafted, 0.0, len(trie))
-        self._shadows.append((trie, len(state.tokens) - 1, max(trie.depths), costs))
-        while self._shadows and len(state.tokens) - 1 - self._shadows[0][1] >= self._shadows[0][2]:
-            trie, root, depth, costs = self._shadows.popleft()  # the next `depth` tokens settle its path
-            self._record_probe(trie, accepted_path(trie, state.tokens[root + 1 : root + 1 + depth]), costs)
+        self._shadows.append((trie, len(state.tokens) - 1, max(trie.depths), costs if probe else None))
+        self._settle_shadows()
+
+    def _settle_shadows(self) -> None:
+        """Record the shadow tries whose `depth` tokens after the root are now committed."""
+        tokens = self.state.tokens
+        while self._shadows and len(tokens) - 1 - self._shadows[0][1] >= self._shadows[0][2]:
+            trie, root, depth, costs = self._shadows.popleft()
+            accepted = accepted_path(trie, tokens[root + 1 : root + 1 + depth])
+            if costs is None:
+                self.recorder.record(trie, accepted)
+                self.shared.record(trie, accepted)
+            else:
+                self._record_probe(trie, accepted, costs)
 
     def _record_probe(self, trie: Trie, accepted_nodes: Sequence[int], costs: IterationCosts) -> None:
         self.recorder.record(trie, accepted_nodes)
+        self.shared.record(trie, accepted_nodes)
         totals = self._probe_costs
         totals.draft_s += costs.draft_s
         totals.trie_s += costs.trie_s
@@ -607,9 +639,10 @@ class Tuner:
         totals.nodes += costs.nodes
         self._probe_iterations += 1
 
-    def _start_turns(self, plan: Plan, audit: bool) -> None:
-        """A trial of `plan` (the model's pick; it runs first) or an audit of it (kept; AR steps first)."""
-        self._turns = _Turns(plan, audit)
+    def _start_turns(self, plan: Plan, audit: bool, fallback: Plan | None = None) -> None:
+        """A trial of `plan` (the model's pick; it runs first) or an audit of it (kept; AR steps first);
+        a trial that fails settles on `fallback` (default: AR steps)."""
+        self._turns = _Turns(plan, audit) if fallback is None else _Turns(plan, audit, fallback)
         self._turn_to(ar=audit)
 
     def _turn_to(self, ar: bool) -> None:
@@ -642,8 +675,9 @@ class Tuner:
         if turns.ratio < TRIAL_MARGIN:
             self._settle(turns.plan)
             self._audits = 0
-        else:
-            self._settle(Plan(AR_PLAN, 0))
+        else:  # AR steps, or the plan that was running when a re-choice tried this one
+            self._settle(turns.fallback)
+            self._audits = None if turns.fallback.tree == AR_PLAN else 0
 
     def _end_audit(self, turns: _Turns) -> None:
         """Keep the drafting plan while it stays faster than AR steps, judged on this audit alone
@@ -655,11 +689,38 @@ class Tuner:
             self._settle(Plan(AR_PLAN, 0))
             return
         self._audits += 1
+        better = self._rechoose(turns.plan)
+        if better is not None:  # tried for real; the plan that passed its audit runs if it loses
+            self._start_turns(better, audit=False, fallback=Plan(turns.plan.tree, turns.plan.ngram_topk))
+            return
         self._switch(turns.plan.tree, turns.plan.ngram_topk)
         clear = turns.ratio < AUDIT_CLEAR
         self._next_audit = (
             self._next_probe if clear else len(self.state.tokens) + AUDIT_EVERY * 2**self._audits
         )
+
+    def _rechoose(self, running: Plan) -> Plan | None:
+        """After a passed audit: a drafting plan the cost model, fed the samples every candidate shares
+        (probes and the AR turns since), expects to run at least 1 / TRIAL_MARGIN times faster than
+        `running`; None when there is none or nothing new was sampled since the last choice. The
+        probe's estimates come from its first tokens, and a plan that runs only learns about the
+        candidates inside it: these samples follow the text as it goes on."""
+        if self._costs is None or self.shared.iterations <= self._shared_at_choice:
+            return None
+        self._shared_at_choice = self.shared.iterations
+        best, plans = choose_plan(self.shared, **self._costs)
+        current = next(
+            (p for p in plans if (p.tree, p.ngram_topk) == (running.tree, running.ngram_topk)), None
+        )
+        if (
+            best.tree == AR_PLAN
+            or current is None
+            or (best.tree, best.ngram_topk) == (current.tree, current.ngram_topk)
+        ):
+            return None
+        if best.tokens_per_s * TRIAL_MARGIN < current.tokens_per_s:
+            return None
+        return Plan(best.tree, best.ngram_topk)
 
     def _choose(self, last_hidden: torch.Tensor) -> None:
         engine, state, count = self.engine, self.state, self._probe_iterations
@@ -671,13 +732,12 @@ class Tuner:
         verify_costs = measure_verify(engine, state, self.max_trie)
         # drafting from the verify pass the head pass carries draft rows (one level: the trees CPUs pick)
         sampling = measure_sampling(engine, state, last_hidden, 1 if self.from_verify else 0)
-        best, _ = choose_plan(
-            self.recorder,
-            verify_costs,
-            totals.draft_s / count,
-            totals.commit_s / count,
-            sampling,
-            engine.device,
+        self._costs = dict(
+            verify_costs=verify_costs,
+            draft_s=totals.draft_s / count,
+            overhead_s=totals.commit_s / count,
+            sampling_costs=sampling,
+            device=engine.device,
             per_node_s=totals.trie_s / totals.nodes,  # building a trie (n-grams included)
             # root-conditioned layers read each node's sample: their head pass is not batched
             batched_draft_s=(
@@ -691,6 +751,8 @@ class Tuner:
                 else None
             ),
         )
+        self._shared_at_choice = self.shared.iterations
+        best, _ = choose_plan(self.recorder, **self._costs)
         if best.tree == AR_PLAN:
             self._settle(Plan(AR_PLAN, 0))
         else:  # timed for real against plain AR steps before it is kept
