@@ -35,6 +35,39 @@ def _path(trie, tokens):
     return nodes
 
 
+def _drive(engine, seconds_per_token: Callable[[str, int], float], tokens: int):
+    """A tuner drafting from the verify pass, driven for `tokens` new tokens (the cost model stubbed
+    by the caller); AR steps take 1 s a token, a drafting plan `seconds_per_token(tree, new
+    tokens so far)` (2 tokens an iteration). Returns the tuner."""
+    from tokenswift_trt.runtime.autotune import IterationCosts, Tuner
+    from tokenswift_trt.runtime.decoding import new_decode_state
+    from tokenswift_trt.runtime.sampling import PositionKeyedRandom
+
+    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
+    small = build_trie(5, build_static_tree("1,1"), [[10], [20]])
+    costs = IterationCosts(0.0, 0.0, 0.0, len(small))
+    state = new_decode_state(engine, [5, 6, 7], GenerationConfig(max_new_tokens=9000), PositionKeyedRandom(0))
+    tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens) - 3)
+    while len(state.tokens) - 3 < tokens:
+        if tuner.plan.tree == AR_PLAN:
+            state.append([len(state.tokens) % 50])
+            tuner.observe(None, [], None, hidden, False, 1.0, 1)
+        else:
+            state.append([len(state.tokens) % 50] * 2)
+            seconds = 2 * seconds_per_token(tuner.plan.tree, len(state.tokens) - 3)
+            tuner.observe(small, [], costs, hidden, False, seconds, 2)
+    return tuner
+
+
+def _stub_costs(monkeypatch):
+    from tokenswift_trt.runtime import autotune
+
+    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
+    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
+    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)
+
+
 def test_candidate_acceptance_follows_from_the_probe_path():
     trie = _probe_trie()
     recorder = ProbeRecorder(max_depth=4)
@@ -359,36 +392,15 @@ def test_a_kept_drafting_plan_is_audited_against_ar_steps_and_dropped_when_it_st
     llama_engine64, monkeypatch
 ):
     from tokenswift_trt.runtime import autotune
-    from tokenswift_trt.runtime.autotune import Estimate, IterationCosts, Tuner
-    from tokenswift_trt.runtime.decoding import new_decode_state
-    from tokenswift_trt.runtime.sampling import PositionKeyedRandom
+    from tokenswift_trt.runtime.autotune import Estimate
 
     monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
-    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
-    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
-    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)
-    engine = llama_engine64
-    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
-    small = build_trie(5, build_static_tree("1,1"), [[10], [20]])
-    costs = IterationCosts(0.0, 0.0, 0.0, len(small))
+    _stub_costs(monkeypatch)
 
     def run(drafting_seconds_per_token: Callable[[int], float], tokens: int):
-        """Drive a tuner for `tokens` new tokens; AR steps take 1 s a token, the drafting plan
-        `drafting_seconds_per_token(new tokens so far)` (2 tokens an iteration)."""
-        state = new_decode_state(
-            engine, [5, 6, 7], GenerationConfig(max_new_tokens=9000), PositionKeyedRandom(0)
-        )
-        tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens) - 3)
-        while len(state.tokens) - 3 < tokens:
-            if tuner.plan.tree == AR_PLAN:
-                state.append([len(state.tokens) % 50])
-                tuner.observe(None, [], None, hidden, False, 1.0, 1)
-            else:
-                state.append([len(state.tokens) % 50] * 2)
-                seconds = 2 * drafting_seconds_per_token(len(state.tokens) - 3)
-                tuner.observe(small, [], costs, hidden, False, seconds, 2)
-        return tuner.history
+        """The plans of a tuner driven for `tokens` new tokens, the drafting plan taking
+        `drafting_seconds_per_token(new tokens so far)`."""
+        return _drive(llama_engine64, lambda tree, new: drafting_seconds_per_token(new), tokens).history
 
     def audit_starts(history) -> list[int]:
         return [
@@ -418,39 +430,6 @@ def test_a_kept_drafting_plan_is_audited_against_ar_steps_and_dropped_when_it_st
     # clearly faster (0.5 s a token): after one audit confirms it, no more until the next probe
     history = run(lambda new: 0.5, 2000)  # before the next probe (RETUNE_EVERY)
     assert len(audit_starts(history)) == 1 and history[-1].tree == "1,1"
-
-
-def _drive(engine, seconds_per_token: Callable[[str, int], float], tokens: int):
-    """A tuner drafting from the verify pass, driven for `tokens` new tokens (the cost model stubbed
-    by the caller); AR steps take 1 s a token, a drafting plan `seconds_per_token(tree, new
-    tokens so far)` (2 tokens an iteration). Returns the tuner."""
-    from tokenswift_trt.runtime.autotune import IterationCosts, Tuner
-    from tokenswift_trt.runtime.decoding import new_decode_state
-    from tokenswift_trt.runtime.sampling import PositionKeyedRandom
-
-    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
-    small = build_trie(5, build_static_tree("1,1"), [[10], [20]])
-    costs = IterationCosts(0.0, 0.0, 0.0, len(small))
-    state = new_decode_state(engine, [5, 6, 7], GenerationConfig(max_new_tokens=9000), PositionKeyedRandom(0))
-    tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens) - 3)
-    while len(state.tokens) - 3 < tokens:
-        if tuner.plan.tree == AR_PLAN:
-            state.append([len(state.tokens) % 50])
-            tuner.observe(None, [], None, hidden, False, 1.0, 1)
-        else:
-            state.append([len(state.tokens) % 50] * 2)
-            seconds = 2 * seconds_per_token(tuner.plan.tree, len(state.tokens) - 3)
-            tuner.observe(small, [], costs, hidden, False, seconds, 2)
-    return tuner
-
-
-def _stub_costs(monkeypatch):
-    from tokenswift_trt.runtime import autotune
-
-    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
-    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
-    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)
 
 
 def test_the_ar_turns_of_trials_and_audits_score_every_candidate(llama_engine64, monkeypatch):
