@@ -113,7 +113,7 @@ def test_the_sampled_teacher_is_what_decoding_samples_from():
     logits = torch.randn(length, vocab_size, generator=generator) * 3
     ids = torch.randint(0, 12, (length,), generator=generator)  # few distinct tokens: windows repeat them
     sampling = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.5, penalty_window=window)
-    teacher = sampled_teacher(logits, ids, None, 0.1, 1.5, window)
+    teacher = sampled_teacher(logits, ids, None, sampling)[0]
     for t in range(length):
         recent = ids[max(0, t + 1 - window) : t + 1]
         expected = torch.softmax(process_logits(logits[t : t + 1], recent, sampling)[0], dim=-1)
@@ -123,7 +123,7 @@ def test_the_sampled_teacher_is_what_decoding_samples_from():
     assert not torch.allclose(teacher, torch.softmax(logits, dim=-1), atol=1e-3)
 
     vocab = torch.tensor([3, 0, 7, 11, 25, 40, 41, 59, 2, 5, *range(12, 24)])  # 22 columns, without 1, 4, 6
-    restricted = sampled_teacher(logits[:, vocab], ids, vocab, 0.1, 1.5, window)
+    restricted = sampled_teacher(logits[:, vocab], ids, vocab, sampling)[0]
     for t in range(length):
         recent = ids[max(0, t + 1 - window) : t + 1]
         penalised = process_logits(logits[t : t + 1], recent, replace(sampling, min_p=0.0))[0, vocab]
@@ -137,7 +137,8 @@ def test_the_coupled_loss_scores_how_often_a_draft_ranked_with_the_targets_noise
     generator = torch.Generator().manual_seed(0)
     rows, vocab_size, draws = 5, 80, 40_000
     target = torch.randn(rows, vocab_size, generator=generator) * 3
-    teacher = sampled_teacher(target, torch.zeros(rows, dtype=torch.long), None, 0.1, 1.0, 0)  # min-p cut
+    cut = SamplingConfig(min_p=0.1, penalty=1.0, penalty_window=0)
+    teacher = sampled_teacher(target, torch.zeros(rows, dtype=torch.long), None, cut)[0]  # min-p cut
     student = 0.6 * target + torch.randn(rows, vocab_size, generator=generator) * 2
     hits = coupled_hit(teacher, student)
     noise = -torch.log(
@@ -183,7 +184,8 @@ def test_held_out_acceptance_is_how_often_decodings_own_sampler_draws_the_first_
             0
         ]  # layer 1, [T, K]
         accuracy = draft_accuracy(engine, layers, [ids], sampling)
-        mean = float(coupled_acceptance(layers, base, draft, ids, 1, sampling).mean())
+        targets = sampled_teacher(base, ids, None, sampling)
+        mean = float(coupled_acceptance(layers.vocab, targets, draft, 1, sampling).mean())
     assert accuracy.acceptance[0] == pytest.approx(mean, abs=1e-5)
     assert draft_accuracy(engine, layers, [ids]).acceptance == []  # greedy (no settings): not scored
 
@@ -192,7 +194,9 @@ def test_held_out_acceptance_is_how_often_decodings_own_sampler_draws_the_first_
     base = base * 8
     vocab = layers.vocab
     draft = base.roll(-1, 0)[:, vocab] + torch.randn(base.shape[0], vocab.numel(), generator=generator) * 2
-    acceptance = coupled_acceptance(layers, base, draft, ids, 1, sampling)  # [T - 2]
+    acceptance = coupled_acceptance(
+        vocab, sampled_teacher(base, ids, None, sampling), draft, 1, sampling
+    )  # [T - 2]
     full = draft.new_full(base.shape, float("-inf"))
     full[:, vocab] = draft
     sampler, draws = TorchSampler(sampling), 6000

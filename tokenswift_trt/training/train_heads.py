@@ -311,27 +311,19 @@ def penalise(logits: torch.Tensor, mask: torch.Tensor | None, theta: float) -> t
 
 
 def sampled_teacher(
-    scores: torch.Tensor,
-    ids: torch.Tensor,
-    vocab: torch.Tensor | None,
-    min_p: float,
-    penalty: float,
-    window: int,
-) -> torch.Tensor:
+    scores: torch.Tensor, ids: torch.Tensor, vocab: torch.Tensor | None, sampling: SamplingConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """scores [T, K] (row t: the base's logits of x[t + 1], over the token ids `vocab` [K], or over
-    the whole vocabulary when None), ids [T] -> [T, K] the distribution sampling draws x[t + 1]
-    from: each row's logits penalised (θ = `penalty`) for the tokens of its window (`window_mask`),
-    then min-p (at least MIN_P_KEEP kept), then softmax; 0 where min-p drops a token. Within a draft
-    vocabulary, min-p is relative to its best token."""
-    mask = window_mask(ids, vocab, scores.shape[1], window) if window > 0 else None
-    return cut_softmax(scores, mask, min_p, penalty)
-
-
-def cut_softmax(
-    scores: torch.Tensor, mask: torch.Tensor | None, min_p: float, penalty: float
-) -> torch.Tensor:
-    """`sampled_teacher` from its rows' window masks [T, K] (`window_mask`; None: no penalty)."""
-    return F.softmax(min_p_filter(penalise(scores.float(), mask, penalty), min_p), dim=-1)
+    the whole vocabulary when None), ids [T] -> ([T, K] the distribution sampling draws x[t + 1]
+    from, [T, K] its rows' penalty windows or None when W is 0): each row's logits penalised (θ)
+    for the tokens of its window (`window_mask`), then min-p (at least MIN_P_KEEP kept), then
+    softmax; 0 where min-p drops a token. Within a draft vocabulary, min-p is relative to its best
+    token. The windows serve the draft's logits too (decoding penalises both)."""
+    windows = None
+    if sampling.penalty_window > 0:
+        windows = window_mask(ids.to(scores.device), vocab, scores.shape[1], sampling.penalty_window)
+    cut = min_p_filter(penalise(scores.float(), windows, sampling.penalty), sampling.min_p)
+    return F.softmax(cut, dim=-1), windows
 
 
 def coupled_hit(teacher: torch.Tensor, student: torch.Tensor, support: int = COUPLED_SUPPORT) -> torch.Tensor:
@@ -373,7 +365,7 @@ def draft_loss(
     rows = weight  # the head's rows the layers draft from: the draft vocabulary's, or all
     if draft_layers.vocab is not None:
         rows = weight.index_select(0, draft_layers.vocab.to(weight.device))
-    teacher, windows = None, None  # windows: the "sampled" loss's penalty masks [T, V]
+    teacher, windows = None, None  # windows: the "sampled" / "coupled" teacher's penalty masks [T, V]
     if loss == "distill":
         with torch.no_grad():  # base probabilities [T, V]: row t is the base's x[t + 1]
             # within the draft vocabulary: the softmax of its rows alone (6x fewer on SmolLM2)
@@ -383,11 +375,9 @@ def draft_loss(
         # are penalised before a draft is ranked); min-p cuts the teacher only, so the student is
         # asked to put its mass where sampling can draw ("coupled" cuts the student too, below)
         with torch.no_grad():
-            scores = base_logits(engine, rows, hidden)
-            if sampling.penalty_window > 0:
-                on_device = ids.to(scores.device)
-                windows = window_mask(on_device, draft_layers.vocab, scores.shape[1], sampling.penalty_window)
-            teacher = cut_softmax(scores, windows, sampling.min_p, sampling.penalty)
+            teacher, windows = sampled_teacher(
+                base_logits(engine, rows, hidden), ids, draft_layers.vocab, sampling
+            )
     roots = root_embeddings(engine, draft_layers, ids)
     scored: list[tuple[int, torch.Tensor]] = []  # (i, logits of x[t + 1 + i])
     if path_only:
@@ -446,7 +436,7 @@ def draft_accuracy(
     layers = len(draft_layers)
     hits, agree, totals = [0] * (1 + layers), [0] * layers, [0] * (1 + layers)
     accepted = [0.0] * layers
-    coupled = sampling is not None and not sampling.greedy
+    sampled = sampling if sampling is not None and not sampling.greedy else None
     path_hits = [0] * (layers - 1 if draft_layers.path is not None else 0)
     path_agree = list(path_hits)
     for ids in sequences:
@@ -456,6 +446,8 @@ def draft_accuracy(
         base_top = base.argmax(-1)  # [T]: the base's pick for x[t + 1]
         roots = root_embeddings(engine, draft_layers, ids)
         heads = [base] + draft_logits(weight, draft_layers, hidden, roots)
+        # once per sequence, every layer's rows slice it
+        drawn = None if sampled is None else sampled_teacher(base, ids, None, sampled)
         for i, logits in enumerate(heads):
             shift = i + 1
             top = logits[:-shift].argmax(-1)
@@ -465,10 +457,9 @@ def draft_accuracy(
             totals[i] += targets.numel() - shift
             if i:
                 agree[i - 1] += int((top == base_top[i:-1]).sum())
-            if i and coupled:
-                assert sampling is not None
+            if i and sampled is not None and drawn is not None:
                 accepted[i - 1] += float(
-                    coupled_acceptance(draft_layers, base, logits, ids, i, sampling).sum()
+                    coupled_acceptance(draft_layers.vocab, drawn, logits, i, sampled).sum()
                 )
         if path_hits:
             first_state = draft_layers.chain(hidden, 1, roots)[0][0]
@@ -480,34 +471,30 @@ def draft_accuracy(
     agreement = [a / t if t else 0.0 for a, t in zip(agree, totals[1:])]
     path_rates = [h / t if t else 0.0 for h, t in zip(path_hits, totals[2:])]
     path_agreement = [a / t if t else 0.0 for a, t in zip(path_agree, totals[2:])]
-    acceptance = [a / t if t else 0.0 for a, t in zip(accepted, totals[1:])] if coupled else []
+    acceptance = [a / t if t else 0.0 for a, t in zip(accepted, totals[1:])] if sampled else []
     return DraftAccuracy(rates[0], rates[1:], agreement, path_rates, path_agreement, acceptance)
 
 
 def coupled_acceptance(
-    draft_layers: DraftLayers,
-    base: torch.Tensor,
+    vocab: torch.Tensor | None,
+    targets: tuple[torch.Tensor, torch.Tensor | None],
     draft: torch.Tensor,
-    ids: torch.Tensor,
     layer: int,
     sampling: SamplingConfig,
 ) -> torch.Tensor:
-    """base [T, V] the base's logits (row t: x[t + 1]), draft [T, K] layer `layer`'s logits over
-    its draft vocabulary (row t: x[t + 1 + layer]), ids [T] -> [T - 1 - layer] per position the
-    chance that the draft's first candidate is the target's sample: both sides penalised over the
-    sampled token's window, min-p cut, ranked with the same noise (`coupled_hit`)."""
-    shift = layer + 1
-    vocab = draft_layers.vocab
+    """targets: `sampled_teacher` of the base's logits over the whole vocabulary (row t: x[t + 1]),
+    draft [T, K] layer `layer`'s logits over the draft vocabulary `vocab` (row t: x[t + 1 + layer])
+    -> [T - 1 - layer] per position the chance that the draft's first candidate is the target's
+    sample: both sides penalised over the sampled token's window, min-p cut, ranked with the same
+    noise (`coupled_hit`)."""
+    teacher, windows = targets  # [T, V], [T, V] or None
     full = draft
     if vocab is not None:  # tokens outside the draft vocabulary are never drafted
-        full = draft.new_full((draft.shape[0], base.shape[1]), float("-inf"))
+        full = draft.new_full((draft.shape[0], teacher.shape[1]), float("-inf"))
         full[:, vocab.to(draft.device)] = draft
-    windows = None
-    if sampling.penalty_window > 0:
-        windows = window_mask(ids.to(base.device), None, base.shape[1], sampling.penalty_window)[layer:-1]
-    teacher = cut_softmax(base[layer:-1], windows, sampling.min_p, sampling.penalty)
-    drafted = min_p_filter(penalise(full[:-shift].float(), windows, sampling.penalty), sampling.min_p)
-    return coupled_hit(teacher, drafted)
+    rows = windows[layer:-1] if windows is not None else None  # row t drafts x[t + 1 + layer]
+    drafted = min_p_filter(penalise(full[: -(layer + 1)].float(), rows, sampling.penalty), sampling.min_p)
+    return coupled_hit(teacher[layer:-1], drafted)
 
 
 def frequent_tokens(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
