@@ -60,6 +60,7 @@ def _drive(engine, seconds_per_token: Callable[[str, int], float], tokens: int):
 
 
 def _stub_costs(monkeypatch):
+    """Every measured cost 1 s (ranking free), and no acceptance floor: the stubbed cost model decides."""
     from tokenswift_trt.runtime import autotune
 
     monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
@@ -265,10 +266,7 @@ def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_
     from tokenswift_trt.runtime.sampling import PositionKeyedRandom
 
     monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
-    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
-    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
-    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)  # the cost model decides here
+    _stub_costs(monkeypatch)  # the cost model decides here
     engine = llama_engine64
     hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
     probe = build_trie(5, build_static_tree("3,2,1"), [[10, 11, 12], [20, 21], [30]])
@@ -317,10 +315,7 @@ def test_a_trial_takes_turns_so_that_a_slow_spell_of_the_machine_hits_both_sides
     from tokenswift_trt.runtime.sampling import PositionKeyedRandom
 
     monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
-    monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
-    monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
-    monkeypatch.setattr(autotune, "measure_ranking", lambda *args: 0.0)
-    monkeypatch.setattr(autotune, "MIN_TOKENS_PER_ITERATION", 0.0)
+    _stub_costs(monkeypatch)  # the cost model decides here
     engine = llama_engine64
     hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
     small = build_trie(5, build_static_tree("1,1"), [[10], [20]])

@@ -485,7 +485,7 @@ class _Turns:
 
     plan: Plan  # the drafting plan tried or audited
     audit: bool  # an audit starts with AR steps (the plan was running), a trial with the plan
-    fallback: Plan = field(default_factory=lambda: Plan(AR_PLAN, 0))  # what runs if a trial fails
+    fallback: Plan  # what runs if a trial fails: AR steps, or the plan a re-choice would replace
     drafting: _Trial = field(default_factory=_Trial)
     ar: _Trial = field(default_factory=_Trial)
     in_turn: int = 0  # iterations of the running turn
@@ -642,7 +642,7 @@ class Tuner:
     def _start_turns(self, plan: Plan, audit: bool, fallback: Plan | None = None) -> None:
         """A trial of `plan` (the model's pick; it runs first) or an audit of it (kept; AR steps first);
         a trial that fails settles on `fallback` (default: AR steps)."""
-        self._turns = _Turns(plan, audit) if fallback is None else _Turns(plan, audit, fallback)
+        self._turns = _Turns(plan, audit, fallback or Plan(AR_PLAN, 0))
         self._turn_to(ar=audit)
 
     def _turn_to(self, ar: bool) -> None:
