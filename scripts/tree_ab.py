@@ -10,12 +10,14 @@ branch. Each round runs every configuration once, the order reversed every other
 that every output equals AR's token for token. Prints per configuration: seconds per run (prefill
 excluded), speedup over AR, tokens per iteration, ms per iteration and its split by stage
 (`Stats.phase_s`), and for `auto` the plans the tuner ran. Without `--heads` the preset's committed
-draft layers run alone.
+draft layers run alone. `--full-head-too` adds every configuration again with the float16-screened LM
+head switched off (`TOKENSWIFT_SCREENED_HEAD=0`, runtime/screened_head.py), labelled "... full head".
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--prompt-file", type=Path, default=HELD_OUT)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--full-head-too", action="store_true", help="also run each with the full LM head")
     args = parser.parse_args()
     if not args.prompt_file.is_file():
         raise SystemExit(f"prompt file {args.prompt_file} not found: pass --prompt-file")
@@ -74,12 +77,15 @@ def main() -> None:
         for name, source in engines.items():
             label = f"{name} {tree}" if len(engines) > 1 else tree
             configs[label] = (source, replace(base, tree=tree))
+    if args.full_head_too:
+        configs.update({f"{label} full head": config for label, config in list(configs.items())})
     results: dict[str, list[Stats]] = {}
     reference = None
     for round_index in range(args.rounds):
         order = list(configs) if round_index % 2 == 0 else list(configs)[::-1]
         for label in order:
             source, config = configs[label]
+            os.environ["TOKENSWIFT_SCREENED_HEAD"] = "0" if label.endswith(" full head") else "1"
             tokens, stats = generate(source.engine, prompt, config)
             if reference is None:
                 reference = tokens

@@ -369,6 +369,7 @@ CPU_SOURCES = (
     "sampling_cpu.cpp",
     "linear_cpu.cpp",
     "decoder_cpu.cpp",
+    "screened_head_cpu.cpp",
 )
 
 

@@ -21,6 +21,8 @@ from .cpu_decoder import CpuDecoder
 from .cpu_linear import FusedLinears, Linear, batch_invariant_product, pack_linears
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary
+from .sampling import SamplingConfig
+from .screened_head import ScreenedHead
 
 # How attention runs: "sdpa" (torch's scaled_dot_product_attention with a boolean mask; CPU and any
 # device) or "tree_attention" (torch.ops.tokenswift.tree_attention with a packed tree mask; the
@@ -80,6 +82,10 @@ class Decoder(Protocol):
     ) -> ForwardOutput: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def target_logits(
+        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor
+    ) -> torch.Tensor: ...
 
     def head_logits(
         self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None
@@ -398,6 +404,11 @@ class GraphDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.torch_model.logits(hidden)
 
+    def target_logits(
+        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor
+    ) -> torch.Tensor:
+        return self.torch_model.target_logits(hidden, sampling, windows)
+
     def head_logits(
         self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None
     ) -> torch.Tensor:
@@ -428,6 +439,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, device="cpu" if str(device) == "meta" else device)
         self.attention_kernel = "sdpa"  # see ATTENTION_KERNELS; `use_attention_kernel` switches it
         self.cpu_decoder: CpuDecoder | None = None  # the compiled stack for a few CPU tokens (`pack`)
+        self.screened_head: ScreenedHead | None = None  # the LM head for CPU sampling (`pack`)
         self.fused_elementwise = False  # fewer, fused ops per layer (`use_fused_elementwise`)
         self.batch_invariant = False  # CUDA products and norms row by row (`use_batch_invariant`)
         self.aligned_attention = False  # steps of <= 64 levels through `triton_aligned` (the same)
@@ -530,6 +542,7 @@ class LlamaModel(nn.Module):
             layer.self_attn.pack()
             layer.mlp.pack()
         self.cpu_decoder = CpuDecoder.pack(self.model.layers, self.config)
+        self.screened_head = ScreenedHead.of(self.lm_head) if self.lm_head.packed else None
         return count
 
     def tie_weights(self) -> None:
@@ -756,6 +769,19 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] (pre-norm) -> logits [..., vocab]."""
         return self.lm_head(self.model.norm(hidden))
+
+    @torch.inference_mode()
+    def target_logits(
+        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor
+    ) -> torch.Tensor:
+        """`logits` of hidden [R, hidden] for `sampling` to draw from, windows [W] or [R, W] its penalty's
+        ids: on a CPU the float16-screened head where it applies (screened_head.py: the float32 logits of
+        every token sampling could keep, a score below anything real elsewhere), else the full head."""
+        normed = self.model.norm(hidden)
+        head = self.screened_head
+        if head is not None and normed.dim() == 2 and head.applies(normed.shape[0], sampling):
+            return head.logits(normed, sampling, windows)
+        return self.lm_head(normed)
 
     @torch.inference_mode()
     def draft(

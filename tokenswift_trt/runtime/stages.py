@@ -157,8 +157,9 @@ class NodeTargets:
             node = self.trie.parents[node]
         return tokens[::-1]
 
-    def logits(self) -> torch.Tensor:
-        """[N, V] logits of every node (one LM-head pass, kept)."""
+    def logits(self, windows: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, V] logits of every node for sampling (one LM-head pass, kept); `windows`: every node's
+        penalty window (`DecodeState.windows` of their paths), when the caller has them."""
         if self.all_logits is None:
             if self.draft_depth:
                 heads = self.engine.model.head_logits(
@@ -166,7 +167,9 @@ class NodeTargets:
                 )  # [1 + d, N, V]
                 self.all_logits, self.all_draft_logits = heads[0], heads[1:]
             else:
-                self.all_logits = self.engine.model.logits(self.hidden)
+                if windows is None:
+                    windows = self.state.windows([self.path(node) for node in range(len(self.trie))])
+                self.all_logits = self.engine.model.target_logits(self.hidden, self.state.sampling, windows)
         return self.all_logits
 
     def draft_logits(self, node: int) -> torch.Tensor | None:
@@ -180,19 +183,23 @@ class NodeTargets:
                 self.all_samples = self._sample_every_node()
             return self.all_samples[node]
         position = self.state.root_position + self.trie.depths[node] + 1
-        logits = self.logits()[node] if self.batched else self.engine.model.logits(self.hidden[node])  # [V]
+        window = self.state.window(self.path(node))
+        if self.batched:
+            logits = self.logits()[node]  # [V]
+        else:
+            logits = self.engine.model.target_logits(self.hidden[node][None], self.state.sampling, window)[0]
         noise = self.state.noise([position], logits.shape[-1], logits.device)
-        return self.state.sampler.samples(logits[None], self.state.window(self.path(node)), noise)[0]
+        return self.state.sampler.samples(logits[None], window, noise)[0]
 
     def _sample_every_node(self) -> list[int]:
         state, trie = self.state, self.trie
-        paths = [self.path(node) for node in range(len(trie))]
-        logits = self.logits()  # [N, V]
+        windows = state.windows([self.path(node) for node in range(len(trie))])
+        logits = self.logits(windows)  # [N, V]
         # sample_all: greedy, or position-keyed noise, which nodes at one depth share
         noise = state.noise(
             [state.root_position + depth + 1 for depth in trie.depths], logits.shape[-1], logits.device
         )
-        return state.sampler.samples(logits, state.windows(paths), noise)
+        return state.sampler.samples(logits, windows, noise)
 
 
 Acceptor = Callable[[Trie, NodeTargets, int, frozenset], Acceptance]
@@ -251,9 +258,10 @@ def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: in
 
 def sample_next(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> int:
     """AR step's choice for position len(tokens), from hidden [hidden] of the last committed token."""
-    logits = engine.model.logits(hidden)[None]  # [1, V]
+    window = state.window()
+    logits = engine.model.target_logits(hidden[None], state.sampling, window)  # [1, V]
     return state.sampler.samples(
-        logits, state.window(), state.noise([len(state.tokens)], logits.shape[-1], logits.device)
+        logits, window, state.noise([len(state.tokens)], logits.shape[-1], logits.device)
     )[0]
 
 

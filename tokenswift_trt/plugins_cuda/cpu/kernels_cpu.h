@@ -26,6 +26,14 @@ at::Tensor pack_linear_cpu(const at::Tensor& weight);
 at::Tensor pack_linear_half_cpu(const at::Tensor& weight);
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs);
 
+// screened_head_cpu.cpp: x [R, K] float32 through a bias-free head weight [V, K] float32, given its
+// float16 packed copy and per-row error bounds [V] -> logits [R, V]: the float32 product's bits for every
+// token the sampler (penalty over windows [1 or R, W], greedy or min-p keeping `keep`) could keep,
+// -1e30 for the rest.
+at::Tensor screened_logits_cpu(const at::Tensor& x, const at::Tensor& half_packed, const at::Tensor& bounds,
+                               const at::Tensor& weight, const at::Tensor& windows, double penalty, bool greedy,
+                               double temperature, double log_min_p, int64_t keep);
+
 // decoder_cpu.cpp: the decoder stack for T <= 16 new tokens. embeddings [T, hidden]; cos/sin [T, head_dim];
 // weights: per layer input norm, packed Q/K/V and its bias (or empty), packed output product and bias,
 // post-attention norm, packed gate/up and bias, packed down and bias; keys/values the whole cache

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("pack_linear_half", &pack_linear_half_cpu,
                "the same layout in float16, widened to float32 as the product loads it");
     module.def("linear", &linear_cpu, "x[M, in] times a packed weight, batch-invariant (CPU, float32)");
+    module.def("screened_logits", &screened_logits_cpu,
+               "an LM head exact where sampling can look, screened in float16 elsewhere (CPU, float32)");
     module.def("draft_chain", &draft_chain_cpu, "the draft layers' chain for a few rows in one call (CPU, float32)");
     module.def("decoder", &decoder_cpu, "the decoder stack for a few new tokens in one call (CPU, float32)");
 }
