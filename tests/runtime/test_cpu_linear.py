@@ -244,3 +244,38 @@ def test_engines_pack_their_draft_layers_in_half_precision_and_the_model_in_floa
     model = [m for m in engine.model.modules() if isinstance(m, Linear) and m._packed is not None]
     assert drafts and all(m._packed.data.dtype == torch.float16 for m in drafts)
     assert model and all(m._packed.data.dtype == torch.float32 for m in model)
+
+
+def _huge_page_kib(address: int) -> int | None:
+    """AnonHugePages of the mapping of this process holding `address` (/proc/self/smaps), in KiB."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1])
+    return None
+
+
+@pytest.mark.skipif(tiled_kernels() is None, reason="the tiled kernel needs x86 AVX2 and a C++ compiler")
+@pytest.mark.parametrize("half", [False, True])
+def test_large_packed_weights_start_on_a_huge_page_and_ask_for_them(monkeypatch, half):
+    kernels = tiled_kernels()
+    pack = kernels.pack_linear_half if half else kernels.pack_linear
+    weight = torch.randn(4096, 576)  # 9.4 MB packed in float32, 4.7 MB in float16
+    packed = pack(weight)
+    assert packed.data_ptr() % (2 << 20) == 0
+    x = torch.randn(3, 576)
+    stored = weight.half().float() if half else weight
+    assert torch.allclose(kernels.linear(x, packed, x.new_empty(0), 4096), x @ stored.T, atol=1e-3)
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        mode = "[never]"
+    if "[never]" not in mode:  # the kernel honours MADV_HUGEPAGE here: the weight is on 2 MB pages
+        assert (_huge_page_kib(packed.data_ptr()) or 0) >= 2048
+    monkeypatch.setenv("TOKENSWIFT_HUGE_PAGES", "0")
+    plain = pack(weight)
+    assert torch.equal(plain, packed)
