@@ -53,3 +53,24 @@ def save_hf_model(config, directory: Path, seed: int = 0):
 # the paper's static tree (drafted on the partial cache): tests of the partial-cache path pin it,
 # since a request without a tree runs `--tree auto`
 PAPER_TREE = "1,3,3,3"
+
+
+def huge_pages_granted() -> bool:
+    """Whether this kernel backs memory advised with MADV_HUGEPAGE by 2 MB pages (THP not "never")."""
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def huge_page_kib(address: int) -> int:
+    """AnonHugePages of this process's mapping holding `address` (/proc/self/smaps), in KiB; 0 if none."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields and fields[0] == "AnonHugePages:":
+            return int(fields[1])
+    return 0

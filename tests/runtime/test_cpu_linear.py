@@ -19,6 +19,7 @@ from tokenswift_trt.runtime.cpu_linear import (
 from tokenswift_trt.runtime.kv_cache import KVCache
 
 from conftest import quiet_load
+from helpers import huge_page_kib, huge_pages_granted
 
 pytestmark = pytest.mark.skipif(
     not packing_available(), reason="this torch build has no oneDNN linear prepacking"
@@ -246,19 +247,6 @@ def test_engines_pack_their_draft_layers_in_half_precision_and_the_model_in_floa
     assert model and all(m._packed.data.dtype == torch.float32 for m in model)
 
 
-def _huge_page_kib(address: int) -> int | None:
-    """AnonHugePages of the mapping of this process holding `address` (/proc/self/smaps), in KiB."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:
-            start, end = (int(part, 16) for part in fields[0].split("-"))
-            inside = start <= address < end
-        elif inside and fields[0] == "AnonHugePages:":
-            return int(fields[1])
-    return None
-
-
 @pytest.mark.skipif(tiled_kernels() is None, reason="the tiled kernel needs x86 AVX2 and a C++ compiler")
 @pytest.mark.parametrize("half", [False, True])
 def test_large_packed_weights_start_on_a_huge_page_and_ask_for_them(monkeypatch, half):
@@ -270,12 +258,8 @@ def test_large_packed_weights_start_on_a_huge_page_and_ask_for_them(monkeypatch,
     x = torch.randn(3, 576)
     stored = weight.half().float() if half else weight
     assert torch.allclose(kernels.linear(x, packed, x.new_empty(0), 4096), x @ stored.T, atol=1e-3)
-    try:
-        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        mode = "[never]"
-    if "[never]" not in mode:  # the kernel honours MADV_HUGEPAGE here: the weight is on 2 MB pages
-        assert (_huge_page_kib(packed.data_ptr()) or 0) >= 2048
+    if huge_pages_granted():  # the kernel honours MADV_HUGEPAGE here: the weight is on 2 MB pages
+        assert huge_page_kib(packed.data_ptr()) >= 2048
     monkeypatch.setenv("TOKENSWIFT_HUGE_PAGES", "0")
     plain = pack(weight)
     assert torch.equal(plain, packed)

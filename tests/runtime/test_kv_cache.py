@@ -3,7 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenswift_trt.runtime.cpu_linear import tiled_kernels
 from tokenswift_trt.runtime.kv_cache import CacheFullError, KVCache, PartialKVCache, kv_importance_select
+
+from helpers import huge_page_kib, huge_pages_granted
 
 
 def _filled(length: int, layers: int = 2, heads: int = 2, dim: int = 4, seed: int = 0) -> KVCache:
@@ -74,3 +77,17 @@ def test_partial_cache_mirrors_small_contexts_then_selects_and_reselects():
     partial.append_from(bigger, 36, 4, queries)
     partial.append_from(bigger, 36, 4, queries)  # would overflow 32: reselect
     assert partial.length == 24 and partial.selections == 2
+
+
+@pytest.mark.skipif(tiled_kernels() is None, reason="the CPU kernels need x86 AVX2 and a C++ compiler")
+def test_a_cpu_cache_starts_zeroed_on_a_huge_page_and_gets_them_as_it_fills():
+    cache = KVCache(4, 3, 64, 4096)  # 12 MB each for keys and values
+    for tensor in (cache.keys, cache.values):
+        assert tensor.data_ptr() % (2 << 20) == 0 and tensor.is_contiguous()
+        assert not tensor.any()
+    cache.attend_kv(0, torch.ones(3, 4096, 64), torch.ones(3, 4096, 64))
+    assert cache.keys[0].sum() == 3 * 4096 * 64 and not cache.keys[1:].any()
+    if huge_pages_granted():
+        assert huge_page_kib(cache.keys.data_ptr()) >= 2048
+    small = KVCache(2, 2, 8, 16)  # under 2 MB: ordinary zeros
+    assert small.keys.shape == (2, 2, 16, 8) and not small.keys.any()

@@ -23,6 +23,19 @@ class CacheFullError(RuntimeError):
     """A forward would write past the cache's preallocated capacity."""
 
 
+def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros for a cache's K or V: on a CPU where the compiled kernels are built, on 2 MB pages where
+    the OS grants them (plugins_cuda/cpu/linear_cpu.cpp, `zeros_on_huge_pages`: attention streams the
+    whole cache at every step), else `torch.zeros`."""
+    if torch.device(device).type == "cpu":
+        from .cpu_linear import tiled_kernels  # lazily: no compile at import
+
+        module = tiled_kernels()
+        if module is not None:
+            return module.zeros_on_huge_pages(list(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVCache:
     """Full, static KV cache over all committed positions of one sequence."""
 
@@ -36,8 +49,8 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = cache_zeros(shape, dtype, device)  # [layers, kv_heads, capacity, head_dim]
+        self.values = cache_zeros(shape, dtype, device)
         self.capacity = capacity
         self.length = 0  # committed slots
         self.pending = 0  # slots written by the last forward after `length`

@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("pack_linear", &pack_linear_cpu, "a float32 weight [out, in] in the small-batch linear's layout");
     module.def("pack_linear_half", &pack_linear_half_cpu,
                "the same layout in float16, widened to float32 as the product loads it");
+    module.def("zeros_on_huge_pages", &zeros_on_huge_pages_cpu,
+               "zeros on 2 MB pages where the OS grants them (weights and caches streamed at every step)");
     module.def("linear", &linear_cpu, "x[M, in] times a packed weight, batch-invariant (CPU, float32)");
     module.def("screened_logits", &screened_logits_cpu,
                "an LM head exact where sampling can look, screened in float16 elsewhere (CPU, float32)");
