@@ -84,7 +84,7 @@ class Decoder(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def target_logits(
-        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor
+        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor | None
     ) -> torch.Tensor: ...
 
     def head_logits(
@@ -405,7 +405,7 @@ class GraphDecoder:
         return self.torch_model.logits(hidden)
 
     def target_logits(
-        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor
+        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor | None
     ) -> torch.Tensor:
         return self.torch_model.target_logits(hidden, sampling, windows)
 
@@ -542,7 +542,7 @@ class LlamaModel(nn.Module):
             layer.self_attn.pack()
             layer.mlp.pack()
         self.cpu_decoder = CpuDecoder.pack(self.model.layers, self.config)
-        self.screened_head = ScreenedHead.of(self.lm_head) if self.lm_head.packed else None
+        self.screened_head = ScreenedHead.of(self.lm_head)
         return count
 
     def tie_weights(self) -> None:
@@ -772,15 +772,17 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def target_logits(
-        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor
+        self, hidden: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor | None
     ) -> torch.Tensor:
         """`logits` of hidden [R, hidden] for `sampling` to draw from, windows [W] or [R, W] its penalty's
         ids: on a CPU the float16-screened head where it applies (screened_head.py: the float32 logits of
-        every token sampling could keep, a score below anything real elsewhere), else the full head."""
+        every token sampling could keep, a score below anything real elsewhere), else, and without
+        `windows`, the full head."""
         normed = self.model.norm(hidden)
         head = self.screened_head
-        if head is not None and normed.dim() == 2 and head.applies(normed.shape[0], sampling):
-            return head.logits(normed, sampling, windows)
+        if windows is not None and head is not None and normed.dim() == 2:
+            if head.applies(len(normed), sampling):
+                return head.logits(normed, sampling, windows)
         return self.lm_head(normed)
 
     @torch.inference_mode()

@@ -159,7 +159,8 @@ class NodeTargets:
 
     def logits(self, windows: torch.Tensor | None = None) -> torch.Tensor:
         """[N, V] logits of every node for sampling (one LM-head pass, kept); `windows`: every node's
-        penalty window (`DecodeState.windows` of their paths), when the caller has them."""
+        penalty window (`DecodeState.windows` of their paths) when the caller has them, which lets a CPU
+        engine read its screened head (without them the full head runs)."""
         if self.all_logits is None:
             if self.draft_depth:
                 heads = self.engine.model.head_logits(
@@ -167,8 +168,6 @@ class NodeTargets:
                 )  # [1 + d, N, V]
                 self.all_logits, self.all_draft_logits = heads[0], heads[1:]
             else:
-                if windows is None:
-                    windows = self.state.windows([self.path(node) for node in range(len(self.trie))])
                 self.all_logits = self.engine.model.target_logits(self.hidden, self.state.sampling, windows)
         return self.all_logits
 
