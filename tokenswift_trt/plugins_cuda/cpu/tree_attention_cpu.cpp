@@ -388,11 +388,12 @@ void attend_range_rows(const float* query,  // [rows, D] of one KV head, scaled
         const float* key[kBlock];  // past the range's end: its last key, scored but masked
         for (int j = 0; j < kBlock; ++j) key[j] = key_block + std::min(j, count - 1) * D;
         for (int64_t r = 0; r < rows; ++r) {
-            const bool lead = r == 0;  // the first row prefetches the next block
+            // the rows share out the next block's prefetches (group g's keys: row g % rows; key j's
+            // values: row j % rows), so that the memory stays busy through all of them
             for (int g = 0; g < kGroups; ++g)
                 _mm256_store_ps(scores + 8 * g,
                                 scores8<D>(query + r * D, key + 8 * g,
-                                           lead ? key_block + kBlock * D + g * D * 8 : nullptr));
+                                           g % rows == r ? key_block + kBlock * D + g * D * 8 : nullptr));
             const float correction =
                 softmax_block(scores, count, start, prefix, mask + (r % tree_tokens) * words, out.max[r], out.sum[r]);
             float* acc = out.output.data() + r * D;
@@ -401,7 +402,7 @@ void attend_range_rows(const float* query,  // [rows, D] of one KV head, scaled
                 __m256 a[kOut];
                 for (int v = 0; v < kOut; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + dc + 8 * v), scale);
                 for (int j = 0; j < count; ++j) {
-                    if (lead && dc == 0)  // the next block's values, D / 16 lines per key
+                    if (dc == 0 && j % rows == r)  // the next block's values, D / 16 lines per key
                         for (int line = 0; line < D / 16; ++line)
                             __builtin_prefetch(value_block + kBlock * D + (j * (D / 16) + line) * 16, 0, 2);
                     const __m256 weight = _mm256_broadcast_ss(scores + j);
