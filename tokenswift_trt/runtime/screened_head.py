@@ -63,9 +63,10 @@ class ScreenedHead:
 
     def __init__(self, head: Linear, kernels) -> None:
         self.head, self.kernels = head, kernels
+        self.weight = head.weight.detach()  # [V, K]: the head's own storage (`applies` checks it)
         with torch.no_grad():
-            self.half = kernels.pack_linear_half(head.weight.detach())
-            self.bounds = error_bounds(head.weight)
+            self.half = kernels.pack_linear_half(self.weight)
+            self.bounds = error_bounds(self.weight)
         self._from = _identity(head.weight)
 
     @classmethod
@@ -74,6 +75,8 @@ class ScreenedHead:
         logits must equal bit for bit); None elsewhere."""
         weight = head.weight
         if head.bias is not None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        if not weight.is_contiguous():  # the kernel gathers rows of [V, K] in place
             return None
         if not head.packed or head._packed is None or head._packed.kind != "tiled":
             return None
@@ -95,14 +98,12 @@ class ScreenedHead:
         """x [R, K] (after the final norm), windows [W] or [R, W] token ids (the penalty's, as the
         sampler takes them) -> [R, V]: the head's float32 logits wherever sampling could keep a token,
         SCREENED_SCORE elsewhere."""
-        rows = windows[None] if windows.dim() == 1 else windows
-        if sampling.penalty == 1:
-            rows = rows[:, :0]
+        rows = windows[None] if windows.dim() == 1 else windows  # the kernel ignores them when θ = 1
         return self.kernels.screened_logits(
             x.contiguous(),
             self.half,
             self.bounds,
-            self.head.weight.detach().contiguous(),
+            self.weight,
             rows.contiguous(),
             sampling.penalty,
             sampling.greedy,

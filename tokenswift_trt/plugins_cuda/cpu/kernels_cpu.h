@@ -5,7 +5,12 @@
 // of ~45 s with torch/extension.h (the whole C++ API); module.cpp adds pybind11's Tensor caster.
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <vector>
+
+// The contextual penalty of one logit (above 0 divided by θ, else multiplied; increasing in z): what
+// sampling_cpu.cpp applies, and what screened_head_cpu.cpp must bound, so both call this one.
+inline float penalised_logit(float z, float penalty) { return z > 0.0f ? z / penalty : z * penalty; }
 
 // tree_attention_cpu.cpp: query [heads, T, D], keys/values [kv_heads, prefix + T, D] (rows contiguous),
 // tree_mask [T, ceil(T / 32)] int32 -> [heads, T, D].

@@ -81,7 +81,7 @@ void rank_row(const float* logits, const int64_t* window, int64_t window_size, c
         for (int64_t i = 0; i < window_size; ++i) {
             const int64_t id = window[i];
             const float original = logits[id];  // from the logits: a repeated id is penalised once
-            scores[id] = original > 0.0f ? original / penalty : original * penalty;
+            scores[id] = penalised_logit(original, penalty);
         }
     }
     float cut = 0.0f;

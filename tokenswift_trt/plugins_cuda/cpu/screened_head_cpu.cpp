@@ -45,8 +45,6 @@ namespace {
 
 constexpr float kScreened = -1.0e30f;  // the score of a screened-out token (finite: -ffast-math)
 
-inline float penalised(float z, float penalty) { return z > 0.0f ? z / penalty : z * penalty; }
-
 // Inserts `value` into top[0 .. size) (sorted, best first) if it beats the last.
 inline void offer(float* top, int64_t size, float value) {
     if (!(value > top[size - 1])) return;
@@ -92,7 +90,7 @@ void choose_row(const float* screen, const float* bounds, int64_t vocab, double 
             const int64_t id = window[i];
             if (!in_window[id]) continue;  // a repeated id once
             in_window[id] = 0;
-            offer(top.data(), kept, penalised(screen[id] - scale * bounds[id] - 1e-6f, penalty));
+            offer(top.data(), kept, penalised_logit(screen[id] - scale * bounds[id] - 1e-6f, penalty));
         }
     double cut = top[0];
     if (!greedy) cut = std::min(cut + temperature * log_min_p, static_cast<double>(top[kept - 1]));
