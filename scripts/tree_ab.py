@@ -85,7 +85,8 @@ def main() -> None:
         order = list(configs) if round_index % 2 == 0 else list(configs)[::-1]
         for label in order:
             source, config = configs[label]
-            os.environ["TOKENSWIFT_SCREENED_HEAD"] = "0" if label.endswith(" full head") else "1"
+            if args.full_head_too:  # otherwise the caller's environment decides
+                os.environ["TOKENSWIFT_SCREENED_HEAD"] = "0" if label.endswith(" full head") else "1"
             tokens, stats = generate(source.engine, prompt, config)
             if reference is None:
                 reference = tokens
