@@ -10,7 +10,8 @@
 // scores, head_dim for P·V, one vector exp) whether one row or all lanes use it: up to 16 rows
 // (T = 4 with 4 query heads per KV head) a verify's attention costs what one token's does, and
 // reading K/V once is the rest. AVX2 builds (16 registers of 8 floats) take other paths: a row at a
-// time for an AR step, register tiles of up to 6 rows over transposed keys for a verify (run_rows, below).
+// time for an AR step, register tiles of up to 6 rows over transposed keys for a verify (run_rows,
+// below); AVX-512 builds take the row-at-a-time path for AR steps too (fewer multiply-adds per key).
 //
 // Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys),
 // balanced over the threads, each prefetching its next block of keys and values a line at a time;
@@ -114,19 +115,22 @@ inline V vexp(V x) {
     return out;
 }
 
-// One cache line of the next block's keys (steps 0 .. 2D-1) or values (2D .. 4D-1) into L2, at
-// step `step` of the score loop ((head-dim chunk, key) pairs: D / kChunk x kBlock = 4D steps, as
-// many as the next block has lines, 2 x kBlock x D floats / 16). Without it, once K/V are out of
-// the caches the loop waits on memory: the score loop walks 32 rows 256 bytes apart, which the
-// hardware prefetcher does not follow, and SmolLM2's 30 layers at 4K context took 19 ms for 1
-// token (10 GB/s from DRAM) against 8 ms with it. Prefetching the whole block in one burst at the
-// block's start measured no faster than nothing: the misses queue up behind each other. Addresses
-// past the cache's end are harmless (a prefetch never faults).
+// Half a line of the next block's keys (in the score loop) or values (in the P·V loop) per step of
+// those loops ((head-dim chunk, key) pairs: D / kChunk x kBlock = 4D steps each, twice the lines of a
+// block's keys or values, kBlock x D floats / 16), a whole line at every even step, into L2 (the
+// condition written out in the loops: tested inside this helper, GCC's code for the loops took ~1.5x
+// as long on the Xeon). Without
+// prefetches, once K/V are out of the caches the loop waits on memory: the score loop walks 32 rows
+// 256 bytes apart, which the hardware prefetcher does not follow (SmolLM2's 30 layers at 4K context
+// took 19 ms for 1 token on the AVX-512 Zen 4, 8 ms with them). Prefetching a whole block in one
+// burst measured no faster than nothing (the misses queue up behind each other), and so did all
+// 2 x D lines in the score loop (until stop 45) on the AVX-512 Xeon, whose cores keep ~16 misses in
+// flight: the score loop stalled on them and the memory idled through the softmax and P·V; spread
+// over both loops, 30 layers at 4,096 keys took 12.7 ms instead of 14.5 (1 and 4 tokens alike).
+// Addresses past the cache's end are harmless (a prefetch never faults).
 template <int D>
-inline void prefetch_next_block(const float* key_block, const float* value_block, int step) {
-    constexpr int kLines = kBlock * D / 16;  // lines of one block's keys (or values)
-    const float* next = (step < kLines ? key_block : value_block) + kBlock * D;
-    __builtin_prefetch(next + (step % kLines) * 16, 0, 2);
+inline void prefetch_next_block(const float* block, int line) {
+    __builtin_prefetch(block + kBlock * D + line * 16, 0, 2);
 }
 
 template <int D, typename vec>
@@ -149,7 +153,7 @@ void attend_range(const vec* query,  // [tiles, D] transposed, scaled: query[t*D
                 vec qc[kChunk];
                 for (int k = 0; k < kChunk; ++k) qc[k] = q[dc + k];
                 for (int j = 0; j < count; ++j) {
-                    if (tile == 0) prefetch_next_block<D>(key_block, value_block, (dc / kChunk) * kBlock + j);
+                    if (tile == 0 && (j & 1) == 0) prefetch_next_block<D>(key_block, ((dc / kChunk) * kBlock + j) / 2);
                     const float* key = key_block + j * D + dc;
                     vec a = scores[j];
                     for (int k = 0; k < kChunk; ++k) a += qc[k] * key[k];
@@ -181,6 +185,7 @@ void attend_range(const vec* query,  // [tiles, D] transposed, scaled: query[t*D
                 vec a[kChunk];
                 for (int k = 0; k < kChunk; ++k) a[k] = acc[dc + k] * correction;
                 for (int j = 0; j < count; ++j) {
+                    if (tile == 0 && (j & 1) == 0) prefetch_next_block<D>(value_block, ((dc / kChunk) * kBlock + j) / 2);
                     const float* value = value_block + j * D + dc;
                     for (int k = 0; k < kChunk; ++k) a[k] += scores[j] * value[k];
                 }
@@ -258,8 +263,9 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// AVX2 (16 registers of 8 floats) does not take rows in lanes (above): a one-token step of a model
+#if defined(__AVX2__) && defined(__FMA__)
+// AVX2 (16 registers of 8 floats) does not take rows in lanes (above), and AVX-512 builds take its
+// row-at-a-time path for AR steps (run_lanes, below): a one-token step of a model
 // with 3 query heads per KV head fills 3 of 8 lanes, and every broadcast key or value element feeds
 // one multiply-add. It has two paths, both with every multiply-add using all 8 lanes:
 //
@@ -614,13 +620,21 @@ void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor&
 }
 #endif
 
-// AVX-512: 8 lanes where a KV group's rows fit them, else 16. AVX2: a row at a time, or register
-// tiles from 5 rows per KV head (run_rows). Other vector units: 8-lane row tiles.
+// AVX-512: a row at a time up to 4 rows per KV head, then 8 lanes where a KV group's rows fit them,
+// else 16. AVX2: a row at a time, or register tiles from 5 rows per KV head (run_rows). Other vector
+// units: 8-lane row tiles.
 template <int D>
 void run_lanes(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
                double scale, at::Tensor& output) {
 #if defined(__AVX512F__)
-    if ((query.size(0) / keys.size(0)) * query.size(1) <= 8)
+    // an AR step (up to 4 rows per KV head) a row at a time with keys in the lanes, as on AVX2: on the
+    // AVX-512 Xeon, 30 SmolLM2 layers for 1 token 8.1 ms at 4,096 keys against 11.8 with 8-lane row
+    // tiles (1.5 against 2.3 at 1,024); from 5 rows the lane tiles (T = 2: 12.3 ms a row at a time,
+    // 12.7 in 8 lanes; T = 4 14.2 with AVX2's register tiles against 13.2 in 16 lanes)
+    const int64_t rows = (query.size(0) / keys.size(0)) * query.size(1);
+    if (rows <= 4)
+        run_rows<D, false>(query, keys, values, tree_mask, scale, output);
+    else if (rows <= 8)
         run<D, 8>(query, keys, values, tree_mask, scale, output);
     else
         run<D, 16>(query, keys, values, tree_mask, scale, output);
