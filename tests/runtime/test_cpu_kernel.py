@@ -51,12 +51,13 @@ def _tree_mask(count: int, generator: torch.Generator, blind_row: int | None = N
         (8, 1, 16, 2000, 5),  # group of 8: 40 rows
         (4, 2, 16, 0, 33),  # tree only, 33 nodes: mask words 0 and 1
         (9, 3, 64, 3000, 2),  # SmolLM2's shape, 6 rows (AVX2: tiles 3 + 3), ranges balanced over threads
-        (6, 3, 32, 700, 4),  # 8 rows exactly: still 8 lanes
-        (9, 3, 64, 4096, 4),  # 12 rows: 16 lanes (AVX-512) or tiles 6 + 6 (AVX2), 3 KV heads, 2 threads
+        (6, 3, 32, 700, 4),  # 8 rows exactly: 8 lanes (AVX-512: one register tile)
+        (9, 3, 64, 4096, 4),  # 12 rows: register tiles 12 (AVX-512) or 6 + 6 (AVX2), 3 KV heads, 2 threads
+        (9, 3, 64, 1500, 8),  # 24 rows: AVX-512 register tiles 12 + 12 (AVX2: 6 x 4)
         (2, 1, 128, 257, 3),  # 6 rows of head_dim 128 in 8 lanes, a partial last key block
         (9, 3, 64, 4096, 1),  # an AR step of SmolLM2: 3 rows (AVX2: one row at a time)
         (9, 3, 64, 1000, 3),  # 9 rows (AVX2: register tiles 5 + 4)
-        (9, 3, 64, 2049, 5),  # 15 rows (AVX2: register tiles 5 + 5 + 5), a partial last key block
+        (9, 3, 64, 2049, 5),  # 15 rows (AVX-512: 16 lanes; AVX2: tiles 5 + 5 + 5), a partial last key block
         (2, 1, 128, 300, 1),  # head_dim 128 a row at a time: two passes over the values
         (4, 2, 32, 77, 1),  # head_dim 32, 2 rows (AVX2: a row at a time), a partial last key block
     ],

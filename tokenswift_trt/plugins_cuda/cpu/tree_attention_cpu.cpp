@@ -573,6 +573,143 @@ void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scal
     }
 }
 
+#if defined(__AVX512F__)
+// AVX-512 register tiles for a verify pass (5 rows per KV head and more). A block's 32 keys,
+// transposed, are two 16-float vectors per head dim, so a tile of R <= 12 rows keeps all its scores in
+// 2R of the 32 registers and P·V 32 head dims of its R rows; every multiply-add uses all 16 lanes (the
+// 16-lane row tiles above use 12 for SmolLM2's 4-token verify: 3 query heads per KV head) and each
+// loaded key or value vector feeds R rows. The next block's keys are prefetched over the score pass
+// (2 lines per head dim) and its values over the P·V pass (2 per key and chunk), by the first tile.
+constexpr int64_t kTileMax512 = 12;  // 24 accumulators, 2 shared vectors and a broadcast of 32 registers
+
+// scores[r][0 .. 31] = q_r . key_j for the R rows of a tile, from the block's transposed keys [D, kBlock]
+template <int D, int R>
+inline void score_tile512(const float* query, const float* transposed, float* scores, const char* ahead) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        if (ahead != nullptr) {
+            __builtin_prefetch(ahead + 2 * d * 64, 0, 2);
+            __builtin_prefetch(ahead + (2 * d + 1) * 64, 0, 2);
+        }
+        __m512 k0 = _mm512_load_ps(transposed + d * kBlock);
+        __m512 k1 = _mm512_load_ps(transposed + d * kBlock + 16);
+        __asm__("" : "+v"(k0), "+v"(k1));  // in registers for the R rows (as in score_tile)
+        for (int r = 0; r < R; ++r) {
+            const __m512 q = _mm512_set1_ps(query[r * D + d]);
+            acc[r][0] = _mm512_fmadd_ps(q, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(q, k1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm512_store_ps(scores + r * kBlock, acc[r][0]);
+        _mm512_store_ps(scores + r * kBlock + 16, acc[r][1]);
+    }
+}
+
+// output[r][chunk * 32 ...] = output * correction_r + sum_j p[r][j] v_j for R rows, 32 head dims
+template <int D, int R>
+inline void value_tile512(const float* weights, const float* correction, const float* value_block, int count,
+                          int chunk, float* output, const char* ahead) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_set1_ps(correction[r]);
+        acc[r][0] = _mm512_mul_ps(_mm512_loadu_ps(output + r * D + chunk * 32), scale);
+        acc[r][1] = _mm512_mul_ps(_mm512_loadu_ps(output + r * D + chunk * 32 + 16), scale);
+    }
+    for (int j = 0; j < count; ++j) {
+        if (ahead != nullptr) {
+            __builtin_prefetch(ahead + 2 * j * 64, 0, 2);
+            __builtin_prefetch(ahead + (2 * j + 1) * 64, 0, 2);
+        }
+        __m512 v0 = _mm512_loadu_ps(value_block + j * D + chunk * 32);
+        __m512 v1 = _mm512_loadu_ps(value_block + j * D + chunk * 32 + 16);
+        __asm__("" : "+v"(v0), "+v"(v1));
+        for (int r = 0; r < R; ++r) {
+            const __m512 p = _mm512_set1_ps(weights[r * kBlock + j]);
+            acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(output + r * D + chunk * 32, acc[r][0]);
+        _mm512_storeu_ps(output + r * D + chunk * 32 + 16, acc[r][1]);
+    }
+}
+
+#define TOKENSWIFT_TILE_CASES(CALL) \
+    CALL(1) CALL(2) CALL(3) CALL(4) CALL(5) CALL(6) CALL(7) CALL(8) CALL(9) CALL(10) CALL(11) CALL(12)
+
+template <int D>
+void attend_range_blocked512(const float* query,  // [rows, D] of one KV head, scaled
+                             int64_t rows, int64_t tree_tokens, const uint32_t* mask, int64_t words,
+                             const float* keys, const float* values,  // [length, D] of one KV head
+                             int64_t begin, int64_t end, int64_t prefix, RowPartial& out) {
+    static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
+    constexpr int kGroups = kBlock / 8;
+    static_assert(kBlock == 32, "a block's keys are two 16-float vectors");
+    out.max.assign(rows, kMasked);
+    out.sum.assign(rows, 0.0f);
+    out.output.assign(rows * D, 0.0f);
+    const int64_t tiles = (rows + kTileMax512 - 1) / kTileMax512;
+    alignas(64) float transposed[D * kBlock];
+    std::vector<float> scores_storage(rows * kBlock + 16);
+    float* scores =  // [rows, kBlock], 64-byte aligned
+        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scores_storage.data()) + 63) & ~uintptr_t(63));
+    std::vector<float> corrections(rows);
+    for (int64_t start = begin; start < end; start += kBlock) {
+        const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
+        const float* key_block = keys + start * D;
+        const float* value_block = values + start * D;
+        for (int g = 0; g < kGroups; ++g)  // the block's keys, head dims first (past `count`: its last key)
+            for (int c = 0; c < D / 8; ++c) {
+                __m256 r[8];
+                for (int i = 0; i < 8; ++i)
+                    r[i] = _mm256_loadu_ps(key_block + std::min(8 * g + i, count - 1) * D + 8 * c);
+                transpose8(r);
+                for (int i = 0; i < 8; ++i) _mm256_store_ps(transposed + (8 * c + i) * kBlock + 8 * g, r[i]);
+            }
+        const char* next_keys = reinterpret_cast<const char*>(key_block + kBlock * D);
+        const char* next_values = reinterpret_cast<const char*>(value_block + kBlock * D);
+        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {  // scores
+            const int64_t count_rows = (rows - r0) / (tiles - t);
+            const float* q = query + r0 * D;
+            float* s = scores + r0 * kBlock;
+            const char* ahead = t == 0 ? next_keys : nullptr;
+            switch (count_rows) {
+#define TOKENSWIFT_SCORE_CASE(R) \
+    case R: score_tile512<D, R>(q, transposed, s, ahead); break;
+                TOKENSWIFT_TILE_CASES(TOKENSWIFT_SCORE_CASE)
+#undef TOKENSWIFT_SCORE_CASE
+                default: break;
+            }
+            r0 += count_rows;
+        }
+        for (int64_t r = 0; r < rows; ++r)  // masks and the online-softmax update, a row at a time
+            corrections[r] = softmax_block(scores + r * kBlock, count, start, prefix, mask + (r % tree_tokens) * words,
+                                           out.max[r], out.sum[r]);
+        for (int64_t t = 0, r0 = 0; t < tiles; ++t) {  // P·V
+            const int64_t count_rows = (rows - r0) / (tiles - t);
+            for (int chunk = 0; chunk < D / 32; ++chunk) {
+                const float* p = scores + r0 * kBlock;
+                const float* c = corrections.data() + r0;
+                float* o = out.output.data() + r0 * D;
+                const char* ahead = t == 0 ? next_values + chunk * kBlock * 2 * 64 : nullptr;
+                switch (count_rows) {
+#define TOKENSWIFT_VALUE_CASE(R) \
+    case R: value_tile512<D, R>(p, c, value_block, count, chunk, o, ahead); break;
+                    TOKENSWIFT_TILE_CASES(TOKENSWIFT_VALUE_CASE)
+#undef TOKENSWIFT_VALUE_CASE
+                    default: break;
+                }
+            }
+            r0 += count_rows;
+        }
+    }
+}
+#undef TOKENSWIFT_TILE_CASES
+#endif
+
 template <int D, bool Blocked>
 void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
               double scale, at::Tensor& output) {
@@ -588,10 +725,21 @@ void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor&
 
     const std::vector<Item> items = key_ranges(kv_heads, length);
     std::vector<RowPartial> partials(items.size());
+    const auto attend = [] {  // instantiates only the path taken
+        if constexpr (!Blocked)
+            return attend_range_rows<D>;
+#if defined(__AVX512F__)
+        else
+            return attend_range_blocked512<D>;
+#else
+        else
+            return attend_range_blocked<D>;
+#endif
+    }();
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
         for (int64_t i = first; i < last; ++i) {
             const Item& item = items[i];
-            (Blocked ? attend_range_blocked<D> : attend_range_rows<D>)(
+            attend(
                 scaled.data() + item.kv_head * rows * D, rows, tree_tokens, mask, words,
                 keys.data_ptr<float>() + item.kv_head * head_stride,
                 values.data_ptr<float>() + item.kv_head * head_stride, item.begin, item.end, prefix, partials[i]);
@@ -627,14 +775,25 @@ template <int D>
 void run_lanes(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
                double scale, at::Tensor& output) {
 #if defined(__AVX512F__)
-    // an AR step (up to 4 rows per KV head) a row at a time with keys in the lanes, as on AVX2: on the
+    // An AR step (up to 4 rows per KV head) a row at a time with keys in the lanes, as on AVX2: on the
     // AVX-512 Xeon, 30 SmolLM2 layers for 1 token 8.1 ms at 4,096 keys against 11.8 with 8-lane row
-    // tiles (1.5 against 2.3 at 1,024); from 5 rows the lane tiles (T = 2: 12.3 ms a row at a time,
-    // 12.7 in 8 lanes; T = 4 14.2 with AVX2's register tiles against 13.2 in 16 lanes)
+    // tiles (1.5 against 2.3 at 1,024). From 5 rows, 16-key register tiles of up to 12 rows, unless the
+    // 16-lane row tiles need fewer passes over a block (13-16 rows: one against two). Against the row
+    // tiles, at 1,024 / 2,048 / 4,096 keys (`scripts/cpu_kernels_ab.py --part attention`): T = 2
+    // 0.74 / 0.78 / 0.88 the time, T = 3 0.78 / 0.83 / 0.94, T = 4 0.86 / 0.95 / 1.01; T = 5 (15 rows, two
+    // register tiles) 1.11 / 1.22 / 1.25, hence the rule.
     const int64_t rows = (query.size(0) / keys.size(0)) * query.size(1);
-    if (rows <= 4)
+    if (rows <= 4) {
         run_rows<D, false>(query, keys, values, tree_mask, scale, output);
-    else if (rows <= 8)
+        return;
+    }
+    if constexpr (D % 32 == 0) {
+        if ((rows + kTileMax512 - 1) / kTileMax512 <= (rows + 15) / 16) {
+            run_rows<D, true>(query, keys, values, tree_mask, scale, output);
+            return;
+        }
+    }
+    if (rows <= 8)
         run<D, 8>(query, keys, values, tree_mask, scale, output);
     else
         run<D, 16>(query, keys, values, tree_mask, scale, output);
