@@ -441,6 +441,19 @@ inline void transpose8(__m256 r[8]) {
     r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
+// A block's keys, head dims first: transposed[d * kBlock + j] = key_j[d] (past `count`: its last key).
+template <int D>
+inline void transpose_block(const float* key_block, int count, float* transposed) {
+    for (int g = 0; g < kBlock / 8; ++g)
+        for (int c = 0; c < D / 8; ++c) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i)
+                r[i] = _mm256_loadu_ps(key_block + std::min(8 * g + i, count - 1) * D + 8 * c);
+            transpose8(r);
+            for (int i = 0; i < 8; ++i) _mm256_store_ps(transposed + (8 * c + i) * kBlock + 8 * g, r[i]);
+        }
+}
+
 // scores[r][half * 16 + i] = q_r . key_(half * 16 + i) for R <= 6 rows and one half (16 keys) of a block,
 // from the block's transposed keys [D, kBlock]: 2R accumulators of 8 keys, a multiply-add chain over
 // the head dims each. Prefetches one line of `ahead` per dim when given.
@@ -503,7 +516,6 @@ void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scal
                           const float* keys, const float* values,  // [length, D] of one KV head
                           int64_t begin, int64_t end, int64_t prefix, RowPartial& out) {
     static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-    constexpr int kGroups = kBlock / 8;
     constexpr int kLines = kBlock * D / 16;  // cache lines of a block's keys (or values)
     out.max.assign(rows, kMasked);
     out.sum.assign(rows, 0.0f);
@@ -520,14 +532,7 @@ void attend_range_blocked(const float* query,  // [rows, D] of one KV head, scal
         const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
         const float* key_block = keys + start * D;
         const float* value_block = values + start * D;
-        for (int g = 0; g < kGroups; ++g)  // the block's keys, head dims first (past `count`: its last key)
-            for (int c = 0; c < D / 8; ++c) {
-                __m256 r[8];
-                for (int i = 0; i < 8; ++i)
-                    r[i] = _mm256_loadu_ps(key_block + std::min(8 * g + i, count - 1) * D + 8 * c);
-                transpose8(r);
-                for (int i = 0; i < 8; ++i) _mm256_store_ps(transposed + (8 * c + i) * kBlock + 8 * g, r[i]);
-            }
+        transpose_block<D>(key_block, count, transposed);
         // scores, with the next block's keys and values prefetched a line per head dim over the tiles
         for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
             const int64_t count_rows = (rows - r0) / (tiles - t);
@@ -646,7 +651,6 @@ void attend_range_blocked512(const float* query,  // [rows, D] of one KV head, s
                              const float* keys, const float* values,  // [length, D] of one KV head
                              int64_t begin, int64_t end, int64_t prefix, RowPartial& out) {
     static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
-    constexpr int kGroups = kBlock / 8;
     static_assert(kBlock == 32, "a block's keys are two 16-float vectors");
     out.max.assign(rows, kMasked);
     out.sum.assign(rows, 0.0f);
@@ -661,14 +665,7 @@ void attend_range_blocked512(const float* query,  // [rows, D] of one KV head, s
         const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
         const float* key_block = keys + start * D;
         const float* value_block = values + start * D;
-        for (int g = 0; g < kGroups; ++g)  // the block's keys, head dims first (past `count`: its last key)
-            for (int c = 0; c < D / 8; ++c) {
-                __m256 r[8];
-                for (int i = 0; i < 8; ++i)
-                    r[i] = _mm256_loadu_ps(key_block + std::min(8 * g + i, count - 1) * D + 8 * c);
-                transpose8(r);
-                for (int i = 0; i < 8; ++i) _mm256_store_ps(transposed + (8 * c + i) * kBlock + 8 * g, r[i]);
-            }
+        transpose_block<D>(key_block, count, transposed);
         const char* next_keys = reinterpret_cast<const char*>(key_block + kBlock * D);
         const char* next_values = reinterpret_cast<const char*>(value_block + kBlock * D);
         for (int64_t t = 0, r0 = 0; t < tiles; ++t) {  // scores
