@@ -11,7 +11,8 @@
 // (T = 4 with 4 query heads per KV head) a verify's attention costs what one token's does, and
 // reading K/V once is the rest. AVX2 builds (16 registers of 8 floats) take other paths: a row at a
 // time for an AR step, register tiles of up to 6 rows over transposed keys for a verify (run_rows,
-// below); AVX-512 builds take the row-at-a-time path for AR steps too (fewer multiply-adds per key).
+// below); AVX-512 builds take the row-at-a-time path for AR steps too (fewer multiply-adds per key)
+// and 16-key register tiles for most verify passes (attend_range_blocked512; the rule in run_lanes).
 //
 // Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys),
 // balanced over the threads, each prefetching its next block of keys and values a line at a time;
@@ -765,9 +766,9 @@ void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor&
 }
 #endif
 
-// AVX-512: a row at a time up to 4 rows per KV head, then 8 lanes where a KV group's rows fit them,
-// else 16. AVX2: a row at a time, or register tiles from 5 rows per KV head (run_rows). Other vector
-// units: 8-lane row tiles.
+// AVX-512: a row at a time up to 4 rows per KV head, then 16-key register tiles or, where those need
+// more passes over a block (and for head_dim 16), row tiles of 8 or 16 lanes. AVX2: a row at a time,
+// or register tiles from 5 rows per KV head (run_rows). Other vector units: 8-lane row tiles.
 template <int D>
 void run_lanes(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
                double scale, at::Tensor& output) {
