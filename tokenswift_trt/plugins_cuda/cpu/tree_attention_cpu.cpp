@@ -116,19 +116,18 @@ inline V vexp(V x) {
     return out;
 }
 
-// Half a line of the next block's keys (in the score loop) or values (in the P·V loop) per step of
-// those loops ((head-dim chunk, key) pairs: D / kChunk x kBlock = 4D steps each, twice the lines of a
-// block's keys or values, kBlock x D floats / 16), a whole line at every even step, into L2 (the
-// condition written out in the loops: tested inside this helper, GCC's code for the loops took ~1.5x
-// as long on the Xeon). Without
-// prefetches, once K/V are out of the caches the loop waits on memory: the score loop walks 32 rows
-// 256 bytes apart, which the hardware prefetcher does not follow (SmolLM2's 30 layers at 4K context
-// took 19 ms for 1 token on the AVX-512 Zen 4, 8 ms with them). Prefetching a whole block in one
-// burst measured no faster than nothing (the misses queue up behind each other), and so did all
-// 2 x D lines in the score loop (until stop 45) on the AVX-512 Xeon, whose cores keep ~16 misses in
-// flight: the score loop stalled on them and the memory idled through the softmax and P·V; spread
-// over both loops, 30 layers at 4,096 keys took 12.7 ms instead of 14.5 (1 and 4 tokens alike).
-// Addresses past the cache's end are harmless (a prefetch never faults).
+// One line of the next block's keys (in the score loop) or values (in the P·V loop) into L2, at every
+// even step of those loops ((head-dim chunk, key) pairs: D / kChunk x kBlock = 4D steps each, twice the
+// lines of a block's keys or values, kBlock x D floats / 16). The callers test the step's parity in
+// the loop: tested inside this helper, GCC's code for the loops took ~1.5x as long on the Xeon.
+// Without prefetches, once K/V are out of the caches the loop waits on memory: the score loop walks
+// 32 rows 256 bytes apart, which the hardware prefetcher does not follow (SmolLM2's 30 layers at 4K
+// context took 19 ms for 1 token on the AVX-512 Zen 4, 8 ms with them). Prefetching a whole block in
+// one burst measured no faster than nothing (the misses queue up behind each other), and all 2 x D
+// lines in the score loop (until stop 45) stalled that loop on the AVX-512 Xeon, whose cores keep ~16
+// misses in flight, while the memory idled through the softmax and P·V; spread over both loops, 30
+// layers at 4,096 keys took 12.7 ms instead of 14.5 (1 and 4 tokens alike). Addresses past the
+// cache's end are harmless (a prefetch never faults).
 template <int D>
 inline void prefetch_next_block(const float* block, int line) {
     __builtin_prefetch(block + kBlock * D + line * 16, 0, 2);
@@ -271,8 +270,8 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
 // one multiply-add. It has two paths, both with every multiply-add using all 8 lanes:
 //
 // - One query row at a time (attend_range_rows, up to 4 rows per KV head: an AR step), keys and
-//   head dims in the lanes. K/V are read from memory once (the next block is prefetched while the
-//   first row works on this one; the other rows find the block in L1). Per row and block of 32
+//   head dims in the lanes. K/V are read from memory once (the rows share out the next block's
+//   prefetches while they work on this one, which stays in L1 for all of them). Per row and block of 32
 //   keys: 4 x 8 scores, each 8 keys' dot products as 8 accumulators over the head dims reduced by
 //   horizontal adds; the online-softmax update; P·V with 8 output vectors (64 head dims) per pass
 //   over the block's values.
