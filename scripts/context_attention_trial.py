@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenswift_trt.cli.common import load_source
+from tokenswift_trt.cli.common import CliError, load_source
 from tokenswift_trt.runtime.draft_layers import DraftLayers
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.training.train_heads import (
@@ -117,7 +117,10 @@ def main() -> None:
     if not (CORPUS / "pride_and_prejudice.txt").is_file():
         raise SystemExit(f"the corpus is not at {CORPUS}: this trial needs ../shared/corpus")
     torch.manual_seed(0)
-    source = load_source("smollm2-135m", None, None, None, None, "cpu", True)
+    try:
+        source = load_source("smollm2-135m", None, None, None, None, "cpu", True)
+    except CliError as error:  # the model is not prepared: the message names `make models`
+        raise SystemExit(str(error)) from None
     engine = source.engine
     engine.model.requires_grad_(False)
     weight = head_weight(engine)
