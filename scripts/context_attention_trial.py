@@ -22,7 +22,6 @@ every 200 steps. Scratch-sized: nothing is saved but the cache.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import torch
@@ -30,14 +29,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenswift_trt.cli.common import CliError, load_source
+from tokenswift_trt.runtime.config import ModelConfig
 from tokenswift_trt.runtime.draft_layers import DraftLayers
+from tokenswift_trt.runtime.rope import RotaryEmbedding, apply_rotary
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.training.train_heads import (
+    CachedStates,
+    TrainHeadsConfig,
     base_hidden,
     base_logits,
     coupled_acceptance,
     evaluation_sequences,
     head_weight,
+    lr_at,
     penalise,
     root_embeddings,
     sampled_teacher,
@@ -49,22 +53,13 @@ SAMPLING = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_windo
 SEQ_LEN = 512
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [B, heads, T, D] rotated by position (halves convention)."""
-    length, dim = x.shape[-2], x.shape[-1]
-    inverse = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    angles = torch.arange(length, dtype=torch.float32)[:, None] * inverse[None]  # [T, D / 2]
-    cos, sin = angles.cos(), angles.sin()
-    a, b = x[..., : dim // 2], x[..., dim // 2 :]
-    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1)
-
-
 class ContextAttention(nn.Module):
     """s + O · attention(rmsnorm(s)) over rows 0..t, O zero-initialised."""
 
-    def __init__(self, hidden: int, heads: int, theta: float) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.heads, self.theta = heads, theta
+        hidden = config.hidden_size
+        self.heads, self.rotary = config.num_heads, RotaryEmbedding(config)
         self.norm = nn.RMSNorm(hidden, eps=1e-5)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.out = nn.Linear(hidden, hidden, bias=False)
@@ -75,9 +70,9 @@ class ContextAttention(nn.Module):
         batch, length, hidden = state.shape
         qkv = self.qkv(self.norm(state)).view(batch, length, 3, self.heads, hidden // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, heads, T, D]
-        mixed = F.scaled_dot_product_attention(
-            rotary(q, self.theta), rotary(k, self.theta), v, is_causal=True
-        )
+        cos, sin = self.rotary.cos_sin(torch.arange(length), state.dtype)  # [T, D] each
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return state + self.out(mixed.transpose(1, 2).reshape(batch, length, hidden))
 
 
@@ -89,14 +84,16 @@ def cached_states(engine, codec, count: int, cache: Path | None) -> tuple[torch.
     ids = torch.cat(
         [torch.tensor(codec.encode((CORPUS / f"{book}.txt").read_text())) for book in TRAIN_BOOKS]
     )
-    starts = torch.randint(0, ids.numel() - SEQ_LEN, (count,), generator=torch.Generator().manual_seed(7))
-    sequences = torch.stack([ids[s : s + SEQ_LEN] for s in starts.tolist()])
-    states = torch.empty(count, SEQ_LEN, engine.config.hidden_size, dtype=torch.float16)
-    with torch.no_grad():
-        for i, sequence in enumerate(sequences):
-            states[i] = base_hidden(engine, sequence).half()
-            if i % 100 == 0:
-                print(f"cached {i} / {count} sequences", flush=True)
+
+    def progress(done: int) -> None:
+        if done % 100 == 0:
+            print(f"cached {done} / {count} sequences", flush=True)
+
+    # `train-heads --state-cache`'s cache: starts drawn with seed + 1 = 7
+    cached = CachedStates.build(
+        engine, ids, TrainHeadsConfig(seq_len=SEQ_LEN, seed=6, state_cache=count), progress
+    )
+    sequences, states = cached.ids, cached.states
     if cache is not None:
         torch.save({"ids": sequences, "states": states}, cache)
     return sequences, states
@@ -131,7 +128,7 @@ def main() -> None:
     drafter.load_state_dict(
         {k: v.float() if v.is_floating_point() else v for k, v in committed.state_dict().items()}
     )
-    context = ContextAttention(engine.config.hidden_size, engine.config.num_heads, engine.config.rope_theta)
+    context = ContextAttention(engine.config)
     for parameter in drafter.parameters():
         parameter.requires_grad_(args.tune_all)
     attend = not args.no_attention
@@ -165,10 +162,12 @@ def main() -> None:
     print(f"held-out layer-1 coupled hit, committed: {held_out_hit(False):.4f}", flush=True)
     ids_all, states = cached_states(engine, source.codec, args.sequences, args.cache)
     order = torch.Generator().manual_seed(1)
+    schedule = TrainHeadsConfig(
+        steps=args.steps, lr=1.0, warmup_steps=30
+    )  # `train-heads`' warm-up and cosine
     for step in range(1, args.steps + 1):
-        scale = min(1.0, step / 30) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in optimizer.param_groups:
-            group["lr"] = group["base"] * scale
+            group["lr"] = group["base"] * lr_at(step - 1, schedule)
         pick = torch.randint(0, ids_all.shape[0], (args.batch,), generator=order)
         ids, hidden = ids_all[pick], states[pick].float()
         with torch.no_grad():
