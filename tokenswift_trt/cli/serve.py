@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .common import CliError, fail, read_prompt
+from .common import CliError, PositiveGiB, fail, read_prompt
 
 
 @click.command()
@@ -18,9 +18,9 @@ from .common import CliError, fail, read_prompt
     help="engine directory (or Hugging Face model dir)",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--http-port", type=int, default=8000, show_default=True)
-@click.option("--grpc-port", type=int, default=8001, show_default=True)
-@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)
 @click.option(
     "--instances",
     type=click.IntRange(1, 64),
@@ -37,17 +37,47 @@ from .common import CliError, fail, read_prompt
 )
 @click.option(
     "--memory-budget",
-    type=float,
+    type=PositiveGiB(),
     default=None,
     help="GiB one request's caches may use (default: free memory)",
 )
+@click.option(
+    "--openai-port",
+    type=click.IntRange(0, 65535),
+    default=9000,
+    show_default=True,
+    help="port of the OpenAI-compatible API (/v1/completions, /v1/chat/completions); 0 = off",
+)
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="model id of the OpenAI-compatible API (default: the engine directory's name)",
+)
+@click.option(
+    "--log-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="keep tritonserver's log here (default: a temporary file removed when serve exits)",
+)
 def serve(
-    engine_dir, host, http_port, grpc_port, metrics_port, instances, device, journal_dir, memory_budget
+    engine_dir,
+    host,
+    http_port,
+    grpc_port,
+    metrics_port,
+    instances,
+    device,
+    journal_dir,
+    memory_budget,
+    openai_port,
+    served_model_name,
+    log_file,
 ) -> None:
     """Serve an engine from a real tritonserver (HTTP, gRPC, metrics) until Ctrl-C or SIGTERM."""
     import signal
     import time
 
+    from tokenswift_trt.serving.openai_api import FrontendError, OpenAIFrontend
     from tokenswift_trt.serving.server import ServerConfig, ServerError, TritonServer
 
     config = ServerConfig(
@@ -61,27 +91,50 @@ def serve(
         journal_dir=journal_dir,
         memory_budget_gib=memory_budget,
     )
-    server = TritonServer(config)
+    server = TritonServer(config, log_path=log_file)
     click.echo(f"starting tritonserver (log: {server.log_path})", err=True)
     try:
         server.start()
     except ServerError as error:
+        server.stop()
+        server.cleanup()
         raise fail(error) from None
-    click.echo(f"ready: http://{server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}")
+    front = None
+    if openai_port:
+        try:
+            front = OpenAIFrontend(server.http_url, engine_dir, host, openai_port, served_model_name).start()
+        except FrontendError as error:
+            server.stop()
+            raise fail(error) from None
+    openai_url = f"  openai {front.url}" if front else ""
+    click.echo(
+        f"ready: http://{server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}{openai_url}"
+    )
     click.echo(
         f"try: curl -X POST http://{server.http_url}/v2/models/tokenswift/generate "
         '-d \'{"text_input": "Once upon a time", "max_tokens": 64}\''
     )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    crashed: int | None = None
     try:
-        while not stopping and server.process is not None and server.process.poll() is None:
+        while not stopping and (crashed := server.exit_code()) is None:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        click.echo("stopping tritonserver", err=True)
-        server.stop()
+        if crashed is None:
+            click.echo("stopping tritonserver", err=True)
+        if front is not None:
+            front.stop()
+        server.stop()  # ends the stubs too and frees their shared memory, whatever state they are in
+        tail = server.log_tail() if crashed is not None else ""
+        server.cleanup()
+    if crashed is not None:
+        raise CliError(
+            f"tritonserver exited unexpectedly (code {crashed}): {tail}; requests in flight were stopped "
+            "(their journals keep what was committed: resume them with resume=true); restart `serve`"
+        )
 
 
 @click.command()

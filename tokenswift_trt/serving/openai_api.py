@@ -1,0 +1,783 @@
+"""An OpenAI-compatible HTTP front for the `tokenswift` Triton model.
+
+`/v1/completions`, `/v1/chat/completions` (streaming by server-sent events or not) and `/v1/models`,
+served by a stdlib HTTP server next to tritonserver. Each OpenAI request becomes one call to Triton's
+generate extension on that server (`generate`, or `generate_stream` when streaming), so it goes
+through the same request handler, with the same engine defaults, as a Triton client's request; the
+answer is translated back into OpenAI's response, chunk and error objects.
+
+TokenSwift's own settings travel as extra body fields (the openai client's `extra_body`); standard
+OpenAI fields this server cannot honour are refused unless they hold their neutral value.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from tokenswift_trt.runtime.engine_dir import MANIFEST, EngineDirError, read_manifest
+from tokenswift_trt.runtime.text import TextCodec, TokenizerError
+
+log = logging.getLogger(__name__)
+
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+# Fields sent on to Triton under the same name: field -> type. temperature, top_p and seed are
+# OpenAI's own; the rest are TokenSwift's extras (the openai client's `extra_body`).
+SAMPLING_FIELDS: dict[str, type] = {"temperature": float, "top_p": float, "seed": int}
+EXTRA_FIELDS: dict[str, type] = {
+    "min_p": float,
+    "top_k": int,
+    "eta": float,
+    "repetition_penalty": float,
+    "penalty_window": int,
+    "ngram_topk": int,
+    "method": str,
+    "tree": str,
+    "draft_source": str,
+    "ignore_eos": bool,
+}
+PENALTY_HINT = "use the extra fields repetition_penalty and penalty_window instead"
+# Standard fields accepted only at their neutral value (None always passes): field -> (neutral, hint)
+NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "n must be 1: send one request per completion"),
+    "best_of": ((1,), "best_of must be 1"),
+    "echo": ((False,), "echo is not supported: the prompt is not repeated in the answer"),
+    "logprobs": ((False,), "logprobs are not supported"),
+    "top_logprobs": ((0,), "top_logprobs are not supported"),
+    "presence_penalty": ((0,), f"presence_penalty is not supported: {PENALTY_HINT}"),
+    "frequency_penalty": ((0,), f"frequency_penalty is not supported: {PENALTY_HINT}"),
+    "logit_bias": (({},), "logit_bias is not supported"),
+    "suffix": (("",), "suffix is not supported"),
+    "stop": (("", []), "stop sequences are not supported: omit stop (or set it to null)"),
+    "response_format": (({"type": "text"},), "response_format other than text is not supported"),
+    "tools": (([],), "tool calls are not supported"),
+    "tool_choice": (("none",), "tool calls are not supported"),
+    "parallel_tool_calls": ((False,), "tool calls are not supported"),
+}
+IGNORED_FIELDS = ("user",)  # accepted and not used
+COMMON_FIELDS = (
+    "model",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    *SAMPLING_FIELDS,
+    *EXTRA_FIELDS,
+    *IGNORED_FIELDS,
+    "n",
+    "stop",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
+COMPLETION_FIELDS = frozenset((*COMMON_FIELDS, "prompt", "best_of", "echo", "suffix"))
+CHAT_FIELDS = frozenset(
+    (
+        *COMMON_FIELDS,
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    )
+)
+STATS = {  # Triton output -> field of the `tokenswift` block
+    "acceptance_rate": "acceptance_rate",
+    "total_accepted_draft_tokens": "accepted_draft_tokens",
+    "total_draft_tokens": "draft_tokens",
+    "tokens_per_second": "tokens_per_second",
+}
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error object."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.kind = kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class FrontendError(RuntimeError):
+    """The front cannot start: model files or the listening address."""
+
+
+def _strict_type(name: str, value: Any, kind: type) -> Any:
+    """`value` checked against `kind` (bool is not a number; ints pass as floats; floats must be finite)."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ApiError(f"{name} must be true or false, got {value!r}", param=name)
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ApiError(f"{name} must be an integer, got {value!r}", param=name)
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ApiError(f"{name} must be a number, got {value!r}", param=name)
+        if not math.isfinite(value):
+            raise ApiError(f"{name} must be a finite number, got {value!r}", param=name)
+        return float(value)
+    if not isinstance(value, str):
+        raise ApiError(f"{name} must be a string, got {value!r}", param=name)
+    return value
+
+
+def _int_in(name: str, value: Any, low: int, high: int) -> int:
+    value = _strict_type(name, value, int)
+    if not low <= value <= high:
+        raise ApiError(f"{name} must be in [{low}, {high}], got {value}", param=name)
+    return value
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Hugging Face chat template (jinja2), rendered as `apply_chat_template` renders it."""
+
+    source: str
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... as the template sees them
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ChatTemplate | None:
+        """The template of a model directory: `chat_template.jinja`, else tokenizer_config.json's
+        `chat_template` (a string, or a list of named templates of which "default" is used)."""
+        config: dict[str, Any] = {}
+        special: dict[str, str] = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            path = model_dir / name
+            if not path.is_file():
+                continue
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as error:
+                raise FrontendError(f"{path} is not valid JSON ({error}): fix or remove it") from None
+            if name == "tokenizer_config.json":
+                config = data
+            for key, value in data.items():
+                if key.endswith("_token") and isinstance(value, dict) and "content" in value:
+                    value = value["content"]
+                if key.endswith("_token") and isinstance(value, str):
+                    special[key] = value
+        jinja_file = model_dir / "chat_template.jinja"
+        source = jinja_file.read_text() if jinja_file.is_file() else config.get("chat_template")
+        if isinstance(source, list):
+            named = {entry.get("name"): entry.get("template") for entry in source if isinstance(entry, dict)}
+            source = named.get("default")
+        if not isinstance(source, str) or not source.strip():
+            return None
+        template = cls(source, special)
+        template._compiled()  # a template that does not compile is the server's problem: say so at start
+        return template
+
+    def _compiled(self):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        environment.filters["tojson"] = tojson
+        environment.globals["raise_exception"] = raise_exception
+        environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+        try:
+            return environment.from_string(self.source)
+        except jinja2.exceptions.TemplateError as error:
+            raise FrontendError(f"the model's chat template does not compile: {error}") from None
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        import jinja2
+
+        try:
+            return self._compiled().render(
+                messages=messages,
+                add_generation_prompt=True,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
+            )
+        except jinja2.exceptions.TemplateError as error:
+            raise ApiError(f"the chat template refused these messages: {error}", param="messages") from None
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the front needs from the model directory: its name, tokenizer, chat template, length."""
+
+    name: str
+    codec: TextCodec
+    chat_template: ChatTemplate | None
+    max_length: int
+    bos_token: str | None  # the BOS the tokenizer adds itself (None: it adds none)
+
+    @classmethod
+    def from_dir(cls, path: Path, served_model_name: str | None = None) -> ServedModel:
+        path = Path(path)
+        try:
+            if (path / MANIFEST).is_file():
+                files = path / "model"
+                max_length = read_manifest(path, verify="none").max_sequence_length
+            else:
+                files = path
+                config = json.loads((path / "config.json").read_text())
+                max_length = int(config["max_position_embeddings"])
+            codec = TextCodec.from_dir(files)
+        except (OSError, KeyError, ValueError, EngineDirError, TokenizerError) as error:
+            raise FrontendError(f"cannot read the model files in {path}: {error}") from None
+        plain = codec.tokenizer.encode("a", add_special_tokens=False).ids
+        special = codec.encode("a")
+        added = codec.tokenizer.id_to_token(special[0]) if special[1:] == plain else None
+        return cls(
+            name=served_model_name or path.resolve().name,
+            codec=codec,
+            chat_template=ChatTemplate.from_dir(files),
+            max_length=max_length,
+            bos_token=added,
+        )
+
+    def prompt_tokens(self, text: str) -> int:
+        """Prompt length as the request handler counts it (the tokenizer's own special tokens added)."""
+        return len(self.codec.encode(text))
+
+    def text_tokens(self, text: str) -> int:
+        return len(self.codec.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        if self.chat_template is None:
+            raise ApiError(
+                f"model {self.name} has no chat template (no chat_template in its tokenizer_config.json): "
+                "use /v1/completions with a prompt instead",
+                param="messages",
+            )
+        text = self.chat_template.render(messages)
+        # the template writes the BOS and the handler's tokenizer adds one too: keep one, as
+        # apply_chat_template(tokenize=True) does
+        if self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        return text
+
+
+@dataclass(frozen=True)
+class Translated:
+    """An OpenAI request as a Triton generate request."""
+
+    params: dict[str, Any]  # inputs of the tokenswift model: text_input, max_tokens, settings
+    stream: bool
+    include_usage: bool
+    prompt_tokens: int  # counted here; Triton's prompt_tokens output replaces it where present
+
+
+def _common(body: dict[str, Any], allowed: frozenset[str], model: ServedModel) -> dict[str, Any]:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        extras = ", ".join(EXTRA_FIELDS)
+        raise ApiError(
+            f"unknown field {unknown[0]!r}: the OpenAI fields this server supports and its extras ({extras})",
+            param=unknown[0],
+        )
+    name = body.get("model")
+    if name is not None and name != model.name:
+        raise ApiError(
+            f"the model {name!r} does not exist: this server serves {model.name!r}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+    for field, (neutral, hint) in NEUTRAL_FIELDS.items():
+        value = body.get(field)
+        if value is not None and field in allowed and not any(value == n for n in neutral):
+            raise ApiError(f"{hint} (got {field}={value!r})", param=field)
+    settings: dict[str, Any] = {}
+    for field, kind in {**SAMPLING_FIELDS, **EXTRA_FIELDS}.items():
+        value = body.get(field)
+        if value is None:
+            continue
+        if field == "seed":
+            settings[field] = _int_in(field, value, 0, UINT64_MAX)
+        elif field == "tree" and isinstance(value, int) and not isinstance(value, bool):
+            settings[field] = str(value)
+        elif kind is int:
+            settings[field] = _int_in(field, value, -INT32_MAX - 1, INT32_MAX)
+        else:
+            settings[field] = _strict_type(field, value, kind)
+    return settings
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    stream = False if stream is None else _strict_type("stream", stream, bool)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError('stream_options must be {"include_usage": true|false}', param="stream_options")
+    include = options.get("include_usage")
+    return stream, False if include is None else _strict_type("stream_options.include_usage", include, bool)
+
+
+def _max_tokens(body: dict[str, Any], field: str, default: int) -> int:
+    value = body.get(field)
+    if value is None:
+        return default
+    value = _strict_type(field, value, int)
+    if value <= 0:
+        raise ApiError(f"{field} must be positive, got {value}", param=field)
+    return min(value, INT32_MAX)
+
+
+def translate_completion(body: dict[str, Any], model: ServedModel) -> Translated:
+    """A /v1/completions body as a Triton generate request; raises ApiError for a bad one."""
+    settings = _common(body, COMPLETION_FIELDS, model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if prompt is None:
+        raise ApiError("prompt is required", param="prompt")
+    if not isinstance(prompt, str):
+        raise ApiError("prompt must be one string (batches and token ids are not supported)", param="prompt")
+    stream, include_usage = _streaming(body)
+    max_tokens = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
+    params = {"text_input": prompt, "max_tokens": max_tokens, **settings}
+    return Translated(params, stream, include_usage, model.prompt_tokens(prompt))
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError(f'{where} must be an object with a "role" string', param="messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise ApiError(f"{where}.content: only text parts are supported", param="messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ApiError(f"{where}.content must be a string or a list of text parts", param="messages")
+    return {**message, "content": content if content is not None else ""}
+
+
+def translate_chat(body: dict[str, Any], model: ServedModel) -> Translated:
+    """A /v1/chat/completions body as a Triton generate request (prompt from the chat template)."""
+    settings = _common(body, CHAT_FIELDS, model)
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError("messages is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list", param="messages")
+    prompt = model.chat_prompt([_message(i, message) for i, message in enumerate(messages)])
+    stream, include_usage = _streaming(body)
+    prompt_tokens = model.prompt_tokens(prompt)
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    # OpenAI's chat default is "as long as the model allows"
+    max_tokens = _max_tokens(body, field, max(1, model.max_length - prompt_tokens))
+    params = {"text_input": prompt, "max_tokens": max_tokens, **settings}
+    return Translated(params, stream, include_usage, prompt_tokens)
+
+
+def _usage(
+    model: ServedModel, request: Translated, final: dict[str, Any], text: str
+) -> tuple[dict[str, int], str, dict[str, float]]:
+    """(usage block, finish_reason, tokenswift block) from Triton's final response."""
+    prompt = int(final.get("prompt_tokens", request.prompt_tokens))
+    completion = int(final["completion_tokens"]) if "completion_tokens" in final else model.text_tokens(text)
+    reason = final.get("finish_reason")
+    if reason not in ("stop", "length"):
+        reason = "length" if completion >= request.params["max_tokens"] else "stop"
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    stats = {field: final[output] for output, field in STATS.items() if output in final}
+    return usage, reason, stats
+
+
+class TritonGenerate:
+    """Calls to Triton's generate extension for the tokenswift model."""
+
+    def __init__(self, http_url: str, timeout_s: float) -> None:
+        self.base = f"http://{http_url}/v2/models/tokenswift"
+        self.http_url = http_url
+        self.timeout_s = timeout_s
+
+    def _open(self, params: dict[str, Any], stream: bool):
+        path = "generate_stream" if stream else "generate"
+        body = json.dumps({**params, "stream": stream}).encode()
+        request = urllib.request.Request(
+            f"{self.base}/{path}", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout_s)
+        except urllib.error.HTTPError as error:
+            raise _relayed(error.code, error.read()) from None
+        except OSError as error:
+            raise ApiError(
+                f"the inference server at {self.http_url} is unreachable "
+                f"({getattr(error, 'reason', error)}): is tritonserver running?",
+                status=503,
+                kind="server_error",
+            ) from None
+
+    def generate(self, params: dict[str, Any]) -> dict[str, Any]:
+        with self._open(params, stream=False) as response:
+            data = json.loads(response.read())
+        if "error" in data:
+            raise _relayed(400, json.dumps(data).encode())
+        return data
+
+    def stream(self, params: dict[str, Any]) -> tuple[Iterator[dict[str, Any]], Callable[[], None]]:
+        """(events, close): the events of generate_stream; close() drops the connection (Triton then
+        cancels the request). Errors before the first event raise ApiError here."""
+        response = self._open(params, stream=True)
+
+        def events() -> Iterator[dict[str, Any]]:
+            with response:
+                for line in response:
+                    if line.startswith(b"data: "):
+                        data = json.loads(line[len(b"data: ") :])
+                        if "error" in data:
+                            raise _relayed(400, json.dumps(data).encode())
+                        yield data
+
+        return events(), response.close
+
+
+def _relayed(status: int, raw: bytes) -> ApiError:
+    """Triton's error for a request as an OpenAI error: its 4xx are the client's (bad values, named by
+    the request handler), a model failure ("generation failed") and its 5xx are the server's."""
+    message = raw.decode("utf-8", errors="replace").strip()
+    for line in message.splitlines():
+        line = line.removeprefix("data: ").strip()
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(data, dict) and "error" in data:
+            message = str(data["error"])
+            break
+    if status >= 500 or message.startswith("generation failed"):
+        return ApiError(message, status=500, kind="server_error")
+    return ApiError(message)
+
+
+class OpenAIApi:
+    """The endpoints, free of HTTP plumbing: each takes a parsed body and answers JSON or SSE events."""
+
+    def __init__(self, model: ServedModel, triton: TritonGenerate) -> None:
+        self.model = model
+        self.triton = triton
+        self.created = int(time.time())
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tokenswift-trt",
+        }
+
+    def complete(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        request = translate_chat(body, self.model) if chat else translate_completion(body, self.model)
+        if request.stream:
+            raise ApiError(
+                "internal: a streaming request reached complete()", status=500, kind="server_error"
+            )
+        final = self.triton.generate(request.params)
+        text = str(final.get("text_output", ""))
+        usage, reason, stats = _usage(self.model, request, final, text)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model.name,
+            "choices": [choice],
+            "usage": usage,
+            "tokenswift": stats,
+        }
+
+    def open_stream(
+        self, body: dict[str, Any], chat: bool
+    ) -> tuple[Iterator[dict[str, Any]], Callable[[], None]]:
+        """(chunks, close) for a streaming request; request errors raise ApiError before any chunk."""
+        request = translate_chat(body, self.model) if chat else translate_completion(body, self.model)
+        if not request.stream:
+            raise ApiError("internal: a non-streaming request reached open_stream()", status=500)
+        events, close = self.triton.stream(request.params)
+        first = next(events, None)  # Triton's errors for the request come before any text
+        return self._chunks(request, chat, first, events), close
+
+    def _chunks(
+        self, request: Translated, chat: bool, first: dict[str, Any] | None, events: Iterator[dict[str, Any]]
+    ) -> Iterator[dict[str, Any]]:
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            data = {
+                "id": ident,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": self.model.name,
+                "choices": choices,
+                **extra,
+            }
+            if request.include_usage and "usage" not in data:
+                data["usage"] = None
+            return data
+
+        def piece(text: str, reason: str | None = None) -> dict[str, Any]:
+            if chat:
+                return {
+                    "index": 0,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                }
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+        if chat:
+            yield chunk(
+                [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        text = ""
+        final: dict[str, Any] = {}
+        for event in _chain([first] if first is not None else [], events):
+            piece_text = str(event.get("text_output", ""))
+            if piece_text:
+                text += piece_text
+                yield chunk([piece(piece_text)])
+            if any(name in event for name in STATS) or "completion_tokens" in event:
+                final = event
+        usage, reason, stats = _usage(self.model, request, final, text)
+        yield chunk([piece("", reason)], tokenswift=stats)
+        if request.include_usage:
+            yield chunk([], usage=usage, tokenswift=stats)
+
+
+def _chain(first: list[dict[str, Any]], rest: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    yield from first
+    yield from rest
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "tokenswift-openai"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _send_json(self, status: int, data: dict[str, Any]) -> None:
+        raw = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _body(self) -> dict[str, Any]:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise ApiError("Content-Length is not a number") from None
+        raw = self.rfile.read(length) if length > 0 else b""
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ApiError(f"the body is not JSON ({error}): send a JSON object") from None
+        if not isinstance(body, dict):
+            raise ApiError("the body must be a JSON object")
+        return body
+
+    def do_GET(self) -> None:
+        api = self.server.api
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/v1/models":
+            self._send_json(200, api.models())
+        elif path == f"/v1/models/{api.model.name}":
+            self._send_json(200, api.model_card())
+        elif path.startswith("/v1/models/"):
+            error = ApiError(
+                f"the model {path.removeprefix('/v1/models/')!r} does not exist: this server serves "
+                f"{api.model.name!r}",
+                status=404,
+                code="model_not_found",
+            )
+            self._send_json(error.status, error.body())
+        else:
+            self._not_found()
+
+    def _not_found(self) -> None:
+        error = ApiError(
+            f"no endpoint {self.command} {self.path}: this server has GET /v1/models, "
+            "POST /v1/completions and POST /v1/chat/completions",
+            status=404,
+            code="not_found",
+        )
+        self._send_json(error.status, error.body())
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path not in ("/v1/completions", "/v1/chat/completions"):
+            self._not_found()
+            return
+        chat = path == "/v1/chat/completions"
+        api = self.server.api
+        try:
+            body = self._body()
+            if body.get("stream") is True:
+                chunks, close = api.open_stream(body, chat)
+            else:
+                self._send_json(200, api.complete(body, chat))
+                return
+        except ApiError as error:
+            self._send_json(error.status, error.body())
+            return
+        except Exception as error:  # a fault of this server: answer the client, keep serving
+            log.exception("openai front: request failed")
+            fault = ApiError(f"internal error: {error}", status=500, kind="server_error")
+            self._send_json(fault.status, fault.body())
+            return
+        self._stream(chunks, close)
+
+    def _stream(self, chunks: Iterator[dict[str, Any]], close: Callable[[], None]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            try:
+                for data in chunks:
+                    self._event(json.dumps(data))
+            except ApiError as error:  # after the stream began: an error event, as OpenAI sends
+                self._event(json.dumps(error.body()))
+            except OSError as error:
+                if isinstance(error, BrokenPipeError | ConnectionResetError):
+                    raise
+                fault = ApiError(f"the inference server stopped answering: {error}", 500, kind="server_error")
+                self._event(json.dumps(fault.body()))
+            self._event("[DONE]")
+        except (BrokenPipeError, ConnectionResetError):  # the client left: drop Triton's stream (it cancels)
+            pass
+        finally:
+            close()
+
+    def _event(self, data: str) -> None:
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], api: OpenAIApi) -> None:
+        self.api = api
+        super().__init__(address, _Handler)
+
+
+class OpenAIFrontend:
+    """The OpenAI-compatible front of a running tritonserver, served from a daemon thread."""
+
+    def __init__(
+        self,
+        triton_http_url: str,
+        model_dir: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 9000,
+        served_model_name: str | None = None,
+        timeout_s: float = 3600.0,
+    ) -> None:
+        self.model = ServedModel.from_dir(Path(model_dir), served_model_name)
+        self.api = OpenAIApi(self.model, TritonGenerate(triton_http_url, timeout_s))
+        self.host = host
+        self.port = port
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The base URL for OpenAI clients (`openai.OpenAI(base_url=...)`)."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self) -> OpenAIFrontend:
+        try:
+            self._server = _Server((self.host, self.port), self.api)
+        except OSError as error:
+            raise FrontendError(
+                f"the OpenAI front cannot listen on {self.host}:{self.port} ({error.strerror or error}): "
+                "choose another --openai-port"
+            ) from None
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="openai-front", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> OpenAIFrontend:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
