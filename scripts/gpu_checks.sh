@@ -35,11 +35,11 @@ if ! "$PYTHON" -c "import tokenswift_trt.runtime" 2>/dev/null; then
         || { echo "install failed"; tail -n 20 "$OUT_DIR/install.log"; exit 1; }
 fi
 
-# joins the SmolLM2 GGUF's parts carried in .gpu_carry/, checks its sha256 and imports it (once per machine)
-SMOLLM2_IMPORT="if [ ! -f models/smollm2-135m/config.json ]; then cat .gpu_carry/smol.part* >/tmp/smol.gguf \
-    && PYTHONPATH=$PWD/.gpu_carry/py:\$PYTHONPATH $PYTHON -c 'from tokenswift_trt.builder.gguf_import import \
-    import_gguf; from tokenswift_trt.builder.smollm2 import SMOLLM2_SHA256 as sha; import_gguf(\"/tmp/smol.gguf\", \
-    \"models/smollm2-135m\", force=True, expected_sha256=sha)'; fi"
+# the SmolLM2 stages need models/smollm2-135m (`make models`; on a node without internet, copy it there in
+# parts: `tokenswift-trt pack`, see docs/cli.md) and the books of CORPUS
+CORPUS=${CORPUS:-../shared/corpus}
+SMOLLM2_IMPORT="test -f models/smollm2-135m/config.json || { echo 'models/smollm2-135m is missing: run make models \
+    (on a node without internet: tokenswift-trt pack, docs/cli.md)'; exit 1; }"
 
 for name in $STAGES; do
     case $name in
@@ -84,7 +84,7 @@ EOF"
             --max-new-tokens 1024 --min-p 0.1 --penalty 1.2 --penalty-window 256 --ignore-eos --seed 1 \
             --device cuda --dtype bfloat16 \$flags; done"
         ;;
-    compile)  # AR and verify steps through torch.compile inside the graphs, against the floor (#20 item 1)
+    compile)  # AR and verify steps through torch.compile inside the graphs, against the floor
         stage compile 500 "${CLI[@]}" bench-steps --model llama3.1-8b --device cuda --dtype bfloat16 \
             --contexts 4096,102400 --tree-sizes 1,64 --kv-budget 4096 --compile-steps --out "$OUT_DIR/steps-compiled"
         ;;
@@ -103,7 +103,7 @@ EOF"
         stage divergence 400 bash -c "$PYTHON scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512 \
             && $PYTHON scripts/ar_divergence.py --device cuda --dtypes bfloat16 --tokens 512 --full-precision-reductions"
         ;;
-    e2e)  # whole generations of the 8B shape (random weights), AR and the device loop taking turns (#20 item 4)
+    e2e)  # whole generations of the 8B shape (random weights), AR and the device loop taking turns
         stage e2e 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
             --tree 3,3,3 --device-loop --gen-len 4096,16384 --prefix-len 4096 --interleave 2048 --no-extras \
             --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e"
@@ -140,50 +140,48 @@ EOF"
             --prefix-len 4096,98304 --interleave 512 --no-extras --min-p 0.1 --penalty 1.2 --penalty-window 1024 \
             --seed 1 --out $OUT_DIR/e2e-picked"
         ;;
-    smollm2)  # the SmolLM2 preset with its trained layers: real acceptance on the GPU (#20 item 4b). Needs the
-        # GGUF's parts in .gpu_carry/ (scripts/gpu_carry_smollm2.sh, one part per call, back to back)
+    smollm2)  # the SmolLM2 preset with its trained layers: real acceptance on the GPU (needs models/smollm2-135m)
         stage smollm2 480 bash -c "$SMOLLM2_IMPORT || exit 1; for flags in '--tree 3,3,3 --device-loop' '--tree 3,3,3 --ngram-topk 4 \
-            --device-loop' ''; do ${CLI[*]} bench --model smollm2-135m --prompt-file .gpu_carry/book.txt \
+            --device-loop' ''; do ${CLI[*]} bench --model smollm2-135m --prompt-file $CORPUS/pride_and_prejudice.txt \
             --device cuda --dtype bfloat16 \$flags --gen-len 1024,4096 --prefix-len 512 --min-p 0.1 \
             --penalty 1.2 --penalty-window 256 --seed 1 --ignore-eos --no-extras --interleave 512 \
             --out $OUT_DIR/smollm2\${flags//[^a-z0-9]/}; done"
         ;;
-    heads)  # #19: a GPU-scale round of SmolLM2's draft layers from the committed ones: more of the model's own
+    heads)  # a GPU-scale training of SmolLM2's draft layers from the committed ones: more of the model's own
         # text (a new seed), train-heads on it and the books, then layer 1's agreement with the model's samples for
-        # the committed and the new file side by side. Needs the GGUF's parts, its `gguf` package and the books in
-        # .gpu_carry/ (scripts/gpu_carry_smollm2.sh); ~8 minutes: a call of its own. The new heads come back as
-        # OUT_DIR/heads/run/heads.safetensors.
-        books=(--data .gpu_carry/books/iliad.txt --data .gpu_carry/books/moby_dick.txt
-            --data .gpu_carry/books/war_and_peace.txt)
+        # the committed and the new file side by side. Needs models/smollm2-135m and the books in CORPUS; ~8 minutes.
+        # The new heads are written to OUT_DIR/heads/run/heads.safetensors.
+        books=(--data $CORPUS/iliad.txt --data $CORPUS/moby_dick.txt
+            --data $CORPUS/war_and_peace.txt)
         mkdir -p "$OUT_DIR/heads"
         stage heads-import 120 bash -c "$SMOLLM2_IMPORT"
         stage heads-text 180 "$PYTHON" scripts/generate_corpus.py --model-dir models/smollm2-135m "${books[@]}" \
             --out "$OUT_DIR/heads/generated.jsonl" --sequences 384 --batch 192 --new-tokens 1024 --seed 1 --device cuda
         stage heads-train 300 "${CLI[@]}" train-heads --model-dir models/smollm2-135m \
-            --data "$OUT_DIR/heads/generated.jsonl" "${books[@]}" --eval-data .gpu_carry/book.txt \
+            --data "$OUT_DIR/heads/generated.jsonl" "${books[@]}" --eval-data $CORPUS/pride_and_prejudice.txt \
             --out "$OUT_DIR/heads/run" --steps 1200 --seq-len 1024 --batch 16 --grad-accum 1 --lr 1e-3 \
             --warmup-steps 50 --checkpoint-every 100 --root-width 2304 --draft-vocab 8192 --state-cache 2000 \
             --loss sampled --init-heads models/heads/smollm2-135m.safetensors --device cuda
         rm -f "$OUT_DIR/heads/run/checkpoint.pt"  # 60 MB of optimizer state; the heads file is what comes back
         # both scores at once on the machine's CPU cores (each generates its 1,536 tokens there)
         stage heads-agree 150 bash -c "OMP_NUM_THREADS=8 $PYTHON scripts/first_level_agreement.py \
-            --heads models/heads/smollm2-135m.safetensors --prompt-file .gpu_carry/book.txt >$OUT_DIR/heads/agree-committed.txt & \
+            --heads models/heads/smollm2-135m.safetensors --prompt-file $CORPUS/pride_and_prejudice.txt >$OUT_DIR/heads/agree-committed.txt & \
             OMP_NUM_THREADS=8 $PYTHON scripts/first_level_agreement.py --heads $OUT_DIR/heads/run/heads.safetensors \
-            --prompt-file .gpu_carry/book.txt >$OUT_DIR/heads/agree-new.txt; wait; tail -n 3 $OUT_DIR/heads/agree-*.txt"
+            --prompt-file $CORPUS/pride_and_prejudice.txt >$OUT_DIR/heads/agree-new.txt; wait; tail -n 3 $OUT_DIR/heads/agree-*.txt"
         ;;
     compile-4k)  # eager and compiled steps side by side at 4K only (one context compiles in ~2-3 minutes)
         stage compile-4k 240 bash -c "for flags in '' --compile-steps; do ${CLI[*]} bench-steps --model llama3.1-8b \
             --device cuda --dtype bfloat16 --contexts 4096 --tree-sizes 1,64 --kv-budget 4096 \$flags \
             --out $OUT_DIR/steps-4k\${flags:+-compiled}; done"
         ;;
-    cascade)  # #20 item 2: the FlashAttention cascade's GPU tests, then its steps against the tree-attention kernel's
+    cascade)  # the FlashAttention cascade's GPU tests, then its steps against the tree-attention kernel's
         stage cascade 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
             tests/runtime/test_static_step.py && for attention in kernel flash_cascade; do \
             TOKENSWIFT_CUDA_ATTENTION=\$attention ${CLI[*]} bench-steps --model llama3.1-8b --device cuda \
             --dtype bfloat16 --contexts 4096,102400 --tree-sizes 1,64,128 --kv-budget 4096 \
             --out $OUT_DIR/steps-\$attention; done"
         ;;
-    fused)  # #20 item 1: the fused add + RMSNorm and rotary kernels' GPU tests, then steps without and with them
+    fused)  # the fused add + RMSNorm and rotary kernels' GPU tests, then steps without and with them
         stage fused 300 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_fused_elementwise.py && \
             for fused in 0 1; do TOKENSWIFT_FUSED_ELEMENTWISE=\$fused ${CLI[*]} bench-steps --model llama3.1-8b --device cuda \
             --dtype bfloat16 --contexts 4096 --tree-sizes 1,64 --kv-budget 4096 --host-overhead-ms 2.5 \

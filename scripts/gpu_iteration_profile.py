@@ -58,8 +58,9 @@ def phase_times(prof: profile, iterations: int, on_device: bool) -> dict[str, fl
 def device_phase_times(events, iterations: int) -> dict[str, float]:
     """ms per iteration of device work (kernels, copies) that starts inside each `device_loop.<phase>`
     span of the GPU timeline. A label's host range would miss the Triton kernels (the profiler ties
-    their launches to no host op: the fifth H200 session's verify showed 6 of its ~26 ms); its span
-    on the GPU holds them. Nested phases (drafts and n-grams inside commit) count in both."""
+    their launches to no host op: on an H200 a 98K-context verify's Triton kernels were 6 of its
+    ~26 ms); its span on the GPU holds them. Nested phases (drafts and n-grams inside commit) count
+    in both."""
     spans, work = [], []  # (start, end, phase); (start, duration), in µs
     for event in events:
         if getattr(event, "device_type", DeviceType.CPU) == DeviceType.CPU:
