@@ -183,8 +183,7 @@ def test_cancel_mid_stream_then_serve_the_next_request(server):
     assert grpc_generate(server.grpc_url, _params(6, max_tokens=16)).text
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         metrics = response.read().decode()
-    assert 'tokenswift_requests_total{model="tokenswift",outcome="cancelled"} 1' in metrics
-    assert "tokenswift_generated_tokens_total" in metrics and "tokenswift_acceptance_rate" in metrics
+    assert 'tokenswift:request_success_total{model="tokenswift",outcome="cancelled"} 1' in metrics
 
 
 def test_missing_engine_is_a_clear_error(tmp_path):
@@ -243,3 +242,55 @@ def test_kill_9_the_server_then_resume_by_request_id(tmp_path):
         with pytest.raises(ClientError, match=r"not enough memory: .* GiB .*positions"):
             grpc_generate(second.grpc_url, _params(1, max_tokens=30000))  # over the 0.05 GiB budget
         assert grpc_generate(second.grpc_url, _params(1, max_tokens=8)).text  # and it keeps serving
+
+
+def _scrape(server) -> dict[str, float]:
+    """Prometheus text from the metrics port: 'name{labels}' -> value."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"
+    }
+
+
+@pytest.mark.slow
+def test_metrics_add_up_after_known_requests(server):
+    model = '{model="tokenswift"}'
+    before = _scrape(server)
+    drafted = grpc_generate(server.grpc_url, _params(31, max_tokens=24, tree="2,1", ngram_topk=0))
+    plain = grpc_generate(server.grpc_url, _params(32, max_tokens=8, method="ar"))
+    with pytest.raises(ClientError):
+        grpc_generate(server.grpc_url, _params(33, max_tokens=0))
+    cancelled = grpc_generate(
+        server.grpc_url, _params(34, max_tokens=3000, stream=True, method="ar"), cancel_after_chunks=3
+    )
+    assert cancelled.chunks == 3
+    threading.Event().wait(1.0)  # the cancelled request ends at its next iteration
+    after = _scrape(server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    prompt = drafted.stats["prompt_tokens"]
+    assert plain.stats["prompt_tokens"] == prompt > 0
+    assert delta(f"tokenswift:prompt_tokens_total{model}") == 3 * prompt  # the refused one never started
+    streamed = delta(f"tokenswift:generation_tokens_total{model}") - 24 - 8
+    assert drafted.stats["completion_tokens"] == 24 and plain.stats["completion_tokens"] == 8
+    assert 3 <= streamed < 3000  # the cancelled request's tokens, counted as they streamed
+    draft_tokens = delta(f"tokenswift:spec_decode_num_draft_tokens_total{model}")
+    assert draft_tokens == drafted.stats["total_draft_tokens"]
+    accepted = delta(f"tokenswift:spec_decode_num_accepted_tokens_total{model}")
+    assert accepted == drafted.stats["total_accepted_draft_tokens"]
+    per_position = [
+        delta(f'tokenswift:spec_decode_num_accepted_tokens_per_pos_total{{model="tokenswift",position="{i}"}}')
+        for i in range(16)
+    ]
+    assert sum(per_position) == accepted and per_position[2:] == [0] * 14  # tree 2,1: two draft depths
+    drafts = delta(f"tokenswift:spec_decode_num_drafts_total{model}")
+    assert 0 < drafts and drafts * 2 == drafted.stats["total_draft_tokens"]
+    outcome = 'tokenswift:request_success_total{{model="tokenswift",outcome="{}"}}'
+    assert [delta(outcome.format(o)) for o in ("ok", "error", "cancelled")] == [2, 1, 1]
+    assert delta('nv_inference_request_failure{model="tokenswift",reason="BACKEND",version="1"}') == 1
+    assert delta(f"tokenswift:time_to_first_token_seconds_count{model}") == 3
+    assert delta(f"tokenswift:time_per_output_token_seconds_count{model}") == 3
+    assert delta(f"tokenswift:e2e_request_latency_seconds_count{model}") == 4

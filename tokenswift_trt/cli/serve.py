@@ -105,6 +105,7 @@ def serve(
             front = OpenAIFrontend(server.http_url, engine_dir, host, openai_port, served_model_name).start()
         except FrontendError as error:
             server.stop()
+            server.cleanup()
             raise fail(error) from None
     openai_url = f"  openai {front.url}" if front else ""
     click.echo(

@@ -33,7 +33,14 @@ TYPES = {  # input name -> (numpy dtype, Triton datatype)
     "tree": (np.object_, "BYTES"),
     "draft_source": (np.object_, "BYTES"),
 }
-STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "tokens_per_second")
+STATS = (
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+    "tokens_per_second",
+    "prompt_tokens",
+    "completion_tokens",
+)
 
 
 class ClientError(RuntimeError):
@@ -45,6 +52,7 @@ class Result:
     text: str = ""
     stats: dict[str, float] = field(default_factory=dict)
     chunks: int = 0
+    finish_reason: str = ""  # "stop" (end of sequence) or "length"; set by the final response
 
 
 def _tensors(module, params: dict[str, Any]) -> list:
@@ -72,6 +80,10 @@ def _collect(
         value = outputs(name)
         if value is not None:
             result.stats[name] = float(value.reshape(-1)[0])
+    finish = outputs("finish_reason")
+    if finish is not None and finish.size:
+        item = finish.reshape(-1)[0]
+        result.finish_reason = item.decode("utf-8") if isinstance(item, bytes) else str(item)
 
 
 def grpc_generate(

@@ -155,9 +155,14 @@ class Session:
         return Request(prompt_ids, config, _scalar(inputs, "stream", bool, False), journal)
 
     def run(
-        self, request: Request, on_text: Callable[[str], None], cancelled: Callable[[], bool]
+        self,
+        request: Request,
+        on_text: Callable[[str], None],
+        cancelled: Callable[[], bool],
+        on_ids: Callable[[list[int]], None] | None = None,
     ) -> tuple[str, Stats]:
-        """Generate; `on_text` gets text increments (streaming), `cancelled` is polled every iteration.
+        """Generate; `on_text` gets text increments (streaming), `cancelled` is polled every iteration,
+        `on_ids` gets each batch of newly generated token ids (before the text they make).
 
         A resumed request first streams the text generated before the interruption.
         """
@@ -176,6 +181,8 @@ class Session:
                 raise Cancelled()
             if writer is not None:
                 writer.add(ids)
+            if on_ids is not None:
+                on_ids(ids)
             piece = decoder.push(ids)
             if piece:
                 on_text(piece)

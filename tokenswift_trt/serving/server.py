@@ -16,10 +16,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_REPO = Path(__file__).resolve().parents[2] / "model_repo"
+SHARED_MEMORY = Path("/dev/shm")
+EXIT_TIMEOUT_S = 3  # tritonserver's wait for requests in flight on SIGTERM (journals keep their tokens)
 
 
 class ServerError(RuntimeError):
@@ -83,12 +86,21 @@ def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
 
 
 class TritonServer:
-    """A tritonserver child process; use as a context manager or call start()/stop()."""
+    """A tritonserver child process; use as a context manager or call start()/stop().
+
+    The server and its Python-backend stubs run in a process group of their own, and the stubs' shared
+    memory regions carry a prefix of this server's: `stop()` ends the whole group (SIGTERM, then
+    SIGKILL after a bound) and removes those regions and the staging folder, whatever state the server
+    was in (a crashed tritonserver leaves its stub behind otherwise). The log is removed with the
+    staging folder unless `log_path` names a place of its own.
+    """
 
     def __init__(self, config: ServerConfig, log_path: Path | None = None) -> None:
         self.config = config
         self.workdir = Path(tempfile.mkdtemp(prefix="tokenswift-serve-"))
         self.log_path = log_path or self.workdir / "tritonserver.log"
+        self.keep_log = log_path is not None
+        self.shm_prefix = f"tokenswift_{uuid.uuid4().hex[:12]}_"
         self.process: subprocess.Popen | None = None
 
     @property
@@ -141,6 +153,8 @@ class TritonServer:
             f"--metrics-port={c.metrics_port}",
             "--allow-metrics=true",
             "--log-verbose=0",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         return args, env
 
@@ -177,25 +191,71 @@ class TritonServer:
         errors = [line for line in lines if line.startswith("E") or "error" in line.lower()]
         return " | ".join((errors or lines)[-3:])
 
+    def exit_code(self) -> int | None:
+        """tritonserver's exit code once it has exited (None while it runs or before start)."""
+        return None if self.process is None else self.process.poll()
+
+    def log_tail(self) -> str:
+        """The last lines of the log that say what went wrong (for reports of a crash)."""
+        return self._log_tail()
+
     def kill(self) -> None:
         """SIGKILL the server (crash simulation); nothing is flushed."""
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=60)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
+    def stop(self, timeout_s: float = EXIT_TIMEOUT_S + 2.0) -> None:
+        """End tritonserver and everything it started, and remove what it left behind.
+
+        tritonserver gets SIGTERM and `timeout_s` to finish; a request still generating then (its stub
+        does not stop mid-execute) is ended with SIGKILL, its journal holding what was committed.
+        """
+        if self.process is not None:
+            if self.process.poll() is None:
+                _signal_group(self.process.pid, signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            # the stubs outlive a tritonserver that crashed or stopped late: end the whole group
+            _signal_group(self.process.pid, signal.SIGKILL)
+            if self.process.poll() is None:
                 self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=timeout_s)
-        for staged in ("model_repo", "backends"):  # the log stays for inspection
-            shutil.rmtree(self.workdir / staged, ignore_errors=True)
+            _wait_group_gone(self.process.pid, timeout_s)
+        for region in SHARED_MEMORY.glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
+        if self.keep_log:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        else:  # the log stays until the staging folder goes
+            for staged in ("model_repo", "backends"):
+                shutil.rmtree(self.workdir / staged, ignore_errors=True)
+
+    def cleanup(self) -> None:
+        """Remove the staging folder with its log (after `stop()`, once the log has been read)."""
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+        self.cleanup()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Wait (bounded) until no process of the group is left, so that its shared memory is free."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)

@@ -1,7 +1,8 @@
 """Triton Python-backend model `tokenswift`: decoupled, streams text as TokenSwift accepts it.
 
-Request parsing and generation live in `tokenswift_trt.serving.handler`; this file only maps
-Triton tensors, responses, errors, cancellation and metrics onto it.
+Request parsing and generation live in `tokenswift_trt.serving.handler`, the metrics in
+`tokenswift_trt.serving.metrics`; this file only maps Triton tensors, parameters, responses, errors,
+cancellation and metrics onto them.
 """
 
 import json
@@ -10,21 +11,33 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tokenswift_trt.serving.handler import REQUEST_SETTINGS, Cancelled, RequestError, Session
+from tokenswift_trt.serving.metrics import ServingMetrics
 
 INPUTS = ("text_input", "max_tokens", "stream", "request_id", "resume", *REQUEST_SETTINGS)
 
 
 def _inputs(request) -> dict:
+    """The request's input tensors; a request parameter (e.g. an unknown key of an HTTP generate
+    body, which Triton passes on as a parameter) is refused, so a misspelt setting is never ignored."""
     found = {}
     for name in INPUTS:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             found[name] = tensor.as_numpy()
+    unknown = sorted(key for key in json.loads(request.parameters() or "{}") if not key.startswith("triton_"))
+    if unknown:
+        raise RequestError(
+            f"unknown request field(s) {', '.join(unknown)}: the fields are {', '.join(INPUTS)}"
+        )
     return found
 
 
 def _text(text: str):
     return pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))
+
+
+def _error(message: str, code) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
 class TritonPythonModel:
@@ -38,69 +51,63 @@ class TritonPythonModel:
             journal_dir=parameters.get("journal_dir") or None,
             memory_budget=int(float(budget) * (1 << 30)) if budget else None,
         )
-        # the families must outlive their metrics, so both are kept
-        self.tokens_family = pb_utils.MetricFamily(
-            name="tokenswift_generated_tokens_total",
-            description="Tokens generated",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        self.tokens_metric = self.tokens_family.Metric(labels={"model": "tokenswift"})
-        self.acceptance_family = pb_utils.MetricFamily(
-            name="tokenswift_acceptance_rate",
-            description="Draft acceptance rate of the last request",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
-        self.acceptance_metric = self.acceptance_family.Metric(labels={"model": "tokenswift"})
-        self.requests_metric = pb_utils.MetricFamily(
-            name="tokenswift_requests_total",
-            description="Requests by outcome",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        self.outcomes = {
-            name: self.requests_metric.Metric(labels={"model": "tokenswift", "outcome": name})
-            for name in ("ok", "error", "cancelled")
-        }
+        self.metrics = ServingMetrics(pb_utils.MetricFamily)
+        self.eos = set(self.session.engine.config.eos_token_ids)
 
     def execute(self, requests):
-        for request in requests:
-            self._serve(request)
+        failed = [message for request in requests if (message := self._serve(request))]
+        if failed:
+            # Every request already has its own error response; raising tells Triton that the requests
+            # of this call failed, so that they count in nv_inference_request_failure (a decoupled
+            # model's responses alone do not).
+            raise pb_utils.TritonModelException("; ".join(failed))
         return None
 
-    def _serve(self, request):
+    def _serve(self, request) -> str | None:
+        """Answer one request; the error message when it failed."""
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        meter = self.metrics.meter()
+        generated: list[int] = []
         try:
             parsed = self.session.parse(_inputs(request))
             stream = parsed.stream
+            meter.prompt(len(parsed.prompt_ids))
+
+            def on_ids(ids: list[int]) -> None:
+                generated.extend(ids)
+                meter.generated(len(ids))
 
             def on_text(piece: str) -> None:
                 if stream:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[_text(piece)]))
 
-            text, stats = self.session.run(parsed, on_text, cancelled=request.is_cancelled)
-        except RequestError as error:
-            self.outcomes["error"].increment(1)
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=final)
-            return
+            text, stats = self.session.run(parsed, on_text, cancelled=request.is_cancelled, on_ids=on_ids)
+        except RequestError as error:  # the client's mistake: HTTP 400 / gRPC INVALID_ARGUMENT
+            meter.end("error")
+            sender.send(_error(str(error), pb_utils.TritonError.INVALID_ARG), flags=final)
+            return str(error)
         except Cancelled:
-            self.outcomes["cancelled"].increment(1)
+            meter.end("cancelled")
             sender.send(flags=final)
-            return
-        except Exception as error:  # keep serving: report the failure to this client only
-            self.outcomes["error"].increment(1)
-            sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(f"generation failed: {error}")),
-                flags=final,
-            )
-            return
+            return None
+        except Exception as error:  # keep serving: report the failure to this client only (HTTP 500)
+            meter.end("error")
+            sender.send(_error(f"generation failed: {error}", pb_utils.TritonError.INTERNAL), flags=final)
+            return f"generation failed: {error}"
+        meter.drafts(stats)
+        meter.end("ok")
+        all_ids = parsed.done_ids + generated
+        finish = "stop" if all_ids and all_ids[-1] in self.eos and not parsed.config.ignore_eos else "length"
         outputs = [
             _text("" if stream else text),
             pb_utils.Tensor("acceptance_rate", np.array([stats.acceptance_rate], dtype=np.float32)),
             pb_utils.Tensor("total_accepted_draft_tokens", np.array([stats.accepted_tokens], dtype=np.int32)),
             pb_utils.Tensor("total_draft_tokens", np.array([stats.drafted_tokens], dtype=np.int32)),
             pb_utils.Tensor("tokens_per_second", np.array([stats.tokens_per_s], dtype=np.float32)),
+            pb_utils.Tensor("prompt_tokens", np.array([len(parsed.prompt_ids)], dtype=np.int32)),
+            pb_utils.Tensor("completion_tokens", np.array([len(all_ids)], dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)),
         ]
-        self.tokens_metric.increment(stats.new_tokens)
-        self.acceptance_metric.set(stats.acceptance_rate)
-        self.outcomes["ok"].increment(1)
         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=final)
+        return None

@@ -1,0 +1,136 @@
+"""`serve` supervises its tritonserver: a quick clean stop on SIGTERM with a stream in flight, a crash
+reported with a non-zero exit, and nothing left behind in /tmp or /dev/shm either way."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenswift_trt.serving.server import SHARED_MEMORY, _bundled
+
+pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[all]")
+psutil = pytest.importorskip("psutil", reason="these tests find tritonserver's processes with psutil")
+
+from test_triton import MODEL, _free_ports, _params  # noqa: E402
+
+from tokenswift_trt.serving.client import grpc_generate  # noqa: E402
+
+CLI = [sys.executable, "-m", "tokenswift_trt.cli"]
+
+
+def _leftovers() -> set[str]:
+    staging = {str(p) for p in Path(tempfile.gettempdir()).glob("tokenswift-serve-*")}
+    regions = {str(p) for p in SHARED_MEMORY.glob("tokenswift_*")}
+    return staging | regions
+
+
+def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+    if _bundled() is None:
+        pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
+    http, grpc, metrics = _free_ports(3)
+    journals = tmp_path / "journals"
+    serve = subprocess.Popen(
+        [
+            *CLI,
+            "serve",
+            "--engine",
+            str(MODEL),
+            "--http-port",
+            str(http),
+            "--grpc-port",
+            str(grpc),
+            "--metrics-port",
+            str(metrics),
+            "--openai-port",
+            "0",
+            "--journal-dir",
+            str(journals),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = serve.stdout.readline()
+    assert line.startswith("ready:"), line + serve.stderr.read()
+    return serve, grpc, journals
+
+
+def _stream_in_background(grpc: int, request_id: str) -> threading.Thread:
+    def run() -> None:
+        try:
+            grpc_generate(
+                f"127.0.0.1:{grpc}",
+                _params(3, max_tokens=3000, stream=True, request_id=request_id),
+                timeout_s=120,
+            )
+        except BaseException:  # the server goes away under it
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_for_tokens(journal: Path, count: int) -> None:
+    from tokenswift_trt.runtime.journal import read_journal
+
+    for _ in range(1200):
+        if journal.is_file() and len(read_journal(journal).tokens) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{journal} never held {count} tokens")
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_stream_in_flight_stops_quickly_and_leaves_nothing(tmp_path):
+    from tokenswift_trt.runtime.journal import read_journal
+
+    before = _leftovers()
+    serve, grpc, journals = _start_serve(tmp_path)
+    processes = [psutil.Process(serve.pid), *psutil.Process(serve.pid).children(recursive=True)]
+    try:
+        _stream_in_background(grpc, "long-1")
+        _wait_for_tokens(journals / "long-1.journal", 32)
+        started = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0, serve.stderr.read()
+        assert time.monotonic() - started < 10
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    _, alive = psutil.wait_procs(processes, timeout=5)
+    assert not alive, f"left running: {[p.pid for p in alive]}"
+    state = read_journal(journals / "long-1.journal")  # intact and resumable
+    assert len(state.tokens) >= 32 and not state.finished
+    assert _leftovers() <= before
+
+
+@pytest.mark.slow
+def test_a_crashed_tritonserver_is_reported_and_cleaned_up(tmp_path):
+    before = _leftovers()
+    serve, grpc, journals = _start_serve(tmp_path)
+    try:
+        tritonserver = next(
+            p for p in psutil.Process(serve.pid).children() if p.name().startswith("tritonserver")
+        )
+        group = [tritonserver, *tritonserver.children(recursive=True)]
+        assert any("triton_python" in p.name() for p in group[1:])  # the Python-backend stub runs under it
+        _stream_in_background(grpc, "crash-1")
+        _wait_for_tokens(journals / "crash-1.journal", 16)
+        tritonserver.kill()
+        code = serve.wait(timeout=60)
+        stderr = serve.stderr.read()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert code == 2 and "tritonserver exited unexpectedly" in stderr and "Traceback" not in stderr
+    _, alive = psutil.wait_procs(group, timeout=5)
+    assert not alive, f"the stub outlived its server: {[p.pid for p in alive]}"
+    assert _leftovers() <= before
