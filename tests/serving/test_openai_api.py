@@ -18,8 +18,11 @@ from tokenswift_trt.serving.openai_api import (
     ApiError,
     ChatTemplate,
     OpenAIFrontend,
+    Outcome,
     ServedModel,
+    StopScanner,
     _relayed,
+    _usage,
     translate_chat,
     translate_completion,
 )
@@ -127,7 +130,8 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "seed": 2**70}, r"seed must be in", "seed"),
     ({"prompt": PROMPT, "ignore_eos": "yes"}, "ignore_eos must be true or false", "ignore_eos"),
     ({"prompt": PROMPT, "top_k": True}, "top_k must be an integer", "top_k"),
-    ({"prompt": PROMPT, "stop": ["\n"]}, "stop sequences are not supported", "stop"),
+    ({"prompt": PROMPT, "stop": 7}, "stop must be a string or a list of strings", "stop"),
+    ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "at most 4 sequences", "stop"),
     (
         {"prompt": PROMPT, "frequency_penalty": 0.5},
         "repetition_penalty and penalty_window",
@@ -149,6 +153,29 @@ def test_bad_completion_fields_are_refused_naming_the_field(model, body, message
         translate_completion(body, model)
     assert caught.value.status == 400 and caught.value.param == param
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_stop_sequences_cut_the_text_across_pieces():
+    scanner = StopScanner(("o w", "\n\n"))
+    assert scanner.push("Hel") == "Hel"
+    assert scanner.push("lo") == "l"  # "o" may begin "o w": held back
+    assert scanner.push("\n") == "o"  # now "\n" may begin "\n\n"
+    assert scanner.push("x o") == "\nx "
+    assert scanner.push(" world") == "" and scanner.hit == "o w"
+    plain = StopScanner(())
+    assert plain.push("o w") == "o w" and plain.hit is None
+
+
+def test_usage_comes_from_tritons_outputs_else_from_the_tokenizer(model):
+    request = translate_completion({"prompt": PROMPT, "max_tokens": 8, "stop": "\n"}, model)
+    final = {"prompt_tokens": 13, "completion_tokens": 5, "finish_reason": "stop", "total_draft_tokens": 4}
+    usage, reason, figures = _usage(model, request, Outcome(text="abc", final=final))
+    assert usage == {"prompt_tokens": 13, "completion_tokens": 5, "total_tokens": 18}
+    assert reason == "stop" and figures == {"draft_tokens": 4}
+    # a stop sequence cancelled the generation: no final response, the text up to the stop counted
+    usage, reason, figures = _usage(model, request, Outcome(text=" for the most", stop="\n"))
+    assert usage["completion_tokens"] == model.text_tokens(" for the most\n") and reason == "stop"
+    assert usage["prompt_tokens"] == len(model.codec.encode(PROMPT)) and figures == {}
 
 
 def test_another_model_name_is_404_model_not_found(model):
@@ -352,6 +379,32 @@ def test_chat_completions_equal_the_generate_endpoint_on_the_templated_prompt(se
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
     assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_ends_the_text_before_it(served, stream):
+    server, front, client = served
+    expected = _triton_text(server, PROMPT, 40, seed=7)
+    stop = expected[15:19]
+    cut = expected[: expected.index(stop)]
+    answer = client.completions.create(
+        model="swift-tiny",
+        prompt=PROMPT,
+        max_tokens=40,
+        seed=7,
+        stop=[stop],
+        stream=stream,
+        extra_body=EXTRAS,
+    )
+    if stream:
+        chunks = list(answer)
+        text = "".join(chunk.choices[0].text for chunk in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        text, reason = answer.choices[0].text, answer.choices[0].finish_reason
+        assert answer.usage.completion_tokens == front.model.text_tokens(cut + stop) < 40
+    assert (text, reason) == (cut, "stop")
 
 
 @pytest.mark.slow

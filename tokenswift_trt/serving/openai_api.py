@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_STOPS = 4  # stop sequences per request, as OpenAI allows
 
 # Fields sent on to Triton under the same name: field -> type. temperature, top_p and seed are
 # OpenAI's own; the rest are TokenSwift's extras (the openai client's `extra_body`).
@@ -63,7 +64,6 @@ NEUTRAL_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((0,), f"frequency_penalty is not supported: {PENALTY_HINT}"),
     "logit_bias": (({},), "logit_bias is not supported"),
     "suffix": (("",), "suffix is not supported"),
-    "stop": (("", []), "stop sequences are not supported: omit stop (or set it to null)"),
     "response_format": (({"type": "text"},), "response_format other than text is not supported"),
     "tools": (([],), "tool calls are not supported"),
     "tool_choice": (("none",), "tool calls are not supported"),
@@ -300,6 +300,7 @@ class Translated:
     stream: bool
     include_usage: bool
     prompt_tokens: int  # counted here; Triton's prompt_tokens output replaces it where present
+    stop: tuple[str, ...] = ()  # stop sequences: the text ends before the first one generated
 
 
 def _common(body: dict[str, Any], allowed: frozenset[str], model: ServedModel) -> dict[str, Any]:
@@ -307,7 +308,8 @@ def _common(body: dict[str, Any], allowed: frozenset[str], model: ServedModel) -
     if unknown:
         extras = ", ".join(EXTRA_FIELDS)
         raise ApiError(
-            f"unknown field {unknown[0]!r}: the OpenAI fields this server supports and its extras ({extras})",
+            f"unknown field {unknown[0]!r}: neither an OpenAI field this endpoint supports nor one of its "
+            f"extras ({extras})",
             param=unknown[0],
         )
     name = body.get("model")
@@ -318,23 +320,23 @@ def _common(body: dict[str, Any], allowed: frozenset[str], model: ServedModel) -
             param="model",
             code="model_not_found",
         )
-    for field, (neutral, hint) in NEUTRAL_FIELDS.items():
-        value = body.get(field)
-        if value is not None and field in allowed and not any(value == n for n in neutral):
-            raise ApiError(f"{hint} (got {field}={value!r})", param=field)
+    for key, (neutral, hint) in NEUTRAL_FIELDS.items():
+        value = body.get(key)
+        if value is not None and key in allowed and not any(value == n for n in neutral):
+            raise ApiError(f"{hint} (got {key}={value!r})", param=key)
     settings: dict[str, Any] = {}
-    for field, kind in {**SAMPLING_FIELDS, **EXTRA_FIELDS}.items():
-        value = body.get(field)
+    for key, kind in {**SAMPLING_FIELDS, **EXTRA_FIELDS}.items():
+        value = body.get(key)
         if value is None:
             continue
-        if field == "seed":
-            settings[field] = _int_in(field, value, 0, UINT64_MAX)
-        elif field == "tree" and isinstance(value, int) and not isinstance(value, bool):
-            settings[field] = str(value)
+        if key == "seed":
+            settings[key] = _int_in(key, value, 0, UINT64_MAX)
+        elif key == "tree" and isinstance(value, int) and not isinstance(value, bool):
+            settings[key] = str(value)
         elif kind is int:
-            settings[field] = _int_in(field, value, -INT32_MAX - 1, INT32_MAX)
+            settings[key] = _int_in(key, value, -INT32_MAX - 1, INT32_MAX)
         else:
-            settings[field] = _strict_type(field, value, kind)
+            settings[key] = _strict_type(key, value, kind)
     return settings
 
 
@@ -350,6 +352,18 @@ def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
         raise ApiError('stream_options must be {"include_usage": true|false}', param="stream_options")
     include = options.get("include_usage")
     return stream, False if include is None else _strict_type("stream_options.include_usage", include, bool)
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(f"stop takes at most {MAX_STOPS} sequences, got {len(stops)}", param="stop")
+    return tuple(s for s in stops if s)
 
 
 def _max_tokens(body: dict[str, Any], field: str, default: int) -> int:
@@ -375,7 +389,7 @@ def translate_completion(body: dict[str, Any], model: ServedModel) -> Translated
     stream, include_usage = _streaming(body)
     max_tokens = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
     params = {"text_input": prompt, "max_tokens": max_tokens, **settings}
-    return Translated(params, stream, include_usage, model.prompt_tokens(prompt))
+    return Translated(params, stream, include_usage, model.prompt_tokens(prompt), _stops(body))
 
 
 def _message(index: int, message: Any) -> dict[str, Any]:
@@ -410,24 +424,95 @@ def translate_chat(body: dict[str, Any], model: ServedModel) -> Translated:
     prompt = model.chat_prompt([_message(i, message) for i, message in enumerate(messages)])
     stream, include_usage = _streaming(body)
     prompt_tokens = model.prompt_tokens(prompt)
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # OpenAI's chat default is "as long as the model allows"
-    max_tokens = _max_tokens(body, field, max(1, model.max_length - prompt_tokens))
+    max_tokens = _max_tokens(body, limit_field, max(1, model.max_length - prompt_tokens))
     params = {"text_input": prompt, "max_tokens": max_tokens, **settings}
-    return Translated(params, stream, include_usage, prompt_tokens)
+    return Translated(params, stream, include_usage, prompt_tokens, _stops(body))
+
+
+class StopScanner:
+    """Cuts a stream of text before the first stop sequence, holding back a tail that may be the
+    beginning of one until the next piece decides."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.pending = ""
+        self.hit: str | None = None  # the stop sequence found
+
+    def push(self, piece: str) -> str:
+        """The text of `piece` (and of the tail held back before) that is safe to emit."""
+        self.pending += piece
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out
+        found = [(self.pending.find(stop), stop) for stop in self.stops if stop in self.pending]
+        if found:
+            index, self.hit = min(found)
+            out, self.pending = self.pending[:index], ""
+            return out
+        hold = max(
+            (k for stop in self.stops for k in range(1, len(stop)) if self.pending.endswith(stop[:k])),
+            default=0,
+        )
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Outcome:
+    """What a generation gave: its text, Triton's final response, the stop sequence that ended it."""
+
+    text: str = ""
+    final: dict[str, Any] = field(default_factory=dict)  # empty when a stop sequence ended it
+    stop: str | None = None
+
+
+def _scan(
+    request: Translated, events: Iterator[dict[str, Any]], close: Callable[[], None], outcome: Outcome
+) -> Iterator[str]:
+    """Text pieces of Triton's events, cut at the first stop sequence (the generation is then
+    cancelled by closing its connection); fills `outcome`."""
+    scanner = StopScanner(request.stop)
+    for event in events:
+        piece = scanner.push(str(event.get("text_output", "")))
+        if piece:
+            outcome.text += piece
+            yield piece
+        if scanner.hit is not None:
+            outcome.stop = scanner.hit
+            close()
+            return
+        if any(name in event for name in STATS) or "completion_tokens" in event:
+            outcome.final = event
+    rest = scanner.flush()
+    if rest:
+        outcome.text += rest
+        yield rest
 
 
 def _usage(
-    model: ServedModel, request: Translated, final: dict[str, Any], text: str
+    model: ServedModel, request: Translated, outcome: Outcome
 ) -> tuple[dict[str, int], str, dict[str, float]]:
-    """(usage block, finish_reason, tokenswift block) from Triton's final response."""
+    """(usage block, finish_reason, tokenswift block). Triton's final response gives the counts;
+    where a stop sequence cut the generation short there is none, and the completion is the text up
+    to the end of the stop sequence, counted with the tokenizer."""
+    final = outcome.final
     prompt = int(final.get("prompt_tokens", request.prompt_tokens))
-    completion = int(final["completion_tokens"]) if "completion_tokens" in final else model.text_tokens(text)
-    reason = final.get("finish_reason")
+    if "completion_tokens" in final:
+        completion = int(final["completion_tokens"])
+    else:
+        completion = model.text_tokens(outcome.text + (outcome.stop or ""))
+    reason = "stop" if outcome.stop is not None else final.get("finish_reason")
     if reason not in ("stop", "length"):
         reason = "length" if completion >= request.params["max_tokens"] else "stop"
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    stats = {field: final[output] for output, field in STATS.items() if output in final}
+    stats = {name: final[output] for output, name in STATS.items() if output in final}
     return usage, reason, stats
 
 
@@ -524,9 +609,19 @@ class OpenAIApi:
             raise ApiError(
                 "internal: a streaming request reached complete()", status=500, kind="server_error"
             )
-        final = self.triton.generate(request.params)
-        text = str(final.get("text_output", ""))
-        usage, reason, stats = _usage(self.model, request, final, text)
+        outcome = Outcome()
+        if request.stop:  # streamed from Triton, to cancel the generation at the stop sequence
+            events, close = self.triton.stream(request.params)
+            try:
+                for _ in _scan(request, events, close, outcome):
+                    pass
+            finally:
+                close()
+        else:
+            outcome.final = self.triton.generate(request.params)
+            outcome.text = str(outcome.final.get("text_output", ""))
+        text = outcome.text
+        usage, reason, stats = _usage(self.model, request, outcome)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -551,10 +646,15 @@ class OpenAIApi:
             raise ApiError("internal: a non-streaming request reached open_stream()", status=500)
         events, close = self.triton.stream(request.params)
         first = next(events, None)  # Triton's errors for the request come before any text
-        return self._chunks(request, chat, first, events), close
+        events = _chain([first] if first is not None else [], events)
+        return self._chunks(request, chat, events, close), close
 
     def _chunks(
-        self, request: Translated, chat: bool, first: dict[str, Any] | None, events: Iterator[dict[str, Any]]
+        self,
+        request: Translated,
+        chat: bool,
+        events: Iterator[dict[str, Any]],
+        close: Callable[[], None],
     ) -> Iterator[dict[str, Any]]:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -593,16 +693,10 @@ class OpenAIApi:
                     }
                 ]
             )
-        text = ""
-        final: dict[str, Any] = {}
-        for event in _chain([first] if first is not None else [], events):
-            piece_text = str(event.get("text_output", ""))
-            if piece_text:
-                text += piece_text
-                yield chunk([piece(piece_text)])
-            if any(name in event for name in STATS) or "completion_tokens" in event:
-                final = event
-        usage, reason, stats = _usage(self.model, request, final, text)
+        outcome = Outcome()
+        for text in _scan(request, events, close, outcome):
+            yield chunk([piece(text)])
+        usage, reason, stats = _usage(self.model, request, outcome)
         yield chunk([piece("", reason)], tokenswift=stats)
         if request.include_usage:
             yield chunk([], usage=usage, tokenswift=stats)
