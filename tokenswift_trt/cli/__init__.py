@@ -10,6 +10,7 @@ import click
 from .bench import bench, bench_ar, bench_host, bench_kernels, bench_steps
 from .build import build, presets, random_model
 from .generate import demo, generate
+from .pack import pack
 from .serve import client, serve
 from .train import draft_vocab, train_heads
 
@@ -53,5 +54,6 @@ for command in (
     bench_host,
     train_heads,
     draft_vocab,
+    pack,
 ):
     main.add_command(command)
