@@ -36,7 +36,12 @@ from .common import DTYPES, CliError, fail
     "--dtype", type=click.Choice(DTYPES), default=None, help="default: the preset's (bfloat16), else float32"
 )
 @click.option("--random-weights", is_flag=True, help="correctly shaped random weights (performance work)")
-@click.option("--max-length", type=int, default=None, help="maximum sequence length (default: the model's)")
+@click.option(
+    "--max-length",
+    type=click.IntRange(2),
+    default=None,
+    help="maximum sequence length (default: the model's)",
+)
 @click.option("--force", is_flag=True, help="replace an existing engine directory")
 def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force) -> None:
     """Build an engine directory from a preset, checkpoint or GGUF file (torch, onnx or tensorrt backend)."""

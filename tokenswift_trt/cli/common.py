@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,11 @@ class Source:
     model_dir: Path | None = None
     engine_dir: Path | None = None
     heads: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """The directory the model was loaded from, for messages."""
+        return str(self.model_dir or self.engine_dir)
 
     def record(self) -> dict[str, str | None]:
         """Where this model came from (a journal's header keeps it for --resume)."""
@@ -307,3 +313,18 @@ def int_list(text: str, name: str) -> tuple[int, ...]:
     if not values or min(values) <= 0:
         raise CliError(f"{name} must be comma-separated positive integers, got {text!r}")
     return values
+
+
+class PositiveGiB(click.ParamType):
+    """A positive, finite number of GiB (`--memory-budget`): nan, inf, 0 and negatives are refused."""
+
+    name = "GIB"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            amount = float(value)
+        except (TypeError, ValueError):
+            amount = math.nan
+        if not (math.isfinite(amount) and amount > 0):
+            self.fail(f"must be a positive number of GiB (e.g. 4 or 0.5), got {value!r}", param, ctx)
+        return amount

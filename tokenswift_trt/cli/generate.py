@@ -10,6 +10,7 @@ import click
 
 from .common import (
     CliError,
+    PositiveGiB,
     fail,
     generation_config,
     load_source,
@@ -32,12 +33,19 @@ DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
 )
 @click.option("--method", type=click.Choice(["tokenswift", "ar"]), default="tokenswift", show_default=True)
 @click.option("--stream", is_flag=True, help="print text as it is accepted")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='print one JSON object at the end; with --stream, JSON Lines: {"text": ...} per increment, '
+    "then that object as the last line",
+)
 @click.option(
     "--journal",
     type=click.Path(path_type=Path),
     default=None,
-    help="append committed tokens to this journal (crash-safe)",
+    help="append committed tokens to this journal (crash-safe); an unfinished journal is never "
+    "replaced (continue it with --resume), a finished one is",
 )
 @click.option(
     "--journal-every", type=click.IntRange(1), default=64, show_default=True, help="tokens per journal record"
@@ -49,7 +57,10 @@ DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
     help="continue the generation recorded in this journal",
 )
 @click.option(
-    "--memory-budget", type=float, default=None, help="GiB the caches may use (default: the memory free now)"
+    "--memory-budget",
+    type=PositiveGiB(),
+    default=None,
+    help="GiB the caches may use (default: the memory free now)",
 )
 @sampling_options
 def generate(
@@ -77,7 +88,9 @@ def generate(
     from tokenswift_trt.runtime.journal import (
         JournalError,
         JournalWriter,
+        check_new_journal,
         journal_header,
+        model_identity,
         read_journal,
         resume_journal,
     )
@@ -98,20 +111,25 @@ def generate(
         if deciding:
             raise CliError(f"--resume continues with the journal's own settings: drop {', '.join(deciding)}")
         try:
-            recorded = read_journal(resume).header.get("source") or {}
+            header = read_journal(resume).header
         except JournalError as error:
             raise fail(error) from None
+        recorded = header.get("source") or {}
         if model is None and model_dir is None and engine_dir is None:
             model_dir, engine_dir, heads = (
                 Path(recorded[key]) if recorded.get(key) else None
                 for key in ("model_dir", "engine_dir", "heads")
             )
+        if opts["dtype"] is None and engine_dir is None:  # the dtype that wrote the journal's tokens
+            opts["dtype"] = (header.get("model") or {}).get("dtype")
         source = load_source(
             model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json
         )
         try:
             speed = {name: value for name, value in request_settings(opts).items() if name in SPEED_ONLY}
-            resumed = resume_journal(resume, source.engine.config.eos_token_ids, speed)
+            resumed = resume_journal(
+                resume, source.engine.config.eos_token_ids, speed, model_identity(source.engine, source.name)
+            )
         except JournalError as error:
             raise fail(error) from None
         if resumed.dropped_records and not as_json:
@@ -137,6 +155,13 @@ def generate(
             raise CliError("--max-new-tokens is required (unless --resume)")
         text = read_prompt(prompt, prompt_file)
         generation_config(max_new_tokens, method, opts)  # bad values fail before any loading
+        if journal is not None:
+            try:
+                check_new_journal(
+                    journal, f"--resume {journal}", "delete it (or choose another --journal path)"
+                )
+            except JournalError as error:
+                raise fail(error) from None
         source = load_source(
             model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json
         )
@@ -154,17 +179,30 @@ def generate(
         writer = None
         if journal is not None:
             config = with_fixed_seed(config)  # the journal must know the seed to resume the same tokens
-            writer = JournalWriter(
-                journal, journal_header(prompt_ids, config, source.record()), every=journal_every
+            header = journal_header(
+                prompt_ids, config, source.record(), model_identity(source.engine, source.name)
             )
+            try:
+                writer = JournalWriter(journal, header, every=journal_every)
+            except JournalError as error:
+                raise fail(error) from None
         run_config = config
     if memory_budget is not None:
-        run_config = dataclasses.replace(run_config, memory_budget=int(memory_budget * (1 << 30)))
+        run_config = dataclasses.replace(run_config, memory_budget=max(1, int(memory_budget * (1 << 30))))
 
     codec = source.codec
     stream_decoder = StreamDecoder(codec)
+
+    def show(piece: str) -> None:
+        """A streamed text increment: as it is, or one JSON line with --json (JSON Lines)."""
+        if as_json:
+            if piece:
+                click.echo(json.dumps({"text": piece}))
+        else:
+            click.echo(piece, nl=False)
+
     if stream and done_ids:
-        click.echo(stream_decoder.push(done_ids), nl=False)
+        show(stream_decoder.push(done_ids))
     progress = progress_bar(
         total=config.max_new_tokens,
         initial=len(done_ids),
@@ -177,7 +215,7 @@ def generate(
         if writer is not None:
             writer.add(ids)
         if stream:
-            click.echo(stream_decoder.push(ids), nl=False)
+            show(stream_decoder.push(ids))
 
     stats = None
     try:
@@ -194,7 +232,9 @@ def generate(
             writer.close(finished=stats is not None or finished)
     output = codec.decode(done_ids)
     if stream:
-        click.echo(stream_decoder.flush())
+        show(stream_decoder.flush())
+        if not as_json:
+            click.echo()
     if stats is not None and stats.stop_reason == "max_length" and not as_json:
         click.echo(f"note: stopped at the engine's maximum length after {len(done_ids)} new tokens", err=True)
     if as_json:

@@ -37,7 +37,7 @@ from .stages import (
     verify,
 )
 from .static_step import StaticForward, bucket_for
-from .tree import build_static_tree, build_trie
+from .tree import build_static_tree, build_trie, parse_tree
 
 METHODS = ("tokenswift", "ar")
 NGRAM_LENGTH = 4
@@ -45,8 +45,25 @@ AUTO = "auto"
 DRAFT_SOURCES = (AUTO, "partial", "verify")
 
 
+MAX_TREE_NODES = 1024  # static tree nodes per verify pass (the paper's 1,3,3,3 has 41; --tree auto <= 41)
+
+
 class GenerationError(ValueError):
     """A request that cannot run as given (the message says what to change)."""
+
+
+def check_tree_size(spec: str) -> None:
+    """Refuse a static tree of more than MAX_TREE_NODES nodes from its spec alone (a 300,300 tree's
+    mask would take gigabytes to build before any admission could count it)."""
+    nodes, level = 1, 1
+    for width in parse_tree(spec):
+        level *= width
+        nodes += level
+    if nodes > MAX_TREE_NODES:
+        raise GenerationError(
+            f"tree {spec!r} has {nodes:,} nodes, more than the {MAX_TREE_NODES:,} one verify pass takes: "
+            "give a smaller tree (e.g. 1,3,3,3) or --tree auto"
+        )
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,7 @@ class GenerationConfig:
         try:
             self.sampling.validate()
             if self.tree != AUTO:
+                check_tree_size(self.tree)  # counted from the spec before any tensor is built
                 build_static_tree(self.tree)
         except ValueError as error:
             raise GenerationError(str(error)) from None
@@ -112,6 +130,13 @@ class GenerationConfig:
                 f"the partial cache's recent region must be in [1, {self.kv_budget}) (below the "
                 f"budget), got {self.kv_recent}"
             )
+        if self.max_length is not None and self.max_length < 2:
+            raise GenerationError(
+                f"max length must be at least 2 (a prompt token and a new one), got {self.max_length}: "
+                "leave it out for the model's"
+            )
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise GenerationError(f"the memory budget must be positive, got {self.memory_budget} bytes")
         if self.prefill_chunk < 1:
             raise GenerationError(f"prefill chunk must be positive, got {self.prefill_chunk}")
         if self.compile_steps and self.static_steps is False:
@@ -304,6 +329,12 @@ def new_decode_state(
     try:
         admit(plan, config.memory_budget if config.memory_budget is not None else available_bytes(device))
     except AdmissionError as error:
+        if plan.tree_bytes > plan.full_cache_bytes + plan.partial_cache_bytes:
+            tree_name = "auto's probe tree" if auto else f"tree {config.tree!r}"
+            raise GenerationError(
+                f"{error}; most of it is the tree buffers ({max_trie:,} nodes: {tree_name} and "
+                f"{ngram_topk} n-gram branches): give a smaller --tree or --ngram-topk, or --tree auto"
+            ) from None
         raise GenerationError(str(error)) from None
     full = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limit + max_trie, dtype, device)
     partial = (

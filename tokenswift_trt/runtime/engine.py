@@ -6,6 +6,8 @@ weight is used; tensors are read through safetensors' memory map onto a meta-ini
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from . import cascade, kernels
 from .config import ModelConfig, load_config
@@ -44,6 +46,7 @@ class Engine:
     trained_draft_layers: bool
     dtype: torch.dtype
     device: torch.device
+    fingerprint: str = ""  # `model_fingerprint`: which model this is ("" = not known)
 
     def model_parameters(self) -> list[torch.nn.Parameter]:
         """Base and draft-layer parameters (for memory accounting; onnx/TensorRT keep the torch copy too)."""
@@ -58,7 +61,12 @@ _IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise WeightsError(
+                f"{index} is corrupt ({_first_line(error)}): download the checkpoint's index again"
+            ) from None
         files = [model_dir / name for name in names]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -76,10 +84,36 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                tensors[key] = handle.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    tensors[key] = handle.get_tensor(key)
+        except (SafetensorError, OSError) as error:
+            raise WeightsError(
+                f"{path} is not a readable safetensors file ({_first_line(error)}): it is truncated or "
+                "corrupt; download the checkpoint again (or rebuild the engine)"
+            ) from None
     return tensors
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def model_fingerprint(config: ModelConfig, model_dir: Path, embedding: torch.Tensor) -> str:
+    """A short hash naming a model: its config (draft layers aside), tokenizer and a sample of its
+    embedding rounded to bfloat16 (the same in every engine dtype built from one checkpoint), for
+    journals to tell the model that wrote them."""
+    digest = hashlib.sha256()
+    shape = {k: v for k, v in dataclasses.asdict(config).items() if k != "num_draft_layers"}
+    digest.update(json.dumps(shape, sort_keys=True).encode())
+    tokenizer = model_dir / "tokenizer.json"
+    if tokenizer.is_file():
+        digest.update(tokenizer.read_bytes())
+    flat = embedding.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // 4096)][:4096]
+    digest.update(sample.to(device="cpu", dtype=torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _check_and_assign(
@@ -134,6 +168,7 @@ def load_engine(
     if config.tie_word_embeddings:
         base.pop("lm_head.weight", None)
     _check_and_assign_base(model, base, config, dtype, device)
+    fingerprint = model_fingerprint(config, model_dir, model.model.embed_tokens.weight)
 
     if heads_file is None and not draft and (model_dir / DEFAULT_HEADS_FILE).is_file():
         heads_file = model_dir / DEFAULT_HEADS_FILE
@@ -143,6 +178,11 @@ def load_engine(
             raise WeightsError(f"heads file {heads_path} does not exist")
         try:
             draft = {draft_key(k) or k: v for k, v in read_heads_file(heads_path).items()}
+        except (SafetensorError, OSError) as error:
+            raise WeightsError(
+                f"heads file {heads_path} is not a readable safetensors file ({_first_line(error)}): "
+                "train it again with `tokenswift-trt train-heads` (or download it again)"
+            ) from None
         except ValueError as error:
             raise WeightsError(str(error)) from None
     layout = draft_layout(draft) if draft else DraftLayout(config.num_draft_layers, False, 0)
@@ -183,7 +223,7 @@ def load_engine(
             "rebuild it for this model with `tokenswift-trt draft-vocab`"
         )
     draft_layers.use_vocab_head(model.lm_head.weight)  # only where the heads file has a draft vocabulary
-    return Engine(config, model, draft_layers, bool(draft), dtype, device)
+    return Engine(config, model, draft_layers, bool(draft), dtype, device, fingerprint)
 
 
 CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `auto` (default), `kernel` or `flash_cascade`

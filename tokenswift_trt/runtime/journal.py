@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .decoding import GenerationConfig, GenerationError
+from .engine import Engine
 from .request import SPEED_ONLY, config_from
 
 FORMAT = "tokenswift-journal/2"  # 2: Gumbel-max sampling with position-keyed noise
@@ -62,13 +63,31 @@ class JournalState:
         )
 
 
+def model_identity(engine: Engine, name: str) -> dict[str, Any]:
+    """What a journal records of the model that writes it: `name` (where it was loaded from, for
+    messages), its vocabulary size, dtype and fingerprint (`engine.model_fingerprint`)."""
+    return {
+        "name": name,
+        "vocab_size": engine.config.vocab_size,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "fingerprint": engine.fingerprint,
+    }
+
+
 def journal_header(
-    prompt_ids: Sequence[int], config: GenerationConfig, source: dict[str, Any] | None = None
+    prompt_ids: Sequence[int],
+    config: GenerationConfig,
+    source: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The header of a new journal: everything that decides the output (the seed must be set)."""
+    """The header of a new journal: everything that decides the output (the seed must be set) and,
+    given, the model that writes it (`model_identity`)."""
     if config.seed is None:
         raise JournalError("a journal needs a fixed seed to be resumable")
-    return {"prompt_ids": list(prompt_ids), "settings": dataclasses.asdict(config), "source": source or {}}
+    header = {"prompt_ids": list(prompt_ids), "settings": dataclasses.asdict(config), "source": source or {}}
+    if model is not None:
+        header["model"] = dict(model)
+    return header
 
 
 def _line(record: dict[str, Any]) -> bytes:
@@ -94,14 +113,26 @@ class JournalWriter:
         self.every = every
         self.pending: list[int] = []
         if header is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_suffix(self.path.suffix + ".tmp")
-            with open(temporary, "wb") as handle:
-                handle.write(_line({"format": FORMAT, **header}))
-                handle.flush()
-                os.fsync(handle.fileno())
-            temporary.replace(self.path)  # a journal exists only with a complete header
-        self.handle = open(self.path, "ab")
+            temporary = _temporary(self.path)
+            try:
+                if self.path.is_dir():
+                    raise IsADirectoryError(21, "is a directory")
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(temporary, "wb") as handle:
+                    handle.write(_line({"format": FORMAT, **header}))
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                temporary.replace(self.path)  # a journal exists only with a complete header
+            except OSError as error:
+                try:
+                    temporary.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                raise _unwritable(self.path, error) from None
+        try:
+            self.handle = open(self.path, "ab")
+        except OSError as error:
+            raise _unwritable(self.path, error) from None
 
     def _append(self, record: dict[str, Any]) -> None:
         self.handle.write(_line(record))
@@ -123,6 +154,71 @@ class JournalWriter:
         if finished:
             self._append({"finished": True})
         self.handle.close()
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_suffix(path.suffix + ".tmp")
+
+
+def _unwritable(path: Path, error: OSError) -> JournalError:
+    if path.is_dir():
+        return JournalError(f"journal {path} is a directory: name a file, e.g. {path / 'run.journal'}")
+    reason = error.strerror or type(error).__name__
+    blocking = next((parent for parent in path.parents if parent.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        reason = f"{blocking} is a file, not a directory"
+    return JournalError(f"cannot write the journal {path} ({reason}): choose a path you can write to")
+
+
+def unfinished_journal(path: Path) -> JournalState | None:
+    """The journal at `path` when it holds a generation that can still be resumed (no finished record,
+    fewer tokens than it asked for), else None (no such file, a finished journal, or not a journal)."""
+    try:
+        state = read_journal(path)
+        wanted = int(state.header["settings"]["max_new_tokens"])
+    except (JournalError, KeyError, TypeError, ValueError, OSError):
+        return None
+    return None if state.finished or len(state.tokens) >= wanted else state
+
+
+def check_new_journal(path: Path, resume_with: str, start_over: str, label: str | None = None) -> None:
+    """Refuse, before anything runs, a path where a new journal would destroy work or cannot be written:
+    an unfinished journal (`resume_with` says how to continue it, `start_over` how to start afresh),
+    another file that is not a journal, a directory, a place that cannot be written. The check writes
+    and removes a temporary file next to `path`. A finished journal may be replaced."""
+    path = Path(path)
+    label = label or str(path)
+    state = unfinished_journal(path)
+    if state is not None:
+        wanted = state.header["settings"]["max_new_tokens"]
+        raise JournalError(
+            f"{label} holds an unfinished generation ({len(state.tokens)} of {wanted} tokens): continue it "
+            f"with {resume_with}, or {start_over} to start over"
+        )
+    if path.is_dir():
+        raise JournalError(f"journal {label} is a directory: name a file, e.g. {path / 'run.journal'}")
+    if path.is_file() and path.stat().st_size and not _is_journal(path):
+        raise JournalError(f"{label} exists and is not a tokenswift journal: choose another path")
+    temporary = _temporary(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(temporary, "wb"):
+            pass
+    except OSError as error:
+        raise _unwritable(path, error) from None
+    finally:
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _is_journal(path: Path) -> bool:
+    try:
+        read_journal(path)
+    except (JournalError, OSError):
+        return False
+    return True
 
 
 def read_journal(path: Path) -> JournalState:
@@ -177,16 +273,57 @@ class Resumption:
         return dataclasses.replace(self.config, max_new_tokens=left)
 
 
+def _describe(model: Mapping[str, Any]) -> str:
+    return (
+        f"{model.get('name') or 'a model'} (vocabulary {model.get('vocab_size')}, {model.get('dtype')}, "
+        f"fingerprint {model.get('fingerprint') or 'unknown'})"
+    )
+
+
+def check_model(path: Path, state: JournalState, model: Mapping[str, Any]) -> None:
+    """Refuse to continue a journal with another model than the one that wrote it (`model_identity`).
+    A journal from before models were recorded is checked as far as it can be: its token ids must
+    lie in this model's vocabulary."""
+    recorded = state.header.get("model")
+    if recorded:
+        fingerprints = recorded.get("fingerprint"), model.get("fingerprint")
+        other = all(fingerprints) and fingerprints[0] != fingerprints[1]  # "" = not known
+        if recorded.get("vocab_size") != model["vocab_size"] or other:
+            raise JournalError(
+                f"{path} was written by {_describe(recorded)}, not by this model, {_describe(model)}: "
+                "resume it with the model that wrote it"
+            )
+        if recorded.get("dtype") != model["dtype"]:
+            raise JournalError(
+                f"{path} was written by a {recorded.get('dtype')} engine, this one runs {model['dtype']}: "
+                f"resume it in {recorded.get('dtype')} (--dtype {recorded.get('dtype')}) to continue the "
+                "same tokens"
+            )
+        return
+    ids = [*state.header.get("prompt_ids", []), *state.tokens]
+    if ids and max(ids) >= model["vocab_size"]:
+        raise JournalError(
+            f"{path} holds token id {max(ids)}, outside this model's vocabulary of {model['vocab_size']}: it "
+            "was written by another model; resume it with that one"
+        )
+
+
 def resume_journal(
-    path: Path, eos_token_ids: Sequence[int], speed: Mapping[str, Any] | None = None
+    path: Path,
+    eos_token_ids: Sequence[int],
+    speed: Mapping[str, Any] | None = None,
+    model: Mapping[str, Any] | None = None,
 ) -> Resumption:
     """Read a journal to continue it (the CLI's --resume and the Triton handler's resume=true).
 
     `speed` may override settings that change only how fast the same tokens come (tree, n-gram k,
-    partial cache); a setting that decides the tokens is refused. The journal's torn tail, if any,
-    is cut so that new records follow its last valid one.
+    partial cache); a setting that decides the tokens is refused. Given `model` (`model_identity` of
+    the engine that would continue it), a journal written by another model is refused. The journal's
+    torn tail, if any, is cut so that new records follow its last valid one.
     """
     state = read_journal(path)
+    if model is not None:
+        check_model(Path(path), state, model)
     given = {name: value for name, value in (speed or {}).items() if value is not None}
     deciding = [name for name in given if name not in SPEED_ONLY]
     if deciding:

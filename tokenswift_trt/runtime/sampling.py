@@ -26,6 +26,10 @@ from . import kernels
 from .transfer import to_device
 
 MIN_P_KEEP = 20  # min-p keeps at least this many tokens
+# beyond these the distribution is uniform over the vocabulary (or the penalty excludes a token) to
+# float precision: a larger value is a typo, not a setting
+MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 1e6
 FUSED_MAX_WIDTH = 64  # widest ranking the compiled sampler returns (plugins_cuda/cpu/sampling_cpu.cpp)
 _MASK64 = (1 << 64) - 1
 
@@ -46,8 +50,10 @@ class SamplingConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value and its valid range."""
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}"
+            )
         if self.top_k < 0:
             raise ValueError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -56,8 +62,8 @@ class SamplingConfig:
             raise ValueError(f"min-p must be in [0, 1), got {self.min_p}")
         if not 0 <= self.eta < 1:
             raise ValueError(f"eta must be in [0, 1), got {self.eta}")
-        if not self.penalty >= 1:
-            raise ValueError(f"penalty must be >= 1 (1 = off), got {self.penalty}")
+        if not 1 <= self.penalty <= MAX_PENALTY:
+            raise ValueError(f"penalty must be in [1, {MAX_PENALTY:g}] (1 = off), got {self.penalty}")
         if self.penalty_window < 0:
             raise ValueError(f"penalty window must be >= 0, got {self.penalty_window}")
 

@@ -18,7 +18,14 @@ import numpy as np
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats, generate
 from tokenswift_trt.runtime.engine import Engine, load_engine
 from tokenswift_trt.runtime.engine_dir import MANIFEST, load_engine_dir
-from tokenswift_trt.runtime.journal import JournalError, JournalWriter, journal_header, resume_journal
+from tokenswift_trt.runtime.journal import (
+    JournalError,
+    JournalWriter,
+    check_new_journal,
+    journal_header,
+    model_identity,
+    resume_journal,
+)
 from tokenswift_trt.runtime.request import config_from, manifest_defaults, with_fixed_seed
 from tokenswift_trt.runtime.text import StreamDecoder, TextCodec
 
@@ -116,7 +123,8 @@ class Session:
         if not path.is_file():
             raise RequestError(f"no journal for this request_id to resume ({path.name})")
         try:
-            resumed = resume_journal(path, self.engine.config.eos_token_ids)
+            model = model_identity(self.engine, "this server's model")
+            resumed = resume_journal(path, self.engine.config.eos_token_ids, model=model)
         except JournalError as error:
             raise RequestError(f"cannot resume {path.name}: {error}") from None
         return Request(resumed.prompt_ids, resumed.config, stream, path, resumed.done_ids, resumed.finished)
@@ -151,6 +159,12 @@ class Session:
                 f"maximum length {self.max_length}"
             )
         if journal is not None:
+            try:  # an unfinished journal of this request_id is never replaced
+                check_new_journal(
+                    journal, "resume=true", "send a new request_id", label=f"request_id {journal.stem}"
+                )
+            except JournalError as error:
+                raise RequestError(str(error)) from None
             config = with_fixed_seed(config)
         return Request(prompt_ids, config, _scalar(inputs, "stream", bool, False), journal)
 

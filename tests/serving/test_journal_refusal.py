@@ -1,0 +1,84 @@
+"""The Triton handler never replaces an unfinished journal, resumes only with the model that wrote
+it, and refuses out-of-range sampling values (Session.parse, without a server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenswift_trt.runtime.decoding import GenerationConfig
+from tokenswift_trt.runtime.journal import JournalWriter, journal_header, read_journal
+from tokenswift_trt.serving.handler import RequestError, Session
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
+pytestmark = pytest.mark.skipif(
+    not (MODEL / "model.safetensors").is_file(), reason="models/swift-tiny is not in this checkout"
+)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> Session:
+    return Session(MODEL, journal_dir=tmp_path_factory.mktemp("journals"))
+
+
+def _inputs(**values) -> dict[str, np.ndarray]:
+    inputs = {"text_input": np.array([b"It is a truth"], dtype=np.object_), "max_tokens": np.array([8])}
+    for name, value in values.items():
+        inputs[name] = np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
+    return inputs
+
+
+def _journal(path: Path, finished: bool, model: dict | None = None) -> bytes:
+    writer = JournalWriter(
+        path, journal_header([1, 2], GenerationConfig(max_new_tokens=8, seed=3), model=model)
+    )
+    writer.add([5, 6, 7])
+    writer.close(finished=finished)
+    return path.read_bytes()
+
+
+def test_a_new_request_with_the_id_of_an_unfinished_journal_is_refused(session):
+    assert session.journal_dir is not None
+    path = session.journal_dir / "job-1.journal"
+    written = _journal(path, finished=False)
+    with pytest.raises(
+        RequestError, match=r"request_id job-1 holds an unfinished generation.*resume=true.*new request_id"
+    ):
+        session.parse(_inputs(request_id="job-1"))
+    assert path.read_bytes() == written
+    assert session.parse(_inputs(request_id="job-1", resume=True)).done_ids == [5, 6, 7]
+
+    _journal(path, finished=True)
+    request = session.parse(_inputs(request_id="job-1"))  # a finished journal may be replaced
+    assert request.journal == path and request.config.seed is not None
+    assert session.parse(_inputs(request_id="job-2")).journal == session.journal_dir / "job-2.journal"
+
+
+def test_resume_of_a_journal_from_another_model_is_refused(session):
+    assert session.journal_dir is not None
+    other = {
+        "name": "/models/other",
+        "vocab_size": 8192,
+        "dtype": "float32",
+        "fingerprint": "0123456789abcdef",
+    }
+    path = session.journal_dir / "job-3.journal"
+    _journal(path, finished=False, model=other)
+    with pytest.raises(
+        RequestError, match=r"cannot resume job-3.journal: .*written by /models/other.*this server's model"
+    ):
+        session.parse(_inputs(request_id="job-3", resume=True))
+    assert not read_journal(path).finished
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), 1e300, float("nan")])
+def test_an_unusable_temperature_is_refused(session, temperature):
+    with pytest.raises(RequestError, match=r"temperature must be in \[0, 100\]"):
+        session.parse(_inputs(temperature=temperature))
+
+
+def test_a_huge_tree_is_refused_naming_it(session):
+    with pytest.raises(RequestError, match=r"tree '300,300' has 90,301 nodes"):
+        session.parse(_inputs(tree="300,300"))
