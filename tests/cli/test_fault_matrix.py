@@ -211,3 +211,15 @@ def test_resume_with_another_model_or_dtype_is_refused_naming_both(tmp_path, int
     same = _run("generate", "--resume", str(old), "--json")
     assert same.exit_code == 0, same.output
     assert json.loads(same.stdout)["new_tokens"] == 40
+
+
+def test_a_damaged_engine_directory_is_one_line_naming_the_file_and_rebuild(tmp_path):
+    engine = tmp_path / "engine"
+    assert _run("build", "--model", "swift-tiny", "--out", str(engine)).exit_code == 0
+    weights = engine / "model" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    args = ["generate", "--engine", str(engine), *PROMPT, "--max-new-tokens", "3"]
+    _one_line_error(_run(*args), str(weights), "rebuild the engine")
+    weights.write_bytes(data[:8] + bytes(len(data) - 8))  # same size, zeroed: the sha256 check
+    _one_line_error(_run(*args), str(weights), "rebuild the engine")

@@ -69,7 +69,7 @@ def test_a_new_journal_may_replace_only_a_finished_journal_or_nothing(tmp_path):
         check_new_journal(notes, "R", "S")
     with pytest.raises(JournalError, match="is a directory: name a file"):
         check_new_journal(tmp_path, "R", "S")
-    with pytest.raises(JournalError, match=r"cannot write the journal .*notes.txt is a file, not a directory"):
+    with pytest.raises(JournalError, match=r"cannot write the journal .*notes.txt is a file, not a dir"):
         check_new_journal(notes / "x.journal", "R", "S")
     assert notes.read_text() == "keep me"
 
