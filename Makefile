@@ -10,7 +10,7 @@ RANDOM_MODEL := demo/random-tiny
 DEMO_ARGS := --prompt-file models/swift-tiny/prompt.txt --ignore-eos --seed 1
 SMOLLM2_DIR := models/smollm2-135m
 
-.PHONY: install test test-slow test-all models demo demo-smollm2 demo-tiny demo-random deploy plugins clean
+.PHONY: install test test-slow test-all models demo demo-smollm2 demo-tiny demo-random deploy plugins cli-docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,10 @@ NVCC ?= $(shell command -v nvcc || echo /usr/local/bin/nvcc)
 plugins:
 	cmake -S tokenswift_trt/plugins_cuda -B build/plugins -DCMAKE_CUDA_COMPILER=$(NVCC)
 	cmake --build build/plugins -j
+
+# docs/cli.md from the commands' --help (tests/cli/test_reference.py fails when it is out of date)
+cli-docs: install
+	$(PY) -m tokenswift_trt.cli.reference > docs/cli.md
 
 clean:
 	rm -rf $(VENV) demo build *.egg-info .pytest_cache
