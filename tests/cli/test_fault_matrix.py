@@ -223,3 +223,9 @@ def test_a_damaged_engine_directory_is_one_line_naming_the_file_and_rebuild(tmp_
     _one_line_error(_run(*args), str(weights), "rebuild the engine")
     weights.write_bytes(data[:8] + bytes(len(data) - 8))  # same size, zeroed: the sha256 check
     _one_line_error(_run(*args), str(weights), "rebuild the engine")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0.5"])
+def test_bench_accept_length_must_be_a_finite_number_from_one(value):
+    args = ["bench", "--model", "swift-tiny", "--random-weights", "--tree", "1,3", "--accept-length", value]
+    _one_line_error(_run(*args), "--accept-length must be at least 1")

@@ -231,7 +231,7 @@ def _random_weights_source(
             "--random-weights needs a static --tree (e.g. 1,3,3,3): `auto` tunes on acceptance, which "
             "random weights do not have"
         )
-    if accept_length is not None and accept_length < 1:
+    if accept_length is not None and not 1 <= accept_length < float("inf"):  # nan and inf too
         raise CliError(f"--accept-length must be at least 1 (tokens per iteration), got {accept_length}")
     defaults = dict(PRESETS[model].defaults) if model in PRESETS else {}
     generation_config(1, "tokenswift", opts, defaults)  # bad settings fail before any weights are built
