@@ -290,6 +290,32 @@ def test_front_without_tritonserver_lists_its_model_and_answers_503():
         assert status == 404 and "POST /v1/completions" in error["message"]
 
 
+def test_a_server_dying_mid_stream_ends_the_stream_with_an_error_event():
+    """The generate_stream connection torn after one piece (tritonserver killed): the client gets the
+    piece, then OpenAI's error event, never a hang or a traceback."""
+    import http.client
+
+    closed = []
+
+    class TornStream:
+        def stream(self, params):
+            def events():
+                yield {"text_output": " Once"}
+                raise http.client.IncompleteRead(b"")
+
+            return events(), lambda: closed.append(True)
+
+    with OpenAIFrontend(f"127.0.0.1:{_closed_port()}", MODEL, port=0) as front:
+        front.api.triton = TornStream()
+        client = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0)
+        stream = client.completions.create(model="swift-tiny", prompt=PROMPT, max_tokens=8, stream=True)
+        texts = []
+        with pytest.raises(openai.APIError, match="the inference server stopped answering"):
+            for chunk in stream:
+                texts.append(chunk.choices[0].text)
+    assert texts == [" Once"] and closed
+
+
 # --- against a real tritonserver --------------------------------------------------------------
 
 

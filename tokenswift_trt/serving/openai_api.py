@@ -12,6 +12,7 @@ OpenAI fields this server cannot honour are refused unless they hold their neutr
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import math
@@ -544,7 +545,10 @@ class TritonGenerate:
 
     def generate(self, params: dict[str, Any]) -> dict[str, Any]:
         with self._open(params, stream=False) as response:
-            data = json.loads(response.read())
+            try:
+                data = json.loads(response.read())
+            except UPSTREAM_FAULTS as error:
+                raise _stopped_answering(error) from None
         if "error" in data:
             raise _relayed(400, json.dumps(data).encode())
         return data
@@ -564,6 +568,17 @@ class TritonGenerate:
                         yield data
 
         return events(), response.close
+
+
+UPSTREAM_FAULTS = (OSError, http.client.HTTPException, ValueError)  # a connection cut, a torn answer
+
+
+def _stopped_answering(error: Exception) -> ApiError:
+    return ApiError(
+        f"the inference server stopped answering ({type(error).__name__}: {error}): see its log",
+        status=500,
+        kind="server_error",
+    )
 
 
 def _relayed(status: int, raw: bytes) -> ApiError:
@@ -795,18 +810,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         try:
-            try:
-                for data in chunks:
-                    self._event(json.dumps(data))
-            except ApiError as error:  # after the stream began: an error event, as OpenAI sends
-                self._event(json.dumps(error.body()))
-            except OSError as error:
-                if isinstance(error, BrokenPipeError | ConnectionResetError):
-                    raise
-                fault = ApiError(f"the inference server stopped answering: {error}", 500, kind="server_error")
-                self._event(json.dumps(fault.body()))
+            while True:
+                try:
+                    data = next(chunks)
+                except StopIteration:
+                    break
+                except ApiError as error:  # after the stream began: an error event, as OpenAI sends
+                    data = error.body()
+                except UPSTREAM_FAULTS as error:
+                    data = _stopped_answering(error).body()
+                self._event(json.dumps(data))
+                if "error" in data:
+                    break
             self._event("[DONE]")
-        except (BrokenPipeError, ConnectionResetError):  # the client left: drop Triton's stream (it cancels)
+        except OSError:  # the client left: drop Triton's stream (it cancels the generation)
             pass
         finally:
             close()
