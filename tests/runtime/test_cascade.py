@@ -507,7 +507,7 @@ def test_prefix_backends_and_launches_parse_and_bad_ones_say_what_is_allowed():
     assert parse_prefix_backend("triton:128,64,8,3,loads") == ("triton", PrefixConfig(128, 64, 8, 3))
     assert default_prefix_config(256) == PrefixConfig(128, 64, 8, 3)
     assert default_prefix_config(28) == PrefixConfig(64, 64, 4, 3)
-    # Hopper and later: the split loop on 64 x 64 tiles (the H100 sweep); older GPUs keep the measured loads
+    # Hopper and later: the split loop on 64 x 64 tiles (best on an H100); older GPUs keep the masked loads
     assert default_prefix_config(256, (9, 0)) == PrefixConfig(64, 64, 4, 3, "split")
     assert default_prefix_config(28, (10, 0)) == PrefixConfig(64, 64, 4, 3, "split")
     assert default_prefix_config(256, (8, 0)) == PrefixConfig(128, 64, 8, 3)

@@ -116,7 +116,7 @@ class HostValueCopies(TorchDispatchMode):
 @pytest.mark.parametrize("kernel", ["default", "flash_cascade"])
 def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch, kernel):
     """What CUDA graph capture needs, checked on the CPU: no operation of an iteration reads a
-    tensor made from host data (the H100 run found `matched[0] = True` in the walk this way); the
+    tensor made from host data (on a GPU such a read makes the walk see `matched[0] = True`); the
     FlashAttention cascade's verify included (its key ranges come from the device-side length)."""
     if kernel != "default":  # the shared engine gets its kernel back after the test
         monkeypatch.setattr(llama_engine64.model, "attention_kernel", kernel)

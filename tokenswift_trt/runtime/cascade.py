@@ -34,7 +34,7 @@ ALIGNED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 # the Triton prefix block's kernels (`triton_prefix`): "loads", every key tile through masked pointer
-# loads (the kernel the fifth H200 session measured); "split", whole key tiles unmasked and one masked
+# loads (the default before Hopper); "split", whole key tiles unmasked and one masked
 # tail per range, the softmax scale folded into the exponent's argument, P·V accumulated by the product
 # itself; "tma", "split" with the whole tiles' keys and values fetched by the tensor memory accelerator
 # (Hopper and later)
@@ -59,8 +59,8 @@ class PrefixConfig:
 
 def default_prefix_config(rows: int, capability: tuple[int, int] | None = None) -> PrefixConfig:
     """The launch measured best (docs/gpu.md): on Hopper and later (`capability` >= (9, 0)) the split
-    loop on 64 x 64 tiles, 4 warps, 3 stages (the H100 sweep of stop 41: best or within 3% at 32K and
-    102K keys for 64 and 128 nodes); elsewhere the masked-loads kernel the fifth H200 session measured,
+    loop on 64 x 64 tiles, 4 warps, 3 stages (in a sweep of launches on an H100: best or within 3% at
+    32K and 102K keys for 64 and 128 nodes); elsewhere the masked-loads kernel, measured on an H200,
     128-row tiles where there are more than 64 rows (the split loop spills registers on sm_80)."""
     if capability is not None and capability >= (9, 0):
         return PrefixConfig(64, 64, 4, 3, "split")

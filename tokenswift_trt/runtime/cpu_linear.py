@@ -1,8 +1,8 @@
 """Linear layers whose inference on a CPU runs on a prepacked weight.
 
 Why: with PyTorch's default CPU path (MKL sgemm) a float32 linear over M rows costs about M times
-one row on the machines this project is developed on (AMD EPYC: MKL takes its generic code path),
-so verifying a 4-token tree paid 3-4x an AR step in its matmuls. Two packed layouts:
+one row on AMD EPYC CPUs (MKL takes its generic code path there), so verifying a 4-token tree
+would pay 3-4x an AR step in its matmuls. Two packed layouts:
 
 - "tiled" (float32 on x86 with AVX2, the default where the CPU kernels build): our own kernel,
   plugins_cuda/cpu/linear_cpu.cpp. On SmolLM2-135M's layer shapes (2-core EPYC) one row streams

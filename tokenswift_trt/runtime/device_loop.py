@@ -75,7 +75,7 @@ class DeviceNgramTable:
         """Fill an empty table from every gram of tokens [L] at once (the setup before the loop): each
         start token's k most counted grams with their exact counts, ties to the earlier first
         occurrence, most counted in slot 0. A handful of device ops for any L: adding the grams one by
-        one was ~10 launches each, seconds at a 100K-token prompt (docs/gpu.md, "H200, fourth session")."""
+        one takes ~10 launches each, seconds at a 100K-token prompt on an H200."""
         if bool(self.counts.any()):
             raise ValueError("add_all fills an empty n-gram table; later grams go through add")
         count = tokens.numel() - GRAM + 1

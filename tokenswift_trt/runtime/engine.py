@@ -228,10 +228,10 @@ def load_engine(
 
 CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `auto` (default), `kernel` or `flash_cascade`
 CUDA_ATTENTION_CHOICES = ("auto", "kernel", "flash_cascade")
-# `auto`: the cascade where T query rows x the committed keys reach this. On an H200 (8B shape, bf16,
-# fifth session) the cascade with its fused tail and Triton prefix block crossed the tree kernel near
-# 5.6K keys for T = 64 and 8.1K for T = 128 (the mean of T x keys; the first cascade, FlashAttention-2's
-# prefix block and a tail of PyTorch ops, crossed near 70K / 36K).
+# `auto`: the cascade where T query rows x the committed keys reach this. On an H200 (8B shape, bf16)
+# the cascade with its fused tail and Triton prefix block crosses the tree kernel near 5.6K keys for
+# T = 64 and 8.1K for T = 128 (the mean of T x keys; with FlashAttention-2's prefix block and a tail of
+# PyTorch ops instead, near 70K / 36K).
 CASCADE_MIN_WORK = 697_536
 CASCADE_MIN_WORK_ENV = "TOKENSWIFT_CASCADE_MIN_WORK"  # a positive integer overrides CASCADE_MIN_WORK
 # `kernel` (default): the cascade's tree block and merge through src/cascade_tail.cu (one launch per

@@ -496,7 +496,7 @@ class LlamaModel(nn.Module):
         """Verify through the FlashAttention cascade where T query rows over `capacity` keys make
         T * capacity >= `min_work`, and through `fallback` ("tree_attention" or "sdpa") otherwise: the
         cascade's tree block and merge cost a fixed ~0.1 ms per layer, which only long contexts and
-        wide trees repay (docs/gpu.md, "H200, fourth session")."""
+        wide trees repay (measured on an H200)."""
         if fallback not in ("tree_attention", "sdpa"):
             raise ValueError(f"the cascade's fallback must be tree_attention or sdpa, got {fallback!r}")
         self.attention_kernel = "flash_cascade"

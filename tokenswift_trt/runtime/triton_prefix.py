@@ -4,7 +4,7 @@ What it computes is `cascade._flash_varlen`'s: the packed rows of each KV head (
 R = group x T) attend without a mask to the committed keys, cut into `splits` consecutive ranges
 whose bounds (`offsets`, [splits + 1] int32) live on the device; per range, every row's output
 normalised within it and the log-sum-exp of its scores. Why a kernel of our own: PyTorch's
-FlashAttention-2 ran this block at ~170-250 TFLOP/s on an H200 (docs/gpu.md, "H200, fourth session"),
+FlashAttention-2 runs this block at ~170-250 TFLOP/s on an H200,
 while Triton lowers `tl.dot` to Hopper's wgmma and pipelines the key tiles' loads; and the grid
 (row block, KV head, range) reads each range's keys for all of a head's rows in adjacent programs.
 

@@ -170,11 +170,11 @@ void run_linear(const float* x_data, int64_t rows, int64_t depth, const W* w_dat
                 // prefetches into L2 of the pass two ahead in the stream (~48 KB on in float32: this
                 // block's later k, or the next blocks), a k at a time each, keeping the memory busy
                 // through all of them. Prefetching only the next pass, only from the second tile,
-                // into L1 (until 2026-11-25) left it idle while the first tile worked: 5 and 8 rows
-                // of SmolLM2's 30 layers cost 1.25x and 1.59x one row on the 2-core AVX2 EPYC, 1.09x
-                // and 1.33x with this. A single tile relied on the hardware prefetcher until stop 45,
-                // which on the 2-core AVX-512 Xeon left 4 rows at 1.40x one row (a tile's longer
-                // multiply-add work per k outran it); prefetching there too: 1.06x (docs/runtime.md).
+                // into L1 leaves it idle while the first tile works: 5 and 8 rows of SmolLM2's 30
+                // layers cost 1.25x and 1.59x one row on the 2-core AVX2 EPYC that way, 1.09x and
+                // 1.33x with this. A single tile prefetches too: left to the hardware prefetcher, 4
+                // rows cost 1.40x one row on the 2-core AVX-512 Xeon (a tile's longer multiply-add
+                // work per k outruns it), 1.06x with prefetches (docs/runtime.md).
                 const char* later = reinterpret_cast<const char*>(w + (k0 + kAhead * kDepth) * kWidth);
                 for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
                     const int64_t count = (rows - r0) / (tiles - t);

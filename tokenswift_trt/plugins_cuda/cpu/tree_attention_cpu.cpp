@@ -124,7 +124,7 @@ inline V vexp(V x) {
 // 32 rows 256 bytes apart, which the hardware prefetcher does not follow (SmolLM2's 30 layers at 4K
 // context took 19 ms for 1 token on the AVX-512 Zen 4, 8 ms with them). Prefetching a whole block in
 // one burst measured no faster than nothing (the misses queue up behind each other), and all 2 x D
-// lines in the score loop (until stop 45) stalled that loop on the AVX-512 Xeon, whose cores keep ~16
+// lines in the score loop alone stall that loop on the AVX-512 Xeon, whose cores keep ~16
 // misses in flight, while the memory idled through the softmax and P·V; spread over both loops, 30
 // layers at 4,096 keys took 12.7 ms instead of 14.5 (1 and 4 tokens alike). Addresses past the
 // cache's end are harmless (a prefetch never faults).
@@ -282,7 +282,7 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
 //   value vector loaded once for the R rows. A row at a time loads a vector per multiply-add, which
 //   with the softmax's bookkeeping held a 4-token verify (12 rows) to ~40% of the two cores'
 //   multiply-add rate on the AVX2 EPYC; SmolLM2's 30 layers at 4,096 keys, T = 4: 16.8 ms with
-//   8-lane row tiles (the path until 2026-11-25), 12.3 ms with these (docs/runtime.md).
+//   8-lane row tiles, 12.3 ms with these (docs/runtime.md).
 #include <immintrin.h>
 
 #define TOKENSWIFT_ATTENTION_ROWS 1
