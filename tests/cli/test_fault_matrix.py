@@ -13,7 +13,9 @@ from click.testing import CliRunner
 
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.runtime.journal import JournalWriter, read_journal
+from tokenswift_trt.runtime.config import load_config
+from tokenswift_trt.runtime.decoding import GenerationConfig
+from tokenswift_trt.runtime.journal import JournalWriter, journal_header, read_journal
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
 PROMPT = ["--prompt", "It is a truth universally acknowledged"]
@@ -229,3 +231,17 @@ def test_a_damaged_engine_directory_is_one_line_naming_the_file_and_rebuild(tmp_
 def test_bench_accept_length_must_be_a_finite_number_from_one(value):
     args = ["bench", "--model", "swift-tiny", "--random-weights", "--tree", "1,3", "--accept-length", value]
     _one_line_error(_run(*args), "--accept-length must be at least 1")
+
+
+def test_resuming_a_journal_that_ended_at_eos_before_its_end_record_marks_it_finished(tmp_path):
+    eos = load_config(MODEL).eos_token_ids[0]
+    journal = tmp_path / "run.journal"
+    header = journal_header([1, 2], GenerationConfig(max_new_tokens=40, seed=1), {"model_dir": str(MODEL)})
+    writer = JournalWriter(journal, header)
+    writer.add([5, eos])
+    writer.close(finished=False)  # killed after the EOS record, before the end record
+    _one_line_error(_generate("--max-new-tokens", "3", "--journal", str(journal)), "unfinished")
+    resumed = _run("generate", "--resume", str(journal), "--json")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout)["token_ids"] == [5, eos] and read_journal(journal).finished
+    assert _generate("--max-new-tokens", "3", "--journal", str(journal)).exit_code == 0

@@ -82,6 +82,8 @@ def test_a_writer_that_cannot_write_leaves_no_temporary_file(tmp_path):
     with pytest.raises(JournalError, match="cannot write the journal"):
         JournalWriter(Path("/proc/tokenswift-no-such-dir/run.journal"), header)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir"]
+    with pytest.raises(JournalError, match="is a directory: give the journal file"):
+        read_journal(tmp_path / "dir")  # --resume DIR
 
 
 def test_resume_refuses_another_model_or_dtype_and_checks_old_journals_by_vocabulary(tmp_path):

@@ -111,9 +111,10 @@ def generate(
         if deciding:
             raise CliError(f"--resume continues with the journal's own settings: drop {', '.join(deciding)}")
         try:
-            header = read_journal(resume).header
+            recorded_state = read_journal(resume)
         except JournalError as error:
             raise fail(error) from None
+        header = recorded_state.header
         recorded = header.get("source") or {}
         if model is None and model_dir is None and engine_dir is None:
             model_dir, engine_dir, heads = (
@@ -148,7 +149,12 @@ def generate(
             resumed.done_ids,
             resumed.finished,
         )
-        writer = None if finished else JournalWriter(resume, every=journal_every)
+        try:
+            if finished and not recorded_state.finished:  # it ended (EOS, every token) just before a crash
+                JournalWriter(resume).close(finished=True)  # so that a new run may replace it
+            writer = None if finished else JournalWriter(resume, every=journal_every)
+        except JournalError as error:
+            raise fail(error) from None
         run_config = resumed.remaining_config()
     else:
         if max_new_tokens is None:

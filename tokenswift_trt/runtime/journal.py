@@ -1,10 +1,12 @@
 """Crash-safe journals of long generations, for resuming them token for token.
 
 A journal is a text file of records, one per line: JSON, a tab, then the CRC32 of the JSON
-(hex). The first record is the header (prompt ids and every setting that decides the output,
-seed included); each later record holds token ids committed since the previous one. Every
-append is written and fsync'd before it counts. A torn or corrupt last record (a crash mid-write)
-fails its CRC and is ignored, with everything before it intact.
+(hex). The first record is the header (prompt ids, every setting that decides the output, seed
+included, and the model that writes it); each later record holds token ids committed since the
+previous one, and a last record marks the generation finished. A new journal never replaces one
+whose generation is unfinished (`check_new_journal`). Every append is written and fsync'd before
+it counts. A torn or corrupt last record (a crash mid-write) fails its CRC and is ignored, with
+everything before it intact.
 """
 
 from __future__ import annotations
@@ -223,9 +225,14 @@ def _is_journal(path: Path) -> bool:
 
 def read_journal(path: Path) -> JournalState:
     path = Path(path)
+    if path.is_dir():
+        raise JournalError(f"journal {path} is a directory: give the journal file")
     if not path.is_file():
         raise JournalError(f"journal {path} does not exist")
-    lines = path.read_bytes().splitlines(keepends=True)
+    try:
+        lines = path.read_bytes().splitlines(keepends=True)
+    except OSError as error:
+        raise JournalError(f"cannot read journal {path} ({error.strerror or type(error).__name__})") from None
     header = _parse(lines[0]) if lines else None
     if header is None or header.get("format") not in (FORMAT, *EARLIER_SAMPLER_FORMATS):
         raise JournalError(f"{path} is not a tokenswift journal (or its header is damaged)")
