@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -186,8 +187,8 @@ def unfinished_journal(path: Path) -> JournalState | None:
 def check_new_journal(path: Path, resume_with: str, start_over: str, label: str | None = None) -> None:
     """Refuse, before anything runs, a path where a new journal would destroy work or cannot be written:
     an unfinished journal (`resume_with` says how to continue it, `start_over` how to start afresh),
-    another file that is not a journal, a directory, a place that cannot be written. The check writes
-    and removes a temporary file next to `path`. A finished journal may be replaced."""
+    another file that is not a journal, a directory, a place that cannot be written (probed with a
+    temporary file, removed). A finished journal may be replaced."""
     path = Path(path)
     label = label or str(path)
     state = unfinished_journal(path)
@@ -201,18 +202,13 @@ def check_new_journal(path: Path, resume_with: str, start_over: str, label: str 
         raise JournalError(f"journal {label} is a directory: name a file, e.g. {path / 'run.journal'}")
     if path.is_file() and path.stat().st_size and not _is_journal(path):
         raise JournalError(f"{label} exists and is not a tokenswift journal: choose another path")
-    temporary = _temporary(path)
+    # the directory that exists (the writer creates the rest) must take a file: probe it, leaving nothing
+    existing = next(parent for parent in path.parents if parent.exists())
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(temporary, "wb"):
+        with tempfile.TemporaryFile(dir=existing, prefix=".tokenswift-journal-"):
             pass
     except OSError as error:
         raise _unwritable(path, error) from None
-    finally:
-        try:
-            temporary.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _is_journal(path: Path) -> bool:
