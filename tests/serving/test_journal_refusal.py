@@ -3,6 +3,7 @@ it, and refuses out-of-range sampling values (Session.parse, without a server)."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,3 +83,48 @@ def test_an_unusable_temperature_is_refused(session, temperature):
 def test_a_huge_tree_is_refused_naming_it(session):
     with pytest.raises(RequestError, match=r"tree '300,300' has 90,301 nodes"):
         session.parse(_inputs(tree="300,300"))
+
+
+@pytest.mark.slow
+def test_a_real_server_refuses_reusing_an_unfinished_request_id_and_bad_values_at_once(tmp_path):
+    pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[all]")
+    from tokenswift_trt.serving.client import ClientError, grpc_generate
+    from tokenswift_trt.serving.server import ServerConfig, TritonServer, _bundled, free_port
+
+    if _bundled() is None:
+        pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
+    journals = tmp_path / "journals"
+    journals.mkdir()
+    written = _journal(journals / "job-1.journal", finished=False)
+    other = {
+        "name": "/models/other",
+        "vocab_size": 8192,
+        "dtype": "float32",
+        "fingerprint": "0123456789abcdef",
+    }
+    _journal(journals / "job-2.journal", finished=False, model=other)
+    config = ServerConfig(
+        engine=MODEL,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        journal_dir=journals,
+    )
+    request = {"text_input": "It is a truth", "max_tokens": 4, "seed": 1}
+    with TritonServer(config, log_path=tmp_path / "server.log") as server:
+        with pytest.raises(
+            ClientError, match=r"request_id job-1 holds an unfinished generation.*resume=true"
+        ):
+            grpc_generate(server.grpc_url, {**request, "request_id": "job-1"})
+        assert (journals / "job-1.journal").read_bytes() == written
+        with pytest.raises(ClientError, match=r"cannot resume job-2.journal: .*written by /models/other"):
+            grpc_generate(server.grpc_url, {"request_id": "job-2", "resume": True})
+        with pytest.raises(ClientError, match=r"temperature must be in \[0, 100\]"):
+            grpc_generate(server.grpc_url, {**request, "temperature": float("inf")})
+        started = time.perf_counter()
+        with pytest.raises(ClientError, match=r"tree '300,300' has 90,301 nodes"):
+            grpc_generate(server.grpc_url, {**request, "tree": "300,300"})
+        assert time.perf_counter() - started < 5
+        resumed = grpc_generate(server.grpc_url, {"request_id": "job-1", "resume": True})
+        assert len(read_journal(journals / "job-1.journal").tokens) == 8 and resumed.text
+        assert grpc_generate(server.grpc_url, {**request, "request_id": "job-1"}).text  # finished: replaced
