@@ -68,10 +68,24 @@ def test_resume_of_a_journal_from_another_model_is_refused(session):
     path = session.journal_dir / "job-3.journal"
     _journal(path, finished=False, model=other)
     with pytest.raises(
-        RequestError, match=r"cannot resume job-3.journal: .*written by /models/other.*this server's model"
+        RequestError, match=r"cannot resume job-3.journal: .*written by /models/other.*swift-tiny"
     ):
         session.parse(_inputs(request_id="job-3", resume=True))
     assert not read_journal(path).finished
+
+
+def test_a_server_journal_records_the_model_and_resumes_only_with_it(session, tmp_path):
+    request = session.parse(_inputs(request_id="recorded", seed=np.uint64(4)))
+    session.run(request, on_text=lambda piece: None, cancelled=lambda: False)
+    path = session.journal_dir / "recorded.journal"
+    header = read_journal(path).header
+    assert header["model"]["fingerprint"] == session.engine.fingerprint
+    assert header["model"]["vocab_size"] == session.engine.config.vocab_size
+    # a journal by the same model but another fingerprint (another checkpoint) is refused on resume
+    other = {**header["model"], "fingerprint": "0" * len(header["model"]["fingerprint"]), "name": "other"}
+    _journal(session.journal_dir / "foreign.journal", finished=False, model=other)
+    with pytest.raises(RequestError, match="other"):
+        session.parse(_inputs(request_id="foreign", resume=True))
 
 
 @pytest.mark.parametrize("temperature", [float("inf"), 1e300, float("nan")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -40,6 +41,28 @@ def server(tmp_path_factory):
     config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics)
     with TritonServer(config, log_path=tmp_path_factory.mktemp("triton") / "server.log") as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def front(server):
+    """The published HTTP port of `serve`: generate bodies checked, everything relayed to Triton."""
+    from tokenswift_trt.serving.http_front import HttpFront
+    from tokenswift_trt.serving.server import MODEL_REPO
+
+    config = MODEL_REPO / "tokenswift" / "config.pbtxt"
+    with HttpFront("127.0.0.1", 0, server.http_url, config) as running:
+        yield running
+
+
+def _post(url: str, path: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://{url}{path}", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read().removeprefix(b"data: "))
+    except urllib.error.HTTPError as error:  # generate_stream words its error as one event
+        return error.code, json.loads(error.read().removeprefix(b"data: "))
 
 
 def _cli_text(seed: int, max_tokens: int) -> str:
@@ -294,3 +317,60 @@ def test_metrics_add_up_after_known_requests(server):
     assert delta(f"tokenswift:time_to_first_token_seconds_count{model}") == 3
     assert delta(f"tokenswift:time_per_output_token_seconds_count{model}") == 3
     assert delta(f"tokenswift:e2e_request_latency_seconds_count{model}") == 4
+
+
+MALFORMED_BODIES = [
+    (b"hello", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (json.dumps({"text_input": PROMPT, "max_tokens": "ten"}).encode(), "max_tokens must be an integer"),
+    (json.dumps({"text_input": PROMPT, "max_tokens": 3.5}).encode(), "max_tokens must be an integer"),
+    (json.dumps({"text_input": PROMPT, "max_tokens": 8, "seed": -1}).encode(), "seed must be"),
+    (json.dumps({"text_input": PROMPT, "max_tokens": 8, "seed": 2**70}).encode(), "seed must be"),
+    (json.dumps({"text_input": PROMPT, "max_tokens": 8, "ignore_eos": "yes"}).encode(), "ignore_eos"),
+    (json.dumps({"text_input": PROMPT, "max_tokens": 8, "temprature": 0}).encode(), "temprature"),
+    (json.dumps({"text_input": PROMPT, "max_tokens": 8, "temperature": 1e300}).encode(), "temperature"),
+]
+
+
+@pytest.mark.slow
+def test_the_http_front_answers_malformed_bodies_with_400_and_relays_the_rest(server, front):
+    for body, match in MALFORMED_BODIES:
+        for path in ("generate", "generate_stream"):
+            status, answer = _post(front.url, f"/v2/models/tokenswift/{path}", body)
+            assert status == 400 and match in answer["error"], (body, status, answer)
+    # an unknown field sent straight to Triton is refused by the model itself, also with 400
+    status, answer = _post(server.http_url, "/v2/models/tokenswift/generate", MALFORMED_BODIES[7][0])
+    assert status == 400 and "temprature" in answer["error"]
+    # valid requests through the front: the same text as Triton's endpoint, whole and streamed
+    direct = generate_endpoint(server.http_url, _params(41, max_tokens=16), stream=False)
+    assert generate_endpoint(front.url, _params(41, max_tokens=16), stream=False).text == direct.text
+    streamed = generate_endpoint(front.url, _params(41, max_tokens=16), stream=True)
+    assert streamed.text == direct.text and streamed.chunks > 2
+    with urllib.request.urlopen(f"http://{front.url}/v2/health/ready", timeout=10) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(f"http://{front.url}/v2/models/tokenswift/config", timeout=10) as response:
+        assert json.loads(response.read())["name"] == "tokenswift"
+
+
+@pytest.mark.slow
+def test_disconnecting_mid_stream_through_the_front_cancels_the_request(server, front):
+    before = _scrape(server)
+    body = json.dumps(_params(42, max_tokens=3000, method="ar")).encode()
+    host, port = front.url.rsplit(":", 1)
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall(
+        b"POST /v2/models/tokenswift/generate_stream HTTP/1.1\r\nHost: x\r\n"
+        + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    received = b""
+    while received.count(b"data: ") < 3:
+        received += connection.recv(65536)
+    connection.close()
+    cancelled = 'tokenswift:request_success_total{model="tokenswift",outcome="cancelled"}'
+    for _ in range(200):
+        if _scrape(server).get(cancelled, 0) > before.get(cancelled, 0):
+            break
+        threading.Event().wait(0.1)
+    assert _scrape(server)[cancelled] == before.get(cancelled, 0) + 1
+    assert grpc_generate(server.grpc_url, _params(43, max_tokens=8)).text  # and it keeps serving

@@ -77,42 +77,51 @@ def serve(
     import signal
     import time
 
+    from tokenswift_trt.serving.http_front import HttpFront
     from tokenswift_trt.serving.openai_api import FrontendError, OpenAIFrontend
-    from tokenswift_trt.serving.server import ServerConfig, ServerError, TritonServer
+    from tokenswift_trt.serving.server import MODEL_REPO, ServerConfig, ServerError, TritonServer, free_port
 
+    # tritonserver's HTTP endpoint stays on loopback; the published HTTP port is the front that checks
+    # generate requests before relaying them (a malformed body gets HTTP 400, not Triton's 500)
     config = ServerConfig(
         engine=engine_dir,
         host=host,
-        http_port=http_port,
+        http_port=free_port(),
         grpc_port=grpc_port,
         metrics_port=metrics_port,
         instances=instances,
         device=device,
         journal_dir=journal_dir,
         memory_budget_gib=memory_budget,
+        http_host="127.0.0.1",
     )
     server = TritonServer(config, log_path=log_file)
     click.echo(f"starting tritonserver (log: {server.log_path})", err=True)
+    fronts: list = []
+
+    def shut_down() -> None:
+        for front in fronts:
+            front.stop()
+        server.stop()  # ends the stubs too and frees their shared memory, whatever state they are in
+
     try:
         server.start()
-    except ServerError as error:
-        server.stop()
+        http = HttpFront(host, http_port, server.http_url, MODEL_REPO / "tokenswift" / "config.pbtxt").start()
+        fronts.append(http)
+        if openai_port:
+            fronts.append(
+                OpenAIFrontend(server.http_url, engine_dir, host, openai_port, served_model_name).start()
+            )
+    except (ServerError, FrontendError, OSError) as error:
+        shut_down()
         server.cleanup()
         raise fail(error) from None
-    front = None
-    if openai_port:
-        try:
-            front = OpenAIFrontend(server.http_url, engine_dir, host, openai_port, served_model_name).start()
-        except FrontendError as error:
-            server.stop()
-            server.cleanup()
-            raise fail(error) from None
-    openai_url = f"  openai {front.url}" if front else ""
+    openai_url = f"  openai {fronts[1].url}" if openai_port else ""
     click.echo(
-        f"ready: http://{server.http_url}  grpc {server.grpc_url}  metrics {server.metrics_url}{openai_url}"
+        f"ready: http://{http.url}  grpc {server.grpc_url}  metrics {server.metrics_url}{openai_url}"
     )
     click.echo(
-        f"try: curl -X POST http://{server.http_url}/v2/models/tokenswift/generate "
+        f"try: curl -X POST http://{http.url}/v2/models/tokenswift/generate "
         '-d \'{"text_input": "Once upon a time", "max_tokens": 64}\''
     )
     stopping = []
@@ -126,9 +135,7 @@ def serve(
     finally:
         if crashed is None:
             click.echo("stopping tritonserver", err=True)
-        if front is not None:
-            front.stop()
-        server.stop()  # ends the stubs too and frees their shared memory, whatever state they are in
+        shut_down()
         tail = server.log_tail() if crashed is not None else ""
         server.cleanup()
     if crashed is not None:

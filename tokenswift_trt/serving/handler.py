@@ -94,6 +94,8 @@ class Session:
         memory_budget: int | None = None,
     ) -> None:
         source = Path(source)
+        # what journals record of the model (resume refuses a journal of another model)
+        self.model_name = str(source)
         self.memory_budget = memory_budget  # bytes the caches of one request may use; None = free memory
         self.journal_dir = Path(journal_dir) if journal_dir else None
         if self.journal_dir is not None:
@@ -123,7 +125,7 @@ class Session:
         if not path.is_file():
             raise RequestError(f"no journal for this request_id to resume ({path.name})")
         try:
-            model = model_identity(self.engine, "this server's model")
+            model = model_identity(self.engine, self.model_name)
             resumed = resume_journal(path, self.engine.config.eos_token_ids, model=model)
         except JournalError as error:
             raise RequestError(f"cannot resume {path.name}: {error}") from None
@@ -186,7 +188,9 @@ class Session:
             header = (
                 None
                 if request.done_ids or request.finished
-                else journal_header(request.prompt_ids, request.config)
+                else journal_header(
+                    request.prompt_ids, request.config, model=model_identity(self.engine, self.model_name)
+                )
             )
             writer = JournalWriter(request.journal, header, every=16)
 

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,14 @@ class ServerConfig:
     device: str = "cpu"
     journal_dir: Path | None = None  # request journals (request_id / resume); None = no journals
     memory_budget_gib: float | None = None  # per-request cache memory cap; None = the free memory
+    http_host: str | None = None  # address of tritonserver's HTTP endpoint; None = `host`
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for an endpoint only this machine reaches)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def _bundled() -> tuple[Path, Path] | None:
@@ -105,7 +114,7 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"{self.config.host}:{self.config.http_port}"
+        return f"{self.config.http_host or self.config.host}:{self.config.http_port}"
 
     @property
     def grpc_url(self) -> str:
@@ -145,7 +154,7 @@ class TritonServer:
             str(binary),
             f"--model-repository={repo}",
             *backend_args,
-            f"--http-address={c.host}",
+            f"--http-address={c.http_host or c.host}",
             f"--http-port={c.http_port}",
             f"--grpc-address={c.host}",
             f"--grpc-port={c.grpc_port}",
