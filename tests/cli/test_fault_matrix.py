@@ -245,3 +245,13 @@ def test_resuming_a_journal_that_ended_at_eos_before_its_end_record_marks_it_fin
     assert resumed.exit_code == 0, resumed.output
     assert json.loads(resumed.stdout)["token_ids"] == [5, eos] and read_journal(journal).finished
     assert _generate("--max-new-tokens", "3", "--journal", str(journal)).exit_code == 0
+
+
+@pytest.mark.parametrize("option", ["--http-port", "--grpc-port", "--metrics-port"])
+@pytest.mark.parametrize("port", ["99999", "0", "-1"])
+def test_serve_refuses_a_port_out_of_range_before_starting_anything(option, port):
+    started = time.monotonic()
+    result = CliRunner().invoke(main, ["serve", "--engine", str(MODEL), option, port])
+    assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output
+    assert "1<=x<=65535" in result.output and "Traceback" not in result.output
+    assert time.monotonic() - started < 5  # refused by the option, before tritonserver starts
