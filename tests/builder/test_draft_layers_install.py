@@ -11,12 +11,14 @@ import pytest
 
 from tokenswift_trt.builder.presets import (
     HEADS_RECORD,
+    MODEL_DIR_DEFAULTS,
     MODEL_DIR_HEADS,
     PRESETS,
     REPOSITORY,
     PresetError,
     draft_layers_hint,
     install_draft_layers,
+    read_model_defaults,
 )
 from tokenswift_trt.builder.smollm2 import SMOLLM2_SHA256, prepare_smollm2
 
@@ -51,8 +53,8 @@ def test_layers_are_added_once_a_stale_copy_is_refreshed_and_a_users_own_file_is
 
 
 def test_an_earlier_import_without_layers_gets_them_without_being_imported_again(tmp_path):
-    """`make models` on a directory imported before the layers were copied in adds them (the import
-    record is complete, so the GGUF is not read: the files only need their recorded sizes)."""
+    """`make models` on a directory imported before the layers and settings were written adds them (the
+    import record is complete, so the GGUF is not read: the files only need their recorded sizes)."""
     record = {
         "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
         "sha256": SMOLLM2_SHA256,
@@ -70,6 +72,9 @@ def test_an_earlier_import_without_layers_gets_them_without_being_imported_again
 
     assert prepare_smollm2(tmp_path) == tmp_path
     assert (tmp_path / MODEL_DIR_HEADS).read_bytes() == COMMITTED.read_bytes()
+    settings = {"preset": "smollm2-135m", "defaults": SMOLLM2.defaults}
+    assert json.loads((tmp_path / MODEL_DIR_DEFAULTS).read_text()) == settings
+    assert read_model_defaults(tmp_path) == SMOLLM2.defaults
     assert {name: os.stat(tmp_path / name).st_mtime_ns for name in record["files"]} == before
 
 

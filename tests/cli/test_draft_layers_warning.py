@@ -1,5 +1,5 @@
 """A model directory without draft layers is said in one line; a preset's directory drafts with the
-preset's layers whether it is named by `--model` or `--model-dir`."""
+preset's layers and samples with its settings whether it is named by `--model` or `--model-dir`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from tokenswift_trt.builder.presets import MODEL_DIR_HEADS, PRESETS, REPOSITORY
+from tokenswift_trt.builder.presets import MODEL_DIR_DEFAULTS, MODEL_DIR_HEADS, PRESETS, REPOSITORY
 from tokenswift_trt.cli import main
 
 SWIFT_TINY = REPOSITORY / "models/swift-tiny"
@@ -39,18 +39,15 @@ def test_the_smollm2_directory_and_the_preset_draft_alike():
     directory = REPOSITORY / PRESETS["smollm2-135m"].bundled
     if not (directory / "config.json").is_file():
         pytest.skip("models/smollm2-135m is not prepared here (`make models`)")
-    if not (directory / MODEL_DIR_HEADS).is_file():
-        pytest.skip("models/smollm2-135m was imported without its draft layers: rerun `make models`")
-    settings = [
-        f"--{name.replace('_', '-')}={value}" for name, value in PRESETS["smollm2-135m"].defaults.items()
-    ]
+    if not (directory / MODEL_DIR_HEADS).is_file() or not (directory / MODEL_DIR_DEFAULTS).is_file():
+        pytest.skip("models/smollm2-135m lacks its draft layers or settings: rerun `make models`")
     prompt = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
     common = [
         "--prompt", prompt, "--max-new-tokens", "64", "--seed", "3", "--ignore-eos", "--tree", "3,3,3",
-        "--json", *settings,
+        "--json",
     ]  # fmt: skip
     reports = []
-    for source in (["--model", "smollm2-135m"], ["--model-dir", str(directory)]):
+    for source in (["--model", "smollm2-135m"], ["--model-dir", str(directory)]):  # the same settings
         result = CliRunner().invoke(main, ["generate", *source, *common])
         assert result.exit_code == 0, result.output
         reports.append(json.loads(result.stdout.strip().splitlines()[-1]))

@@ -20,6 +20,10 @@ REPOSITORY = Path(__file__).resolve().parents[2]  # where a source checkout keep
 MODEL_DIR_HEADS = "heads.safetensors"
 # which preset file `install_draft_layers` copied there, so that a later run can refresh its own copy
 HEADS_RECORD = "heads_source.json"
+# the preset's generation settings in its model directory, which `--model-dir DIR` applies as `--model
+# PRESET` does (`write_model_defaults`): {"preset": NAME, "defaults": {flat setting: value, ...}}, the
+# keys an engine manifest's `defaults` hold; options given on the command line override them
+MODEL_DIR_DEFAULTS = "tokenswift_defaults.json"
 
 
 class PresetError(ValueError):
@@ -284,6 +288,44 @@ def install_draft_layers(preset: Preset, model_dir: Path) -> DraftLayersInstall 
     record = {"preset": preset.name, "file": preset.heads, "sha256": wanted}
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return DraftLayersInstall(target, action)
+
+
+def write_model_defaults(preset: Preset, model_dir: Path) -> Path:
+    """Record the preset's generation settings in `model_dir` (`MODEL_DIR_DEFAULTS`), so that
+    `--model-dir DIR` samples as `--model PRESET` does. Rewritten on every call: always the preset's."""
+    path = Path(model_dir) / MODEL_DIR_DEFAULTS
+    content = json.dumps({"preset": preset.name, "defaults": dict(preset.defaults)}, indent=2) + "\n"
+    if not path.is_file() or path.read_text() != content:
+        staging = path.with_name(path.name + ".partial")
+        staging.write_text(content)
+        os.replace(staging, path)
+    return path
+
+
+def read_model_defaults(model_dir: Path) -> dict[str, Any]:
+    """The generation settings a model directory records (`MODEL_DIR_DEFAULTS`); {} when it has none.
+    Raises PresetError naming the file when it cannot be read or holds an unknown setting or a bad value."""
+    from tokenswift_trt.runtime.decoding import GenerationError
+    from tokenswift_trt.runtime.request import config_from
+
+    path = Path(model_dir) / MODEL_DIR_DEFAULTS
+    if not path.exists():
+        return {}
+    fix = "fix it or delete it (`make models` rewrites a preset's)"
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PresetError(f"cannot read the model's settings {path}: {reason}; {fix}") from None
+    defaults = recorded.get("defaults") if isinstance(recorded, dict) else None
+    if not isinstance(defaults, dict):
+        raise PresetError(f'{path} must be a JSON object with a "defaults" object of settings: {fix}')
+    try:
+        config_from(defaults, {"max_new_tokens": 1})
+    except (GenerationError, TypeError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PresetError(f"bad setting in {path}: {reason}; {fix}") from None
+    return defaults
 
 
 def draft_layers_hint(model_dir: Path | None) -> str:

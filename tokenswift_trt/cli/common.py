@@ -65,8 +65,9 @@ def resolve_source(
     model: str | None, model_dir: Path | None, engine_dir: Path | None, heads: Path | None
 ) -> tuple[Path | None, Path | None, Path | None, dict[str, Any]]:
     """(model_dir, engine_dir, heads, defaults) from the source options: `--model PRESET` names a
-    preset whose model directory is on this machine (bundled or prepared by `make models`)."""
-    from tokenswift_trt.builder.presets import PRESETS, PresetError, local_model_dir
+    preset whose model directory is on this machine (bundled or prepared by `make models`); a
+    `--model-dir` takes the settings its `tokenswift_defaults.json` records (written by `make models`)."""
+    from tokenswift_trt.builder.presets import PRESETS, PresetError, local_model_dir, read_model_defaults
 
     given = [
         name
@@ -76,7 +77,11 @@ def resolve_source(
     if len(given) != 1:
         raise CliError("give exactly one of --model PRESET, --model-dir DIR or --engine DIR")
     if model is None:
-        return model_dir, engine_dir, heads, {}
+        try:
+            defaults = read_model_defaults(model_dir) if model_dir is not None else {}
+        except PresetError as error:
+            raise fail(error) from None
+        return model_dir, engine_dir, heads, defaults
     if model not in PRESETS:
         raise CliError(f"unknown preset {model!r}; presets: {', '.join(PRESETS)} (or pass --model-dir DIR)")
     try:
@@ -198,7 +203,8 @@ def source_options(function):
 
 
 def sampling_options(function):
-    """Generation options; unset ones take the model's defaults (preset or manifest), then the runtime's."""
+    """Generation options; unset ones take the model's defaults (preset, manifest or a model directory's
+    tokenswift_defaults.json), then the runtime's."""
     return add_options(
         function,
         [
