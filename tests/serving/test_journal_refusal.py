@@ -3,6 +3,7 @@ it, and refuses out-of-range sampling values (Session.parse, without a server)."
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -142,3 +143,17 @@ def test_a_real_server_refuses_reusing_an_unfinished_request_id_and_bad_values_a
         resumed = grpc_generate(server.grpc_url, {"request_id": "job-1", "resume": True})
         assert len(read_journal(journals / "job-1.journal").tokens) == 8 and resumed.text
         assert grpc_generate(server.grpc_url, {**request, "request_id": "job-1"}).text  # finished: replaced
+
+
+def test_a_model_directory_s_recorded_settings_are_the_server_s_defaults(tmp_path):
+    import shutil
+
+    copy = tmp_path / "swift-tiny"
+    shutil.copytree(MODEL, copy)
+    recorded = {"preset": "x", "defaults": {"min_p": 0.1, "penalty": 1.2}}
+    (copy / "tokenswift_defaults.json").write_text(json.dumps(recorded))
+    served = Session(copy)
+    assert served.defaults == {"min_p": 0.1, "penalty": 1.2}
+    config = served.parse(_inputs()).config
+    assert config.sampling.min_p == 0.1 and config.sampling.penalty == 1.2
+    assert served.parse(_inputs(min_p=np.float32(0.0))).config.sampling.min_p == 0.0  # a request's value wins

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenswift_trt.builder.presets import read_model_defaults
 from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats, generate
 from tokenswift_trt.runtime.engine import Engine, load_engine
 from tokenswift_trt.runtime.engine_dir import MANIFEST, load_engine_dir
@@ -108,7 +109,8 @@ class Session:
         else:
             self.engine: Engine = load_engine(source, device=device)
             self.codec = TextCodec.from_dir(source)
-            self.defaults: dict[str, Any] = {}
+            # a model directory prepared from a preset (`make models`) records its sampling settings
+            self.defaults: dict[str, Any] = read_model_defaults(source)
             self.max_length = self.engine.config.max_position_embeddings
 
     def _journal_path(self, inputs: dict[str, np.ndarray]) -> Path | None:
