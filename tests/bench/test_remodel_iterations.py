@@ -1,0 +1,69 @@
+"""scripts/remodel_iterations.py: modeled speedups never assume more tokens per iteration than the trie
+commits, and they follow from the measured times."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "remodel_iterations.py"
+
+
+def random_weights_run(path: Path, tree: str = "3,3,3") -> Path:
+    rows = [
+        {
+            "prefix_len": 4096,
+            "ar_ms_per_token": 6.0,
+            "tokenswift_ms_per_iteration": 9.0,
+            "iteration_over_ar_step": 1.5,
+        },
+        {
+            "prefix_len": 8192,
+            "ar_ms_per_token": 8.0,
+            "tokenswift_ms_per_iteration": 16.0,
+            "iteration_over_ar_step": 2.0,
+        },
+    ]
+    path.write_text(json.dumps({"meta": {"tree": tree, "ngram_topk": 4}, "rows": rows}))
+    return path
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+
+
+def test_the_cap_is_depth_plus_one_and_speedups_follow_the_measured_times(tmp_path):
+    run_json = random_weights_run(tmp_path / "bench.json")
+    real = tmp_path / "real.json"
+    real.write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"gen_len": 1000, "tokens_per_iteration": 1.5},
+                    {"gen_len": 3000, "tokens_per_iteration": 2.0},
+                ]
+            }
+        )
+    )
+    result = run(str(run_json), "--tau", "cap", "--tau", f"real={real}", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "out" / "modeled.json").read_text())
+    assert report["trie_cap"] == 4
+    assert [t["tau"] for t in report["taus"]] == [4.0, 1.875]  # weighted by generated length
+    first, second = report["per_context"]
+    assert first["speedup_cap"] == round(4.0 * 6.0 / 9.0, 3)
+    assert second["speedup_real"] == round(1.875 * 8.0 / 16.0, 3)
+    long_run = report["long_runs"]["cap"][-1]  # 4,096 tokens from 4K to 8K: mean costs 7 ms and 12.5 ms
+    assert long_run["tokens"] == 4096
+    assert long_run["modeled_speedup"] == round(7.0 / (12.5 / 4.0), 3)
+    assert (tmp_path / "out" / "modeled.csv").read_text().startswith("prompt_length,")
+
+
+def test_more_tokens_per_iteration_than_the_trie_commits_is_refused(tmp_path):
+    run_json = random_weights_run(tmp_path / "bench.json", tree="3,3,3")
+    result = run(str(run_json), "--tau", "4.36", "--out", str(tmp_path / "out"))
+    assert result.returncode != 0
+    assert "at most 4" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
