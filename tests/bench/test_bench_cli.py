@@ -310,6 +310,7 @@ def test_bench_times_a_model_shape_with_random_weights_and_models_the_speedup(tm
         (["--tree", "auto"], "needs a static --tree"),
         (["--tree", "3", "--prompt-file", str(tmp_path / "x.txt")], "no --model-dir"),
         (["--tree", "3", "--accept-length", "0.5"], "--accept-length must be at least 1"),
+        (["--tree", "3,3,3", "--accept-length", "4.36"], "more than tree 3,3,3 can commit"),
     ):
         refused = CliRunner().invoke(main, ["bench", "--model", "swift-tiny", "--random-weights", *bad])
         assert refused.exit_code == 2 and message in refused.output

@@ -182,6 +182,12 @@ def test_linear_ar_cost_sums_over_generated_tokens():
         modeled_speedup(costs, prompt, [n], 2.0, 2.0, 41)
     with pytest.raises(StepBenchError, match=">= 1"):
         modeled_speedup(costs, prompt, [n], 0.5, 2.0, 8)
+    # no model assumes more tokens per iteration than its tree commits (1,3,3,3: 5; 3,3,3: 4)
+    with pytest.raises(StepBenchError, match="verify-pass drafting is more than its tree commits"):
+        modeled_speedup(costs, prompt, [n], 4.36, 4.36, 8)
+    with pytest.raises(StepBenchError, match="partial-cache drafting is more than"):
+        modeled_speedup(costs, prompt, [n], 5.5, 2.0, 8)
+    assert modeled_speedup(costs, prompt, [n], 5.0, 4.0, 8)  # at the caps
 
 
 @pytest.mark.slow

@@ -430,6 +430,12 @@ def _curve(costs: Sequence[StepCost], step: str, contexts: np.ndarray) -> np.nda
     return interpolate(points, contexts)
 
 
+# Most tokens one iteration commits (every level accepted, plus the bonus token) with the trees the model
+# assumes: partial-cache drafting runs tree 1,3,3,3, verify-pass drafting tree 3,3,3.
+PARTIAL_TREE_CAP = 5
+VERIFY_TREE_CAP = 4
+
+
 def modeled_speedup(
     costs: Sequence[StepCost],
     prompt_length: int,
@@ -442,6 +448,15 @@ def modeled_speedup(
     """One row per (generation length, drafting mode); see the module docstring for the model."""
     if min(accept_length_partial, accept_length_verify) < 1:
         raise StepBenchError("accept lengths must be >= 1 (every iteration commits at least one token)")
+    for mode, tau, cap in (
+        ("partial-cache", accept_length_partial, PARTIAL_TREE_CAP),
+        ("verify-pass", accept_length_verify, VERIFY_TREE_CAP),
+    ):
+        if tau > cap:
+            raise StepBenchError(
+                f"τ {tau:g} for {mode} drafting is more than its tree commits in one iteration ({cap}: "
+                "its depth + 1): give at most that"
+            )
     if not gen_lengths or min(gen_lengths) < 1:
         raise StepBenchError(f"generation lengths must be positive, got {list(gen_lengths)}")
     contexts = prompt_length + np.arange(

@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 PAPER_ACCEPT_LENGTH = 4.36  # 4α + 1 with the paper's α = 0.84 (LLaMA3.1-8B, 100K tokens)
 
 
+def trie_cap(tree: str) -> int:
+    """Most tokens one iteration of static tree `tree` commits: every level accepted, plus the bonus token."""
+    from tokenswift_trt.runtime.tree import parse_tree
+
+    return len(parse_tree(tree)) + 1
+
+
 @click.command()
 @source_options
 @click.option(
@@ -44,8 +51,8 @@ PAPER_ACCEPT_LENGTH = 4.36  # 4α + 1 with the paper's α = 0.84 (LLaMA3.1-8B, 1
     "--accept-length",
     type=float,
     default=None,
-    help="with --random-weights: tokens per iteration assumed for the modeled speedup [4.36: the "
-    "paper's 4α+1]",
+    help="with --random-weights: tokens per iteration assumed for the modeled speedup, at most what the "
+    "tree can commit (its depth + 1) [the tree's depth + 1: every draft accepted]",
 )
 @click.option("--gen-len", default="2048,8192", show_default=True, help="generation lengths")
 @click.option("--prefix-len", default="512", show_default=True, help="prompt lengths in tokens")
@@ -98,7 +105,7 @@ def bench(
         engine, text_ids, defaults = _random_weights_source(
             model, (model_dir, engine_dir, heads, prompt_file), accept_length, opts, prefix_lens, prompts
         )
-        accept_length = PAPER_ACCEPT_LENGTH if accept_length is None else accept_length
+        accept_length = trie_cap(opts["tree"]) if accept_length is None else accept_length
         source_name = f"{model} (random weights)"
     else:
         if prompt_file is None:
@@ -233,6 +240,12 @@ def _random_weights_source(
         )
     if accept_length is not None and not 1 <= accept_length < float("inf"):  # nan and inf too
         raise CliError(f"--accept-length must be at least 1 (tokens per iteration), got {accept_length}")
+    cap = trie_cap(opts["tree"])
+    if accept_length is not None and accept_length > cap:
+        raise CliError(
+            f"--accept-length {accept_length:g} is more than tree {opts['tree']} can commit in one iteration "
+            f"(its depth + 1 = {cap}): give at most {cap}"
+        )
     defaults = dict(PRESETS[model].defaults) if model in PRESETS else {}
     generation_config(1, "tokenswift", opts, defaults)  # bad settings fail before any weights are built
     if opts["device"].startswith("cuda") and not torch.cuda.is_available():
@@ -297,13 +310,14 @@ def modeled_long_run(rows: list[dict], accept_length: float) -> dict | None:
     type=float,
     default=PAPER_ACCEPT_LENGTH,
     show_default=True,
-    help="τ, tokens per iteration (4α+1; paper α 0.84)",
+    help="τ, tokens per iteration of partial-cache drafting (tree 1,3,3,3: at most 5; 4α+1 with the "
+    "paper's α 0.84)",
 )
 @click.option(
     "--verify-accept-length",
     type=float,
     default=None,
-    help="τ when drafting from the verify pass [--accept-length]",
+    help="τ when drafting from the verify pass (tree 3,3,3: at most 4) [--accept-length, at most 4]",
 )
 @click.option(
     "--acceptance-from",
@@ -362,6 +376,7 @@ def bench_steps(
         DEFAULT_GEN_LENGTHS,
         DEFAULT_PROMPT_LENGTH,
         PAPER_A100_LLAMA31_8B,
+        VERIFY_TREE_CAP,
         check_step_request,
         measure_accept_lengths,
         measure_copy_bandwidth,
@@ -385,7 +400,8 @@ def bench_steps(
     tree_size = verify_tree_size or max(sizes)
     if tree_size not in sizes:
         raise CliError(f"--verify-tree-size {tree_size} is not among --tree-sizes {tree_sizes}")
-    verify_tau = accept_length if verify_accept_length is None else verify_accept_length
+    # verify-pass drafting runs tree 3,3,3: by default the same τ, at most what that tree commits
+    verify_tau = min(accept_length, VERIFY_TREE_CAP) if verify_accept_length is None else verify_accept_length
     if acceptance_from is not None:
         if not acceptance_from.is_dir():
             raise CliError(f"--acceptance-from: model directory {acceptance_from} does not exist")
