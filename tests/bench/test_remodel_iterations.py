@@ -41,8 +41,8 @@ def test_the_cap_is_depth_plus_one_and_speedups_follow_the_measured_times(tmp_pa
         json.dumps(
             {
                 "rows": [
-                    {"gen_len": 1000, "tokens_per_iteration": 1.5},
-                    {"gen_len": 3000, "tokens_per_iteration": 2.0},
+                    {"prefix_len": 512, "gen_len": 1000, "tokens_per_iteration": 1.5},
+                    {"prefix_len": 1024, "gen_len": 3000, "tokens_per_iteration": 2.0},
                 ]
             }
         )
@@ -67,3 +67,41 @@ def test_more_tokens_per_iteration_than_the_trie_commits_is_refused(tmp_path):
     assert result.returncode != 0
     assert "at most 4" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_runs_tau_is_its_longest_generation_per_prompt_length():
+    from tokenswift_trt.bench.remodel import run_tau
+
+    # rows of one run at 1K, 4K and 8K hold the figures of the whole run up to each length
+    rows = [
+        {"prefix_len": 256, "gen_len": 1024, "tokens_per_iteration": 3.0},
+        {"prefix_len": 256, "gen_len": 8192, "tokens_per_iteration": 2.0},
+        {"prefix_len": 256, "gen_len": 4096, "tokens_per_iteration": 2.5},
+    ]
+    assert run_tau(rows) == 2.0
+
+
+def test_steady_times_leave_the_first_tokens_out():
+    from tokenswift_trt.bench.remodel import steady_rows
+
+    # AR: 63 steps at 5 ms (a slow first step inside), then 256 at 4 ms; TokenSwift at τ 1: 63 iterations
+    # averaging 10 ms, then 256 at 8 ms
+    rows = [
+        {
+            "prefix_len": 4096,
+            "gen_len": 64,
+            "tokens_per_iteration": 1.0,
+            "ar_decode_ms_per_iteration": 5.0,
+            "tokenswift_decode_ms_per_iteration": 10.0,
+        },
+        {
+            "prefix_len": 4096,
+            "gen_len": 320,
+            "tokens_per_iteration": 1.0,
+            "ar_decode_ms_per_iteration": (63 * 5.0 + 256 * 4.0) / 319,
+            "tokenswift_decode_ms_per_iteration": (63 * 10.0 + 256 * 8.0) / 319,
+        },
+    ]
+    (row,) = steady_rows(rows)
+    assert row["ar_ms_per_token"] == 4.0 and row["tokenswift_ms_per_iteration"] == 8.0
+    assert row["iteration_over_ar_step"] == 2.0 and row["tokens_timed"] == "64-320"
