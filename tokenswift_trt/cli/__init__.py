@@ -8,6 +8,7 @@ import sys
 import click
 
 from .bench import bench, bench_ar, bench_host, bench_kernels, bench_steps
+from .bench_serve import bench_serve
 from .build import build, presets, random_model
 from .generate import demo, generate
 from .pack import pack
@@ -52,6 +53,7 @@ for command in (
     bench_ar,
     bench_kernels,
     bench_host,
+    bench_serve,
     train_heads,
     draft_vocab,
     pack,
