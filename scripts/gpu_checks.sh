@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/kernels.md and docs/gpu.md, in one run on a CUDA machine.
 #
+#   bash scripts/gpu_checks.sh OUT_DIR prepared [--device cpu] [--stages a,b] [--budget-s S]
+#       the prepared check: one call of at most ~9 minutes, most valuable stages first, OUT_DIR/run.json
+#       rewritten after every stage (python -m tokenswift_trt.bench.gpu_check; --device cpu: a dry run at
+#       tiny sizes); `stash` instead of `prepared` only gathers the carried SmolLM2 parts and builds the
+#       kernels (a call that carries parts ahead of the prepared one, scripts/prepare_carry.sh)
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
 #                                                      divergence e2e e2e-100k e2e-curve e2e-100k-k4 prefix-sweep e2e-picked smollm2 heads compile-4k cascade fused variants iteration invariant e2e-paper
 #                                                      (default: env tests kernels steps host loop)
@@ -10,8 +15,17 @@
 # ninja; installs this checkout with `pip install --no-deps -e .` into the running Python.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${1:?usage: scripts/gpu_checks.sh OUT_DIR [STAGE ...]}
+OUT_DIR=${1:?usage: scripts/gpu_checks.sh OUT_DIR [prepared|stash [OPTIONS] | STAGE ...]}
 shift
+if [ "${1:-}" = prepared ] || [ "${1:-}" = stash ]; then
+    mode=$1
+    shift
+    export GPU_CHECK_COMMAND="bash scripts/gpu_checks.sh $OUT_DIR $mode${*:+ $*}"
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tokenswift_torch_ext}
+    if [ "$mode" = stash ]; then set -- --stages carry,env "$@"; fi
+    exec "${PYTHON:-python3}" -m tokenswift_trt.bench.gpu_check "$OUT_DIR" "$@"
+fi
 STAGES=${*:-env tests kernels steps host loop}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
