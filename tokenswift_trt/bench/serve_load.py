@@ -115,11 +115,12 @@ class RequestRecord:
     ttft_s: float | None = None  # first text received, from the request's start
     duration_s: float = 0.0  # last response received, from the request's start
     detail: str = ""  # the error message, for an error
+    streamed: bool = True  # False: the text came whole, so time to first token is not measured
 
     @property
     def tpot_s(self) -> float | None:
         """Seconds per output token after the first (None below two tokens)."""
-        if self.ttft_s is None or self.tokens < 2:
+        if self.ttft_s is None or self.tokens < 2 or not self.streamed:
             return None
         return (self.duration_s - self.ttft_s) / (self.tokens - 1)
 
@@ -312,8 +313,8 @@ def _timed(record: RequestRecord, call: Callable[[Callable[[str], None]], Result
         record.tokens = int(result.stats.get("completion_tokens", 0))
         final = "completion_tokens" in result.stats
         record.outcome = "ok" if final else "cancelled"
-        if record.ttft_s is None and result.text:  # not streamed: the whole text is the first token
-            record.ttft_s = time.perf_counter() - start
+    if not record.streamed:  # the whole text arrived at the end: no first-token time to read
+        record.ttft_s = None
     record.duration_s = time.perf_counter() - start
     return record
 
@@ -407,7 +408,7 @@ def _mixed_request(config: LoadConfig, endpoints: Endpoints, index: int, kind: s
         params = _params(config, seed, tokens, stream=True)
         return _timed(record, lambda on: grpc_generate(endpoints.grpc_url, params, on, timeout))
     if kind == "complete-http":
-        record = RequestRecord("mixed", "complete", "http", True)
+        record = RequestRecord("mixed", "complete", "http", True, streamed=False)
         params = _params(config, seed, tokens)
         return _timed(record, lambda on: generate_endpoint(endpoints.http_url, params, False, on, timeout))
     if kind == "cancel":
@@ -532,6 +533,7 @@ def run_load(
 ) -> LoadResult:
     """Both phases with memory and metrics around them, and the checks."""
     say = on_progress or (lambda message: None)
+    load_average_start = os.getloadavg()  # a shared machine's other work shows here
     pid = endpoints.server_pid or find_server_pid(endpoints.grpc_url)
     memory: list[MemorySnapshot] = []
 
@@ -580,7 +582,13 @@ def run_load(
         PhaseResult("load", load_wall, load_records, _delta(after_load, start_figures)),
         PhaseResult("mixed", mixed_wall, mixed_records, _delta(final, after_load)),
     ]
-    meta = {**(meta or {}), "server_pid": pid, "idle_after_mixed_s": round(idle_s, 3)}
+    meta = {
+        **(meta or {}),
+        "server_pid": pid,
+        "idle_after_mixed_s": round(idle_s, 3),
+        "load_average_start": [round(value, 2) for value in load_average_start],
+        "load_average_end": [round(value, 2) for value in os.getloadavg()],
+    }
     result = LoadResult(config, meta, phases, memory)
     result.checks = checks(result, final, pid is not None)
     return result
@@ -813,6 +821,8 @@ def markdown(document: dict[str, Any]) -> str:
         f"- date: {meta.get('date')}",
         f"- machine: {meta.get('model_name', '?')}, {meta.get('cpus', '?')} CPUs; {meta.get('platform')}",
         f"- python {meta.get('python')}, torch {meta.get('torch')}, server {meta.get('server')}",
+        f"- load average (1, 5, 15 min) at start {meta.get('load_average_start')}, "
+        f"at end {meta.get('load_average_end')}",
         f"- command: `{meta.get('command')}`",
         f"- checks: {'all passed' if document['passed'] else 'FAILED'}",
         "",
