@@ -204,4 +204,4 @@ def test_the_dry_run_goes_through_every_stage_and_models_at_most_the_trie_cap(tm
     assert "Modeled from those times" in summary and "| tests | ok |" in summary
     with tarfile.open(out / "results.tar.gz") as archive:
         members = set(archive.getnames())
-    assert {"results/8b-k4/bench.json", "results/env.json", "results/tests.log"} <= members
+    assert {"results/8b-k4/group-2/bench.json", "results/env.json", "results/tests.log"} <= members

@@ -103,8 +103,8 @@ GPU = Sizes(
     tiny_gen="1024,4096,8192",
     interleave=512,
     shape_model="llama3.1-8b",
-    shape_contexts="4096,32768,65536,98304",
-    shape_wide_contexts="4096,98304",
+    shape_contexts="4096,32768;65536,98304",  # ";" separates the groups, one `bench` each
+    shape_wide_contexts="4096;98304",
     shape_gen="64,320",
     shape_interleave=160,
     phase_context="4096",
@@ -114,14 +114,14 @@ DRY = Sizes(
     device="cpu",
     budget_s=600,
     min_scale=0.0,
-    smollm2_prefix=64,
-    smollm2_gen="4,8",
+    smollm2_prefix=32,
+    smollm2_gen="2,4",
     tiny_prefix=64,
     tiny_gen="8,24",
     interleave=8,
     shape_model="swift-tiny",
-    shape_contexts="32,64,96,128",
-    shape_wide_contexts="32,128",
+    shape_contexts="32,64;96,128",
+    shape_wide_contexts="32;128",
     shape_gen="8,24",
     shape_interleave=12,
     phase_context="128",
@@ -562,63 +562,62 @@ class EndToEnd:
 
 @dataclass(frozen=True)
 class Shape:
-    """The 8B shape (random weights): AR step and device-loop iteration times per prompt length."""
+    """The 8B shape (random weights): AR step and device-loop iteration times per prompt length, one
+    `bench` per group of prompt lengths (shortest first), so that a later group failing (too little
+    memory at ~100K) or cut off leaves the earlier groups' rows."""
 
     name: str
     ngram_topk: int
     wide: bool  # the larger trie, at the shortest and longest prompt lengths only
     tree: str = "3,3,3"
 
+    def groups(self, sizes: Sizes) -> list[str]:
+        return (sizes.shape_wide_contexts if self.wide else sizes.shape_contexts).split(";")
+
     def plan(self, check: Check) -> Commands:
         sizes = check.sizes
+        dtype = "bfloat16" if check.cuda else "float32"
         return [
             check.cli(
-                "bench",
-                "--model",
-                sizes.shape_model,
-                "--random-weights",
-                "--device",
-                sizes.device,
-                "--dtype",
-                "bfloat16" if check.cuda else "float32",
-                "--tree",
-                self.tree,
-                "--ngram-topk",
-                str(self.ngram_topk),
-                "--device-loop",
-                "--gen-len",
-                sizes.shape_gen,
-                "--prefix-len",
-                sizes.shape_wide_contexts if self.wide else sizes.shape_contexts,
-                "--interleave",
-                str(sizes.shape_interleave),
-                "--no-extras",
-                "--min-p",
-                "0.1",
-                "--penalty",
-                "1.2",
-                "--penalty-window",
-                str(sizes.shape_window),
-                "--seed",
-                "1",
-                "--accept-length",
-                str(trie_cap(self.tree)),
+                *f"bench --model {sizes.shape_model} --random-weights --device {sizes.device}".split(),
+                *f"--dtype {dtype} --tree {self.tree} --ngram-topk {self.ngram_topk}".split(),
+                *f"--device-loop --no-extras --gen-len {sizes.shape_gen} --prefix-len {contexts}".split(),
+                *f"--interleave {sizes.shape_interleave} --min-p 0.1 --penalty 1.2 --seed 1".split(),
+                *f"--penalty-window {sizes.shape_window} --accept-length {trie_cap(self.tree)}".split(),
                 "--out",
-                str(check.work / self.name),
+                str(check.work / self.name / f"group-{index}"),
             )
+            for index, contexts in enumerate(self.groups(sizes), 1)
         ]
 
+    def report(self, check: Check) -> dict[str, Any] | None:
+        """The groups' bench reports as one (the first group's meta, every finished group's rows)."""
+        reports = [read_json(path) for path in sorted((check.work / self.name).glob("group-*/bench.json"))]
+        reports = [report for report in reports if report]
+        if not reports:
+            return None
+        rows = [row for report in reports for row in report["rows"]]
+        return {
+            "meta": reports[0]["meta"],
+            "rows": sorted(rows, key=lambda row: (row["prefix_len"], row["gen_len"])),
+        }
+
     def summarize(self, check: Check) -> dict[str, Any] | None:
-        report = read_json(check.work / self.name / "bench.json")
+        report = self.report(check)
         if report is None:
             return None
-        return {"model": check.sizes.shape_model, "tree": self.tree, "ngram_topk": self.ngram_topk}
+        return {
+            "model": check.sizes.shape_model,
+            "tree": self.tree,
+            "ngram_topk": self.ngram_topk,
+            "prompt_lengths": sorted({row["prefix_len"] for row in report["rows"]}),
+        }
 
     def stage(self, limit_s: int, min_s: int) -> Stage:
-        contexts = self.wide and "shortest and longest" or "4"
+        contexts = "the shortest and longest" if self.wide else "four"
         what = (
-            f"{self.name.split('-')[0]} shape, random weights: AR step and iteration (tree {self.tree}, "
-            f"{self.ngram_topk} n-gram branches) at {contexts} prompt lengths"
+            f"the 8B shape (random weights): AR step and iteration (tree {self.tree}, {self.ngram_topk} "
+            f"n-gram branches) at {contexts} prompt lengths"
         )
         return Stage(self.name, what, limit_s, min_s, plan=self.plan, summarize=self.summarize)
 
@@ -636,7 +635,7 @@ def modeled_figures(check: Check) -> dict[str, Any]:
     bandwidth = env.get("copy_bandwidth_gb_s")
     figures: dict[str, Any] = {}
     for shape in SHAPES:
-        report = read_json(check.work / shape.name / "bench.json")
+        report = shape.report(check)
         if report is None:
             continue
         cap = trie_cap(report["meta"]["tree"])
@@ -661,7 +660,7 @@ def modeled_figures(check: Check) -> dict[str, Any]:
                 row["ar_over_floor"] = round(row["ar_ms_per_token"] / row["ar_floor_ms"], 3)
             result["copy_bandwidth_gb_s"] = bandwidth
         result["model"] = check.sizes.shape_model
-        result["source"] = f"results/{shape.name}/bench.json"
+        result["source"] = f"results/{shape.name}/group-*/bench.json"
         figures[shape.name] = result
     return figures
 
@@ -737,12 +736,12 @@ def phases_summary(check: Check) -> dict[str, Any] | None:
 
 
 def tests_plan(check: Check) -> Commands:
-    args = [check.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *TESTS]
+    args = [check.python, "-m", "pytest", "-p", "no:cacheprovider", "-rs", *TESTS]
     if not check.cuda:  # a dry run: the list resolves and collects
-        return [[*args, "--collect-only"]]
+        return [[*args, "-q", "--collect-only"]]
     if importlib.util.find_spec("xdist") is not None:  # 16 cores, one GPU: files spread over 4 workers
         args += ["-n", "4", "--dist", "loadfile"]
-    return [[*args, "--durations", "15"]]
+    return [[*args, "-v", "--durations", "15"]]  # -v: each result logged as it comes, in case of a cut
 
 
 def tests_summary(check: Check) -> dict[str, Any] | None:
