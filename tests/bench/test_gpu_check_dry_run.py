@@ -205,3 +205,9 @@ def test_the_dry_run_goes_through_every_stage_and_models_at_most_the_trie_cap(tm
     with tarfile.open(out / "results.tar.gz") as archive:
         members = set(archive.getnames())
     assert {"results/8b-k4/group-2/bench.json", "results/env.json", "results/tests.log"} <= members
+
+
+def test_a_copy_without_git_records_the_commit_it_was_given(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "REPOSITORY", tmp_path)  # the device machine's copy has no .git
+    assert gpu_check.git_commit("abc123") == {"commit": "abc123", "from": "--git-commit"}
+    assert "--git-commit" in gpu_check.git_commit()["commit"]

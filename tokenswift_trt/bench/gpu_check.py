@@ -162,6 +162,7 @@ class Check:
     command: str
     echo: Callable[[str], None]
     carry: Path = REPOSITORY / ".carry"  # where the calls put the parts they carry
+    given_commit: str | None = None  # recorded where the copy has no .git
     python: str = sys.executable
     started: float = field(default_factory=time.monotonic)
     record: dict[str, Any] = field(default_factory=dict)
@@ -330,8 +331,9 @@ def last_line(log: Path) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def git_commit() -> dict[str, Any]:
-    """The checkout's commit and whether tracked files differ from it; GIT_COMMIT where there is no .git."""
+def git_commit(given: str | None = None) -> dict[str, Any]:
+    """The checkout's commit and whether tracked files differ from it; `given` (--git-commit) where the
+    copy has no .git (the device machine gets the working tree without it)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -350,11 +352,9 @@ def git_commit() -> dict[str, Any]:
         ).stdout.strip()
         return {"commit": head, "tracked_changes": bool(dirty)}
     except (subprocess.SubprocessError, OSError):
-        given = os.environ.get("GIT_COMMIT")
-        return {
-            "commit": given or "unknown: no .git in this copy (pass GIT_COMMIT=...)",
-            "from": "GIT_COMMIT",
-        }
+        if given:
+            return {"commit": given, "from": "--git-commit"}
+        return {"commit": "unknown: no .git in this copy (pass --git-commit HASH)"}
 
 
 def machine() -> dict[str, Any]:
@@ -935,7 +935,7 @@ def run_check(check: Check, chosen: list[Stage]) -> dict[str, Any]:
         "dry_run": not check.cuda,
         "budget_s": check.sizes.budget_s,
         "sizes": {key: value for key, value in vars(check.sizes).items()},
-        "git": git_commit(),
+        "git": git_commit(check.given_commit),
         "machine": machine(),
         "stages": [
             {"name": stage.name, "what": stage.what, "status": "pending", "limit_s": stage.limit_s}
@@ -966,6 +966,7 @@ def main(argv: list[str] | None = None) -> int:
         "--stash", type=Path, default=DEFAULT_STASH, help=f"parts kept here [{DEFAULT_STASH}]"
     )
     parser.add_argument("--carry", type=Path, default=REPOSITORY / ".carry", help="carried parts [.carry]")
+    parser.add_argument("--git-commit", default=None, help="the commit to record where the copy has no .git")
     args = parser.parse_args(argv)
     sizes = GPU if args.device.startswith("cuda") else DRY
     sizes = replace(sizes, device=args.device)
@@ -997,6 +998,7 @@ def main(argv: list[str] | None = None) -> int:
         command,
         echo=lambda line: print(line, flush=True),
         carry=args.carry.resolve(),
+        given_commit=args.git_commit,
     )
 
     def interrupted(signum: int, _frame: object) -> None:
