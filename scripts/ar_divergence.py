@@ -18,6 +18,7 @@ import torch
 
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
 from tokenswift_trt.runtime.engine import load_engine
+from tokenswift_trt.runtime.kernel_config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.runtime.sampling import SamplingConfig
 from tokenswift_trt.runtime.text import TextCodec
 
@@ -39,13 +40,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="forbid cuBLAS's reduced-precision (bf16/fp16) split-K reductions: does AR then equal TS?",
     )
+    parser.add_argument(
+        "--kernel", action="append", default=[], metavar="NAME=VALUE", help="a kernel setting (repeatable)"
+    )
     args = parser.parse_args(argv)
+    settings = KernelConfig().updated(parse_kernel_settings(args.kernel))
     if args.full_precision_reductions:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     prompt = TextCodec.from_dir(args.model_dir).encode(args.prompt_file.read_text(encoding="utf-8"))[:400]
     for dtype_name in args.dtypes.split(","):
-        engine = load_engine(args.model_dir, dtype=getattr(torch, dtype_name), device=args.device)
+        engine = load_engine(
+            args.model_dir, dtype=getattr(torch, dtype_name), device=args.device, kernels=settings
+        )
         for name, sampling in SAMPLINGS.items():
             for static in (True, False):
                 base = dict(

@@ -12,7 +12,6 @@ alike. Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 from tokenswift_trt.runtime.cpu_linear import Linear, tiled_kernels
 from tokenswift_trt.runtime.engine import load_engine
+from tokenswift_trt.runtime.kernel_config import KernelConfig
 from tokenswift_trt.runtime.kv_cache import KVCache
 
 TOKENS = (1, 2, 4, 8, 16)
@@ -32,11 +32,7 @@ def load_with(model_dir: str, path: str):
     and sampling as `load_engine` chose them, the same for all paths."""
     engine = load_engine(model_dir)
     if path == "oneDNN prepacked":
-        os.environ["TOKENSWIFT_CPU_KERNEL"] = "0"  # packs in oneDNN's layout
-        try:
-            engine.model.pack()
-        finally:
-            del os.environ["TOKENSWIFT_CPU_KERNEL"]
+        engine.model.pack(KernelConfig(cpu_kernel="off"))  # packs in oneDNN's layout
     if path == "nn.Linear (MKL)":
         for module in engine.model.modules():
             if isinstance(module, Linear):

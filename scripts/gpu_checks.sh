@@ -109,7 +109,7 @@ EOF"
         stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
         ;;
     invariant)  # bf16 with batch-invariant products, norms and aligned attention: do TokenSwift's tokens follow AR's; cost
-        stage invariant 400 bash -c "TOKENSWIFT_BATCH_INVARIANT=1 $PYTHON scripts/ar_divergence.py --device cuda \
+        stage invariant 400 bash -c "$PYTHON scripts/ar_divergence.py --device cuda --kernel batch_invariant=on \
             --dtypes bfloat16 --tokens 512 && $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 --tree-sizes 1,64 \
             --variants kernel+fused,kernel+fused+products,kernel+fused+invariant --rounds 2 --out $OUT_DIR/invariant"
         ;;
@@ -140,16 +140,16 @@ EOF"
         ;;
     prefix-sweep)  # the Triton prefix block's launches (tiles, warps, stages) side by side; the best -> prefix.env
         stage prefix-sweep 300 "$PYTHON" scripts/triton_prefix_sweep.py --out "$OUT_DIR/prefix-sweep"
-        grep '^export TOKENSWIFT_CASCADE_PREFIX=' "$OUT_DIR/prefix-sweep.log" >"$OUT_DIR/prefix.env" || true
+        grep '^--kernel cascade_prefix=' "$OUT_DIR/prefix-sweep.log" >"$OUT_DIR/prefix.env" || true
         ;;
     e2e-picked)  # e2e-100k-k4 with the cascade switches and threshold the variants stage measured best
         "$PYTHON" scripts/pick_cascade.py "$OUT_DIR/variants/variants.json" >"$OUT_DIR/picked.env" \
             || echo "# nothing picked: defaults" >"$OUT_DIR/picked.env"
-        if grep -q 'CASCADE_PREFIX=triton' "$OUT_DIR/picked.env" && [ -s "$OUT_DIR/prefix.env" ]; then
+        if grep -q 'cascade_prefix=triton' "$OUT_DIR/picked.env" && [ -s "$OUT_DIR/prefix.env" ]; then
             cat "$OUT_DIR/prefix.env" >>"$OUT_DIR/picked.env"  # the sweep's launch for the Triton prefix
         fi
         cat "$OUT_DIR/picked.env"
-        stage e2e-picked 300 bash -c "source $OUT_DIR/picked.env; ${CLI[*]} bench --model llama3.1-8b --random-weights \
+        stage e2e-picked 300 bash -c "${CLI[*]} bench \$(grep -v '^#' $OUT_DIR/picked.env) --model llama3.1-8b --random-weights \
             --device cuda --dtype bfloat16 --tree 3,3,3 --ngram-topk 4 --device-loop --gen-len 1024 \
             --prefix-len 4096,98304 --interleave 512 --no-extras --min-p 0.1 --penalty 1.2 --penalty-window 1024 \
             --seed 1 --out $OUT_DIR/e2e-picked"
@@ -191,13 +191,13 @@ EOF"
     cascade)  # the FlashAttention cascade's GPU tests, then its steps against the tree-attention kernel's
         stage cascade 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
             tests/runtime/test_static_step.py && for attention in kernel flash_cascade; do \
-            TOKENSWIFT_CUDA_ATTENTION=\$attention ${CLI[*]} bench-steps --model llama3.1-8b --device cuda \
+            ${CLI[*]} bench-steps --kernel cuda_attention=\$attention --model llama3.1-8b --device cuda \
             --dtype bfloat16 --contexts 4096,102400 --tree-sizes 1,64,128 --kv-budget 4096 \
             --out $OUT_DIR/steps-\$attention; done"
         ;;
     fused)  # the fused add + RMSNorm and rotary kernels' GPU tests, then steps without and with them
         stage fused 300 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_fused_elementwise.py && \
-            for fused in 0 1; do TOKENSWIFT_FUSED_ELEMENTWISE=\$fused ${CLI[*]} bench-steps --model llama3.1-8b --device cuda \
+            for fused in 0 1; do ${CLI[*]} bench-steps --kernel fused_elementwise=\$fused --model llama3.1-8b --device cuda \
             --dtype bfloat16 --contexts 4096 --tree-sizes 1,64 --kv-budget 4096 --host-overhead-ms 2.5 \
             --out $OUT_DIR/steps-fused-\$fused; done"
         ;;
@@ -209,8 +209,9 @@ EOF"
             --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"
         ;;
     iteration)  # where the device loop's iteration goes, phase by phase, at 4K and 98K (setup, replay, labels)
-        stage iteration 300 bash -c "if [ -f $OUT_DIR/picked.env ]; then source $OUT_DIR/picked.env; fi; \
-            $PYTHON scripts/gpu_iteration_profile.py --contexts 4096,98304 --out $OUT_DIR/iteration"
+        stage iteration 300 bash -c "$PYTHON scripts/gpu_iteration_profile.py \
+            \$(if [ -f $OUT_DIR/picked.env ]; then grep -v '^#' $OUT_DIR/picked.env; fi) \
+            --contexts 4096,98304 --out $OUT_DIR/iteration"
         ;;
     e2e-paper)  # the same with the paper's tree, drafted on the partial cache by the host loop
         stage e2e-paper 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \

@@ -30,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from tokenswift_trt.bench.steps import StepBenchError, random_engine
 from tokenswift_trt.runtime.decoding import GenerationConfig, new_decode_state
 from tokenswift_trt.runtime.device_loop import DeviceLoop
+from tokenswift_trt.runtime.kernel_config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.runtime.sampling import PositionKeyedRandom, SamplingConfig
 from tokenswift_trt.runtime.stages import prefill, sample_next
 from tokenswift_trt.runtime.tree import build_static_tree
@@ -161,10 +162,14 @@ def main() -> None:
         "--kernels", type=int, default=25, help="rows of the profiler's table per context (0: none)"
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--kernel", action="append", default=[], metavar="NAME=VALUE", help="a kernel setting (repeatable)"
+    )
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     try:
-        engine, _ = random_engine(args.model, dtype, device)
+        settings = KernelConfig().updated(parse_kernel_settings(args.kernel))
+        engine, _ = random_engine(args.model, dtype, device, kernels=settings)
     except (StepBenchError, ValueError, RuntimeError) as error:
         raise SystemExit(str(error).splitlines()[0]) from None
     model = engine.model.torch_model

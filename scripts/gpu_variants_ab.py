@@ -5,12 +5,12 @@
         [--rounds 2] [--out DIR]
 
 A variant is an attention kernel (`kernel`: our CUDA tree-attention kernel, `flash_cascade`: the
-FlashAttention cascade for every step, `auto`: the cascade where T x keys >= engine.CASCADE_MIN_WORK
+FlashAttention cascade for every step, `auto`: the cascade where T x keys >= kernel_config.CASCADE_MIN_WORK
 and the kernel elsewhere, as CUDA engines run by default, `sdpa`) with `+fused` for the fused
 elementwise kernels and packed products (`LlamaModel.use_fused_elementwise`) and `+tail` for the
-cascade's tree block and merge as one kernel (`TOKENSWIFT_CASCADE_TAIL=kernel`), `+triton` for its
-prefix block through our Triton kernel (`TOKENSWIFT_CASCADE_PREFIX=triton`), `+invariant` for
-batch-invariant products and norms and position-aligned attention (`TOKENSWIFT_BATCH_INVARIANT=1`),
+cascade's tree block and merge as one kernel (`--kernel cascade_tail=kernel`), `+triton` for its
+prefix block through our Triton kernel (`--kernel cascade_prefix=triton`), `+invariant` for
+batch-invariant products and norms and position-aligned attention (`--kernel batch_invariant=on`),
 `+products` for the products and norms alone (`=products`). One random-weights engine serves them
 all (the same weights, caches and GPU state); the variants take turns in every round, the order
 reversed every other round, and each step's figure is the median over rounds of
@@ -35,7 +35,8 @@ from tokenswift_trt.bench.steps import (
     measure_step_costs,
     random_engine,
 )
-from tokenswift_trt.runtime.engine import CASCADE_MIN_WORK, flash_cascade_problem
+from tokenswift_trt.runtime.engine import flash_cascade_problem
+from tokenswift_trt.runtime.kernel_config import CASCADE_MIN_WORK
 
 ATTENTION = ("kernel", "flash_cascade", "auto", "sdpa")
 

@@ -1,14 +1,14 @@
-"""The cascade switches a `gpu_variants_ab.py` run says to use, as shell `export` lines.
+"""The cascade settings a `gpu_variants_ab.py` run says to use, as `--kernel NAME=VALUE` lines.
 
     python3 scripts/pick_cascade.py VARIANTS_JSON [--step verify_T64] [--margin 0.02]
 
 Reads variants.json (median ms per step and variant), takes the fastest FlashAttention-cascade variant
 at the longest context's STEP (a variant counts only where it beats plain `flash_cascade+fused` by
-MARGIN), and prints both of the switches it sets (`TOKENSWIFT_CASCADE_TAIL=kernel|torch`,
-`TOKENSWIFT_CASCADE_PREFIX=triton|flash`) and the `auto` threshold re-derived against `kernel+fused`: for
-every tree size timed at two contexts, each side's cost as a line in the context, the keys where they
-cross, times T; the threshold is the mean of those products (`TOKENSWIFT_CASCADE_MIN_WORK`). Lines
-starting with `#` say why. `gpu_checks.sh`'s `e2e-picked` stage sources the output.
+MARGIN), and prints both of the kernel settings it decides (`cascade_tail=kernel|torch`,
+`cascade_prefix=triton|flash`) and the `auto` threshold re-derived against `kernel+fused`: for every
+tree size timed at two contexts, each side's cost as a line in the context, the keys where they cross,
+times T; the threshold is the mean of those products (`cascade_min_work`). Lines starting with `#` say
+why. `gpu_checks.sh`'s `e2e-picked` stage passes the other lines to the CLI.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import statistics
 from pathlib import Path
 
 BASE, KERNEL = "flash_cascade+fused", "kernel+fused"
-SWITCHES = {  # extra -> (its switch on, off)
-    "tail": ("TOKENSWIFT_CASCADE_TAIL=kernel", "TOKENSWIFT_CASCADE_TAIL=torch"),
-    "triton": ("TOKENSWIFT_CASCADE_PREFIX=triton", "TOKENSWIFT_CASCADE_PREFIX=flash"),
+SWITCHES = {  # extra -> (its kernel setting on, off)
+    "tail": ("cascade_tail=kernel", "cascade_tail=torch"),
+    "triton": ("cascade_prefix=triton", "cascade_prefix=flash"),
 }
 
 
@@ -52,7 +52,7 @@ def pick(rows: list[dict], step: str, margin: float) -> list[str]:
     lines = [f"# {step} at {longest} keys: {BASE} {base:.2f} ms, picked {best} {best_ms:.2f} ms"]
     extras = best.split("+")[2:]
     # both switches, on or off: the engine's defaults may differ from the variant that won
-    lines += [f"export {on if extra in extras else off}" for extra, (on, off) in SWITCHES.items()]
+    lines += [f"--kernel {on if extra in extras else off}" for extra, (on, off) in SWITCHES.items()]
     works = []
     for name in sorted({r["step"] for r in rows if r["step"].startswith("verify_T")}):
         size = int(name.removeprefix("verify_T"))
@@ -66,7 +66,7 @@ def pick(rows: list[dict], step: str, margin: float) -> list[str]:
         if work is not None:
             works.append(work)
     if works:
-        lines.append(f"export TOKENSWIFT_CASCADE_MIN_WORK={round(statistics.mean(works))}")
+        lines.append(f"--kernel cascade_min_work={round(statistics.mean(works))}")
     return lines
 
 

@@ -10,8 +10,8 @@ would use (`cascade.flash_splits`). Every launch of the grid is first checked ag
 launch's output (relative error <= 1e-2; a launch that does not compile, e.g. out of shared memory,
 is reported and skipped), then timed with CUDA events (median of --repeats, launches taking turns).
 Prints ms and TFLOP/s per launch, then the best launch for the widest tree at the longest context as
-`export TOKENSWIFT_CASCADE_PREFIX=triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]`, which engines take
-(docs/gpu.md). The launches cover the prefix block's three kernels (cascade.PREFIX_VARIANTS; `tma` on
+`--kernel cascade_prefix=triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]`, the kernel setting engines
+take (docs/gpu.md). The launches cover the prefix block's three kernels (cascade.PREFIX_VARIANTS; `tma` on
 Hopper and later only), each kernel at the tiles measured best so far first: compiling all 51 may
 take minutes, so after --budget-s seconds no new launch is compiled (those skipped are listed).
 Writes prefix_sweep.json under --out. Needs a CUDA GPU and Triton.
@@ -173,7 +173,7 @@ def main() -> None:
     widest = [r for r in rows_out if r["context"] == max(contexts) and r["tree_size"] == max(sizes)]
     if widest:
         best = min(widest, key=lambda r: r["ms"])
-        print(f"export TOKENSWIFT_CASCADE_PREFIX=triton:{best['launch']}")
+        print(f"--kernel cascade_prefix=triton:{best['launch']}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {

@@ -52,13 +52,13 @@ def test_the_fastest_cascade_variant_and_the_threshold_from_its_crossings(tmp_pa
         + rows("flash_cascade+fused+tail+triton", triton)
     )
     out = run_pick(tmp_path, table).splitlines()
-    exports = [line for line in out if line.startswith("export")]
+    exports = [line for line in out if line.startswith("--kernel")]
     # T = 64 crosses at 4096 + 2 / (12 / 98304) = 20,480 keys, T = 128 at 4096 + 3 / (20 / 98304)
     # = 18,841.6: the threshold is the mean of 64 x 20,480 and 128 x 18,841.6
     assert exports == [
-        "export TOKENSWIFT_CASCADE_TAIL=kernel",
-        "export TOKENSWIFT_CASCADE_PREFIX=flash",  # off, said: the engine's default is triton
-        f"export TOKENSWIFT_CASCADE_MIN_WORK={round((64 * 20480 + 128 * 18841.6) / 2)}",
+        "--kernel cascade_tail=kernel",
+        "--kernel cascade_prefix=flash",  # off, said: the engine's default is triton
+        f"--kernel cascade_min_work={round((64 * 20480 + 128 * 18841.6) / 2)}",
     ]
 
 
@@ -73,5 +73,5 @@ def test_a_variant_within_the_margin_switches_nothing_and_no_crossing_keeps_the_
         + rows("flash_cascade+fused+tail", near),
     )
     assert "picked flash_cascade+fused 40.00 ms" in out and "never crosses" in out
-    exports = [line for line in out.splitlines() if line.startswith("export")]
-    assert exports == ["export TOKENSWIFT_CASCADE_TAIL=torch", "export TOKENSWIFT_CASCADE_PREFIX=flash"]
+    exports = [line for line in out.splitlines() if line.startswith("--kernel")]
+    assert exports == ["--kernel cascade_tail=torch", "--kernel cascade_prefix=flash"]

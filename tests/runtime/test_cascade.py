@@ -21,7 +21,8 @@ from tokenswift_trt.runtime.cascade import (
     split_offsets,
     unpack_group_rows,
 )
-from tokenswift_trt.runtime.engine import CUDA_ATTENTION_ENV, choose_attention_kernel, flash_cascade_problem
+from tokenswift_trt.runtime.engine import choose_attention_kernel, flash_cascade_problem
+from tokenswift_trt.runtime.kernel_config import CASCADE_MIN_WORK, KernelConfig, KernelConfigError
 
 
 def _tree(count: int, generator: torch.Generator) -> torch.Tensor:
@@ -287,21 +288,15 @@ def test_cascade_tail_kernel_matches_its_reference_and_replays_in_a_graph(dtype,
     assert ((static_out.float() - expected).norm() / expected.norm()) <= 2e-3
 
 
-def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(llama_dir, monkeypatch):
+def test_cuda_attention_choice_by_kernel_settings_with_and_without_the_tree_kernel(llama_dir, monkeypatch):
     """What `choose_attention_kernel` gives a CUDA engine where FlashAttention can run (both probes,
     our own functions, stubbed to a GPU's answers): `auto` = the cascade above the threshold and the
     tree kernel below; without the tree kernel, the cascade for every tree (SDPA over the whole
     capacity is no fallback) with a warning; `kernel` never; the fused tail and the Triton prefix by
-    default (each switchable), TOKENSWIFT_CASCADE_MIN_WORK overriding the threshold, and a
-    bad value refused before the model changes."""
+    default (each switchable), the kernel setting cascade_min_work overriding the threshold, and a bad
+    value refused in one line when the settings are made."""
     from tokenswift_trt.runtime import engine as engine_module
-    from tokenswift_trt.runtime.engine import (
-        CASCADE_MIN_WORK,
-        CASCADE_MIN_WORK_ENV,
-        CASCADE_PREFIX_ENV,
-        CASCADE_TAIL_ENV,
-        KernelFallbackWarning,
-    )
+    from tokenswift_trt.runtime.engine import KernelFallbackWarning
 
     from conftest import quiet_load
 
@@ -312,84 +307,88 @@ def test_cuda_attention_choice_by_environment_with_and_without_the_tree_kernel(l
     monkeypatch.setattr(kernels, "shared_memory_problem", lambda status, head_dim, device: None)
     built = kernels.KernelStatus(loaded=True, reason="")
     monkeypatch.setattr(kernels, "load_cuda_kernels", lambda: built)
-    monkeypatch.delenv(CUDA_ATTENTION_ENV, raising=False)
-    monkeypatch.delenv(CASCADE_TAIL_ENV, raising=False)
-    monkeypatch.delenv(CASCADE_PREFIX_ENV, raising=False)
-    monkeypatch.delenv(CASCADE_MIN_WORK_ENV, raising=False)
-    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+
+    def choose(**settings) -> None:
+        choose_attention_kernel(model, config, torch.bfloat16, cuda, KernelConfig(**settings))
+
+    choose()
     assert (model.attention_kernel, model.cascade_min_work) == ("flash_cascade", CASCADE_MIN_WORK)
-    monkeypatch.setenv(CASCADE_MIN_WORK_ENV, "1000")  # a threshold measured on another GPU
-    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    choose(cascade_min_work=1000)  # a threshold measured on another GPU
     assert model.cascade_min_work == 1000
-    monkeypatch.setenv(CASCADE_MIN_WORK_ENV, "-5")
-    with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_MIN_WORK must be a positive integer"):
-        choose_attention_kernel(model, config, torch.bfloat16, cuda)
-    monkeypatch.delenv(CASCADE_MIN_WORK_ENV)
+    with pytest.raises(KernelConfigError, match="cascade_min_work is a positive integer"):
+        KernelConfig().updated({"cascade_min_work": "-5"})
+    choose()
     # the fused tail and (where Triton is installed, quietly otherwise) the Triton prefix by default
     assert model.cascade_fallback == "tree_attention" and model.cascade_fused_tail
     has_triton = importlib.util.find_spec("triton") is not None
     assert model.cascade_prefix == ("triton" if has_triton else "flash")
-    monkeypatch.setenv(CASCADE_TAIL_ENV, "torch")
-    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    choose(cascade_tail="torch")
     assert not model.cascade_fused_tail and "fused tail" not in model.attention_summary()
-    monkeypatch.setenv(CASCADE_TAIL_ENV, "kernel")
-    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    choose(cascade_tail="kernel")
     assert model.cascade_fused_tail and "fused tail" in model.attention_summary()
-    monkeypatch.setenv(CASCADE_PREFIX_ENV, "flash")
-    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    choose(cascade_prefix="flash")
     assert model.cascade_prefix == "flash"
-    monkeypatch.setenv(CASCADE_PREFIX_ENV, "triton")  # asked for by name: a warning where it cannot run
-    if not has_triton:
+    if not has_triton:  # asked for by name: a warning where it cannot run
         with pytest.warns(KernelFallbackWarning, match="needs Triton"):
-            choose_attention_kernel(model, config, torch.bfloat16, cuda)
+            choose(cascade_prefix="triton")
         assert model.cascade_prefix == "flash"
     else:
-        choose_attention_kernel(model, config, torch.bfloat16, cuda)
+        choose(cascade_prefix="triton")
         assert model.cascade_prefix == "triton" and "triton prefix" in model.attention_summary()
-    monkeypatch.setenv(CASCADE_PREFIX_ENV, "triton:128,128,8,4")  # a launch the sweep measured best
-    if has_triton:
-        choose_attention_kernel(model, config, torch.bfloat16, cuda)
+    if has_triton:  # a launch the sweep measured best
+        choose(cascade_prefix="triton:128,128,8,4")
         assert model.cascade_prefix == "triton:128,128,8,4"
-    monkeypatch.setenv(CASCADE_PREFIX_ENV, "triton:128,64,8,3,tma")  # the accelerator: Hopper and later
-    if has_triton and torch.cuda.is_available():
+    if has_triton and torch.cuda.is_available():  # the accelerator: Hopper and later
         if torch.cuda.get_device_capability()[0] >= 9:
-            choose_attention_kernel(model, config, torch.bfloat16, cuda)
+            choose(cascade_prefix="triton:128,64,8,3,tma")
             assert model.cascade_prefix == "triton:128,64,8,3,tma"
         else:
             with pytest.raises(ValueError, match="needs a Hopper or later GPU"):
-                choose_attention_kernel(model, config, torch.bfloat16, cuda)
+                choose(cascade_prefix="triton:128,64,8,3,tma")
     for bad in ("cutlass", "triton:100,64,8,3", "triton:128,64", "triton:128,64,8,3,wgmma"):
-        monkeypatch.setenv(CASCADE_PREFIX_ENV, bad)
-        with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_PREFIX must be"):
-            choose_attention_kernel(model, config, torch.bfloat16, cuda)
-    monkeypatch.delenv(CASCADE_PREFIX_ENV)
-    monkeypatch.setenv(CUDA_ATTENTION_ENV, "kernel")
-    choose_attention_kernel(model, config, torch.bfloat16, cuda)
+        with pytest.raises(KernelConfigError, match="kernel setting cascade_prefix: ") as caught:
+            KernelConfig(cascade_prefix=bad)
+        assert "\n" not in str(caught.value)
+    choose(cuda_attention="kernel")
     assert model.attention_kernel == "tree_attention"
-    monkeypatch.setenv(CUDA_ATTENTION_ENV, "auto")
     monkeypatch.setattr(kernels, "load_cuda_kernels", lambda: kernels.KernelStatus(False, "no nvcc"))
     with pytest.warns(KernelFallbackWarning, match="no nvcc"):
-        choose_attention_kernel(model, config, torch.bfloat16, cuda)
+        choose(cuda_attention="auto")
     assert (model.attention_kernel, model.cascade_min_work, model.cascade_fallback) == (
         "flash_cascade",
         0,
         "sdpa",
     )
-    monkeypatch.setenv(CASCADE_TAIL_ENV, "fast")
-    model.use_attention_kernel("sdpa")
-    with pytest.raises(ValueError, match="TOKENSWIFT_CASCADE_TAIL must be"):
-        choose_attention_kernel(model, config, torch.bfloat16, cuda)
-    assert model.attention_kernel == "sdpa"
+    with pytest.raises(KernelConfigError, match="cascade_tail is one of kernel, torch"):
+        KernelConfig(cascade_tail="fast")
 
 
-def test_the_flash_cascade_is_chosen_by_environment_and_refused_where_it_cannot_run(monkeypatch):
+def test_the_tree_kernel_takes_its_row_tiles_from_the_settings(llama_dir, monkeypatch):
+    """tree_row_tiles reaches the compiled module once, at load (C++ reads no environment)."""
+    from tokenswift_trt.runtime import engine as engine_module
+
+    from conftest import quiet_load
+
+    model = quiet_load(llama_dir[0]).model
+    config = type("C", (), {"head_dim": 64})()
+    calls = []
+    module = type("Module", (), {"set_tree_row_tiles": staticmethod(calls.append)})()
+    monkeypatch.setattr(engine_module, "flash_cascade_problem", lambda dtype, head_dim, device: None)
+    monkeypatch.setattr(kernels, "shared_memory_problem", lambda status, head_dim, device: None)
+    monkeypatch.setattr(kernels, "load_cuda_kernels", lambda: kernels.KernelStatus(True, "", module))
+    for tiles in (2, 0):
+        settings = KernelConfig(tree_row_tiles=tiles, cuda_attention="kernel")
+        choose_attention_kernel(model, config, torch.bfloat16, torch.device("cuda"), settings)
+    assert calls == [2, 0] and model.attention_kernel == "tree_attention"
+    with pytest.raises(KernelConfigError, match="tree_row_tiles is one of 0, 1, 2"):
+        KernelConfig().updated({"tree_row_tiles": "3"})
+
+
+def test_the_flash_cascade_is_refused_where_it_cannot_run():
     assert "float16/bfloat16" in flash_cascade_problem(torch.float32, 128, torch.device("cpu"))
     assert "head_dim" in flash_cascade_problem(torch.bfloat16, 100, torch.device("cpu"))
-    monkeypatch.setenv(CUDA_ATTENTION_ENV, "fast")
-    model = type("M", (), {"use_attention_kernel": lambda self, kernel: None})()
-    config = type("C", (), {"head_dim": 64})()
-    with pytest.raises(ValueError, match="must be one of auto, kernel, flash_cascade"):
-        choose_attention_kernel(model, config, torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(KernelConfigError, match="cuda_attention is one of auto, kernel, flash_cascade"):
+        KernelConfig().updated({"cuda_attention": "fast"})
 
 
 def test_the_cascade_runs_only_where_rows_times_keys_reach_its_threshold_and_the_fallback_elsewhere(

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tokenswift_trt.runtime import kernels
+from tokenswift_trt.runtime.cpu_linear import Linear
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+from tokenswift_trt.runtime.kernel_config import KernelConfig
 from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.sampling import (
     FusedSampler,
@@ -24,6 +26,8 @@ from tokenswift_trt.runtime.sampling import (
 )
 
 from conftest import quiet_load
+
+ON, OFF = KernelConfig(cpu_kernel="on"), KernelConfig(cpu_kernel="off")
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +118,11 @@ def test_the_kernel_is_chosen_only_where_it_beats_sdpa(cpu_kernels, llama_dir, m
         assert quiet_load(llama_dir[0]).model.attention_kernel == "cpu_tree_attention"
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     assert quiet_load(llama_dir[0]).model.attention_kernel == "sdpa"
-    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "1")
-    assert quiet_load(llama_dir[0]).model.attention_kernel == "cpu_tree_attention"
+    assert quiet_load(llama_dir[0], kernels=ON).model.attention_kernel == "cpu_tree_attention"
 
 
-def test_fp32_cpu_engine_verifies_through_the_kernel_with_sdpa_logits(cpu_kernels, llama_dir, monkeypatch):
-    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "1")  # the kernel on any x86 CPU
-    engine = quiet_load(llama_dir[0])  # float32, head_dim 16
+def test_fp32_cpu_engine_verifies_through_the_kernel_with_sdpa_logits(cpu_kernels, llama_dir):
+    engine = quiet_load(llama_dir[0], kernels=ON)  # float32, head_dim 16; the kernel on any x86 CPU
     model, config = engine.model, engine.config
     assert model.attention_kernel == "cpu_tree_attention"
     generator = torch.Generator().manual_seed(5)
@@ -142,10 +144,9 @@ def test_fp32_cpu_engine_verifies_through_the_kernel_with_sdpa_logits(cpu_kernel
     torch.testing.assert_close(logits["cpu_tree_attention"], logits["sdpa"], rtol=1e-4, atol=1e-5)
 
 
-def test_fp32_cpu_engine_takes_ar_steps_through_the_kernel(cpu_kernels, llama_dir, monkeypatch):
+def test_fp32_cpu_engine_takes_ar_steps_through_the_kernel(cpu_kernels, llama_dir):
     # one new token (an AR step) runs the kernel too: it beats SDPA there since it prefetches K/V
-    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "1")
-    engine = quiet_load(llama_dir[0])
+    engine = quiet_load(llama_dir[0], kernels=ON)
     model, config = engine.model, engine.config
     prefix = 300
     tokens = torch.randint(0, config.vocab_size, (prefix + 1,), generator=torch.Generator().manual_seed(6))
@@ -160,10 +161,14 @@ def test_fp32_cpu_engine_takes_ar_steps_through_the_kernel(cpu_kernels, llama_di
     torch.testing.assert_close(logits["cpu_tree_attention"], logits["sdpa"], rtol=1e-4, atol=1e-5)
 
 
-def test_cpu_kernel_can_be_turned_off(cpu_kernels, llama_dir, monkeypatch):
-    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")
-    assert quiet_load(llama_dir[0]).model.attention_kernel == "sdpa"
-    assert quiet_load(llama_dir[0], dtype=torch.float64).model.attention_kernel == "sdpa"
+def test_cpu_kernel_can_be_turned_off(cpu_kernels, llama_dir):
+    engine = quiet_load(llama_dir[0], kernels=OFF)
+    assert engine.model.attention_kernel == "sdpa"
+    assert engine.kernels == OFF
+    packed = [m._packed for m in engine.model.modules() if isinstance(m, Linear) and m._packed is not None]
+    assert all(weight.kind == "onednn" for weight in packed)  # no tiled products either
+    assert engine.model.cpu_decoder is None and engine.model.screened_head is None
+    assert quiet_load(llama_dir[0], dtype=torch.float64, kernels=OFF).model.attention_kernel == "sdpa"
 
 
 SAMPLING_CASES = [
@@ -234,8 +239,7 @@ def test_fused_sampler_only_where_it_has_the_semantics(cpu_kernels, monkeypatch)
         assert fused_sampler(config, cpu, torch.float32) is None  # not in the kernel: PyTorch path
     assert fused_sampler(SamplingConfig(), cpu, torch.float64) is None
     assert fused_sampler(SamplingConfig(), torch.device("meta"), torch.float32) is None
-    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")
-    assert fused_sampler(SamplingConfig(), cpu, torch.float32) is None
+    assert fused_sampler(SamplingConfig(), cpu, torch.float32, OFF) is None
 
 
 def test_cpu_engine_samples_through_the_fused_step_with_the_same_tokens(cpu_kernels, llama_dir, monkeypatch):
@@ -267,7 +271,7 @@ def test_cpu_engine_samples_through_the_fused_step_with_the_same_tokens(cpu_kern
     assert calls["rank"] > 48  # every AR token and every TokenSwift iteration
     assert calls["keys"] == calls["rank"]  # under min-p the noise goes in as keys
     assert runs["tokenswift"] == runs["ar"]
-    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")  # the PyTorch path (and SDPA) gives the same tokens
+    # the PyTorch path (and SDPA) gives the same tokens
     config = GenerationConfig(max_new_tokens=48, sampling=sampling, seed=3, method="ar", ignore_eos=True)
-    reference_engine = quiet_load(llama_dir[0])
+    reference_engine = quiet_load(llama_dir[0], kernels=OFF)
     assert generate(reference_engine, prompt, config)[0] == runs["ar"]

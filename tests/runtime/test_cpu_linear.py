@@ -16,6 +16,7 @@ from tokenswift_trt.runtime.cpu_linear import (
     packing_available,
     tiled_kernels,
 )
+from tokenswift_trt.runtime.kernel_config import KernelConfig
 from tokenswift_trt.runtime.kv_cache import KVCache
 
 from conftest import quiet_load
@@ -202,10 +203,9 @@ def test_the_tiled_kernel_is_batch_invariant(bias):
 
 
 @tiled
-def test_the_kernel_switch_falls_back_to_onednn(monkeypatch):
-    monkeypatch.setenv("TOKENSWIFT_CPU_KERNEL", "0")
+def test_the_kernel_setting_falls_back_to_onednn():
     layer = _layer(torch.float32, bias=True)
-    assert layer.pack() and layer._packed.kind == "onednn"
+    assert layer.pack(kernels=KernelConfig(cpu_kernel="off")) and layer._packed.kind == "onednn"
     x = torch.randn(3, 64)
     with torch.inference_mode():
         assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5)
@@ -249,7 +249,7 @@ def test_engines_pack_their_draft_layers_in_half_precision_and_the_model_in_floa
 
 @pytest.mark.skipif(tiled_kernels() is None, reason="the tiled kernel needs x86 AVX2 and a C++ compiler")
 @pytest.mark.parametrize("half", [False, True])
-def test_large_packed_weights_start_on_a_huge_page_and_ask_for_them(monkeypatch, half):
+def test_large_packed_weights_start_on_a_huge_page_and_ask_for_them(half):
     kernels = tiled_kernels()
     pack = kernels.pack_linear_half if half else kernels.pack_linear
     weight = torch.randn(4096, 576)  # 9.4 MB packed in float32, 4.7 MB in float16
@@ -260,6 +260,5 @@ def test_large_packed_weights_start_on_a_huge_page_and_ask_for_them(monkeypatch,
     assert torch.allclose(kernels.linear(x, packed, x.new_empty(0), 4096), x @ stored.T, atol=1e-3)
     if huge_pages_granted():  # the kernel honours MADV_HUGEPAGE here: the weight is on 2 MB pages
         assert huge_page_kib(packed.data_ptr()) >= 2048
-    monkeypatch.setenv("TOKENSWIFT_HUGE_PAGES", "0")
-    plain = pack(weight)
+    plain = pack(weight, False)  # the kernel setting huge_pages=off
     assert torch.equal(plain, packed)

@@ -11,7 +11,8 @@ import torch
 
 from tokenswift_trt.runtime import kernels
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import FUSED_ELEMENTWISE_ENV, choose_fused_elementwise
+from tokenswift_trt.runtime.engine import choose_fused_elementwise
+from tokenswift_trt.runtime.kernel_config import KernelConfig
 from tokenswift_trt.runtime.kv_cache import KVCache
 from tokenswift_trt.runtime.model import RMSNorm
 from tokenswift_trt.runtime.rope import apply_rotary
@@ -89,14 +90,12 @@ def test_fused_elementwise_ops_are_on_for_cuda_half_engines_by_default_and_off_e
 ):
     turned_on: list[bool] = []
     model = type("M", (), {"use_fused_elementwise": lambda self, on: turned_on.append(on)})()
-    monkeypatch.delenv(FUSED_ELEMENTWISE_ENV, raising=False)
     choose_fused_elementwise(model, torch.float32, torch.device("cpu"))
     choose_fused_elementwise(model, torch.bfloat16, torch.device("cpu"))
     choose_fused_elementwise(model, torch.float32, torch.device("cuda"))
-    monkeypatch.setenv(FUSED_ELEMENTWISE_ENV, "0")
-    choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"))  # switched off
+    off = KernelConfig(fused_elementwise=False)
+    choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"), off)  # switched off
     assert turned_on == []
-    monkeypatch.delenv(FUSED_ELEMENTWISE_ENV)
     loaded = kernels.KernelStatus(loaded=True, reason="")
     monkeypatch.setattr(kernels, "load_cuda_kernels", lambda: loaded)  # as on a GPU where they built
     choose_fused_elementwise(model, torch.bfloat16, torch.device("cuda"))  # on by default

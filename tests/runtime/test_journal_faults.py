@@ -22,6 +22,7 @@ from tokenswift_trt.runtime.journal import (
     resume_journal,
     unfinished_journal,
 )
+from tokenswift_trt.runtime.kernel_config import KernelConfig
 from tokenswift_trt.runtime.sampling import SamplingConfig
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
@@ -98,6 +99,17 @@ def test_resume_refuses_another_model_or_dtype_and_checks_old_journals_by_vocabu
         resume_journal(path, [], model={**IDENTITY, "vocab_size": 50, "fingerprint": ""})
     with pytest.raises(JournalError, match=r"bfloat16.*--dtype float32"):
         resume_journal(path, [], model={**IDENTITY, "dtype": "bfloat16"})
+    # output-deciding kernel settings must match; speed-only ones may change; unrecorded: not checked
+    kernels = KernelConfig(batch_invariant="on", huge_pages=False).to_dict()
+    written = _journal(tmp_path / "k.journal", [5, 6], model={**IDENTITY, "kernels": kernels})
+    with pytest.raises(
+        JournalError, match=r"output-deciding kernel settings .*\(batch_invariant=off\): resume it with "
+        r"--kernel batch_invariant=on$"
+    ):
+        resume_journal(written, [], model={**IDENTITY, "kernels": KernelConfig().to_dict()})
+    speed_only = KernelConfig(batch_invariant="on", screened_head=False).to_dict()
+    assert resume_journal(written, [], model={**IDENTITY, "kernels": speed_only}).done_ids == [5, 6]
+    assert resume_journal(path, [], model={**IDENTITY, "kernels": kernels}).done_ids == [5, 6]
     assert resume_journal(path, [], model={**IDENTITY, "fingerprint": ""}).done_ids == [5, 6]  # not known
 
     old = _journal(tmp_path / "old.journal", [5, 60], model=None)
@@ -119,6 +131,7 @@ def test_the_fingerprint_names_the_model_in_every_dtype(tmp_path):
         "vocab_size": 8192,
         "dtype": "bfloat16",
         "fingerprint": float32.fingerprint,
+        "kernels": KernelConfig().to_dict(),  # the kernel settings it runs with
     }
 
 

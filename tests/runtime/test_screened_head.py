@@ -9,6 +9,7 @@ import torch
 
 from tokenswift_trt.runtime.cpu_linear import Linear, tiled_kernels
 from tokenswift_trt.runtime.decoding import GenerationConfig, generate
+from tokenswift_trt.runtime.kernel_config import KernelConfig
 from tokenswift_trt.runtime.sampling import (
     MIN_P_KEEP,
     SamplingConfig,
@@ -129,9 +130,6 @@ def test_the_full_head_runs_where_screening_does_not_apply(monkeypatch):
     assert screenable(paper)
     with torch.inference_mode():
         assert screened.applies(4, paper) and not screened.applies(17, paper)
-        monkeypatch.setenv("TOKENSWIFT_SCREENED_HEAD", "0")
-        assert not screened.applies(4, paper)
-        monkeypatch.delenv("TOKENSWIFT_SCREENED_HEAD")
     with torch.no_grad():
         head.weight.mul_(1.01)  # a changed weight: the float16 copy is stale
     with torch.inference_mode():
@@ -145,6 +143,8 @@ def test_generation_is_unchanged_and_ar_still_equals_tokenswift(llama_dir, monke
     engine = quiet_load(llama_dir[0])
     model = engine.model
     assert model.screened_head is not None
+    unscreened = quiet_load(llama_dir[0], kernels=KernelConfig(screened_head=False))
+    assert unscreened.model.screened_head is None
     calls = []
     original = model.screened_head.logits
     monkeypatch.setattr(model.screened_head, "logits", lambda *a: calls.append(a[0].shape[0]) or original(*a))
@@ -163,10 +163,8 @@ def test_generation_is_unchanged_and_ar_still_equals_tokenswift(llama_dir, monke
             GenerationConfig(**settings, tree="3,1", draft_source="verify"),
         ]
         screened = [generate(engine, prompt, config)[0] for config in methods]
-        monkeypatch.setenv("TOKENSWIFT_SCREENED_HEAD", "0")
         before = len(calls)
-        full = [generate(engine, prompt, config)[0] for config in methods]
+        full = [generate(unscreened, prompt, config)[0] for config in methods]
         assert len(calls) == before  # switched off: the full head ran
-        monkeypatch.delenv("TOKENSWIFT_SCREENED_HEAD")
         assert screened == full and all(tokens == full[0] for tokens in screened)
     assert 1 in calls and max(calls) > 1  # AR steps and verifications both went through it

@@ -66,7 +66,7 @@ def test_the_model_switch_reaches_every_base_product_and_norm_but_not_the_draft_
     model.use_fused_elementwise(True)  # ... and packed products made after it inherit it
     assert all(layer.self_attn.qkv.batch_invariant for layer in model.model.layers)
     assert model.aligned_attention  # and its steps' attention, position-aligned
-    model.use_batch_invariant(True, attention=False)  # TOKENSWIFT_BATCH_INVARIANT=products
+    model.use_batch_invariant(True, attention=False)  # the kernel setting batch_invariant=products
     assert not model.aligned_attention and all(m.batch_invariant for m in linears)
     model.use_batch_invariant(False)
     assert not any(m.batch_invariant for m in linears) and not any(n.row_wise for n in norms)
@@ -74,18 +74,17 @@ def test_the_model_switch_reaches_every_base_product_and_norm_but_not_the_draft_
     model.use_fused_elementwise(False)
 
 
-def test_the_batch_invariant_switch_by_environment(llama_dir, monkeypatch):
-    """TOKENSWIFT_BATCH_INVARIANT: `0` (default) and a CPU change nothing; a bad value is refused."""
-    from tokenswift_trt.runtime.engine import BATCH_INVARIANT_ENV, choose_batch_invariant
+def test_the_batch_invariant_kernel_setting(llama_dir):
+    """batch_invariant: `off` (default) and a CPU change nothing; a bad value is refused in one line."""
+    from tokenswift_trt.runtime.engine import choose_batch_invariant
+    from tokenswift_trt.runtime.kernel_config import KernelConfig, KernelConfigError
 
     model = quiet_load(llama_dir[0]).model
-    for mode in ("0", "1", "products"):
-        monkeypatch.setenv(BATCH_INVARIANT_ENV, mode)
-        choose_batch_invariant(model, torch.float32, torch.device("cpu"))
+    for mode in ("off", "on", "products"):
+        choose_batch_invariant(model, torch.float32, torch.device("cpu"), KernelConfig(batch_invariant=mode))
         assert not model.batch_invariant and not model.aligned_attention
-    monkeypatch.setenv(BATCH_INVARIANT_ENV, "yes")
-    with pytest.raises(ValueError, match="TOKENSWIFT_BATCH_INVARIANT must be one of 0, 1, products"):
-        choose_batch_invariant(model, torch.float32, torch.device("cpu"))
+    with pytest.raises(KernelConfigError, match="batch_invariant is one of off, on, products, got 'yes'"):
+        KernelConfig().updated({"batch_invariant": "yes"})
 
 
 @pytest.mark.skipif(not ON_GPU or not HAS_TRITON, reason="the compiled programs need a CUDA GPU and Triton")

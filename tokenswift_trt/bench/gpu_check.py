@@ -41,6 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tokenswift_trt.environment import child_environment, gpu_check_command
+
 from .remodel import Tau, ar_floor_ms, capped, remodel, run_tau, trie_cap
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -215,7 +217,7 @@ class Check:
         """Each command in turn in its own process group, logged to WORK/NAME.log, all within timeout_s;
         ("ok" | "failed" | "timeout", the last exit code)."""
         deadline = time.monotonic() + timeout_s
-        environment = dict(os.environ)
+        environment = child_environment()
         environment["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(REPOSITORY), environment.get("PYTHONPATH")])
         )
@@ -987,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [stage for stage in every if stage.name in names]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     work = (args.work or REPOSITORY / "runs" / "gpu-check" / stamp).resolve()
-    command = os.environ.get("GPU_CHECK_COMMAND") or shlex.join(
+    command = gpu_check_command() or shlex.join(
         ["python", "-m", "tokenswift_trt.bench.gpu_check", *(argv if argv is not None else sys.argv[1:])]
     )
     check = Check(

@@ -39,12 +39,8 @@ from tokenswift_trt.runtime.admission import GIB, available_bytes, plan_memory
 from tokenswift_trt.runtime.config import config_from_dict, load_config
 from tokenswift_trt.runtime.cpu_linear import pack_linears
 from tokenswift_trt.runtime.draft_layers import DraftLayers
-from tokenswift_trt.runtime.engine import (
-    Engine,
-    choose_attention_kernel,
-    choose_batch_invariant,
-    choose_fused_elementwise,
-)
+from tokenswift_trt.runtime.engine import Engine, choose_kernels
+from tokenswift_trt.runtime.kernel_config import KernelConfig
 from tokenswift_trt.runtime.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.runtime.model import LlamaModel
 from tokenswift_trt.runtime.static_step import StaticForward, bucket_for
@@ -97,12 +93,17 @@ def verify_step(tree_size: int) -> str:
 
 
 def random_engine(
-    model: str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu", seed: int = 0
+    model: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    kernels: KernelConfig = KernelConfig(),
 ) -> tuple[Engine, str]:
     """(engine, dtype name) for a preset's shape, or a model directory's config.json, with random weights.
 
     Built in memory: meta-initialised, allocated on `device` in `dtype` (default: the preset's,
     else float32) and filled there (norms 1, other weights N(0, 0.02)); no checkpoint is read.
+    `kernels` chooses its kernels and fusions as `load_engine` does.
     """
     preset, directory = resolve(BuildRequest(model=model, out=Path("."), random_weights=True))
     config = config_from_dict(preset.config) if preset is not None else load_config(directory)
@@ -133,12 +134,11 @@ def random_engine(
                 param.normal_(0.0, 0.02, generator=generator)
     base.eval()
     draft_layers.eval()
-    choose_attention_kernel(base, config, dtype, device)
-    choose_fused_elementwise(base, dtype, device)
-    choose_batch_invariant(base, dtype, device)
-    base.pack()  # CPU only, as load_engine does
-    pack_linears(draft_layers, half=True)
-    return Engine(config, base, draft_layers, False, dtype, device), str(dtype).removeprefix("torch.")
+    choose_kernels(base, config, dtype, device, kernels)
+    base.pack(kernels)  # CPU only, as load_engine does
+    pack_linears(draft_layers, half=True, kernels=kernels)
+    engine = Engine(config, base, draft_layers, False, dtype, device, kernels=kernels)
+    return engine, str(dtype).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------- measurement
@@ -187,7 +187,13 @@ def _filled_caches(
     filled from it."""
     config, device, dtype = engine.config, engine.device, engine.dtype
     full = KVCache(
-        config.num_layers, config.num_kv_heads, config.head_dim, capacity, dtype=dtype, device=device
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        capacity,
+        dtype=dtype,
+        device=device,
+        settings=engine.kernels,
     )
     for start in range(0, context, FILL_CHUNK):
         count = min(FILL_CHUNK, context - start)

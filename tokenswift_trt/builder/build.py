@@ -10,7 +10,6 @@ behind and never touches an existing engine (which is replaced only with `force`
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -24,10 +23,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tokenswift_trt.environment import checkpoint_home
 from tokenswift_trt.runtime.config import ConfigError, config_from_dict
 from tokenswift_trt.runtime.draft_layers import DraftLayers, draft_key, heads_file_key
 from tokenswift_trt.runtime.engine import DEFAULT_HEADS_FILE, UntrainedDraftLayersWarning, load_engine
 from tokenswift_trt.runtime.engine_dir import BACKENDS, Manifest, record_artifacts, write_manifest
+from tokenswift_trt.runtime.kernel_config import KernelConfig
 from tokenswift_trt.runtime.model import LlamaModel
 
 from .gguf_import import GGUFImportError, import_gguf, read_source
@@ -67,6 +68,7 @@ class BuildRequest:
     random_weights: bool = False
     force: bool = False
     max_sequence_length: int | None = None
+    kernels: KernelConfig = KernelConfig()  # recorded in the manifest: the engine's default kernel settings
 
 
 def resolve(request: BuildRequest) -> tuple[Preset | None, Path | None]:
@@ -86,8 +88,8 @@ def resolve(request: BuildRequest) -> tuple[Preset | None, Path | None]:
         return preset, None
     checkpoint = request.checkpoint
     if checkpoint is None:
-        home = os.environ.get("TOKENSWIFT_HOME")
-        checkpoint = Path(home) / preset.name if home else None
+        home = checkpoint_home()
+        checkpoint = home / preset.name if home else None
         bundled = REPOSITORY / preset.bundled if preset.bundled else None
         if (
             (checkpoint is None or not (checkpoint / "config.json").is_file())
@@ -296,7 +298,7 @@ def _build(
         try:  # every key and shape, base and draft layers, exactly as the runtime will load them
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", UntrainedDraftLayersWarning)
-                engine = load_engine(model_dir, dtype=dtype)
+                engine = load_engine(model_dir, dtype=dtype, kernels=request.kernels)
         except ValueError as error:
             raise BuildError(f"checkpoint check failed: {error}") from None
         for warning in caught:
@@ -357,6 +359,7 @@ def _build(
             random_weights=checkpoint is None,
             tool_versions=_tool_versions(),
             source={"gguf": source.file, "sha256": source.sha256} if source else {},
+            kernels=request.kernels.to_dict(),
         )
         note("hashing artifacts")
         record_artifacts(staging, manifest)

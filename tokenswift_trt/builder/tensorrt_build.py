@@ -3,19 +3,17 @@ optimisation profile per graph covering tree sizes (tokens) and context lengths 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from tokenswift_trt.environment import plugin_library
 from tokenswift_trt.runtime.config import ModelConfig
 from tokenswift_trt.runtime.tensorrt_backend import PLUGIN_LIBRARY_NAME, import_tensorrt
-
-PLUGIN_LIBRARY_ENV = "TOKENSWIFT_TRT_PLUGINS"
 
 
 def find_plugin_library() -> Path | None:
     """The TensorRT plugin library: $TOKENSWIFT_TRT_PLUGINS, else `make plugins`' output in this checkout."""
-    configured = os.environ.get(PLUGIN_LIBRARY_ENV)
-    candidates = [Path(configured)] if configured else []
+    configured = plugin_library()
+    candidates = [configured] if configured else []
     candidates.append(Path(__file__).resolve().parents[2] / "build" / "plugins" / PLUGIN_LIBRARY_NAME)
     return next((path for path in candidates if path.is_file()), None)
 

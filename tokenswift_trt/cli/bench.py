@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,6 +15,7 @@ from .common import (
     fail,
     generation_config,
     int_list,
+    kernel_option,
     load_source,
     read_prompt,
     sampling_options,
@@ -71,6 +72,7 @@ def trie_cap(tree: str) -> int:
     help="AR and TokenSwift only: skip the penalty-off and paper-tree runs (half the time)",
 )
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
+@kernel_option
 @sampling_options
 def bench(
     model,
@@ -87,6 +89,7 @@ def bench(
     interleave,
     no_extras,
     out,
+    kernels,
     **opts,
 ) -> None:
     """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG."""
@@ -103,7 +106,13 @@ def bench(
         opts["seed"] = 0
     if random_weights:
         engine, text_ids, defaults = _random_weights_source(
-            model, (model_dir, engine_dir, heads, prompt_file), accept_length, opts, prefix_lens, prompts
+            model,
+            (model_dir, engine_dir, heads, prompt_file),
+            accept_length,
+            opts,
+            prefix_lens,
+            prompts,
+            kernels,
         )
         accept_length = trie_cap(opts["tree"]) if accept_length is None else accept_length
         source_name = f"{model} (random weights)"
@@ -116,7 +125,9 @@ def bench(
             )
         generation_config(max(gen_lens), "tokenswift", opts)
         text = read_prompt(None, prompt_file)
-        source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+        source = load_source(
+            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False, kernels=kernels
+        )
         engine, defaults = source.engine, source.defaults
         text_ids = source.codec.encode(text)
         source_name = str(source.model_dir or source.engine_dir)
@@ -154,6 +165,7 @@ def bench(
         "device": opts["device"],
         "dtype": str(engine.dtype),
         "interleave": interleave,
+        "kernels": engine.kernels.to_dict(),
     }
     steps = engine.model
     if getattr(steps, "torch_model", None) is steps:  # a PyTorch engine: what its steps ran
@@ -220,6 +232,7 @@ def _random_weights_source(
     opts: dict,
     prefix_lens: tuple[int, ...],
     prompts: int,
+    kernels: dict[str, Any],
 ) -> tuple[Engine, list[int], dict]:
     """`bench --random-weights`: (engine with random weights on the device, random prompt ids, the
     preset's defaults). `sources`: --model-dir, --engine, --heads and --prompt-file, none allowed."""
@@ -227,6 +240,7 @@ def _random_weights_source(
 
     from tokenswift_trt.bench.steps import random_engine
     from tokenswift_trt.builder.presets import PRESETS
+    from tokenswift_trt.runtime.kernel_config import KernelConfig
 
     if model is None or any(sources):
         raise CliError(
@@ -252,7 +266,7 @@ def _random_weights_source(
         raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
     dtype = getattr(torch, opts["dtype"]) if opts["dtype"] else None
     try:
-        engine, _ = random_engine(model, dtype, opts["device"])
+        engine, _ = random_engine(model, dtype, opts["device"], kernels=KernelConfig().updated(kernels))
     except (ValueError, RuntimeError) as error:  # too little memory, an unknown preset, CUDA errors
         raise fail(error) from None
     count = max(prefix_lens) * (prompts + 1)  # prompt_windows spreads its windows over the ids
@@ -347,6 +361,7 @@ def modeled_long_run(rows: list[dict], accept_length: float) -> dict | None:
     "--compile-steps", is_flag=True, help="fixed-shape steps through torch.compile (as generate's flag)"
 )
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/steps"), show_default=True)
+@kernel_option
 def bench_steps(
     model,
     contexts,
@@ -364,6 +379,7 @@ def bench_steps(
     device,
     compile_steps,
     out,
+    kernels,
 ) -> None:
     """The cost of one AR, draft and verify step per context against the memory-bandwidth floor, and
     the speedup those costs imply (docs/gpu.md)."""
@@ -388,6 +404,7 @@ def bench_steps(
     )
     from tokenswift_trt.runtime.decoding import GenerationConfig
     from tokenswift_trt.runtime.engine import KernelFallbackWarning
+    from tokenswift_trt.runtime.kernel_config import KernelConfig
 
     from ..progress import progress_bar
 
@@ -428,7 +445,12 @@ def bench_steps(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", KernelFallbackWarning)
         try:
-            engine, dtype_name = random_engine(model, getattr(torch, dtype) if dtype else None, device)
+            engine, dtype_name = random_engine(
+                model,
+                getattr(torch, dtype) if dtype else None,
+                device,
+                kernels=KernelConfig().updated(kernels),
+            )
         except (ValueError, RuntimeError) as error:
             raise fail(error) from None
     for warning in caught:
@@ -483,7 +505,14 @@ def bench_steps(
     ]
     command = " ".join(
         ["tokenswift-trt bench-steps"]
-        + [flag if value is True else f"{flag} {value}" for flag, value in given]
+        + [
+            " ".join(f"{flag} {name}={item}" for name, item in value.items())
+            if isinstance(value, dict)
+            else flag
+            if value is True
+            else f"{flag} {value}"
+            for flag, value in given
+        ]
     )
     meta = {
         "command": command,
@@ -495,6 +524,7 @@ def bench_steps(
         "attention_kernel": engine.model.torch_model.attention_summary(),
         "fused_elementwise": engine.model.torch_model.fused_elementwise,
         "batch_invariant": engine.model.torch_model.batch_invariant,
+        "kernels": engine.kernels.to_dict(),
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "kv_budget": kv_budget,
         "step_repeats": step_repeats,

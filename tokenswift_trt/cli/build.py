@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .common import DTYPES, CliError, fail
+from .common import DTYPES, CliError, fail, kernel_option
 
 
 @click.command()
@@ -43,9 +43,12 @@ from .common import DTYPES, CliError, fail
     help="maximum sequence length (default: the model's)",
 )
 @click.option("--force", is_flag=True, help="replace an existing engine directory")
-def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force) -> None:
-    """Build an engine directory from a preset, checkpoint or GGUF file (torch, onnx or tensorrt backend)."""
+@kernel_option
+def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force, kernels) -> None:
+    """Build an engine directory from a preset, checkpoint or GGUF file (torch, onnx or tensorrt backend);
+    its manifest records the kernel settings, the engine's defaults."""
     from tokenswift_trt.builder.build import BuildError, BuildRequest, build_engine
+    from tokenswift_trt.runtime.kernel_config import KernelConfig
 
     from ..progress import progress_bar
 
@@ -69,6 +72,7 @@ def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_len
         random_weights=random_weights,
         force=force,
         max_sequence_length=max_length,
+        kernels=KernelConfig().updated(kernels),
     )
     try:
         path = build_engine(request, progress, log=lambda message: click.echo(message, err=True))

@@ -109,8 +109,10 @@ def load_source(
     dtype: str | None,
     device: str,
     quiet: bool,
+    kernels: dict[str, Any] | None = None,
 ) -> Source:
-    """Load a preset, a Hugging Face dir or a built engine dir; every failure is one line."""
+    """Load a preset, a Hugging Face dir or a built engine dir; every failure is one line. `kernels`:
+    kernel settings (`--kernel`) over the engine manifest's, else over the defaults."""
     import torch
 
     from tokenswift_trt.runtime.config import ConfigError
@@ -121,6 +123,7 @@ def load_source(
         load_engine,
     )
     from tokenswift_trt.runtime.engine_dir import EngineDirError, load_engine_dir
+    from tokenswift_trt.runtime.kernel_config import KernelConfig, KernelConfigError
     from tokenswift_trt.runtime.request import manifest_defaults
     from tokenswift_trt.runtime.text import TextCodec, TokenizerError
 
@@ -139,7 +142,7 @@ def load_source(
                 if heads is not None:
                     raise CliError("--heads applies to --model-dir; an engine carries its draft layers")
                 engine, manifest = load_engine_dir(
-                    engine_dir, device=device, dtype=getattr(torch, dtype) if dtype else None
+                    engine_dir, device=device, dtype=getattr(torch, dtype) if dtype else None, kernels=kernels
                 )
                 defaults = manifest_defaults(manifest)
                 codec = TextCodec.from_dir(engine_dir / "model")
@@ -150,9 +153,20 @@ def load_source(
                     dtype = (
                         ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else "float32"
                     )
-                engine = load_engine(model_dir, heads, dtype=getattr(torch, dtype), device=device)
+                settings = KernelConfig().updated(kernels or {})
+                engine = load_engine(
+                    model_dir, heads, dtype=getattr(torch, dtype), device=device, kernels=settings
+                )
                 codec = TextCodec.from_dir(model_dir)
-        except (ConfigError, WeightsError, TokenizerError, EngineDirError, OSError, RuntimeError) as error:
+        except (
+            ConfigError,
+            WeightsError,
+            TokenizerError,
+            EngineDirError,
+            KernelConfigError,
+            OSError,
+            RuntimeError,
+        ) as error:
             raise fail(error) from None
     for warning in caught:
         # an untrained-heads note can be silenced; running without the CUDA kernel is always said
@@ -200,6 +214,30 @@ def source_options(function):
             ),
         ],
     )
+
+
+def _kernel_settings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, Any]:
+    from tokenswift_trt.runtime.kernel_config import KernelConfigError, parse_kernel_settings
+
+    try:
+        return parse_kernel_settings(values)
+    except KernelConfigError as error:
+        raise click.BadParameter(str(error), ctx, param) from None
+
+
+def kernel_option(function):
+    """`--kernel NAME=VALUE`, repeatable: kernel and fusion settings (runtime/kernel_config.py)."""
+    from tokenswift_trt.runtime.kernel_config import help_text
+
+    return click.option(
+        "--kernel",
+        "kernels",
+        multiple=True,
+        metavar="NAME=VALUE",
+        callback=_kernel_settings,
+        help="a kernel setting, repeatable (default: the engine manifest's, else the default); names "
+        f"[default]: {help_text()}",
+    )(function)
 
 
 def sampling_options(function):

@@ -13,6 +13,7 @@ from .common import (
     PositiveGiB,
     fail,
     generation_config,
+    kernel_option,
     load_source,
     read_prompt,
     request_settings,
@@ -62,6 +63,7 @@ DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
     default=None,
     help="GiB the caches may use (default: the memory free now)",
 )
+@kernel_option
 @sampling_options
 def generate(
     model,
@@ -78,6 +80,7 @@ def generate(
     journal_every,
     resume,
     memory_budget,
+    kernels,
     **opts,
 ) -> None:
     """Generate a continuation of a prompt with TokenSwift (or the AR baseline); journal and resume long
@@ -92,6 +95,7 @@ def generate(
         journal_header,
         model_identity,
         read_journal,
+        recorded_kernels,
         resume_journal,
     )
     from tokenswift_trt.runtime.request import OUTPUT_DECIDING, SPEED_ONLY, with_fixed_seed
@@ -123,8 +127,9 @@ def generate(
             )
         if opts["dtype"] is None and engine_dir is None:  # the dtype that wrote the journal's tokens
             opts["dtype"] = (header.get("model") or {}).get("dtype")
+        kernels = {**(recorded_kernels(recorded_state) or {}), **kernels}  # the kernels that wrote it
         source = load_source(
-            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json
+            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json, kernels=kernels
         )
         try:
             speed = {name: value for name, value in request_settings(opts).items() if name in SPEED_ONLY}
@@ -169,7 +174,7 @@ def generate(
             except JournalError as error:
                 raise fail(error) from None
         source = load_source(
-            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json
+            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json, kernels=kernels
         )
         config = generation_config(max_new_tokens, method, opts, source.defaults)
         prompt_ids = source.codec.encode(text)

@@ -23,6 +23,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .cpu_linear import TILED_MAX_ROWS, FusedLinears, Linear, tiled_kernels
+from .kernel_config import KernelConfig
 from .kv_cache import KVCache
 
 
@@ -54,10 +55,12 @@ class CpuDecoder:
         ]
 
     @classmethod
-    def pack(cls, layers: Sequence[nn.Module], config: ModelConfig) -> CpuDecoder | None:
+    def pack(
+        cls, layers: Sequence[nn.Module], config: ModelConfig, settings: KernelConfig = KernelConfig()
+    ) -> CpuDecoder | None:
         """From decoder layers whose Q/K/V and gate/up are fused and whose products are in the tiled
         layout (`LlamaModel.pack()` on a float32 CPU engine); None where any is not."""
-        kernels = tiled_kernels()
+        kernels = tiled_kernels(settings)
         if kernels is None:
             return None
         weights: list[torch.Tensor] = []

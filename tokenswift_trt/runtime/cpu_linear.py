@@ -10,7 +10,7 @@ would pay 3-4x an AR step in its matmuls. Two packed layouts:
   a row's outputs are the same bits whatever other rows share the call, so an AR step and a tree
   verification compute a token's logits identically. It takes up to TILED_MAX_ROWS rows; a
   prompt's chunks run PyTorch's own product on the unpacked weight.
-- "onednn" (bfloat16, other processors, or `TOKENSWIFT_CPU_KERNEL=0`): the weight reordered once
+- "onednn" (bfloat16, other processors, or `cpu_kernel=off`): the weight reordered once
   into oneDNN's blocked layout; 1 to 8 rows cost about 1-1.5x one row.
 
 Measured with `scripts/cpu_step_costs.py` (docs/runtime.md).
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .kernel_config import KernelConfig
 
 
 def packing_available() -> bool:
@@ -68,13 +70,15 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
 
-def tiled_kernels():
+def tiled_kernels(settings: KernelConfig = KernelConfig()):
     """The compiled CPU kernels' module when the tiled layout applies here, else None: an x86 CPU
-    with AVX2 (the kernel's register tiles; elsewhere oneDNN is faster) whose kernels build, and not
-    switched off with TOKENSWIFT_CPU_KERNEL=0."""
+    with AVX2 (the kernel's register tiles; elsewhere oneDNN is faster; kernel setting cpu_kernel `on`:
+    any processor) whose kernels build, and cpu_kernel not `off`."""
     from . import kernels  # kernels imports nothing from here; lazily, so no compile at import
 
-    if kernels.cpu_kernels_switched_off() or not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+    if settings.cpu_kernel == "off":
+        return None
+    if settings.cpu_kernel == "auto" and not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         return None
     status = kernels.load_cpu_kernels()
     return status.module if status.loaded else None
@@ -104,10 +108,10 @@ class Linear(nn.Linear):
         self._packed: PackedWeight | None = None
         self._packed_from: tuple[int, int, torch.dtype] | None = None  # _identity of the packed weight
 
-    def pack(self, half: bool = False) -> bool:
+    def pack(self, half: bool = False, kernels: KernelConfig = KernelConfig()) -> bool:
         """Prepack the weight for CPU inference; False (nothing changes) where it cannot be done.
         `half`: in float16 where the tiled kernel applies (elsewhere as without it)."""
-        self._packed = _prepack(self.weight, half)
+        self._packed = _prepack(self.weight, half, kernels)
         if self._packed is None:
             return False
         self._packed_from = _identity(self.weight)
@@ -136,7 +140,9 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def _prepack(weight: torch.Tensor, half: bool = False) -> PackedWeight | None:
+def _prepack(
+    weight: torch.Tensor, half: bool = False, kernels: KernelConfig = KernelConfig()
+) -> PackedWeight | None:
     """A packed copy of a weight [out, in] for CPU inference: tiled for float32 where our kernel
     applies (in float16 with `half`), else oneDNN's layout; None where there is none (not a CPU
     float32/bfloat16 weight, no oneDNN, or e.g. bfloat16 on a CPU without AVX-512 / AVX-NE-CONVERT:
@@ -144,10 +150,10 @@ def _prepack(weight: torch.Tensor, half: bool = False) -> PackedWeight | None:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     with torch.no_grad():
-        tiled = tiled_kernels() if weight.dtype == torch.float32 else None
+        tiled = tiled_kernels(kernels) if weight.dtype == torch.float32 else None
         if tiled is not None:
             packing = tiled.pack_linear_half if half else tiled.pack_linear
-            return PackedWeight("tiled", packing(weight.detach()), weight.shape[0], tiled)
+            return PackedWeight("tiled", packing(weight.detach(), kernels.huge_pages), weight.shape[0], tiled)
         if not packing_available():
             return None
         try:
@@ -163,10 +169,10 @@ def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
     return id(weight), -1 if weight.is_inference() else weight._version, weight.dtype
 
 
-def pack_linears(module: nn.Module, half: bool = False) -> int:
+def pack_linears(module: nn.Module, half: bool = False, kernels: KernelConfig = KernelConfig()) -> int:
     """Prepack every `Linear` inside `module` (CPU float32/bfloat16; `half`: tiled ones in float16);
     returns how many were packed."""
-    return sum(1 for child in module.modules() if isinstance(child, Linear) and child.pack(half))
+    return sum(1 for child in module.modules() if isinstance(child, Linear) and child.pack(half, kernels))
 
 
 class FusedLinears:
@@ -183,7 +189,7 @@ class FusedLinears:
         self._from = [_identity(part.weight) for part in parts]
 
     @classmethod
-    def pack(cls, parts: Sequence[Linear]) -> FusedLinears | None:
+    def pack(cls, parts: Sequence[Linear], kernels: KernelConfig = KernelConfig()) -> FusedLinears | None:
         """The fused product of `parts` (same input size, all with or all without bias); None where it
         cannot be packed (not CPU float32/bfloat16, no kernel and no oneDNN). The parts' own packed copies are
         dropped: the fused one replaces them."""
@@ -194,7 +200,8 @@ class FusedLinears:
         ):
             return None
         with torch.no_grad():
-            packed = _prepack(torch.cat([part.weight.detach() for part in parts]))  # [sum(out), in]
+            weight = torch.cat([part.weight.detach() for part in parts])  # [sum(out), in]
+            packed = _prepack(weight, kernels=kernels)
             bias = None if first.bias is None else torch.cat([part.bias.detach() for part in parts])
         if packed is None:
             return None

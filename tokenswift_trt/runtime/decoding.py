@@ -336,7 +336,9 @@ def new_decode_state(
                 f"{ngram_topk} n-gram branches): give a smaller --tree or --ngram-topk, or --tree auto"
             ) from None
         raise GenerationError(str(error)) from None
-    full = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limit + max_trie, dtype, device)
+    full = KVCache(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limit + max_trie, dtype, device, engine.kernels
+    )
     partial = (
         PartialKVCache(
             cfg.num_layers,
@@ -370,7 +372,8 @@ def new_decode_state(
         random=random,
         sampling=config.sampling,
         stop_tokens=frozenset() if config.ignore_eos else frozenset(cfg.eos_token_ids),
-        sampler=fused_sampler(config.sampling, device, dtype) or TorchSampler(config.sampling),
+        sampler=fused_sampler(config.sampling, device, dtype, engine.kernels)
+        or TorchSampler(config.sampling),
         ngram_exclusion=config.sampling.penalty_window if config.sampling.penalty > 1 else 0,
         static_full=static_full,
         static_partial=StaticForward(

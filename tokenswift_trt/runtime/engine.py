@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from . import cascade, kernels
 from .config import ModelConfig, load_config
 from .cpu_linear import pack_linears
 from .draft_layers import DraftLayers, DraftLayout, draft_key, draft_layout, read_heads_file
+from .kernel_config import KernelConfig
 from .model import Decoder, LlamaModel
 
 
@@ -47,6 +47,7 @@ class Engine:
     dtype: torch.dtype
     device: torch.device
     fingerprint: str = ""  # `model_fingerprint`: which model this is ("" = not known)
+    kernels: KernelConfig = KernelConfig()  # the kernel and fusion choices it was loaded with
 
     def model_parameters(self) -> list[torch.nn.Parameter]:
         """Base and draft-layer parameters (for memory accounting; onnx/TensorRT keep the torch copy too)."""
@@ -149,11 +150,12 @@ def load_engine(
     heads_file: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    kernels: KernelConfig = KernelConfig(),
 ) -> Engine:
     """Load base weights and draft layers; zero-initialised draft layers (with a warning) when none exist.
 
     Draft layers come from `heads_file`, else from the checkpoint's released-format keys, else
-    from `heads.safetensors` in the model directory.
+    from `heads.safetensors` in the model directory. `kernels` chooses the kernels and fusions.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -209,11 +211,10 @@ def load_engine(
     model.rotary.to(device)
     model.eval()
     draft_layers.eval()
-    choose_attention_kernel(model, config, dtype, device)
-    choose_fused_elementwise(model, dtype, device)
-    choose_batch_invariant(model, dtype, device)
-    model.pack()  # CPU only: oneDNN-prepacked, fused weights (cpu_linear.py)
-    pack_linears(draft_layers, half=True)  # drafts never change the output: half the bytes per draft pass
+    choose_kernels(model, config, dtype, device, kernels)
+    model.pack(kernels)  # CPU only: prepacked, fused weights (cpu_linear.py)
+    # drafts never change the output: half the bytes per draft pass
+    pack_linears(draft_layers, half=True, kernels=kernels)
     vocab = draft_layers.vocab
     if vocab is not None and (
         vocab.is_floating_point() or int(vocab.min()) < 0 or int(vocab.max()) >= config.vocab_size
@@ -223,38 +224,29 @@ def load_engine(
             "rebuild it for this model with `tokenswift-trt draft-vocab`"
         )
     draft_layers.use_vocab_head(model.lm_head.weight)  # only where the heads file has a draft vocabulary
-    return Engine(config, model, draft_layers, bool(draft), dtype, device, fingerprint)
+    return Engine(config, model, draft_layers, bool(draft), dtype, device, fingerprint, kernels)
 
 
-CUDA_ATTENTION_ENV = "TOKENSWIFT_CUDA_ATTENTION"  # `auto` (default), `kernel` or `flash_cascade`
-CUDA_ATTENTION_CHOICES = ("auto", "kernel", "flash_cascade")
-# `auto`: the cascade where T query rows x the committed keys reach this. On an H200 (8B shape, bf16)
-# the cascade with its fused tail and Triton prefix block crosses the tree kernel near 5.6K keys for
-# T = 64 and 8.1K for T = 128 (the mean of T x keys; with FlashAttention-2's prefix block and a tail of
-# PyTorch ops instead, near 70K / 36K).
-CASCADE_MIN_WORK = 697_536
-CASCADE_MIN_WORK_ENV = "TOKENSWIFT_CASCADE_MIN_WORK"  # a positive integer overrides CASCADE_MIN_WORK
-# `kernel` (default): the cascade's tree block and merge through src/cascade_tail.cu (one launch per
-# layer instead of ~25 small ops; the op runs its PyTorch composition where the kernel did not build);
-# `torch`: the PyTorch ops
-CASCADE_TAIL_ENV = "TOKENSWIFT_CASCADE_TAIL"
-# `triton` (default where Triton is installed, as in CUDA builds of PyTorch): the cascade's prefix block
-# through our Triton kernel (runtime/triton_prefix.py), `triton:BLOCK_M,BLOCK_N,WARPS,STAGES` with that
-# launch (scripts/triton_prefix_sweep.py measures them); `flash`: PyTorch's FlashAttention-2
-CASCADE_PREFIX_ENV = "TOKENSWIFT_CASCADE_PREFIX"
-FUSED_ELEMENTWISE_ENV = (
-    "TOKENSWIFT_FUSED_ELEMENTWISE"  # `1` (default): fewer, fused kernels per layer on CUDA
-)
+def choose_kernels(
+    model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device, settings: KernelConfig
+) -> None:
+    """Every kernel and fusion choice of `settings` that applies on this device, as `load_engine` makes
+    them (the CPU packing aside: `LlamaModel.pack`)."""
+    choose_attention_kernel(model, config, dtype, device, settings)
+    choose_fused_elementwise(model, dtype, device, settings)
+    choose_batch_invariant(model, dtype, device, settings)
 
 
-def choose_fused_elementwise(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
-    """With TOKENSWIFT_FUSED_ELEMENTWISE=1, on CUDA with float16/bfloat16: fewer kernels per layer
+def choose_fused_elementwise(
+    model: LlamaModel, dtype: torch.dtype, device: torch.device, settings: KernelConfig = KernelConfig()
+) -> None:
+    """With `fused_elementwise` (the default), on CUDA with float16/bfloat16: fewer kernels per layer
     (`LlamaModel.use_fused_elementwise`: add + RMSNorm, rotary and SiLU·up as one kernel each, Q/K/V
-    and gate/up as one product each). On by default (an H200 measured the 8B shape's AR step 0.76x
-    with them, docs/gpu.md); TOKENSWIFT_FUSED_ELEMENTWISE=0 runs the PyTorch ops."""
+    and gate/up as one product each; an H200 measured the 8B shape's AR step 0.76x with them,
+    docs/gpu.md); off, the PyTorch ops run."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return
-    if os.environ.get(FUSED_ELEMENTWISE_ENV, "1") != "1":
+    if not settings.fused_elementwise:
         return
     status = kernels.load_cuda_kernels()
     if status.loaded:
@@ -267,21 +259,16 @@ def choose_fused_elementwise(model: LlamaModel, dtype: torch.dtype, device: torc
     )
 
 
-BATCH_INVARIANT_ENV = "TOKENSWIFT_BATCH_INVARIANT"  # `1`: row-wise products, norms, attention; `products`
-BATCH_INVARIANT_CHOICES = ("0", "1", "products")
-
-
-def choose_batch_invariant(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> None:
-    """With TOKENSWIFT_BATCH_INVARIANT=1 on CUDA: the base model's products through `triton_linear`, its
+def choose_batch_invariant(
+    model: LlamaModel, dtype: torch.dtype, device: torch.device, settings: KernelConfig = KernelConfig()
+) -> None:
+    """With `batch_invariant` `on`, on CUDA: the base model's products through `triton_linear`, its
     norms one block per row and its steps' attention position-aligned (`triton_aligned`;
     `LlamaModel.use_batch_invariant`), so that a row's logits are the same bits in an AR step and in a
     verify; `products` leaves attention as it was. Off by default (docs/gpu.md, "Toward AR's tokens on
     the GPU in bf16": the products measured 1.10x an AR step, the attention not yet run on a GPU)."""
-    mode = os.environ.get(BATCH_INVARIANT_ENV, "0")
-    if mode not in BATCH_INVARIANT_CHOICES:
-        choices = ", ".join(BATCH_INVARIANT_CHOICES)
-        raise ValueError(f"{BATCH_INVARIANT_ENV} must be one of {choices}, got {mode!r}")
-    if device.type != "cuda" or mode == "0":
+    mode = settings.batch_invariant
+    if device.type != "cuda" or mode == "off":
         return
     status = kernels.load_cuda_kernels()
     if importlib.util.find_spec("triton") is None or not status.loaded:
@@ -292,7 +279,7 @@ def choose_batch_invariant(model: LlamaModel, dtype: torch.dtype, device: torch.
             stacklevel=3,
         )
         return
-    model.use_batch_invariant(True, attention=mode == "1")
+    model.use_batch_invariant(True, attention=mode == "on")
 
 
 def flash_cascade_problem(dtype: torch.dtype, head_dim: int, device: torch.device) -> str | None:
@@ -309,19 +296,23 @@ def flash_cascade_problem(dtype: torch.dtype, head_dim: int, device: torch.devic
 
 
 def choose_attention_kernel(
-    model: LlamaModel, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    model: LlamaModel,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    settings: KernelConfig = KernelConfig(),
 ) -> None:
     """Verify through a tree-attention kernel: on CUDA with fp16/bf16 and a supported head size; on a
-    CPU with float32, head_dim 16/32/64/128 and AVX-512 (compiled on first use; TOKENSWIFT_CPU_KERNEL=0
-    keeps SDPA, =1 takes the kernel without AVX-512). On CUDA (TOKENSWIFT_CUDA_ATTENTION): `auto`, the
+    CPU with float32, head_dim 16/32/64/128 and AVX2/AVX-512 (compiled on first use; `cpu_kernel` `off`
+    keeps SDPA, `on` takes the kernel on any processor). On CUDA (`cuda_attention`): `auto`, the
     default, verifies wide trees over long contexts through the FlashAttention cascade
-    (`cascade.flash_cascade_attention`, T x keys >= CASCADE_MIN_WORK) and everything else through the
+    (`cascade.flash_cascade_attention`, T x keys >= `cascade_min_work`) and everything else through the
     kernel; `kernel` never takes the cascade; `flash_cascade` takes it for every tree."""
     if device.type == "cpu":
         if (
             not kernels.cpu_kernel_supports(dtype, config.head_dim)
-            or kernels.cpu_kernels_switched_off()
-            or not kernels.cpu_attention_kernel_pays()
+            or settings.cpu_kernel == "off"
+            or not (settings.cpu_kernel == "on" or kernels.cpu_attention_kernel_pays())
         ):
             return
         status = kernels.load_cpu_kernels()
@@ -336,11 +327,7 @@ def choose_attention_kernel(
         return
     if device.type != "cuda":
         return
-    wanted = os.environ.get(CUDA_ATTENTION_ENV, "auto")
-    if wanted not in CUDA_ATTENTION_CHOICES:
-        raise ValueError(
-            f"{CUDA_ATTENTION_ENV} must be one of {', '.join(CUDA_ATTENTION_CHOICES)}, got {wanted!r}"
-        )
+    wanted = settings.cuda_attention
     if not kernels.kernel_supports(dtype, config.head_dim):
         problem = f"the kernel covers float16/bfloat16 and head_dim {kernels.SUPPORTED_HEAD_DIMS}"
     else:
@@ -348,41 +335,37 @@ def choose_attention_kernel(
         problem = (
             kernels.shared_memory_problem(status, config.head_dim, device) if status.loaded else status.reason
         )
-    tail = os.environ.get(CASCADE_TAIL_ENV, "kernel")
-    if tail not in ("torch", "kernel"):
-        raise ValueError(f"{CASCADE_TAIL_ENV} must be `torch` or `kernel`, got {tail!r}")
-    prefix = os.environ.get(CASCADE_PREFIX_ENV, "triton")
-    try:
-        _, launch = cascade.parse_prefix_backend(prefix)
-    except ValueError as error:
-        raise ValueError(f"{CASCADE_PREFIX_ENV} must be `flash` or `triton`: {error}") from None
+        if status.loaded and status.module is not None:  # row tiles per warp (0: the kernel's own choice)
+            status.module.set_tree_row_tiles(settings.tree_row_tiles)  # type: ignore[attr-defined]
+    tail = settings.cascade_tail
+    asked = settings.cascade_prefix
+    prefix = "triton" if asked == "auto" else asked
+    _, launch = cascade.parse_prefix_backend(prefix)  # checked when the KernelConfig was made
     if launch is not None and launch.variant == "tma" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
         if major < 9:  # refused here, not at the first verify inside a graph capture
             raise ValueError(
-                f"{CASCADE_PREFIX_ENV}: the `tma` prefix kernel needs a Hopper or later GPU (this one is "
-                f"sm_{major}{minor}): take `split` or `loads`"
+                f"kernel setting cascade_prefix: the `tma` prefix kernel needs a Hopper or later GPU (this "
+                f"one is sm_{major}{minor}): take `split` or `loads`"
             )
     if prefix.startswith("triton") and (
         importlib.util.find_spec("triton") is None or config.head_dim not in cascade.TRITON_PREFIX_HEAD_DIMS
     ):
-        if CASCADE_PREFIX_ENV in os.environ:  # asked for by name: say why not (the default is quiet)
+        if asked != "auto":  # asked for by name: say why not (the default is quiet)
             warnings.warn(
-                f"{CASCADE_PREFIX_ENV}=triton needs Triton (it comes with CUDA builds of PyTorch) and "
+                f"cascade_prefix={asked} needs Triton (it comes with CUDA builds of PyTorch) and "
                 f"head_dim {cascade.TRITON_PREFIX_HEAD_DIMS} (this model's: {config.head_dim}); the prefix "
                 "block runs through FlashAttention",
                 KernelFallbackWarning,
                 stacklevel=3,
             )
         prefix = "flash"
-    min_work = os.environ.get(CASCADE_MIN_WORK_ENV, str(CASCADE_MIN_WORK))
-    if not min_work.isdigit() or int(min_work) < 1:
-        raise ValueError(f"{CASCADE_MIN_WORK_ENV} must be a positive integer (T x keys), got {min_work!r}")
+    min_work = settings.cascade_min_work
     if wanted != "kernel":
         cascade_problem = flash_cascade_problem(dtype, config.head_dim, device)
         if cascade_problem is None:
             if problem is None:  # the tree kernel below the threshold (measured against it)
-                model.use_flash_cascade(int(min_work) if wanted == "auto" else 0, "tree_attention")
+                model.use_flash_cascade(min_work if wanted == "auto" else 0, "tree_attention")
             else:  # SDPA over the whole capacity would be the fallback: the cascade for every tree instead
                 warnings.warn(
                     f"tree-attention kernel not used ({problem}); trees verify through the FlashAttention "

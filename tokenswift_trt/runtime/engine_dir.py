@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 
 from .config import config_from_dict, load_config
 from .engine import Engine, load_engine
+from .kernel_config import KernelConfig, KernelConfigError
 
 MANIFEST = "tokenswift.json"
 FORMAT_VERSION = 2  # 2: `defaults` (partial settings) replaces `tree` and `sampling`
@@ -45,6 +47,8 @@ class Manifest:
     artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)  # relative path -> {"sha256", "bytes"}
     tool_versions: dict[str, str] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)  # a GGUF import: {"gguf": file name, "sha256"}
+    # the kernel settings it was built with (runtime/kernel_config.py), the defaults of its loads
+    kernels: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
 
@@ -97,6 +101,10 @@ def read_manifest(engine_dir: str | Path, verify: str = "auto") -> Manifest:
         raise EngineDirError(f"{path} is corrupt ({error}): rebuild the engine") from None
     if manifest.backend not in BACKENDS:
         raise EngineDirError(f"{path} names unknown backend {manifest.backend!r}")
+    try:
+        KernelConfig.from_dict(manifest.kernels)
+    except KernelConfigError as error:
+        raise EngineDirError(f"{path}: {error}: rebuild the engine") from None
     for relative, entry in manifest.artifacts.items():
         artifact = engine_dir / relative
         if not artifact.is_file():
@@ -124,11 +132,16 @@ def load_engine_dir(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     verify: str = "auto",
+    kernels: Mapping[str, Any] | None = None,
 ) -> tuple[Engine, Manifest]:
-    """Check the engine dir, then load it on its backend (torch forward, or onnxruntime graphs)."""
+    """Check the engine dir, then load it on its backend (torch forward, or onnxruntime graphs).
+    `kernels`: kernel settings (name -> value) replacing those the manifest records."""
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir, verify)
-    engine = load_engine(engine_dir / "model", dtype=dtype or getattr(torch, manifest.dtype), device=device)
+    settings = KernelConfig.from_dict(manifest.kernels).updated(kernels or {})
+    engine = load_engine(
+        engine_dir / "model", dtype=dtype or getattr(torch, manifest.dtype), device=device, kernels=settings
+    )
     if manifest.backend == "onnx":
         from .onnx_backend import OnnxDecoder
 

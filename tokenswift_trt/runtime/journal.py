@@ -23,6 +23,7 @@ from typing import Any
 
 from .decoding import GenerationConfig, GenerationError
 from .engine import Engine
+from .kernel_config import KernelConfig, KernelConfigError
 from .request import SPEED_ONLY, config_from
 
 FORMAT = "tokenswift-journal/2"  # 2: Gumbel-max sampling with position-keyed noise
@@ -68,13 +69,48 @@ class JournalState:
 
 def model_identity(engine: Engine, name: str) -> dict[str, Any]:
     """What a journal records of the model that writes it: `name` (where it was loaded from, for
-    messages), its vocabulary size, dtype and fingerprint (`engine.model_fingerprint`)."""
+    messages), its vocabulary size, dtype, fingerprint (`engine.model_fingerprint`) and kernel settings
+    (runtime/kernel_config.py)."""
     return {
         "name": name,
         "vocab_size": engine.config.vocab_size,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "fingerprint": engine.fingerprint,
+        "kernels": engine.kernels.to_dict(),
     }
+
+
+def recorded_kernels(state: JournalState) -> dict[str, Any] | None:
+    """The kernel settings of the engine that wrote a journal (None: not recorded)."""
+    kernels = (state.header.get("model") or {}).get("kernels")
+    return dict(kernels) if isinstance(kernels, dict) else None
+
+
+def check_kernels(path: Path, recorded: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> None:
+    """Refuse to continue a journal under output-deciding kernel settings other than those that wrote
+    it (another kernel rounds differently, so the tokens could differ). A journal from before kernel
+    settings were recorded is not checked."""
+    if recorded is None or current is None:
+        return
+    try:
+        before = KernelConfig.from_dict(recorded).output_deciding()
+    except KernelConfigError as error:
+        raise JournalError(f"{path} records kernel settings this version cannot read ({error})") from None
+    now = KernelConfig.from_dict(current).output_deciding()
+    changed = [name for name in before if before[name] != now[name]]
+    if changed:
+        wanted = " ".join(f"--kernel {name}={_setting_text(before[name])}" for name in changed)
+        running = ", ".join(f"{name}={_setting_text(now[name])}" for name in changed)
+        raise JournalError(
+            f"{path} was written with other output-deciding kernel settings than this engine's ({running}): "
+            f"resume it with {wanted}"
+        )
+
+
+def _setting_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def journal_header(
@@ -302,6 +338,7 @@ def check_model(path: Path, state: JournalState, model: Mapping[str, Any]) -> No
                 f"resume it in {recorded.get('dtype')} (--dtype {recorded.get('dtype')}) to continue the "
                 "same tokens"
             )
+        check_kernels(path, recorded.get("kernels"), model.get("kernels"))
         return
     ids = [*state.header.get("prompt_ids", []), *state.tokens]
     if ids and max(ids) >= model["vocab_size"]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -373,11 +372,6 @@ CPU_SOURCES = (
 )
 
 
-def cpu_kernels_switched_off() -> bool:
-    """TOKENSWIFT_CPU_KERNEL=0: CPU engines keep SDPA and PyTorch sampling (to compare, or to debug)."""
-    return os.environ.get("TOKENSWIFT_CPU_KERNEL") == "0"
-
-
 def cpu_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the CPU tree-attention kernel covers this element type and head size."""
     return dtype == torch.float32 and head_dim in CPU_HEAD_DIMS
@@ -387,10 +381,8 @@ def cpu_attention_kernel_pays() -> bool:
     """Whether the CPU tree-attention kernel beats SDPA on this processor: x86 with AVX2 or AVX-512
     (its tiles are 8- or 16-lane vectors; on AVX2 only 8-lane ones, which fit its 16 registers).
     SmolLM2's 30 layers on a 2-core AVX2 EPYC, whole decoder at 4K context: 1 / 2 / 4 tokens 24.3 /
-    26.0 / 33.5 ms against SDPA's 32.4 / 40.4 / 49.0 (docs/runtime.md). Elsewhere SDPA;
-    TOKENSWIFT_CPU_KERNEL=1 uses it anyway (tests, comparisons)."""
-    if os.environ.get("TOKENSWIFT_CPU_KERNEL") == "1":
-        return True
+    26.0 / 33.5 ms against SDPA's 32.4 / 40.4 / 49.0 (docs/runtime.md). Elsewhere SDPA; the kernel
+    setting cpu_kernel=on uses it anyway (tests, comparisons)."""
     return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .kernel_config import KernelConfig
 from .kernels import kv_importance_select
 from .transfer import to_device
 
@@ -23,14 +24,19 @@ class CacheFullError(RuntimeError):
     """A forward would write past the cache's preallocated capacity."""
 
 
-def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def cache_zeros(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    settings: KernelConfig = KernelConfig(),
+) -> torch.Tensor:
     """Zeros for a cache's K or V: on a CPU where the compiled kernels are built, on 2 MB pages where
     the OS grants them (plugins_cuda/cpu/linear_cpu.cpp, `zeros_on_huge_pages`: attention streams the
-    whole cache at every step), else `torch.zeros`."""
-    if torch.device(device).type == "cpu":
+    whole cache at every step; kernel settings huge_pages and cpu_kernel), else `torch.zeros`."""
+    if torch.device(device).type == "cpu" and settings.huge_pages:
         from .cpu_linear import tiled_kernels  # lazily: no compile at import
 
-        module = tiled_kernels()
+        module = tiled_kernels(settings)
         if module is not None:
             return module.zeros_on_huge_pages(list(shape), dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -47,10 +53,11 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        settings: KernelConfig = KernelConfig(),  # where its memory comes from (cache_zeros)
     ) -> None:
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.keys = cache_zeros(shape, dtype, device)  # [layers, kv_heads, capacity, head_dim]
-        self.values = cache_zeros(shape, dtype, device)
+        self.keys = cache_zeros(shape, dtype, device, settings)  # [layers, kv_heads, capacity, head_dim]
+        self.values = cache_zeros(shape, dtype, device, settings)
         self.capacity = capacity
         self.length = 0  # committed slots
         self.pending = 0  # slots written by the last forward after `length`

@@ -19,6 +19,7 @@ from . import cascade, kernels
 from .config import ModelConfig
 from .cpu_decoder import CpuDecoder
 from .cpu_linear import FusedLinears, Linear, batch_invariant_product, pack_linears
+from .kernel_config import KernelConfig
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary
 from .sampling import SamplingConfig
@@ -224,8 +225,8 @@ class Attention(nn.Module):
         self.fused_rotary = False  # q and k rotated by one op (`LlamaModel.use_fused_elementwise`)
         self.qkv: PackedProjection | None = None  # Q/K/V as one product (`LlamaModel.use_fused_elementwise`)
 
-    def pack(self) -> None:
-        self.fused = FusedLinears.pack([self.q_proj, self.k_proj, self.v_proj])
+    def pack(self, settings: KernelConfig = KernelConfig()) -> None:
+        self.fused = FusedLinears.pack([self.q_proj, self.k_proj, self.v_proj], settings)
 
     def forward(
         self,
@@ -339,8 +340,8 @@ class MLP(nn.Module):
         # gate and up as one product, its activation one op (`LlamaModel.use_fused_elementwise`)
         self.gate_up: PackedProjection | None = None
 
-    def pack(self) -> None:
-        self.fused = FusedLinears.pack([self.gate_proj, self.up_proj])
+    def pack(self, settings: KernelConfig = KernelConfig()) -> None:
+        self.fused = FusedLinears.pack([self.gate_proj, self.up_proj], settings)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.usable(x):
@@ -534,15 +535,16 @@ class LlamaModel(nn.Module):
             )
         self.attention_kernel = kernel
 
-    def pack(self) -> int:
+    def pack(self, settings: KernelConfig = KernelConfig()) -> int:
         """For CPU inference: prepack every linear (cpu_linear.py), then fuse each layer's Q/K/V and
-        gate/up products; returns how many linears were packed (0 off the CPU)."""
-        count = pack_linears(self)
+        gate/up products; returns how many linears were packed (0 off the CPU). `settings`: the CPU
+        kernel, huge-page and screened-head choices."""
+        count = pack_linears(self, kernels=settings)
         for layer in self.model.layers:
-            layer.self_attn.pack()
-            layer.mlp.pack()
-        self.cpu_decoder = CpuDecoder.pack(self.model.layers, self.config)
-        self.screened_head = ScreenedHead.of(self.lm_head)
+            layer.self_attn.pack(settings)
+            layer.mlp.pack(settings)
+        self.cpu_decoder = CpuDecoder.pack(self.model.layers, self.config, settings)
+        self.screened_head = ScreenedHead.of(self.lm_head, settings) if settings.screened_head else None
         return count
 
     def tie_weights(self) -> None:

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from . import kernels
+from .kernel_config import KernelConfig
 from .transfer import to_device
 
 MIN_P_KEEP = 20  # min-p keeps at least this many tokens
@@ -294,11 +295,13 @@ class FusedSampler:
 Sampler = TorchSampler | FusedSampler
 
 
-def fused_sampler(config: SamplingConfig, device: torch.device, dtype: torch.dtype) -> FusedSampler | None:
+def fused_sampler(
+    config: SamplingConfig, device: torch.device, dtype: torch.dtype, settings: KernelConfig = KernelConfig()
+) -> FusedSampler | None:
     """The compiled sampler for float32 logits on a CPU (built with the CPU kernels on first use), or
     None where the PyTorch path runs: another device or dtype, top-k / top-p / η set, the CPU kernels
-    switched off (TOKENSWIFT_CPU_KERNEL=0) or not buildable here."""
-    if device.type != "cpu" or dtype != torch.float32 or kernels.cpu_kernels_switched_off():
+    switched off (kernel setting cpu_kernel=off) or not buildable here."""
+    if device.type != "cpu" or dtype != torch.float32 or settings.cpu_kernel == "off":
         return None
     if config.top_k > 0 or config.top_p < 1 or config.eta > 0:
         return None

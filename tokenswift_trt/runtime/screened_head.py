@@ -14,27 +14,23 @@ greedy still equals transformers'.
 Applies where the tiled CPU kernel computes the head (float32, no bias, <= TILED_MAX_ROWS rows) and
 the sampling is greedy or min-p without top-k, top-p or η (those look at every token), with
 θ / temperature small enough for the screened score to stay finite; elsewhere the full head runs.
-`TOKENSWIFT_SCREENED_HEAD=0` switches it off. A head whose weight changed since packing (training,
-a new Parameter) is never screened with the stale copy.
+The kernel setting `screened_head=off` switches it off (`LlamaModel.pack`). A head whose weight
+changed since packing (training, a new Parameter) is never screened with the stale copy.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from .cpu_linear import TILED_MAX_ROWS, Linear, _identity, tiled_kernels
+from .kernel_config import KernelConfig
 from .sampling import MIN_P_KEEP, SamplingConfig
 
 SCREENED_SCORE = -1.0e30  # what a screened-out token's logit reads (screened_head_cpu.cpp's kScreened)
 # the screened score times θ / temperature must stay a finite float32 (the sampler divides by both)
 MAX_SCALE = 1.0e6
-
-
-def switched_off() -> bool:
-    return os.environ.get("TOKENSWIFT_SCREENED_HEAD", "1") == "0"
 
 
 def screenable(sampling: SamplingConfig) -> bool:
@@ -61,16 +57,16 @@ def error_bounds(weight: torch.Tensor) -> torch.Tensor:
 class ScreenedHead:
     """A float16 copy of a bias-free float32 LM head and its error bounds (`error_bounds`)."""
 
-    def __init__(self, head: Linear, kernels) -> None:
+    def __init__(self, head: Linear, kernels, huge_pages: bool = True) -> None:
         self.head, self.kernels = head, kernels
         self.weight = head.weight.detach()  # [V, K]: the head's own storage (`applies` checks it)
         with torch.no_grad():
-            self.half = kernels.pack_linear_half(self.weight)
+            self.half = kernels.pack_linear_half(self.weight, huge_pages)
             self.bounds = error_bounds(self.weight)
         self._from = _identity(head.weight)
 
     @classmethod
-    def of(cls, head: Linear) -> ScreenedHead | None:
+    def of(cls, head: Linear, settings: KernelConfig = KernelConfig()) -> ScreenedHead | None:
         """For a bias-free CPU float32 head packed for the tiled kernel (whose float32 product the exact
         logits must equal bit for bit); None elsewhere."""
         weight = head.weight
@@ -80,17 +76,16 @@ class ScreenedHead:
             return None
         if not head.packed or head._packed is None or head._packed.kind != "tiled":
             return None
-        kernels = tiled_kernels()
+        kernels = tiled_kernels(settings)
         if kernels is None or not hasattr(kernels, "screened_logits"):
             return None
-        return cls(head, kernels)
+        return cls(head, kernels, settings.huge_pages)
 
     def applies(self, rows: int, sampling: SamplingConfig) -> bool:
         return (
             0 < rows <= TILED_MAX_ROWS
             and screenable(sampling)
             and torch.is_inference_mode_enabled()
-            and not switched_off()
             and _identity(self.head.weight) == self._from
         )
 

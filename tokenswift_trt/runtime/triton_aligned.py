@@ -23,7 +23,7 @@ L(p), the tiles, the ranges and the order of the fold depend on p alone, so an A
 0, n = p) and a verify's node at position p run the same arithmetic on the same values, provided a
 product's row does not depend on the other rows of its tile (one `tl.dot` shape for both; checked on a
 GPU by `tests/runtime/test_triton_aligned.py`). The model takes it for steps shallower than 64 levels
-with `TOKENSWIFT_BATCH_INVARIANT=1` (`LlamaModel.use_batch_invariant`). Imported only where Triton is
+with the kernel setting `batch_invariant=on` (`LlamaModel.use_batch_invariant`). Imported only where Triton is
 installed; with TRITON_INTERPRET=1 set before Triton's first import it runs
 on CPU tensors through Triton's interpreter, which is how it is tested without a GPU.
 """

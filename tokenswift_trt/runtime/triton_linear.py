@@ -1,4 +1,4 @@
-"""Batch-invariant linear layers for GPUs (`TOKENSWIFT_BATCH_INVARIANT=1`): a row's outputs are the same
+"""Batch-invariant linear layers for GPUs (kernel setting `batch_invariant=on`): a row's outputs are the same
 bits whether it is multiplied alone (an AR step) or among up to 256 rows (a verify).
 
 cuBLAS picks its kernel (tile shape, split over K) by the problem's shape, so a row's dot products are

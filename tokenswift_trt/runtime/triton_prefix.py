@@ -1,4 +1,4 @@
-"""The FlashAttention cascade's prefix block as a Triton kernel (`TOKENSWIFT_CASCADE_PREFIX=triton`).
+"""The FlashAttention cascade's prefix block as a Triton kernel (kernel setting `cascade_prefix=triton`).
 
 What it computes is `cascade._flash_varlen`'s: the packed rows of each KV head ([kv_heads, R, D],
 R = group x T) attend without a mask to the committed keys, cut into `splits` consecutive ranges
@@ -299,6 +299,6 @@ def prefix_block(
         raise ValueError(
             f"the prefix block's launch {launch.text()} does not fit this GPU ({error.name}: "
             f"{error.required} > {error.limit}): take a smaller BLOCK_N or fewer stages in "
-            "TOKENSWIFT_CASCADE_PREFIX, or the sweep's pick (scripts/triton_prefix_sweep.py)"
+            "the kernel setting cascade_prefix, or the sweep's pick (scripts/triton_prefix_sweep.py)"
         ) from None
     return out, lse

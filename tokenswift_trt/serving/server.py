@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenswift_trt.environment import child_environment
+
 MODEL_REPO = Path(__file__).resolve().parents[2] / "model_repo"
 SHARED_MEMORY = Path("/dev/shm")
 EXIT_TIMEOUT_S = 3  # tritonserver's wait for requests in flight on SIGTERM (journals keep their tokens)
@@ -125,7 +127,7 @@ class TritonServer:
         return f"http://{self.config.host}:{self.config.metrics_port}/metrics"
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        env = dict(os.environ)
+        env = child_environment()
         # the Python-backend stub finds its environment through the `python3` first on PATH
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
         # The stub builds the CPU kernels with another command line than this interpreter does, and

@@ -26,11 +26,11 @@ at::Tensor gumbel_topk_cpu(const at::Tensor& logits, const at::Tensor& windows, 
 // linear_cpu.cpp: weight [N, K] float32 -> packed [ceil(N / W), K, W] (W = 48 with AVX-512, else 24);
 // input [M, K] float32, packed float32 or float16, bias [N] or empty -> [M, N], every element one in-order
 // chain over k (the same bits for any M).
-at::Tensor pack_linear_cpu(const at::Tensor& weight);
-// zeros of `dtype` on 2 MB pages where the OS grants them (>= 2 MB; TOKENSWIFT_HUGE_PAGES=0: ordinary pages)
+at::Tensor pack_linear_cpu(const at::Tensor& weight, bool huge_pages = true);
+// zeros of `dtype` on 2 MB pages where the OS grants them (>= 2 MB; smaller: ordinary pages)
 at::Tensor zeros_on_huge_pages_cpu(at::IntArrayRef sizes, at::ScalarType dtype);
 // the same layout in float16 (widened to float32 as loaded: draft layers' products)
-at::Tensor pack_linear_half_cpu(const at::Tensor& weight);
+at::Tensor pack_linear_half_cpu(const at::Tensor& weight, bool huge_pages = true);
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs);
 
 // screened_head_cpu.cpp: x [R, K] float32 through a bias-free head weight [V, K] float32, given its

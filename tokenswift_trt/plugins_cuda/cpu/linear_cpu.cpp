@@ -199,16 +199,15 @@ void run_linear(const float* x_data, int64_t rows, int64_t depth, const W* w_dat
 // -> 14.2 ms, four 16.9 -> 15.4) and a 4-token verify's attention over 4,096 cached keys 14.7 -> 13.5.
 // Its own mapping (not the allocator's, which may hand back heap memory already touched on 4 KB
 // pages), 2 MB longer, the tensor starting on a 2 MB boundary; pages are faulted in as they are first
-// written (the untouched slack and unused capacity cost address space only). Below 2 MB, elsewhere, or
-// with TOKENSWIFT_HUGE_PAGES=0: at::zeros.
+// written (the untouched slack and unused capacity cost address space only). Below 2 MB or elsewhere:
+// at::zeros (callers that do not want huge pages call at::zeros themselves: the kernel setting huge_pages).
 at::Tensor zeros_on_huge_pages_cpu(at::IntArrayRef sizes, at::ScalarType dtype) {
     constexpr int64_t kHugePage = int64_t(2) << 20;
     const at::TensorOptions options = at::TensorOptions().dtype(dtype).device(at::kCPU);
     int64_t count = 1;
     for (const int64_t size : sizes) count *= size;
     const int64_t bytes = count * static_cast<int64_t>(c10::elementSize(dtype));
-    const char* setting = std::getenv("TOKENSWIFT_HUGE_PAGES");
-    if (bytes < kHugePage || (setting != nullptr && std::string(setting) == "0")) return at::zeros(sizes, options);
+    if (bytes < kHugePage) return at::zeros(sizes, options);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     const size_t length = static_cast<size_t>(bytes + kHugePage);
     void* mapping = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -227,14 +226,15 @@ at::Tensor zeros_on_huge_pages_cpu(at::IntArrayRef sizes, at::ScalarType dtype) 
 namespace {
 
 // weight [out, in] (float32) -> [ceil(out / kWidth), in, kWidth] of `dtype` (float32 or float16)
-at::Tensor pack(const at::Tensor& weight, at::ScalarType dtype) {
+at::Tensor pack(const at::Tensor& weight, at::ScalarType dtype, bool huge_pages) {
     TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
                 "pack_linear: weight must be a float32 CPU matrix [out, in]");
     const at::Tensor source = weight.contiguous();
     const int64_t outputs = source.size(0), depth = source.size(1);
     const int64_t blocks = (outputs + kWidth - 1) / kWidth;
-    at::Tensor packed = dtype == at::kFloat ? zeros_on_huge_pages_cpu({blocks, depth, kWidth}, at::kFloat)
-                                            : at::zeros({blocks, depth, kWidth}, source.options());
+    at::Tensor packed = dtype == at::kFloat && huge_pages
+                            ? zeros_on_huge_pages_cpu({blocks, depth, kWidth}, at::kFloat)
+                            : at::zeros({blocks, depth, kWidth}, source.options());
     const float* from = source.data_ptr<float>();
     float* to = packed.data_ptr<float>();
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -247,16 +247,19 @@ at::Tensor pack(const at::Tensor& weight, at::ScalarType dtype) {
         }
     });
     if (dtype == at::kFloat) return packed;
-    at::Tensor narrow = zeros_on_huge_pages_cpu({blocks, depth, kWidth}, dtype);
+    at::Tensor narrow = huge_pages ? zeros_on_huge_pages_cpu({blocks, depth, kWidth}, dtype)
+                                   : at::zeros({blocks, depth, kWidth}, source.options().dtype(dtype));
     narrow.copy_(packed);
     return narrow;
 }
 
 }  // namespace
 
-at::Tensor pack_linear_cpu(const at::Tensor& weight) { return pack(weight, at::kFloat); }
+at::Tensor pack_linear_cpu(const at::Tensor& weight, bool huge_pages) { return pack(weight, at::kFloat, huge_pages); }
 
-at::Tensor pack_linear_half_cpu(const at::Tensor& weight) { return pack(weight, at::kHalf); }
+at::Tensor pack_linear_half_cpu(const at::Tensor& weight, bool huge_pages) {
+    return pack(weight, at::kHalf, huge_pages);
+}
 
 at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& bias, int64_t outputs) {
     TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat && input.dim() == 2,

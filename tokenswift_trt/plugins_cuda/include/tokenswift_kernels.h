@@ -47,6 +47,10 @@ int32_t tree_attention_splits(const TreeAttentionParams& params, int32_t num_sms
 // allow this much per block (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 size_t tree_attention_shared_bytes(int32_t head_dim);
 
+// Row tiles per warp for every later launch in this process: 1 or 2 forces one, 0 (the default) lets
+// the kernel choose by rows and shared memory (the kernel setting tree_row_tiles).
+void set_tree_row_tiles(int32_t tiles);
+
 // Bytes of scratch (fp32 partial outputs and softmax statistics) for `splits` splits.
 size_t tree_attention_workspace_size(const TreeAttentionParams& params, int32_t splits);
 

@@ -14,6 +14,7 @@
 // (max, sum) per row; a second kernel combines the splits. Row blocks are the fastest grid
 // dimension, so the blocks reading one split's K/V run together and share it through L2.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 
@@ -433,13 +434,17 @@ int shared_memory_optin() {
     return bytes;
 }
 
+// The row tiles per warp `set_tree_row_tiles` forced (0: none), read at every launch.
+std::atomic<int>& forced_row_tiles() {
+    static std::atomic<int> forced{0};
+    return forced;
+}
+
 // Row tiles per warp for this many query rows per KV head: two where they pay and fit the GPU's
-// shared memory. TOKENSWIFT_TREE_ROW_TILES=1|2 forces one choice (docs/kernels.md compares them).
+// shared memory. The kernel setting tree_row_tiles = 1|2 forces one choice (docs/kernels.md compares
+// them).
 int row_tiles_per_warp(int group_rows, int head_dim) {
-    static const int forced = [] {
-        const char* value = std::getenv("TOKENSWIFT_TREE_ROW_TILES");
-        return value == nullptr ? 0 : std::atoi(value);
-    }();
+    const int forced = forced_row_tiles().load(std::memory_order_relaxed);
     const size_t two_tiles = head_dim == 64 ? Layout<64, 2>::total : Layout<128, 2>::total;
     const bool two_fit = two_tiles <= static_cast<size_t>(shared_memory_optin());
     if (forced == 1 || (forced == 2 && two_fit)) return forced;
@@ -489,6 +494,8 @@ cudaError_t launch(const TreeAttentionParams& p, float* workspace, int splits, c
 }
 
 }  // namespace
+
+void set_tree_row_tiles(int32_t tiles) { forced_row_tiles().store(tiles, std::memory_order_relaxed); }
 
 size_t tree_attention_shared_bytes(int32_t head_dim) {  // what the kernel needs at least (one row tile)
     return head_dim == 64 ? Layout<64, 1>::total : head_dim == 128 ? Layout<128, 1>::total : 0;

@@ -333,6 +333,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("tree_attention", &tree_attention, "tree-verify attention (see runtime/kernels.py)");
     module.def("tree_attention_into", &tree_attention_into, "tree_attention writing into a given output");
     module.def("tree_attention_static", &tree_attention_static, "tree_attention with a device-side prefix length");
+    module.def("set_tree_row_tiles", &tokenswift::set_tree_row_tiles,
+               "tree_attention's row tiles per warp from now on (0: its own choice, 1 or 2: forced)");
     module.def("tree_attention_shared_bytes", &tokenswift::tree_attention_shared_bytes,
                "dynamic shared memory per block the tree-attention kernel needs for a head_dim");
     module.def("kv_importance_select", &kv_importance_select, "partial-cache position selection");

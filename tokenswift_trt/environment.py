@@ -1,0 +1,57 @@
+"""Every environment variable tokenswift-trt reads, in one place.
+
+Kernel and fusion choices are settings (runtime/kernel_config.py: `--kernel NAME=VALUE`, the engine
+manifest), never environment variables. What stays in the environment are paths and what is handed
+on to child processes:
+
+| variable | meaning |
+|---|---|
+| `TOKENSWIFT_HOME` | where `build` looks for a preset's checkpoint (`$TOKENSWIFT_HOME/<preset>`) |
+| `TOKENSWIFT_TRT_PLUGINS` | the TensorRT plugin library (default: `make plugins`' output in the checkout) |
+| `TORCH_EXTENSIONS_DIR` | where torch keeps compiled extensions; `serve` gives tritonserver its own |
+| `GPU_CHECK_COMMAND` | the command line a GPU check run records as its own (set by scripts/gpu_checks.sh) |
+
+Every other module reads the environment through the functions here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOME = "TOKENSWIFT_HOME"
+TRT_PLUGINS = "TOKENSWIFT_TRT_PLUGINS"
+TORCH_EXTENSIONS_DIR = "TORCH_EXTENSIONS_DIR"
+GPU_CHECK_COMMAND = "GPU_CHECK_COMMAND"
+VARIABLES = {
+    HOME: "where `build` looks for a preset's checkpoint ($TOKENSWIFT_HOME/<preset>)",
+    TRT_PLUGINS: "the TensorRT plugin library (default: `make plugins`' output in the checkout)",
+    TORCH_EXTENSIONS_DIR: "where torch keeps compiled extensions; `serve` gives tritonserver its own",
+    GPU_CHECK_COMMAND: "the command line a GPU check run records as its own (set by scripts/gpu_checks.sh)",
+}
+
+
+def _path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+def checkpoint_home() -> Path | None:
+    """$TOKENSWIFT_HOME, or None where it is not set."""
+    return _path(HOME)
+
+
+def plugin_library() -> Path | None:
+    """$TOKENSWIFT_TRT_PLUGINS, or None where it is not set."""
+    return _path(TRT_PLUGINS)
+
+
+def gpu_check_command() -> str | None:
+    """$GPU_CHECK_COMMAND, or None where it is not set."""
+    return os.environ.get(GPU_CHECK_COMMAND) or None
+
+
+def child_environment() -> dict[str, str]:
+    """A copy of this process's environment, to start a child process with (tritonserver, a GPU check's
+    stages)."""
+    return dict(os.environ)
