@@ -34,6 +34,8 @@ def test_serve_client_and_sigterm(tmp_path):
             str(grpc),
             "--metrics-port",
             str(metrics),
+            "--kernel",  # reaches the Triton model's `kernels` parameter (a speed-only one: same tokens)
+            "huge_pages=off",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .common import CliError, PositiveGiB, fail, read_prompt
+from .common import CliError, PositiveGiB, fail, kernel_option, read_prompt
 
 
 @click.command()
@@ -59,6 +59,7 @@ from .common import CliError, PositiveGiB, fail, read_prompt
     default=None,
     help="keep tritonserver's log here (default: a temporary file removed when serve exits)",
 )
+@kernel_option
 def serve(
     engine_dir,
     host,
@@ -72,6 +73,7 @@ def serve(
     openai_port,
     served_model_name,
     log_file,
+    kernels,
 ) -> None:
     """Serve an engine from a real tritonserver (HTTP, gRPC, metrics) until Ctrl-C or SIGTERM."""
     import signal
@@ -94,6 +96,7 @@ def serve(
         journal_dir=journal_dir,
         memory_budget_gib=memory_budget,
         http_host="127.0.0.1",
+        kernels=kernels,
     )
     server = TritonServer(config, log_path=log_file)
     click.echo(f"starting tritonserver (log: {server.log_path})", err=True)

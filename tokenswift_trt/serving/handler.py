@@ -27,6 +27,7 @@ from tokenswift_trt.runtime.journal import (
     model_identity,
     resume_journal,
 )
+from tokenswift_trt.runtime.kernel_config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.runtime.request import config_from, manifest_defaults, with_fixed_seed
 from tokenswift_trt.runtime.text import StreamDecoder, TextCodec
 
@@ -93,8 +94,12 @@ class Session:
         device: str = "cpu",
         journal_dir: str | Path | None = None,
         memory_budget: int | None = None,
+        kernels: str = "",
     ) -> None:
+        """`kernels`: kernel settings as NAME=VALUE items joined by `;` (the model's `kernels`
+        parameter), over the engine manifest's, else over the defaults."""
         source = Path(source)
+        settings = parse_kernel_settings(item for item in kernels.split(";") if item.strip())
         # what journals record of the model (resume refuses a journal of another model)
         self.model_name = str(source)
         self.memory_budget = memory_budget  # bytes the caches of one request may use; None = free memory
@@ -102,12 +107,12 @@ class Session:
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
         if (source / MANIFEST).is_file():
-            self.engine, manifest = load_engine_dir(source, device=device)
+            self.engine, manifest = load_engine_dir(source, device=device, kernels=settings)
             self.codec = TextCodec.from_dir(source / "model")
             self.defaults = manifest_defaults(manifest)
             self.max_length = manifest.max_sequence_length
         else:
-            self.engine: Engine = load_engine(source, device=device)
+            self.engine: Engine = load_engine(source, device=device, kernels=KernelConfig().updated(settings))
             self.codec = TextCodec.from_dir(source)
             # a model directory prepared from a preset (`make models`) records its sampling settings
             self.defaults: dict[str, Any] = read_model_defaults(source)

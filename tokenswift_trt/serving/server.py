@@ -18,8 +18,9 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenswift_trt.environment import child_environment
 
@@ -44,6 +45,8 @@ class ServerConfig:
     journal_dir: Path | None = None  # request journals (request_id / resume); None = no journals
     memory_budget_gib: float | None = None  # per-request cache memory cap; None = the free memory
     http_host: str | None = None  # address of tritonserver's HTTP endpoint; None = `host`
+    # kernel settings (runtime/kernel_config.py) over the engine manifest's; {} = the manifest's
+    kernels: dict[str, Any] = field(default_factory=dict)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,6 +79,16 @@ def _backends(root: Path, workdir: Path) -> Path:
     return target
 
 
+def kernel_parameter(settings: dict[str, Any]) -> str:
+    """Kernel settings as the model's `kernels` parameter: NAME=VALUE items joined by `;` (no quotes to
+    escape in config.pbtxt; `Session` reads it back with `kernel_settings_of`)."""
+    return ";".join(f"{name}={_kernel_text(value)}" for name, value in settings.items())
+
+
+def _kernel_text(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
     """Copy model_repo/ with the engine path, device and instance count filled in."""
     if not config.engine.is_dir():
@@ -92,6 +105,8 @@ def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
     text = re.sub(r'(key: "journal_dir" value: \{ string_value: )"[^"]*"', rf'\1"{journal}"', text)
     budget = "" if config.memory_budget_gib is None else str(config.memory_budget_gib)
     text = re.sub(r'(key: "memory_budget_gib" value: \{ string_value: )"[^"]*"', rf'\1"{budget}"', text)
+    kernels = kernel_parameter(config.kernels)
+    text = re.sub(r'(key: "kernels" value: \{ string_value: )"[^"]*"', lambda m: f'{m[1]}"{kernels}"', text)
     pbtxt.write_text(text)
     return repo
 

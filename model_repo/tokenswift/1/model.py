@@ -50,6 +50,7 @@ class TritonPythonModel:
             device=parameters.get("device", "cpu"),
             journal_dir=parameters.get("journal_dir") or None,
             memory_budget=int(float(budget) * (1 << 30)) if budget else None,
+            kernels=parameters.get("kernels", ""),
         )
         self.metrics = ServingMetrics(pb_utils.MetricFamily)
         self.eos = set(self.session.engine.config.eos_token_ids)
