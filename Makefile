@@ -68,7 +68,7 @@ plugins:
 	cmake -S tokenswift_trt/plugins_cuda -B build/plugins -DCMAKE_CUDA_COMPILER=$(NVCC)
 	cmake --build build/plugins -j
 
-# docs/cli.md from the commands' --help (tests/cli/test_reference.py fails when it is out of date)
+# docs/cli.md from the commands' --help (tests/cli/test_cli_reference.py fails when it is out of date)
 cli-docs: install
 	$(PY) -m tokenswift_trt.cli.reference > docs/cli.md
 

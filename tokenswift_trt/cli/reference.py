@@ -3,7 +3,7 @@
     .venv/bin/python -m tokenswift_trt.cli.reference > docs/cli.md
 
 The text is what `tokenswift-trt ... --help` prints at a fixed width of `WIDTH` columns, so it does
-not depend on the terminal; tests/cli/test_reference.py fails when docs/cli.md is out of date.
+not depend on the terminal; tests/cli/test_cli_reference.py fails when docs/cli.md is out of date.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def render(command: click.Command) -> str:
         "",
         f"Every `{PROGRAM}` command with the text its `--help` prints, generated from the commands",
         f"themselves by `{REGENERATE}`",
-        "(tests/cli/test_reference.py fails when this file is out of date).",
+        "(tests/cli/test_cli_reference.py fails when this file is out of date).",
         "",
         "| command | what it does |",
         "| --- | --- |",
