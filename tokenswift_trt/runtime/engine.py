@@ -265,8 +265,8 @@ def choose_batch_invariant(
     """With `batch_invariant` `on`, on CUDA: the base model's products through `triton_linear`, its
     norms one block per row and its steps' attention position-aligned (`triton_aligned`;
     `LlamaModel.use_batch_invariant`), so that a row's logits are the same bits in an AR step and in a
-    verify; `products` leaves attention as it was. Off by default (docs/gpu.md, "Toward AR's tokens on
-    the GPU in bf16": the products measured 1.10x an AR step, the attention not yet run on a GPU)."""
+    verify; `products` leaves attention as it was. Off by default (docs/method.md,
+    "In bf16 on a GPU": the products measured 1.10x an AR step, the attention not yet run on a GPU)."""
     mode = settings.batch_invariant
     if device.type != "cuda" or mode == "off":
         return

@@ -462,7 +462,7 @@ class LlamaModel(nn.Module):
         """On CUDA, every product of the base model and its LM head through `triton_linear` (up to 256
         rows) and every RMSNorm one block per row: a row's bits then do not depend on how many rows a
         step has; with `attention`, steps also attend position-aligned (`triton_aligned`), so an AR step
-        and a verify compute the same logits (docs/gpu.md, "Toward AR's tokens on the GPU in bf16").
+        and a verify compute the same logits (docs/method.md, "In bf16 on a GPU").
         Draft layers keep cuBLAS: drafts never change the output."""
         self.batch_invariant = on
         self.aligned_attention = on and attention and self.config.head_dim in cascade.ALIGNED_HEAD_DIMS

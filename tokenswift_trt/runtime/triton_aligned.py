@@ -1,8 +1,8 @@
 """Position-aligned attention: a query row's bits depend on its position and the keys it sees, not on
 how many rows its step has nor on where the committed keys end and the tree's begin.
 
-This is the attention part of AR's tokens in bf16 on a GPU (docs/gpu.md, "Toward AR's tokens on the
-GPU in bf16"). A verify's node at depth d reads the committed keys [0, n) from the cache and its d
+This is the attention part of AR's tokens in bf16 on a GPU (docs/method.md, "In bf16 on a GPU").
+A verify's node at depth d reads the committed keys [0, n) from the cache and its d
 ancestors and itself (positions n..n+d) from the step's own keys; an AR step at the same position p reads
 keys [0, p) from the cache and itself. The two read the same key vectors at the same positions but, with
 other kernels, split and reduce them differently. Here every row at position p computes:

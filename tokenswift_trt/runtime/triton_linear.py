@@ -3,7 +3,7 @@ bits whether it is multiplied alone (an AR step) or among up to 256 rows (a veri
 
 cuBLAS picks its kernel (tile shape, split over K) by the problem's shape, so a row's dot products are
 summed in another order for M = 1 than for M = 128, and a bf16 verify's logits differ in their last
-bits from the AR step's (docs/gpu.md, "Toward AR's tokens on the GPU in bf16"). Here every M <= 256 runs
+bits from the AR step's (docs/method.md, "In bf16 on a GPU"). Here every M <= 256 runs
 the same program: rows in blocks of 64 (a lone row padded into the block), columns in blocks of 64, K cut
 into `splits` fixed ranges chosen from K alone, each range summed tile by tile in order into an fp32
 partial [splits, M, N]; a second program adds the partials in range order (and the bias) and rounds

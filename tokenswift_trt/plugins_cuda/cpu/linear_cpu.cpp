@@ -6,7 +6,7 @@
 // shapes (2-core AMD EPYC). Here each weight vector, once loaded, is used for a tile of rows (4 on
 // AVX2, 8 on AVX-512) from registers and for the other tiles from L1 (24 KB of weights at a time),
 // so a few rows cost about one read of the weights; beyond that the arithmetic of 2 cores is the
-// limit (docs/runtime.md, "CPU linear layers").
+// limit (docs/runtime.md, "On a CPU").
 //
 // Batch invariance: every output element is one chain of fused multiply-adds over k = 0 .. K-1 in
 // order, whatever M is, however the rows are tiled and however the outputs are split over threads.
