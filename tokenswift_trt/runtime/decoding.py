@@ -10,7 +10,7 @@ from __future__ import annotations
 import random as random_module
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,6 +45,7 @@ AUTO = "auto"
 DRAFT_SOURCES = (AUTO, "partial", "verify")
 
 
+WINDOW_TOKENS = 256  # output positions per window of `Stats.windows`
 MAX_TREE_NODES = 1024  # static tree nodes per verify pass (the paper's 1,3,3,3 has 41; --tree auto <= 41)
 
 
@@ -150,6 +151,58 @@ class GenerationConfig:
                 )
 
 
+def _count_depths(reached: list[int], accepted_by_depth: list[int], offered: int, accepted: int) -> None:
+    """One iteration offering drafts `offered` levels deep, of which the walk accepted `accepted`."""
+    for lists in (reached, accepted_by_depth):
+        lists.extend([0] * (offered - len(lists)))
+    for depth in range(min(offered, accepted + 1)):
+        reached[depth] += 1
+        accepted_by_depth[depth] += depth < accepted
+
+
+@dataclass
+class Window:
+    """The iterations whose first committed token lies at output positions [start, start + size) of
+    the generated text (position 0 is the prefill's token, committed by no iteration); an iteration
+    that crosses the window's end counts whole in the window where it began. An AR step is an
+    iteration of one token with nothing drafted."""
+
+    start: int
+    size: int
+    iterations: int = 0
+    tokens: int = 0  # committed by those iterations: accepted drafts + the bonus token
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    ngram_accepted_tokens: int = 0
+    reached_by_depth: list[int] = field(default_factory=list)  # as `Stats.reached_by_depth`
+    accepted_by_depth: list[int] = field(default_factory=list)
+
+    def copy(self) -> Window:
+        return replace(
+            self, reached_by_depth=list(self.reached_by_depth), accepted_by_depth=list(self.accepted_by_depth)
+        )
+
+    def figures(self) -> dict:
+        """The window's counts and what they give: α, β, α by depth, tokens per iteration."""
+        return {
+            "start": self.start,
+            "end": self.start + self.size,
+            "iterations": self.iterations,
+            "tokens": self.tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "ngram_accepted_tokens": self.ngram_accepted_tokens,
+            "reached_by_depth": list(self.reached_by_depth),
+            "accepted_by_depth": list(self.accepted_by_depth),
+            "alpha": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
+            "beta": self.ngram_accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
+            "alpha_by_depth": [
+                a / r if r else 0.0 for a, r in zip(self.accepted_by_depth, self.reached_by_depth)
+            ],
+            "tokens_per_iteration": self.tokens / self.iterations if self.iterations else 0.0,
+        }
+
+
 @dataclass
 class Stats:
     method: str
@@ -171,6 +224,9 @@ class Stats:
     # offered, and those that accepted it (α by depth = accepted / reached)
     reached_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
+    # the same figures per window of `window_tokens` output positions (`Window`), window k at index k
+    window_tokens: int = WINDOW_TOKENS
+    windows: list[Window] = field(default_factory=list)
     prefill_s: float = 0.0
     elapsed_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -189,11 +245,31 @@ class Stats:
 
     def count_depths(self, offered: int, accepted: int) -> None:
         """One iteration offering drafts `offered` levels deep, of which the walk accepted `accepted`."""
-        for lists in (self.reached_by_depth, self.accepted_by_depth):
-            lists.extend([0] * (offered - len(lists)))
-        for depth in range(min(offered, accepted + 1)):
-            self.reached_by_depth[depth] += 1
-            self.accepted_by_depth[depth] += depth < accepted
+        _count_depths(self.reached_by_depth, self.accepted_by_depth, offered, accepted)
+
+    def count_window(
+        self, position: int, tokens: int, offered: int = 0, accepted: int = 0, ngram_accepted: int = 0
+    ) -> None:
+        """One iteration in its window: its first committed token at output `position`, `tokens`
+        committed, drafts `offered` levels deep (the drafted tokens), `accepted` of them accepted,
+        `ngram_accepted` of those only along n-gram branches (an AR step: `tokens` 1, the rest 0)."""
+        index = position // self.window_tokens
+        while len(self.windows) <= index:
+            self.windows.append(Window(len(self.windows) * self.window_tokens, self.window_tokens))
+        window = self.windows[index]
+        window.iterations += 1
+        window.tokens += tokens
+        window.drafted_tokens += offered
+        window.accepted_tokens += accepted
+        window.ngram_accepted_tokens += ngram_accepted
+        if offered:
+            _count_depths(window.reached_by_depth, window.accepted_by_depth, offered, accepted)
+
+    @property
+    def window_figures(self) -> list[dict]:
+        """Per window of output positions: α by depth, tokens per iteration and their counts
+        (`Window.figures`), in order of position."""
+        return [window.figures() for window in self.windows]
 
     @property
     def ngram_acceptance_rate(self) -> float:
@@ -246,6 +322,7 @@ def generate(
     random: RandomSource | None = None,
     acceptor: Acceptor = accept_trie,
     observer: Callable[[Stats], None] | None = None,
+    window_tokens: int = WINDOW_TOKENS,
 ) -> tuple[list[int], Stats]:
     """Generate after `prompt`; returns the new token ids and `Stats`.
 
@@ -253,8 +330,9 @@ def generate(
     (stop_reason says which). `on_tokens` receives each batch of newly committed tokens;
     `observer` sees the live Stats after every iteration (new_tokens and elapsed_s current).
     `config.tree == "auto"` tunes the tree and n-gram k while generating (runtime/autotune.py).
+    `window_tokens`: output positions per window of `Stats.windows` (figures by position).
     """
-    steps = decode_steps(engine, prompt, config, on_tokens, random, acceptor)
+    steps = decode_steps(engine, prompt, config, on_tokens, random, acceptor, window_tokens)
     while True:
         try:
             stats = next(steps)
@@ -272,13 +350,16 @@ def decode_steps(
     on_tokens: Callable[[list[int]], None] | None = None,
     random: RandomSource | None = None,
     acceptor: Acceptor = accept_trie,
+    window_tokens: int = WINDOW_TOKENS,
 ) -> DecodeSteps:
     """`generate` one iteration at a time: yields the live Stats after every iteration and returns
     (new token ids, Stats) when done. Nothing runs between yields, so callers can interleave several
     generations and time each on its own clock (the bench does, so that drift hits all alike)."""
+    if window_tokens < 1:
+        raise GenerationError(f"the statistics window must be at least 1 token, got {window_tokens}")
     seed = config.seed if config.seed is not None else random_module.SystemRandom().randrange(2**63)
     state = new_decode_state(engine, prompt, config, random or PositionKeyedRandom(seed))
-    stats = Stats(method=config.method, seed=seed, prompt_tokens=len(prompt))
+    stats = Stats(method=config.method, seed=seed, prompt_tokens=len(prompt), window_tokens=window_tokens)
     started = time.perf_counter()
     hidden = prefill(engine, state, prompt, config.prefill_chunk)
     first = sample_next(engine, state, hidden)
@@ -424,6 +505,7 @@ def _ar_loop(
             len(state.tokens) - state.prompt_length,
             time.perf_counter() - started,
         )
+        stats.count_window(stats.new_tokens - 1, 1)
         if on_tokens:
             on_tokens([token])
         yield stats
@@ -460,6 +542,7 @@ def _tokenswift_loop(
     done = False
     while not done:
         tick = time.perf_counter()
+        position = new_tokens()  # of this iteration's first committed token
         trie, costs = None, None
         if tree is None:  # a plain AR step, the same code as the AR baseline's
             out = ar_step(engine, state)
@@ -469,6 +552,7 @@ def _tokenswift_loop(
             drafting_state_stale = True
             stats.add_time("ar_step", time.perf_counter() - tick)
             stats.forwards += 1
+            stats.count_window(position, 1)
         else:
             if drafting_state_stale:  # catch up after AR steps: reselect the partial cache, count the n-grams
                 _refresh_drafting_state(state)
@@ -506,7 +590,7 @@ def _tokenswift_loop(
             ):
                 stats.add_time(phase, end - begin)
             costs = IterationCosts(t_draft - tick, t_trie - t_draft, t_commit - t_accept, len(trie))
-            _count_drafts(stats, trie, acceptance, 1 if from_verify else 2)
+            _count_drafts(stats, trie, acceptance, 1 if from_verify else 2, position)
         iteration_s = time.perf_counter() - tick
         stats.iterations += 1
         stats.new_tokens, stats.elapsed_s = new_tokens(), time.perf_counter() - started
@@ -541,6 +625,7 @@ def _device_loop(
     except ValueError as error:
         raise GenerationError(str(error)) from None
     for report in run_device_loop(loop, stats.add_time):
+        position = len(state.tokens) - state.prompt_length  # of this iteration's first committed token
         state.tokens.extend(report.tokens)
         stats.iterations += 1
         stats.forwards += 1
@@ -549,6 +634,9 @@ def _device_loop(
         stats.count_depths(loop.slots.max_depth, report.accepted)
         stats.ngram_accepted_tokens += report.ngram_accepted
         stats.ngram_hit_iterations += report.ngram_accepted > 0
+        stats.count_window(
+            position, len(report.tokens), loop.slots.max_depth, report.accepted, report.ngram_accepted
+        )
         stats.new_tokens = len(state.tokens) - state.prompt_length
         stats.elapsed_s = time.perf_counter() - started
         if on_tokens and report.tokens:
@@ -566,11 +654,13 @@ def _refresh_drafting_state(state: DecodeState) -> None:
         state.table.update(state.tokens, len(state.tokens) - state.ngram_exclusion)
 
 
-def _count_drafts(stats: Stats, trie, acceptance: Acceptance, forwards: int) -> None:
+def _count_drafts(stats: Stats, trie, acceptance: Acceptance, forwards: int, position: int) -> None:
     stats.forwards += forwards  # verify (+ the draft pass)
-    stats.drafted_tokens += max(trie.depths)  # the longest draft offered (n-gram branches may pass the tree)
+    offered = max(trie.depths)  # the longest draft offered (n-gram branches may pass the tree)
+    stats.drafted_tokens += offered
     stats.accepted_tokens += len(acceptance.nodes)
-    stats.count_depths(max(trie.depths), len(acceptance.nodes))
+    stats.count_depths(offered, len(acceptance.nodes))
     ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
     stats.ngram_accepted_tokens += ngram_accepted
     stats.ngram_hit_iterations += ngram_accepted > 0
+    stats.count_window(position, len(acceptance.tokens), offered, len(acceptance.nodes), ngram_accepted)
