@@ -263,6 +263,10 @@ def generate(
                     "seed": stats.seed if stats else config.seed,
                     "stop_reason": stats.stop_reason if stats else "finished",
                     "plans": describe_plans(stats.plans) if stats else [],
+                    # per window of output positions (from where this run began): α by depth, tokens
+                    # per iteration and their counts (docs/benchmarks.md)
+                    "window_tokens": stats.window_tokens if stats else 0,
+                    "windows": stats.window_figures if stats else [],
                 }
             )
         )
