@@ -1,8 +1,11 @@
 """The plots of docs/benchmarks.md, drawn from the committed runs under docs/bench/.
 
     .venv/bin/python scripts/plot_benchmarks.py [--bench docs/bench] [--out docs/bench/plots]
+    .venv/bin/python scripts/plot_benchmarks.py --windows runs/a/bench.json [--windows runs/b/bench.json]
 
-Writes three PNGs:
+Writes three PNGs (with --windows, only windows.png: acceptance by draft depth, tokens per iteration and
+tokens/s of TokenSwift and AR against output position, one point per window, from the rows' `windows` of
+each bench JSON, labelled by its folder):
 - speedup.png: measured speedup over AR by generated length (the CPU runs), and the modeled speedup of a
   generation from a 4K prompt by its length on the H200 (`scripts/remodel_iterations.py`'s long runs,
   one line per assumed tokens-per-iteration);
@@ -20,6 +23,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from tokenswift_trt.bench.plot_windows import plot_windows  # noqa: E402
 
 MEASURED_SPEEDUP = {  # run directory -> label
     "cpu-xeon-smollm2": "Xeon (AVX-512), default",
@@ -138,8 +143,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, default=Path("docs/bench"))
     parser.add_argument("--out", type=Path, default=Path("docs/bench/plots"))
+    parser.add_argument(
+        "--windows",
+        type=Path,
+        action="append",
+        metavar="BENCH_JSON",
+        help="draw only windows.png (figures by output position) from these bench JSONs",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.windows:
+        try:
+            plot_windows([(path.parent.name, path) for path in args.windows], args.out / "windows.png")
+        except ValueError as error:
+            parser.error(str(error))
+        return
     plot_speedup(args.bench, args.out)
     plot_acceptance(args.bench, args.out)
     plot_iteration(args.bench, args.out)

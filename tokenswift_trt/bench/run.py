@@ -20,16 +20,19 @@ from pathlib import Path
 
 from tokenswift_trt.runtime.autotune import Plan, describe_plans
 from tokenswift_trt.runtime.decoding import (
+    WINDOW_TOKENS,
     DecodeSteps,
     GenerationConfig,
     GenerationError,
     Stats,
+    Window,
     decode_steps,
     generate,
 )
 from tokenswift_trt.runtime.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread
+from .plot_windows import plot_windows
 from .report import machine_meta, write_csv
 
 DEFAULT_TREE = "1,3,3,3"
@@ -49,6 +52,8 @@ class Snapshot:
     prefill_s: float = 0.0  # of elapsed_s: the prompt's forwards and the first token's sample
     reached_by_depth: tuple[int, ...] = ()  # `Stats.reached_by_depth` / `accepted_by_depth` then
     accepted_by_depth: tuple[int, ...] = ()
+    windows: tuple[Window, ...] = ()  # `Stats.windows` then
+    window_ends_s: tuple[float, ...] = ()  # per window, the run's clock after its last iteration
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,8 +64,17 @@ class Snapshot:
         """Decoding time per iteration (AR: per step), the prompt's prefill left out."""
         return 1e3 * (self.elapsed_s - self.prefill_s) / max(1, self.iterations)
 
+    def window_tokens_per_s(self) -> list[float]:
+        """Tokens per second of each window's iterations on the run's clock (the prefill left out;
+        0 for a window no iteration began in)."""
+        rates, begin = [], self.prefill_s
+        for window, end in zip(self.windows, self.window_ends_s):
+            rates.append(window.tokens / (end - begin) if end > begin else 0.0)
+            begin = end
+        return rates
+
     @classmethod
-    def of(cls, stats: Stats, elapsed_s: float) -> Snapshot:
+    def of(cls, stats: Stats, elapsed_s: float, window_ends_s: Sequence[float] = ()) -> Snapshot:
         return cls(
             stats.new_tokens,
             elapsed_s,
@@ -72,6 +86,8 @@ class Snapshot:
             stats.prefill_s,
             tuple(stats.reached_by_depth),
             tuple(stats.accepted_by_depth),
+            tuple(window.copy() for window in stats.windows),
+            tuple(window_ends_s),
         )
 
 
@@ -88,12 +104,14 @@ def run_to_lengths(
     config: GenerationConfig,
     lengths: Sequence[int],
     on_tokens: Callable[[list[int]], None] | None = None,
+    window_tokens: int = WINDOW_TOKENS,
 ) -> Run:
     targets = sorted(lengths)
     snapshots: dict[int, Snapshot] = {}
+    window_ends: list[float] = []
 
     def observe(stats: Stats) -> None:
-        _record(snapshots, targets, stats, stats.elapsed_s)
+        _record(snapshots, targets, stats, stats.elapsed_s, window_ends)
 
     tokens, stats = generate(
         engine,
@@ -101,14 +119,25 @@ def run_to_lengths(
         replace(config, max_new_tokens=targets[-1], ignore_eos=True),
         on_tokens=on_tokens,
         observer=observe,
+        window_tokens=window_tokens,
     )
     return Run(tokens, snapshots, stats.plans)
 
 
-def _record(snapshots: dict[int, Snapshot], targets: Sequence[int], stats: Stats, elapsed_s: float) -> None:
-    """Snapshot every target length (sorted) that `stats` has reached and none has recorded yet."""
+def _record(
+    snapshots: dict[int, Snapshot],
+    targets: Sequence[int],
+    stats: Stats,
+    elapsed_s: float,
+    window_ends: list[float],
+) -> None:
+    """After an iteration: note the clock as its window's end (in `window_ends`), then snapshot every
+    target length (sorted) that `stats` has reached and none has recorded yet."""
+    window_ends.extend([elapsed_s] * (len(stats.windows) - len(window_ends)))
+    if window_ends:
+        window_ends[-1] = elapsed_s
     while len(snapshots) < len(targets) and stats.new_tokens >= targets[len(snapshots)]:
-        snapshots[targets[len(snapshots)]] = Snapshot.of(stats, elapsed_s)
+        snapshots[targets[len(snapshots)]] = Snapshot.of(stats, elapsed_s, window_ends)
 
 
 def take_turns(
@@ -147,19 +176,27 @@ def run_interleaved(
     lengths: Sequence[int],
     chunk: int,
     on_tokens: Callable[[list[int]], None] | None = None,
+    window_tokens: int = WINDOW_TOKENS,
 ) -> dict[str, Run]:
     """Every config decodes `prompt` to the longest of `lengths` (`take_turns`); each run's
     snapshots are read on its own clock."""
     targets = sorted(lengths)
     steps = {
         name: decode_steps(
-            engine, prompt, replace(config, max_new_tokens=targets[-1], ignore_eos=True), on_tokens
+            engine,
+            prompt,
+            replace(config, max_new_tokens=targets[-1], ignore_eos=True),
+            on_tokens,
+            window_tokens=window_tokens,
         )
         for name, config in configs.items()
     }
     snapshots: dict[str, dict[int, Snapshot]] = {name: {} for name in configs}
+    window_ends: dict[str, list[float]] = {name: [] for name in configs}
     results = take_turns(
-        steps, chunk, lambda name, stats, clock: _record(snapshots[name], targets, stats, clock)
+        steps,
+        chunk,
+        lambda name, stats, clock: _record(snapshots[name], targets, stats, clock, window_ends[name]),
     )
     return {name: Run(tokens, snapshots[name], stats.plans) for name, (tokens, stats, _) in results.items()}
 
@@ -173,6 +210,7 @@ class BenchSpec:
     config: GenerationConfig  # sampling, tree, k, budget, seed of the TokenSwift runs
     interleave: int = 256  # new tokens per method per turn; 0 = the methods one after another
     extras: bool = True  # also the penalty-off run (Distinct-n) and the paper's tree (auto vs paper)
+    window_tokens: int = WINDOW_TOKENS  # output positions per window of the figures by position
 
 
 def prompt_windows(text_ids: Sequence[int], prefix_len: int, count: int) -> list[list[int]]:
@@ -230,6 +268,7 @@ def run_bench(
                             spec.gen_lens,
                             spec.interleave,
                             progress(label, max(spec.gen_lens) * len(configs)),
+                            spec.window_tokens,
                         )
                     except GenerationError as error:
                         if not str(error).startswith("not enough memory"):
@@ -246,6 +285,7 @@ def run_bench(
                             config,
                             spec.gen_lens,
                             progress(f"{where}: {name}", max(spec.gen_lens)),
+                            spec.window_tokens,
                         )
                         for name, config in configs.items()
                     }
@@ -264,6 +304,45 @@ def alpha_by_depth(snapshots: Sequence[Snapshot]) -> list[float]:
         for d, (r, a) in enumerate(zip(snapshot.reached_by_depth, snapshot.accepted_by_depth)):
             reached[d], accepted[d] = reached[d] + r, accepted[d] + a
     return [a / r if r else 0.0 for a, r in zip(accepted, reached)]
+
+
+def merged_windows(snapshots: Sequence[Snapshot]) -> list[Window]:
+    """The windows of several runs, their counts summed window by window."""
+    merged: list[Window] = []
+    for snapshot in snapshots:
+        for index, window in enumerate(snapshot.windows):
+            if len(merged) <= index:
+                merged.append(Window(window.start, window.size))
+            total = merged[index]
+            total.iterations += window.iterations
+            total.tokens += window.tokens
+            total.drafted_tokens += window.drafted_tokens
+            total.accepted_tokens += window.accepted_tokens
+            total.ngram_accepted_tokens += window.ngram_accepted_tokens
+            for name in ("reached_by_depth", "accepted_by_depth"):
+                counts, more = getattr(total, name), getattr(window, name)
+                counts.extend([0] * (len(more) - len(counts)))
+                for depth, count in enumerate(more):
+                    counts[depth] += count
+    return merged
+
+
+def window_rows(swift: Sequence[Snapshot], ar: Sequence[Snapshot]) -> list[dict]:
+    """TokenSwift's figures per window of output positions over the runs (`Window.figures`), with
+    each method's tokens/s there (the median over the runs, each on its own clock)."""
+    rows = []
+    ar_rates = [snapshot.window_tokens_per_s() for snapshot in ar]
+    swift_rates = [snapshot.window_tokens_per_s() for snapshot in swift]
+    for index, window in enumerate(merged_windows(swift)):
+        row = window.figures()
+        for key in ("alpha", "beta", "tokens_per_iteration"):
+            row[key] = round(row[key], 4)
+        row["alpha_by_depth"] = [round(alpha, 4) for alpha in row["alpha_by_depth"]]
+        for key, rates in (("ar_tokens_per_s", ar_rates), ("tokenswift_tokens_per_s", swift_rates)):
+            values = [run[index] for run in rates if index < len(run)]
+            row[key] = round(spread(values)[0], 2) if values else 0.0
+        rows.append(row)
+    return rows
 
 
 def plans_before(plans: Sequence[Plan], gen_len: int) -> list[Plan]:
@@ -319,16 +398,55 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
             row[f"distinct{n}_{key}"] = round(sum(values) / len(values), 4)
     same = all(a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs["tokenswift"]))
     row["tokens_equal_ar"] = same
+    row["windows"] = window_rows(swift, ar)  # figures by output position (bench_windows.csv)
     return row
 
 
+def flat_window_rows(rows: Sequence[dict]) -> list[dict]:
+    """One CSV row per (prefix length, generation length, window): α by depth as alpha_d1, alpha_d2..."""
+    depth = max((len(w["alpha_by_depth"]) for row in rows for w in row.get("windows", [])), default=0)
+    flat = []
+    for row in rows:
+        for window in row.get("windows", []):
+            by_depth = window["alpha_by_depth"]
+            flat.append(
+                {
+                    "prefix_len": row["prefix_len"],
+                    "gen_len": row["gen_len"],
+                    **{key: window[key] for key in WINDOW_COLUMNS},
+                    **{f"alpha_d{d + 1}": by_depth[d] if d < len(by_depth) else "" for d in range(depth)},
+                    "ar_tokens_per_s": window["ar_tokens_per_s"],
+                    "tokenswift_tokens_per_s": window["tokenswift_tokens_per_s"],
+                }
+            )
+    return flat
+
+
+WINDOW_COLUMNS = (
+    "start",
+    "end",
+    "iterations",
+    "tokens",
+    "tokens_per_iteration",
+    "drafted_tokens",
+    "accepted_tokens",
+    "alpha",
+    "beta",
+)
+
+
 def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
-    """bench.csv, bench.json and PNG plots of speedup and α against generation length."""
+    """bench.csv, bench.json, bench_windows.csv (figures per window of output positions) and PNG plots
+    of speedup and α against generation length and of the figures by position (windows.png)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "bench.csv", out_dir / "bench.json"]
-    write_csv(written[0], rows)
+    write_csv(written[0], [{key: value for key, value in row.items() if key != "windows"} for row in rows])
     meta = {**meta, **machine_meta()}
     written[1].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    flat = flat_window_rows(rows)
+    if flat:
+        written.append(write_csv(out_dir / "bench_windows.csv", flat))
+        written.append(plot_windows([(out_dir.name, written[1])], out_dir / "windows.png"))
 
     import matplotlib
 

@@ -67,6 +67,13 @@ def trie_cap(tree: str) -> int:
     help="new tokens each method decodes per turn, each timed on its own clock (0: one after another)",
 )
 @click.option(
+    "--window",
+    type=int,
+    default=256,
+    show_default=True,
+    help="output positions per window of the figures by position (bench_windows.csv, windows.png)",
+)
+@click.option(
     "--no-extras",
     is_flag=True,
     help="AR and TokenSwift only: skip the penalty-off and paper-tree runs (half the time)",
@@ -87,6 +94,7 @@ def bench(
     prompts,
     repeats,
     interleave,
+    window,
     no_extras,
     out,
     kernels,
@@ -102,6 +110,8 @@ def bench(
         raise CliError("--prompts and --repeats must be at least 1")
     if interleave < 0:
         raise CliError(f"--interleave must be >= 0 (0 runs the methods one after another), got {interleave}")
+    if window < 1:
+        raise CliError(f"--window must be at least 1 token (e.g. 256), got {window}")
     if opts["seed"] is None:
         opts["seed"] = 0
     if random_weights:
@@ -149,7 +159,7 @@ def bench(
 
         return update
 
-    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config, interleave, not no_extras)
+    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config, interleave, not no_extras, window)
     try:
         rows = run_bench(engine, text_ids, spec, progress)
     except ValueError as error:
@@ -165,6 +175,7 @@ def bench(
         "device": opts["device"],
         "dtype": str(engine.dtype),
         "interleave": interleave,
+        "window_tokens": window,
         "kernels": engine.kernels.to_dict(),
     }
     steps = engine.model

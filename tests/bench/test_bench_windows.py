@@ -1,0 +1,168 @@
+"""The bench's figures by output position: per-window rows in bench.json and bench_windows.csv, summed
+over runs, with each method's tokens/s per window, and windows.png drawn from them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tokenswift_trt.bench.run import BenchSpec, Snapshot, merged_windows, run_bench, write_results
+from tokenswift_trt.cli import main
+from tokenswift_trt.runtime.decoding import GenerationConfig, Window
+from tokenswift_trt.runtime.engine import load_engine
+from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.runtime.text import TextCodec
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "models" / "swift-tiny"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _snapshot(windows: list[Window], ends: list[float], prefill_s: float = 0.5) -> Snapshot:
+    tokens = sum(w.tokens for w in windows) + 1
+    return Snapshot(
+        tokens, ends[-1], 0, 0, 0, 0, 0, prefill_s, windows=tuple(windows), window_ends_s=tuple(ends)
+    )
+
+
+def test_window_rates_leave_the_prefill_out_and_runs_sum_window_by_window():
+    first = Window(0, 16, iterations=5, tokens=15, drafted_tokens=10, accepted_tokens=10)
+    first.reached_by_depth, first.accepted_by_depth = [5, 4], [4, 3]
+    second = Window(16, 16, iterations=8, tokens=16, drafted_tokens=16, accepted_tokens=8)
+    second.reached_by_depth, second.accepted_by_depth = [8, 1, 1], [1, 1, 0]
+    snapshot = _snapshot([first, second], [2.0, 6.0])
+    assert snapshot.window_tokens_per_s() == [15 / 1.5, 16 / 4.0]
+    (merged_first, merged_second) = merged_windows([snapshot, snapshot])
+    assert (merged_first.iterations, merged_first.tokens, merged_first.accepted_tokens) == (10, 30, 20)
+    assert merged_second.reached_by_depth == [16, 2, 2] and merged_second.accepted_by_depth == [2, 2, 0]
+    assert merged_second.figures()["alpha_by_depth"] == [2 / 16, 1.0, 0.0]
+    assert merged_second.figures()["tokens_per_iteration"] == 2.0
+
+
+@pytest.fixture(scope="module")
+def swift_tiny():
+    if not (MODEL / "model.safetensors").is_file():
+        pytest.skip("models/swift-tiny is not in this checkout")
+    return load_engine(MODEL), TextCodec.from_dir(MODEL).encode((MODEL / "prompt.txt").read_text())
+
+
+def test_bench_rows_carry_windows_that_add_up_and_are_written_and_plotted(swift_tiny, tmp_path):
+    engine, text_ids = swift_tiny
+    config = GenerationConfig(
+        max_new_tokens=48, tree="3,3", ngram_topk=4, draft_source="verify", sampling=SamplingConfig(), seed=0
+    )
+    spec = BenchSpec((24, 48), (32,), 1, 1, config, interleave=16, extras=False, window_tokens=16)
+    rows = run_bench(engine, text_ids, spec, lambda label, total: lambda ids: None)
+    short, long = rows
+    assert short["tokens_equal_ar"] and long["tokens_equal_ar"]
+    assert [(w["start"], w["end"]) for w in long["windows"]] == [(0, 16), (16, 32), (32, 48)]
+    assert [w["start"] for w in short["windows"]] == [0, 16]
+    assert short["windows"][0] == long["windows"][0]  # a window the shorter length saw whole
+    windows = long["windows"]
+    # every position of the 48 but the prefill's token, in some window
+    assert sum(w["tokens"] for w in windows) == 47
+    drafted, accepted = sum(w["drafted_tokens"] for w in windows), sum(w["accepted_tokens"] for w in windows)
+    assert round(accepted / drafted, 4) == long["alpha"]
+    iterations = sum(w["iterations"] for w in windows)
+    assert round(1 + accepted / iterations, 3) == long["tokens_per_iteration"]
+    assert all(w["ar_tokens_per_s"] > 0 and w["tokenswift_tokens_per_s"] > 0 for w in windows)
+    assert all(len(w["alpha_by_depth"]) >= 2 for w in windows)
+
+    written = write_results(rows, tmp_path, {"command": "test"})
+    assert {path.name for path in written} >= {"bench.csv", "bench.json", "bench_windows.csv", "windows.png"}
+    assert "windows" not in next(csv.DictReader(open(tmp_path / "bench.csv")))
+    flat = list(csv.DictReader(open(tmp_path / "bench_windows.csv")))
+    assert len(flat) == len(short["windows"]) + len(windows)
+    last = flat[-1]
+    assert (last["gen_len"], last["start"], last["end"]) == ("48", "32", "48")
+    assert float(last["alpha_d1"]) == windows[-1]["alpha_by_depth"][0]
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][1]["windows"] == windows
+    assert (tmp_path / "windows.png").read_bytes()[:8] == PNG
+
+
+def _run_script(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "scripts" / "plot_benchmarks.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_plot_script_draws_windows_from_bench_jsons_and_refuses_one_without(tmp_path):
+    window = dict(
+        iterations=4, tokens=10, drafted_tokens=8, accepted_tokens=6, ngram_accepted_tokens=1, alpha=0.75,
+        beta=0.125, tokens_per_iteration=2.5, ar_tokens_per_s=20.0, tokenswift_tokens_per_s=45.0,
+    )  # fmt: skip
+    rows = [
+        {
+            "prefix_len": prefix_len,
+            "gen_len": 32,
+            "windows": [
+                {
+                    **window,
+                    "start": 0,
+                    "end": 16,
+                    "reached_by_depth": [4, 3],
+                    "alpha_by_depth": [0.75, 2 / 3],
+                },
+                {
+                    **window,
+                    "start": 16,
+                    "end": 32,
+                    "reached_by_depth": [4, 2],
+                    "alpha_by_depth": [0.5, 1.0],
+                },
+            ],
+        }
+        for prefix_len in (32, 64)
+    ]
+    for name in ("static", "adapted"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    out = tmp_path / "plots"
+    jsons = [str(tmp_path / name / "bench.json") for name in ("static", "adapted")]
+    result = _run_script("--windows", jsons[0], "--windows", jsons[1], "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert (out / "windows.png").read_bytes()[:8] == PNG
+    assert sorted(path.name for path in out.iterdir()) == ["windows.png"]
+
+    (tmp_path / "old.json").write_text(json.dumps({"meta": {}, "rows": [{"prefix_len": 32, "gen_len": 32}]}))
+    refused = _run_script("--windows", str(tmp_path / "old.json"), "--out", str(out))
+    assert refused.returncode == 2
+    assert "has no figures by position (windows): rerun bench" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_bench_command_writes_windows_of_the_size_asked_and_refuses_an_empty_one(swift_tiny, tmp_path):
+    args = [
+        "bench",
+        "--model-dir",
+        str(MODEL),
+        "--prompt-file",
+        str(MODEL / "prompt.txt"),
+        "--prefix-len",
+        "32",
+    ]
+    args += [
+        "--gen-len",
+        "24",
+        "--no-extras",
+        "--tree",
+        "3,3",
+        "--draft-source",
+        "verify",
+        "--out",
+        str(tmp_path),
+    ]
+    result = CliRunner().invoke(main, [*args, "--window", "8"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["meta"]["window_tokens"] == 8
+    assert [w["start"] for w in report["rows"][0]["windows"]] == [0, 8, 16]
+    flat = list(csv.DictReader(open(tmp_path / "bench_windows.csv")))
+    assert [row["start"] for row in flat] == ["0", "8", "16"]
+    assert (tmp_path / "windows.png").read_bytes()[:8] == PNG
+    refused = CliRunner().invoke(main, [*args, "--window", "0"])
+    assert refused.exit_code == 2 and "--window must be at least 1 token" in refused.stderr

@@ -1,0 +1,92 @@
+"""The figures by output position of bench runs (their rows' `windows`) drawn against position:
+acceptance by draft depth (one line per depth), tokens per iteration, and tokens/s of TokenSwift and
+of AR (the reference), one point per window."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def longest_rows(path: Path) -> list[dict]:
+    """Per prompt length, the row of a bench JSON with the longest generation that has windows."""
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{path} is not a bench JSON ({error}): give the bench.json that bench wrote"
+        ) from None
+    longest: dict[int, dict] = {}
+    for row in rows:
+        if row.get("windows") and row["gen_len"] >= longest.get(row["prefix_len"], {}).get("gen_len", 0):
+            longest[row["prefix_len"]] = row
+    if not longest:
+        raise ValueError(f"{path} has no figures by position (windows): rerun bench to record them")
+    return [longest[prefix_len] for prefix_len in sorted(longest)]
+
+
+def plot_windows(runs: Sequence[tuple[str, Path]], out: Path) -> Path:
+    """Draw the windows of each (label, bench JSON) in `runs` (per prompt length, its longest
+    generation) into the PNG `out`; returns `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [
+        (f"{label}, prefix {row['prefix_len']:,}", row) for label, path in runs for row in longest_rows(path)
+    ]
+    figure, (alpha_axis, tau_axis, speed_axis) = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (label, row) in enumerate(curves):
+        windows = row["windows"]
+        style = LINESTYLES[index % len(LINESTYLES)]
+        x = [(window["start"] + min(window["end"], row["gen_len"])) / 2 for window in windows]
+        depths = max(len(window["alpha_by_depth"]) for window in windows)
+        for depth in range(depths):
+            points = [
+                (position, window["alpha_by_depth"][depth])
+                for position, window in zip(x, windows)
+                if depth < len(window["alpha_by_depth"]) and window["reached_by_depth"][depth]
+            ]
+            if points:
+                alpha_axis.plot(
+                    *zip(*points),
+                    linestyle=style,
+                    marker=".",
+                    color=colors[depth % len(colors)],
+                    label=f"depth {depth + 1}, {label}",
+                )
+        color = colors[index % len(colors)]
+        tau_axis.plot(
+            x, [w["tokens_per_iteration"] for w in windows], style, marker=".", color=color, label=label
+        )
+        speed_axis.plot(
+            x,
+            [w["tokenswift_tokens_per_s"] for w in windows],
+            style,
+            marker=".",
+            color=color,
+            label=f"TokenSwift, {label}",
+        )
+        speed_axis.plot(
+            x, [w["ar_tokens_per_s"] for w in windows], style, marker="x", color="black", label=f"AR, {label}"
+        )
+    size = curves[0][1]["windows"][0]["end"] - curves[0][1]["windows"][0]["start"]
+    alpha_axis.set(
+        ylabel="accepted / reached", ylim=(0, 1), title=f"By output position ({size}-token windows)"
+    )
+    tau_axis.set(ylabel="tokens per iteration", ylim=(0, None))
+    speed_axis.set(xlabel="output position (tokens generated)", ylabel="tokens/s", ylim=(0, None))
+    for axis in (alpha_axis, tau_axis, speed_axis):
+        axis.legend(fontsize=7)
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
