@@ -134,3 +134,27 @@ def test_a_crashed_tritonserver_is_reported_and_cleaned_up(tmp_path):
     _, alive = psutil.wait_procs(group, timeout=5)
     assert not alive, f"the stub outlived its server: {[p.pid for p in alive]}"
     assert _leftovers() <= before
+
+
+@pytest.mark.slow
+def test_a_killed_serve_takes_its_tritonserver_with_it(tmp_path):
+    serve, grpc, journals = _start_serve(tmp_path)
+    try:
+        tritonserver = next(
+            p for p in psutil.Process(serve.pid).children() if p.name().startswith("tritonserver")
+        )
+        assert list(SHARED_MEMORY.glob(f"tokenswift_{serve.pid}_*"))  # its stub's regions
+        serve.kill()  # SIGKILL: serve itself cleans nothing up
+        serve.wait(timeout=30)
+        stubs = [p for p in tritonserver.children(recursive=True) if "triton_python" in p.name()]
+        _, alive = psutil.wait_procs([tritonserver], timeout=10)
+        assert not alive, "tritonserver outlived the serve that started it"
+        psutil.wait_procs(stubs, timeout=30)  # an idle stub ends when its server is gone
+        # what a killed serve could not remove, the next start does
+        from tokenswift_trt.serving.server import remove_stale_regions
+
+        remove_stale_regions()
+        assert not list(SHARED_MEMORY.glob(f"tokenswift_{serve.pid}_*"))
+    finally:
+        if serve.poll() is None:
+            serve.kill()

@@ -209,9 +209,11 @@ def test_cancel_mid_stream_then_serve_the_next_request(server):
     assert 'tokenswift:request_success_total{model="tokenswift",outcome="cancelled"} 1' in metrics
 
 
-def test_missing_engine_is_a_clear_error(tmp_path):
+def test_missing_engine_is_a_clear_error_and_leaves_nothing_behind(tmp_path):
+    server = TritonServer(ServerConfig(engine=tmp_path / "absent"))
     with pytest.raises(ServerError, match="does not exist"):
-        TritonServer(ServerConfig(engine=tmp_path / "absent")).start()
+        server.start()
+    assert not server.workdir.exists()  # the staging folder (backends copied first) is removed
 
 
 @pytest.mark.slow
@@ -355,9 +357,9 @@ def test_the_http_front_answers_malformed_bodies_with_400_and_relays_the_rest(se
 @pytest.mark.slow
 def test_disconnecting_mid_stream_through_the_front_cancels_the_request(server, front):
     before = _scrape(server)
-    body = json.dumps(_params(42, max_tokens=3000, method="ar")).encode()
+    body = json.dumps(_params(42, max_tokens=3000, method="ar", stream=True)).encode()
     host, port = front.url.rsplit(":", 1)
-    connection = socket.create_connection((host, int(port)))
+    connection = socket.create_connection((host, int(port)), timeout=60)
     connection.sendall(
         b"POST /v2/models/tokenswift/generate_stream HTTP/1.1\r\nHost: x\r\n"
         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
@@ -365,7 +367,9 @@ def test_disconnecting_mid_stream_through_the_front_cancels_the_request(server, 
     )
     received = b""
     while received.count(b"data: ") < 3:
-        received += connection.recv(65536)
+        piece = connection.recv(65536)
+        assert piece, f"the stream ended before 3 events: {received[-600:]!r}"
+        received += piece
     connection.close()
     cancelled = 'tokenswift:request_success_total{model="tokenswift",outcome="cancelled"}'
     for _ in range(200):

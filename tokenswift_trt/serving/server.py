@@ -7,6 +7,7 @@ running interpreter copied into a private backend folder; on GPU nodes a `triton
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from tokenswift_trt.environment import child_environment
 
 MODEL_REPO = Path(__file__).resolve().parents[2] / "model_repo"
 SHARED_MEMORY = Path("/dev/shm")
+PR_SET_PDEATHSIG = 1  # prctl option: the signal a process gets when its parent exits
 EXIT_TIMEOUT_S = 3  # tritonserver's wait for requests in flight on SIGTERM (journals keep their tokens)
 
 
@@ -126,7 +128,8 @@ class TritonServer:
         self.workdir = Path(tempfile.mkdtemp(prefix="tokenswift-serve-"))
         self.log_path = log_path or self.workdir / "tritonserver.log"
         self.keep_log = log_path is not None
-        self.shm_prefix = f"tokenswift_{uuid.uuid4().hex[:12]}_"
+        # the starting process's pid in the prefix: a later start removes the regions of one that died
+        self.shm_prefix = f"tokenswift_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         self.process: subprocess.Popen | None = None
 
     @property
@@ -185,22 +188,34 @@ class TritonServer:
         return args, env
 
     def start(self, timeout_s: float = 180.0) -> TritonServer:
-        args, env = self.command()
-        log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(
-            args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(
-                    f"tritonserver exited with code {self.process.returncode}: {self._log_tail()}"
+        """Start tritonserver and wait until it is ready; on any failure everything started or staged
+        is removed again before the error (which quotes the log) is raised."""
+        try:
+            remove_stale_regions()
+            args, env = self.command()
+            with open(self.log_path, "wb") as log:
+                self.process = subprocess.Popen(
+                    args,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
-            if self.ready():
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise ServerError(f"tritonserver was not ready after {timeout_s:.0f}s: {self._log_tail()}")
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise ServerError(
+                        f"tritonserver exited with code {self.process.returncode}: {self._log_tail()}"
+                    )
+                if self.ready():
+                    return self
+                time.sleep(0.5)
+            raise ServerError(f"tritonserver was not ready after {timeout_s:.0f}s: {self._log_tail()}")
+        except BaseException:
+            self.stop()
+            self.cleanup()
+            raise
 
     def ready(self) -> bool:
         try:
@@ -285,3 +300,33 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> None:
         except (ProcessLookupError, PermissionError):
             return
         time.sleep(0.05)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: tritonserver gets SIGKILL when the process that started it dies,
+    even by SIGKILL, so that a killed `serve` leaves no server behind (Linux; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def remove_stale_regions() -> list[Path]:
+    """Remove the shared memory regions of servers whose starting process is gone (a `serve` killed
+    with SIGKILL cannot remove its own); returns what was removed."""
+    removed = []
+    for region in SHARED_MEMORY.glob("tokenswift_*_*_*"):
+        pid = region.name.split("_")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            region.unlink(missing_ok=True)
+            removed.append(region)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
