@@ -151,10 +151,13 @@ def test_a_killed_serve_takes_its_tritonserver_with_it(tmp_path):
         assert not alive, "tritonserver outlived the serve that started it"
         psutil.wait_procs(stubs, timeout=30)  # an idle stub ends when its server is gone
         # what a killed serve could not remove, the next start does
-        from tokenswift_trt.serving.server import remove_stale_regions
+        from tokenswift_trt.serving.server import remove_stale_leftovers
 
-        remove_stale_regions()
+        staging = list(Path(tempfile.gettempdir()).glob(f"tokenswift-serve-{serve.pid}-*"))
+        assert staging  # left by the killed serve
+        remove_stale_leftovers()
         assert not list(SHARED_MEMORY.glob(f"tokenswift_{serve.pid}_*"))
+        assert not any(path.exists() for path in staging)
     finally:
         if serve.poll() is None:
             serve.kill()

@@ -27,6 +27,7 @@ from tokenswift_trt.environment import child_environment
 
 MODEL_REPO = Path(__file__).resolve().parents[2] / "model_repo"
 SHARED_MEMORY = Path("/dev/shm")
+STAGING_PREFIX = "tokenswift-serve-"  # + the starting process's pid: the staging folder in the temp dir
 PR_SET_PDEATHSIG = 1  # prctl option: the signal a process gets when its parent exits
 EXIT_TIMEOUT_S = 3  # tritonserver's wait for requests in flight on SIGTERM (journals keep their tokens)
 
@@ -125,7 +126,7 @@ class TritonServer:
 
     def __init__(self, config: ServerConfig, log_path: Path | None = None) -> None:
         self.config = config
-        self.workdir = Path(tempfile.mkdtemp(prefix="tokenswift-serve-"))
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
         self.log_path = log_path or self.workdir / "tritonserver.log"
         self.keep_log = log_path is not None
         # the starting process's pid in the prefix: a later start removes the regions of one that died
@@ -191,7 +192,7 @@ class TritonServer:
         """Start tritonserver and wait until it is ready; on any failure everything started or staged
         is removed again before the error (which quotes the log) is raised."""
         try:
-            remove_stale_regions()
+            remove_stale_leftovers()
             args, env = self.command()
             with open(self.log_path, "wb") as log:
                 self.process = subprocess.Popen(
@@ -310,15 +311,20 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def remove_stale_regions() -> list[Path]:
-    """Remove the shared memory regions of servers whose starting process is gone (a `serve` killed
-    with SIGKILL cannot remove its own); returns what was removed."""
+def remove_stale_leftovers() -> list[Path]:
+    """Remove the shared memory regions and staging folders of servers whose starting process is gone
+    (a `serve` killed with SIGKILL cannot remove its own); returns what was removed."""
     removed = []
     for region in SHARED_MEMORY.glob("tokenswift_*_*_*"):
         pid = region.name.split("_")[1]
         if pid.isdigit() and not _alive(int(pid)):
             region.unlink(missing_ok=True)
             removed.append(region)
+    for staging in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*-*"):
+        pid = staging.name.removeprefix(STAGING_PREFIX).split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
     return removed
 
 
