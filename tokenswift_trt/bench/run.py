@@ -313,17 +313,7 @@ def merged_windows(snapshots: Sequence[Snapshot]) -> list[Window]:
         for index, window in enumerate(snapshot.windows):
             if len(merged) <= index:
                 merged.append(Window(window.start, window.size))
-            total = merged[index]
-            total.iterations += window.iterations
-            total.tokens += window.tokens
-            total.drafted_tokens += window.drafted_tokens
-            total.accepted_tokens += window.accepted_tokens
-            total.ngram_accepted_tokens += window.ngram_accepted_tokens
-            for name in ("reached_by_depth", "accepted_by_depth"):
-                counts, more = getattr(total, name), getattr(window, name)
-                counts.extend([0] * (len(more) - len(counts)))
-                for depth, count in enumerate(more):
-                    counts[depth] += count
+            merged[index].add(window)
     return merged
 
 

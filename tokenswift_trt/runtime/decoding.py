@@ -177,6 +177,21 @@ class Window:
     reached_by_depth: list[int] = field(default_factory=list)  # as `Stats.reached_by_depth`
     accepted_by_depth: list[int] = field(default_factory=list)
 
+    def add(self, other: Window) -> None:
+        """Sum another run's counts of the same window into this one."""
+        self.iterations += other.iterations
+        self.tokens += other.tokens
+        self.drafted_tokens += other.drafted_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.ngram_accepted_tokens += other.ngram_accepted_tokens
+        for counts, more in (
+            (self.reached_by_depth, other.reached_by_depth),
+            (self.accepted_by_depth, other.accepted_by_depth),
+        ):
+            counts.extend([0] * (len(more) - len(counts)))
+            for depth, count in enumerate(more):
+                counts[depth] += count
+
     def copy(self) -> Window:
         return replace(
             self, reached_by_depth=list(self.reached_by_depth), accepted_by_depth=list(self.accepted_by_depth)
@@ -264,6 +279,17 @@ class Stats:
         window.ngram_accepted_tokens += ngram_accepted
         if offered:
             _count_depths(window.reached_by_depth, window.accepted_by_depth, offered, accepted)
+
+    def count_drafting(
+        self, position: int, tokens: int, offered: int, accepted: int, ngram_accepted: int
+    ) -> None:
+        """One drafting iteration in the totals, by depth and in its window (`count_window`'s terms)."""
+        self.drafted_tokens += offered
+        self.accepted_tokens += accepted
+        self.count_depths(offered, accepted)
+        self.ngram_accepted_tokens += ngram_accepted
+        self.ngram_hit_iterations += ngram_accepted > 0
+        self.count_window(position, tokens, offered, accepted, ngram_accepted)
 
     @property
     def window_figures(self) -> list[dict]:
@@ -629,12 +655,7 @@ def _device_loop(
         state.tokens.extend(report.tokens)
         stats.iterations += 1
         stats.forwards += 1
-        stats.drafted_tokens += loop.slots.max_depth
-        stats.accepted_tokens += report.accepted
-        stats.count_depths(loop.slots.max_depth, report.accepted)
-        stats.ngram_accepted_tokens += report.ngram_accepted
-        stats.ngram_hit_iterations += report.ngram_accepted > 0
-        stats.count_window(
+        stats.count_drafting(
             position, len(report.tokens), loop.slots.max_depth, report.accepted, report.ngram_accepted
         )
         stats.new_tokens = len(state.tokens) - state.prompt_length
@@ -657,10 +678,5 @@ def _refresh_drafting_state(state: DecodeState) -> None:
 def _count_drafts(stats: Stats, trie, acceptance: Acceptance, forwards: int, position: int) -> None:
     stats.forwards += forwards  # verify (+ the draft pass)
     offered = max(trie.depths)  # the longest draft offered (n-gram branches may pass the tree)
-    stats.drafted_tokens += offered
-    stats.accepted_tokens += len(acceptance.nodes)
-    stats.count_depths(offered, len(acceptance.nodes))
     ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
-    stats.ngram_accepted_tokens += ngram_accepted
-    stats.ngram_hit_iterations += ngram_accepted > 0
-    stats.count_window(position, len(acceptance.tokens), offered, len(acceptance.nodes), ngram_accepted)
+    stats.count_drafting(position, len(acceptance.tokens), offered, len(acceptance.nodes), ngram_accepted)
