@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
+from tokenswift_trt.runtime.engine_dir import sha256_of
+
 MANIFEST = "manifest.json"
 PACK_FORMAT = 1
 PART_NAME = "part-{:05d}.bin"
@@ -216,18 +218,10 @@ def _corrupt(part: Part, found: str) -> PackError:
     )
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(BLOCK), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def find_corrupt_part(parts_dir: Path, manifest: PackManifest) -> PackError | None:
     """The error for the first part whose sha256 is not the manifest's, or None when all match."""
     for part in manifest.parts:
-        found = _sha256(Path(parts_dir) / part.name)
+        found = sha256_of(Path(parts_dir) / part.name)
         if found != part.sha256:
             return _corrupt(part, found)
     return None
