@@ -24,13 +24,9 @@ PROMPT = "It is a truth universally acknowledged, that a single man"
 
 
 def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    from tokenswift_trt.serving.server import free_ports
+
+    return free_ports(count)
 
 
 @pytest.fixture(scope="module")

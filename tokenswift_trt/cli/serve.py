@@ -88,7 +88,7 @@ def serve(
     config = ServerConfig(
         engine=engine_dir,
         host=host,
-        http_port=free_port(),
+        http_port=free_port(avoid=(http_port, grpc_port, metrics_port, openai_port)),
         grpc_port=grpc_port,
         metrics_port=metrics_port,
         instances=instances,

@@ -52,11 +52,28 @@ class ServerConfig:
     kernels: dict[str, Any] = field(default_factory=dict)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (for an endpoint only this machine reaches)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+def free_ports(count: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> list[int]:
+    """`count` distinct TCP ports free on `host` now, none of them in `avoid` (ports the caller has
+    already promised to another endpoint: the OS may hand a port just released out again)."""
+    probes: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            probe = socket.socket()
+            probes.append(probe)  # held open until all are chosen, so no port is chosen twice
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+    finally:
+        for probe in probes:
+            probe.close()
+    return ports
+
+
+def free_port(host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
+    """A TCP port free on `host` now and not in `avoid` (for an endpoint only this machine reaches)."""
+    return free_ports(1, host, avoid)[0]
 
 
 def _bundled() -> tuple[Path, Path] | None:
@@ -230,6 +247,9 @@ class TritonServer:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        if any(line.startswith("Usage: tritonserver") for line in lines):
+            # an argument refused: tritonserver prints its usage, then the reason on the last line
+            return next((line for line in reversed(lines) if line.strip()), "(empty log)")
         errors = [line for line in lines if line.startswith("E") or "error" in line.lower()]
         return " | ".join((errors or lines)[-3:])
 
