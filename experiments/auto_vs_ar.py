@@ -13,11 +13,11 @@ import argparse
 import statistics
 from pathlib import Path
 
-from tokenswift_trt.runtime.autotune import PROBE_ITERATIONS
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.sampling import SamplingConfig
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.autotune import PROBE_ITERATIONS
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.sampling import SamplingConfig
 
 
 def main() -> None:

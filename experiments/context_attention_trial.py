@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenswift_trt.cli.common import CliError, load_source
-from tokenswift_trt.runtime.config import ModelConfig
-from tokenswift_trt.runtime.draft_layers import DraftLayers
-from tokenswift_trt.runtime.rope import RotaryEmbedding, apply_rotary
-from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.kernels.ops import apply_rotary
+from tokenswift_trt.model.config import ModelConfig
+from tokenswift_trt.model.draft_layers import DraftLayers
+from tokenswift_trt.model.rope import RotaryEmbedding
+from tokenswift_trt.model.sampling import SamplingConfig
 from tokenswift_trt.training.train_heads import (
     CachedStates,
     TrainHeadsConfig,

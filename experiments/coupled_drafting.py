@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.sampling import PositionKeyedRandom, SamplingConfig
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = ROOT.parent / "shared" / "corpus" / "pride_and_prejudice.txt"

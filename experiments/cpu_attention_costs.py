@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from tokenswift_trt.runtime import kernels
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.kv_cache import KVCache
+from tokenswift_trt.kernels import ops as kernels
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.kv_cache import KVCache
 
 TOKENS = (1, 2, 3, 4, 6, 8)
 ATTENTION = {"SDPA": "sdpa", "CPU kernel": "cpu_tree_attention"}

@@ -33,10 +33,10 @@ from first_level_agreement import HELD_OUT, PAPER_SAMPLING, coupled_draws, evalu
 from torch import nn
 
 from tokenswift_trt.cli.common import load_source
-from tokenswift_trt.runtime.draft_layers import RootMLP
-from tokenswift_trt.runtime.engine import Engine
-from tokenswift_trt.runtime.rope import apply_rotary
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.kernels.ops import apply_rotary
+from tokenswift_trt.model.draft_layers import RootMLP
+from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.training.train_heads import (
     base_hidden,
     base_logits,
@@ -51,7 +51,7 @@ SEQ = 512
 
 
 class Layer1MLP(nn.Module):
-    """rmsnorm(h + RootMLP(h, e)): the runtime's root MLP (runtime/draft_layers.py) with D = 0, read
+    """rmsnorm(h + RootMLP(h, e)): the runtime's root MLP (model/draft_layers.py) with D = 0, read
     out through a norm that starts as the base model's final one."""
 
     def __init__(self, hidden: int, width: int, final_norm: torch.Tensor, eps: float) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tokenswift_trt.cli.common import load_source
-from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.model.sampling import SamplingConfig
 from tokenswift_trt.training.train_heads import draft_accuracy, evaluation_sequences
 
 ROOT = Path(__file__).resolve().parents[1]

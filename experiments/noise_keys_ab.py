@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from tokenswift_trt.builder.presets import PRESETS, local_model_dir
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.sampling import FusedSampler, PositionKeyedRandom, SamplingConfig, fused_sampler
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.sampling import FusedSampler, PositionKeyedRandom, SamplingConfig, fused_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = ROOT.parent / "shared" / "corpus" / "pride_and_prejudice.txt"

@@ -14,7 +14,7 @@ hits them alike:
   the model's own packed weights;
 - attention: the tree-attention kernel over every layer's own K/V (read from memory, as in a step);
 - head, full / screened: the LM head for T rows after the final norm, float32, and through the
-  screened head under the paper's sampling (min-p 0.1, θ 1.2 over 256 tokens; runtime/screened_head.py).
+  screened head under the paper's sampling (min-p 0.1, θ 1.2 over 256 tokens; model/screened_head.py).
 
 Every part but attention runs right after a whole decoder pass, so that the weights come from memory
 as they do in decoding. Prints a Markdown table, ms per call, with each part's ratio to its T = 1 cost.
@@ -30,10 +30,10 @@ from collections.abc import Callable
 
 import torch
 
-from tokenswift_trt.runtime import kernels
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.kv_cache import KVCache
-from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.kernels import ops as kernels
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.sampling import SamplingConfig
 
 PAPER = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=256)
 

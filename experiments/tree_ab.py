@@ -11,7 +11,7 @@ that every output equals AR's token for token. Prints per configuration: seconds
 excluded), speedup over AR, tokens per iteration, ms per iteration and its split by stage
 (`Stats.phase_s`), and for `auto` the plans the tuner ran. Without `--heads` the preset's committed
 draft layers run alone. `--full-head-too` adds every configuration again with the float16-screened LM
-head switched off (`TOKENSWIFT_SCREENED_HEAD=0`, runtime/screened_head.py), labelled "... full head".
+head switched off (`TOKENSWIFT_SCREENED_HEAD=0`, model/screened_head.py), labelled "... full head".
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from tokenswift_trt.cli.common import CliError, generation_config, load_source
-from tokenswift_trt.runtime.autotune import describe_plans
-from tokenswift_trt.runtime.decoding import Stats, generate
+from tokenswift_trt.decode.autotune import describe_plans
+from tokenswift_trt.decode.loop import Stats, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT = ROOT.parent / "shared" / "corpus" / "pride_and_prejudice.txt"

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.kernel_config import KernelConfig, parse_kernel_settings
-from tokenswift_trt.runtime.sampling import SamplingConfig
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.sampling import SamplingConfig
 
 SAMPLINGS = {
     "greedy": SamplingConfig(temperature=0),

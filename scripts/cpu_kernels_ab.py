@@ -6,7 +6,7 @@ cache of `--contexts` positions.
         [--contexts 1024,4096] [--repeats 20] [--tokens 1,2,3,4,6] [--part decoder|attention|linear]
 
 REV's `plugins_cuda/cpu/` sources are compiled into a second extension module; the engine's compiled
-decoder (runtime/cpu_decoder.py) runs through one module, then the other, every round, so the
+decoder (backends/cpu_decoder.py) runs through one module, then the other, every round, so the
 machine's drift hits both alike (which goes first rotates). Each cell is the median over the rounds,
 with the ratio to the first `--tokens` value (T = 1 by default) of the same kernels in brackets.
 Prints a Markdown table.
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.kernels import CPU_CFLAGS, CPU_LDFLAGS, CPU_SOURCES, pack_tree_mask
-from tokenswift_trt.runtime.kv_cache import KVCache
+from tokenswift_trt.kernels.ops import CPU_CFLAGS, CPU_LDFLAGS, CPU_SOURCES, pack_tree_mask
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.kv_cache import KVCache
 
 TOKENS = (1, 2, 3, 4, 6)
 SOURCE_DIR = "tokenswift_trt/plugins_cuda/cpu"

@@ -1,5 +1,5 @@
 """What one forward costs on this CPU as a function of its new tokens T with each linear-layer path
-(runtime/cpu_linear.py: PyTorch's own product, oneDNN prepacked, our tiled kernel), and what
+(backends/cpu_linear.py: PyTorch's own product, oneDNN prepacked, our tiled kernel), and what
 attention alone costs per layer.
 
     .venv/bin/python scripts/cpu_step_costs.py [--model-dir models/smollm2-135m] [--contexts 512,4096]
@@ -18,10 +18,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tokenswift_trt.runtime.cpu_linear import Linear, tiled_kernels
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.kernel_config import KernelConfig
-from tokenswift_trt.runtime.kv_cache import KVCache
+from tokenswift_trt.backends.cpu_linear import Linear, tiled_kernels
+from tokenswift_trt.kernels.config import KernelConfig
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.kv_cache import KVCache
 
 TOKENS = (1, 2, 4, 8, 16)
 PATHS = ("nn.Linear (MKL)", "oneDNN prepacked", "tiled kernel")

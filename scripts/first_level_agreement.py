@@ -8,11 +8,11 @@ seed 1) after the opening of the held-out Pride and Prejudice, then, for every p
 penalty window: layer 1 drafts x[t + 2] from the base model's state at t and the root x[t + 1], as
 `--tree auto` drafts from the verify pass; the target's sample there is drawn with fresh Gumbel
 noise g (argmax of the processed base logits + g), and the draft's candidates are ranked with the
-same g (runtime/sampling.draft_ranking). Prints hit@k for k = 1..8: the share of positions whose
+same g (model/sampling.draft_ranking). Prints hit@k for k = 1..8: the share of positions whose
 target sample is among the first k candidates, i.e. what a first level of k nodes would accept.
 `--on book` measures on the book's own text instead (a stretch from its middle, no generation).
 `--depth 2` scores the second level the same way: the chained layer 2's drafts of x[t + 3] and, where
-the heads have a path input (runtime/draft_layers.PathInput), the path input's drafts from layer 1's
+the heads have a path input (model/draft_layers.PathInput), the path input's drafts from layer 1's
 state and x[t + 2] (the path the target took), over all positions and over those where layer 1's
 first 3 candidates held the target's x[t + 2] (where a tree's second level is reached).
 
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 from tokenswift_trt.cli.common import load_source
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import Engine
-from tokenswift_trt.runtime.sampling import SamplingConfig, draft_ranking, position_gumbel, process_logits
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.model.engine import Engine
+from tokenswift_trt.model.sampling import SamplingConfig, draft_ranking, position_gumbel, process_logits
 from tokenswift_trt.training.train_heads import (
     base_hidden,
     base_logits,
@@ -194,7 +194,7 @@ def confidence_table(first: list[Draw], second: list[Draw], parts: int = 5) -> s
         widths = [int(width) for width in shape.split(",")]
         if one.rank >= widths[0]:
             return 1
-        # as runtime/tree.py builds it: every first-level node has widths[1] children, and without a
+        # as decode/tree.py builds it: every first-level node has widths[1] children, and without a
         # path input layer 2 drafts the same children under each
         return 2 + (len(widths) > 1 and two.rank < widths[1])
 

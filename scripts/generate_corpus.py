@@ -7,7 +7,7 @@
 Verification accepts what the target samples, and the bench measures acceptance on text the model
 writes, so draft layers trained on that text see the distribution they are scored on. Each sequence
 continues a random `--prompt-len`-token stretch of the books (transformers' batched `generate`, the
-model in bfloat16 on a GPU) with our own sampling transforms (`runtime.sampling.process_logits`:
+model in bfloat16 on a GPU) with our own sampling transforms (`model.sampling.process_logits`:
 the windowed contextual penalty θ over the last W tokens, then min-p, exactly as decoding applies
 them). Writes one JSON line {"text": prompt + continuation} per sequence, as `train-heads --data`
 reads them; a progress line per batch goes to stderr.
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from tokenswift_trt.runtime.sampling import SamplingConfig, process_logits
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.model.sampling import SamplingConfig, process_logits
 
 
 class PaperTransforms(LogitsProcessor):

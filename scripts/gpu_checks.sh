@@ -44,7 +44,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUT_DI
     tail -n 25 "$OUT_DIR/$name.log"
 }
 
-if ! "$PYTHON" -c "import tokenswift_trt.runtime" 2>/dev/null; then
+if ! "$PYTHON" -c "import tokenswift_trt.decode" 2>/dev/null; then
     "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT_DIR/install.log" 2>&1 \
         || { echo "install failed"; tail -n 20 "$OUT_DIR/install.log"; exit 1; }
 fi
@@ -60,7 +60,7 @@ for name in $STAGES; do
     env)
         stage env 120 bash -c "nvidia-smi; nvcc --version | tail -n 2; $PYTHON - <<'EOF'
 import time, torch
-from tokenswift_trt.runtime import kernels
+from tokenswift_trt.kernels import ops as kernels
 p = torch.cuda.get_device_properties(0)
 print('torch', torch.__version__, 'cuda', torch.version.cuda, p.name, p.multi_processor_count, 'SMs')
 start = time.time()
@@ -70,11 +70,11 @@ EOF"
         ;;
     tests)
         stage tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
-            tests/plugins_cuda/test_cuda_kernels.py tests/runtime/test_static_step.py tests/runtime/test_sampling.py \
-            tests/runtime/test_kernels.py tests/runtime/test_model.py tests/bench/test_kernel_bench.py \
-            tests/bench/test_steps.py tests/runtime/test_kv_cache.py tests/runtime/test_transfer.py \
-            tests/runtime/test_device_loop.py tests/runtime/test_fused_elementwise.py tests/runtime/test_cascade.py \
-            tests/runtime/test_triton_prefix.py tests/runtime/test_triton_linear.py tests/runtime/test_triton_aligned.py
+            tests/plugins_cuda/test_cuda_kernels.py tests/decode/test_static_step.py tests/model/test_sampling.py \
+            tests/kernels/test_kernels.py tests/model/test_model.py tests/bench/test_kernel_bench.py \
+            tests/bench/test_steps.py tests/model/test_kv_cache.py tests/kernels/test_transfer.py \
+            tests/decode/test_device_loop.py tests/kernels/test_fused_elementwise.py tests/kernels/test_cascade.py \
+            tests/kernels/test_triton_prefix.py tests/kernels/test_triton_linear.py tests/kernels/test_triton_aligned.py
         ;;
     kernels)
         stage kernels 100 "${CLI[@]}" bench-kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
@@ -189,22 +189,22 @@ EOF"
             --out $OUT_DIR/steps-4k\${flags:+-compiled}; done"
         ;;
     cascade)  # the FlashAttention cascade's GPU tests, then its steps against the tree-attention kernel's
-        stage cascade 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
-            tests/runtime/test_static_step.py && for attention in kernel flash_cascade; do \
+        stage cascade 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/kernels/test_cascade.py \
+            tests/decode/test_static_step.py && for attention in kernel flash_cascade; do \
             ${CLI[*]} bench-steps --kernel cuda_attention=\$attention --model llama3.1-8b --device cuda \
             --dtype bfloat16 --contexts 4096,102400 --tree-sizes 1,64,128 --kv-budget 4096 \
             --out $OUT_DIR/steps-\$attention; done"
         ;;
     fused)  # the fused add + RMSNorm and rotary kernels' GPU tests, then steps without and with them
-        stage fused 300 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_fused_elementwise.py && \
+        stage fused 300 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fused_elementwise.py && \
             for fused in 0 1; do ${CLI[*]} bench-steps --kernel fused_elementwise=\$fused --model llama3.1-8b --device cuda \
             --dtype bfloat16 --contexts 4096 --tree-sizes 1,64 --kv-budget 4096 --host-overhead-ms 2.5 \
             --out $OUT_DIR/steps-fused-\$fused; done"
         ;;
     variants)  # the cascade's and the fused kernels' GPU tests, then the variants' steps in one process
-        stage variants 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/runtime/test_cascade.py \
-            tests/runtime/test_fused_elementwise.py tests/runtime/test_triton_prefix.py tests/runtime/test_triton_linear.py \
-            tests/runtime/test_triton_aligned.py; \
+        stage variants 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/kernels/test_cascade.py \
+            tests/kernels/test_fused_elementwise.py tests/kernels/test_triton_prefix.py tests/kernels/test_triton_linear.py \
+            tests/kernels/test_triton_aligned.py; \
             $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
             --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"
         ;;

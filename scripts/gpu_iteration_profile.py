@@ -28,12 +28,12 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tokenswift_trt.bench.steps import StepBenchError, random_engine
-from tokenswift_trt.runtime.decoding import GenerationConfig, new_decode_state
-from tokenswift_trt.runtime.device_loop import DeviceLoop
-from tokenswift_trt.runtime.kernel_config import KernelConfig, parse_kernel_settings
-from tokenswift_trt.runtime.sampling import PositionKeyedRandom, SamplingConfig
-from tokenswift_trt.runtime.stages import prefill, sample_next
-from tokenswift_trt.runtime.tree import build_static_tree
+from tokenswift_trt.decode.device_loop import DeviceLoop
+from tokenswift_trt.decode.loop import GenerationConfig, new_decode_state
+from tokenswift_trt.decode.stages import prefill, sample_next
+from tokenswift_trt.decode.tree import build_static_tree
+from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
+from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig
 
 PHASES = ("propose", "trie", "verify", "heads", "accept", "commit", "drafts", "ngrams")
 

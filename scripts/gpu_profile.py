@@ -15,11 +15,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tokenswift_trt.bench.steps import _filled_caches, random_engine
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.sampling import SamplingConfig
-from tokenswift_trt.runtime.static_step import StaticForward
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.static_step import StaticForward
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.sampling import SamplingConfig
 
 
 def table(prof: profile, sort: str, rows: int = 14) -> str:
@@ -135,7 +135,8 @@ def list_syncs(tokens: int) -> None:
         frames = [
             f
             for f in traceback.extract_stack()[:-1]
-            if "tokenswift_trt" in f.filename or "/runtime/" in f.filename
+            if "tokenswift_trt" in f.filename
+            or any(f"/{p}/" in f.filename for p in ("decode", "model", "backends", "kernels"))
         ]
         sites[
             " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[-2:][::-1])

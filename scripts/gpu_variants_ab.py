@@ -35,8 +35,8 @@ from tokenswift_trt.bench.steps import (
     measure_step_costs,
     random_engine,
 )
-from tokenswift_trt.runtime.engine import flash_cascade_problem
-from tokenswift_trt.runtime.kernel_config import CASCADE_MIN_WORK
+from tokenswift_trt.kernels.config import CASCADE_MIN_WORK
+from tokenswift_trt.model.engine import flash_cascade_problem
 
 ATTENTION = ("kernel", "flash_cascade", "auto", "sdpa")
 

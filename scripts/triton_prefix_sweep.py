@@ -11,9 +11,10 @@ launch's output (relative error <= 1e-2; a launch that does not compile, e.g. ou
 is reported and skipped), then timed with CUDA events (median of --repeats, launches taking turns).
 Prints ms and TFLOP/s per launch, then the best launch for the widest tree at the longest context as
 `--kernel cascade_prefix=triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]`, the kernel setting engines
-take (docs/gpu.md). The launches cover the prefix block's three kernels (cascade.PREFIX_VARIANTS; `tma` on
-Hopper and later only), each kernel at the tiles measured best so far first: compiling all 51 may
-take minutes, so after --budget-s seconds no new launch is compiled (those skipped are listed).
+take (docs/gpu.md). The launches cover the prefix block's three kernels
+(prefix_config.PREFIX_VARIANTS; `tma` on Hopper and later only), each kernel at the tiles measured
+best so far first: compiling all 51 may take minutes, so after --budget-s seconds no new launch is
+compiled (those skipped are listed).
 Writes prefix_sweep.json under --out. Needs a CUDA GPU and Triton.
 """
 
@@ -30,15 +31,9 @@ from pathlib import Path
 import torch
 
 from tokenswift_trt.builder.build import BuildRequest, resolve
-from tokenswift_trt.runtime.cascade import (
-    PREFIX_VARIANTS,
-    PrefixConfig,
-    default_prefix_config,
-    flash_splits,
-    pack_group_rows,
-    split_offsets,
-)
-from tokenswift_trt.runtime.config import config_from_dict, load_config
+from tokenswift_trt.kernels.cascade import flash_splits, pack_group_rows, split_offsets
+from tokenswift_trt.kernels.prefix_config import PREFIX_VARIANTS, PrefixConfig, default_prefix_config
+from tokenswift_trt.model.config import config_from_dict, load_config
 
 # each kernel at the tiles measured best so far first, so that a sweep cut short by --budget-s has timed
 # those; then the measured kernel's other launches, then the split-loop kernels' over the likeliest tiles
@@ -118,7 +113,7 @@ def main() -> None:
     deadline, compiled = time.monotonic() + args.budget_s, set()
     if not torch.cuda.is_available():
         raise SystemExit("the sweep times the compiled kernel: it needs a CUDA GPU")
-    from tokenswift_trt.runtime.triton_prefix import prefix_block  # Triton: CUDA builds of PyTorch
+    from tokenswift_trt.kernels.triton_prefix import prefix_block  # Triton: CUDA builds of PyTorch
 
     preset, directory = resolve(BuildRequest(model=args.model, out=Path("."), random_weights=True))
     config = config_from_dict(preset.config) if preset is not None else load_config(directory)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, load_engine
+from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, load_engine
 
 from helpers import llama_config, qwen2_config, save_hf_model
 
@@ -48,7 +48,7 @@ def llama_engine64(llama_dir):
 
 def _random_heads_engine64(llama_dir, tmp_path_factory, **layout):
     """float64 engine with random draft layers of that layout (`DraftLayers`' keyword arguments)."""
-    from tokenswift_trt.runtime.draft_layers import DraftLayers
+    from tokenswift_trt.model.draft_layers import DraftLayers
     from tokenswift_trt.training.train_heads import save_heads
 
     engine = quiet_load(llama_dir[0], dtype=torch.float64)
@@ -67,12 +67,12 @@ def _random_heads_engine64(llama_dir, tmp_path_factory, **layout):
 
 @pytest.fixture(scope="session")
 def rooted_engine64(llama_dir, tmp_path_factory):
-    """float64 engine whose random draft layers are root-conditioned (runtime/draft_layers.py)."""
+    """float64 engine whose random draft layers are root-conditioned (model/draft_layers.py)."""
     return _random_heads_engine64(llama_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def path_engine64(llama_dir, tmp_path_factory):
     """float64 engine whose random root-conditioned draft layers have a path input (depths >= 2
-    drafted along each branch, runtime/draft_layers.PathInput)."""
+    drafted along each branch, model/draft_layers.PathInput)."""
     return _random_heads_engine64(llama_dir, tmp_path_factory, root_width=24, path_width=24)

@@ -1,5 +1,5 @@
 """The environment is read in one module (tokenswift_trt/environment.py): kernel and fusion choices are
-settings (runtime/kernel_config.py), and C++ reads nothing from the environment."""
+settings (kernels/config.py), and C++ reads nothing from the environment."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every environment variable tokenswift-trt reads, in one place.
 
-Kernel and fusion choices are settings (runtime/kernel_config.py: `--kernel NAME=VALUE`, the engine
+Kernel and fusion choices are settings (kernels/config.py: `--kernel NAME=VALUE`, the engine
 manifest), never environment variables. What stays in the environment are paths and what is handed
 on to child processes:
 

@@ -21,9 +21,9 @@ from tokenswift_trt.bench.run import (
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
 from tokenswift_trt.cli.bench import measured_iteration_times, modeled_long_run
-from tokenswift_trt.runtime.autotune import AR_PLAN, Plan
-from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats
-from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.decode.autotune import AR_PLAN, Plan
+from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, Stats
+from tokenswift_trt.model.sampling import SamplingConfig
 
 from conftest import quiet_load
 

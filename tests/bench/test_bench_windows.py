@@ -14,10 +14,10 @@ from click.testing import CliRunner
 
 from tokenswift_trt.bench.run import BenchSpec, Snapshot, merged_windows, run_bench, write_results
 from tokenswift_trt.cli import main
-from tokenswift_trt.runtime.decoding import GenerationConfig, Window
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.sampling import SamplingConfig
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.loop import GenerationConfig, Window
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.sampling import SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "swift-tiny"

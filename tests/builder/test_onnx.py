@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenswift_trt.backends.onnx_backend import OnnxDecoder
 from tokenswift_trt.builder.onnx_export import export_onnx
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.kv_cache import KVCache
-from tokenswift_trt.runtime.onnx_backend import OnnxDecoder
-from tokenswift_trt.runtime.sampling import SamplingConfig
-from tokenswift_trt.runtime.tree import Trie
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.tree import Trie
+from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.sampling import SamplingConfig
 
 from conftest import quiet_load
 from helpers import PAPER_TREE

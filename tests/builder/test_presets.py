@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from tokenswift_trt.builder.presets import PRESETS, REPOSITORY, PresetError, local_model_dir
-from tokenswift_trt.runtime.config import config_from_dict, load_config
-from tokenswift_trt.runtime.request import config_from, settings_of
+from tokenswift_trt.decode.request import config_from, settings_of
+from tokenswift_trt.model.config import config_from_dict, load_config
 
 # (parameters in billions as published, hidden, layers, heads, kv heads, vocab)
 PUBLIC = {

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenswift_trt.backends.tensorrt_backend import TensorRTBackendError, import_tensorrt
 from tokenswift_trt.builder.build import BuildRequest, build_engine
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine_dir import load_engine_dir
-from tokenswift_trt.runtime.sampling import SamplingConfig
-from tokenswift_trt.runtime.tensorrt_backend import TensorRTBackendError, import_tensorrt
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.model.engine_dir import load_engine_dir
+from tokenswift_trt.model.sampling import SamplingConfig
 
 from helpers import PAPER_TREE
 

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.runtime.config import load_config
-from tokenswift_trt.runtime.decoding import GenerationConfig
-from tokenswift_trt.runtime.journal import JournalWriter, journal_header, read_journal
+from tokenswift_trt.decode.journal import JournalWriter, journal_header, read_journal
+from tokenswift_trt.decode.loop import GenerationConfig
+from tokenswift_trt.model.config import load_config
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
 PROMPT = ["--prompt", "It is a truth universally acknowledged"]

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.runtime.engine_dir import read_manifest
-from tokenswift_trt.runtime.kernel_config import KernelConfig
+from tokenswift_trt.kernels.config import KernelConfig
+from tokenswift_trt.model.engine_dir import read_manifest
 
 
 def _run(*args: str):

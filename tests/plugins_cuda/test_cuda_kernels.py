@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenswift_trt.runtime import kernels
+from tokenswift_trt.kernels import ops as kernels
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU and a CUDA build of torch"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenswift_trt.runtime.kernels import source_dir
+from tokenswift_trt.kernels.ops import source_dir
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 

@@ -7,7 +7,7 @@ import re
 
 from tokenswift_trt.builder.build import BuildRequest, build_engine
 from tokenswift_trt.builder.random_model import write_random_model
-from tokenswift_trt.runtime.kernel_config import KernelConfig, parse_kernel_settings
+from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.serving.handler import Session
 from tokenswift_trt.serving.server import ServerConfig, prepare_repository
 

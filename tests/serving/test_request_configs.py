@@ -1,5 +1,5 @@
 """One request, one config: the Triton handler and the CLI build equal GenerationConfigs, field by
-field, from an engine's defaults and the request's settings (runtime/request.py)."""
+field, from an engine's defaults and the request's settings (decode/request.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tokenswift_trt.builder.build import BuildRequest, build_engine
 from tokenswift_trt.cli.common import generation_config, load_source
-from tokenswift_trt.runtime.request import SETTINGS, settings_of
+from tokenswift_trt.decode.request import SETTINGS, settings_of
 from tokenswift_trt.serving.handler import REQUEST_SETTINGS, Session
 
 # a value for every setting a Triton request can carry, none of them a default

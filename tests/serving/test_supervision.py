@@ -79,7 +79,7 @@ def _stream_in_background(grpc: int, request_id: str) -> threading.Thread:
 
 
 def _wait_for_tokens(journal: Path, count: int) -> None:
-    from tokenswift_trt.runtime.journal import read_journal
+    from tokenswift_trt.decode.journal import read_journal
 
     for _ in range(1200):
         if journal.is_file() and len(read_journal(journal).tokens) >= count:
@@ -90,7 +90,7 @@ def _wait_for_tokens(journal: Path, count: int) -> None:
 
 @pytest.mark.slow
 def test_sigterm_with_a_stream_in_flight_stops_quickly_and_leaves_nothing(tmp_path):
-    from tokenswift_trt.runtime.journal import read_journal
+    from tokenswift_trt.decode.journal import read_journal
 
     before = _leftovers()
     serve, grpc, journals = _start_serve(tmp_path)

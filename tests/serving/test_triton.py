@@ -216,7 +216,7 @@ def test_missing_engine_is_a_clear_error_and_leaves_nothing_behind(tmp_path):
 def test_kill_9_the_server_then_resume_by_request_id(tmp_path):
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
-    from tokenswift_trt.runtime.journal import read_journal
+    from tokenswift_trt.decode.journal import read_journal
 
     expected = _cli_text(seed=21, max_tokens=500)
     journals = tmp_path / "journals"
@@ -303,7 +303,9 @@ def test_metrics_add_up_after_known_requests(server):
     accepted = delta(f"tokenswift:spec_decode_num_accepted_tokens_total{model}")
     assert accepted == drafted.stats["total_accepted_draft_tokens"]
     per_position = [
-        delta(f'tokenswift:spec_decode_num_accepted_tokens_per_pos_total{{model="tokenswift",position="{i}"}}')
+        delta(
+            f'tokenswift:spec_decode_num_accepted_tokens_per_pos_total{{model="tokenswift",position="{i}"}}'
+        )
         for i in range(16)
     ]
     assert sum(per_position) == accepted and per_position[2:] == [0] * 14  # tree 2,1: two draft depths

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.runtime.draft_layers import DraftLayers
-from tokenswift_trt.runtime.engine import load_engine
-from tokenswift_trt.runtime.sampling import SamplingConfig, process_logits
+from tokenswift_trt.model.draft_layers import DraftLayers
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.sampling import SamplingConfig, process_logits
 from tokenswift_trt.training.train_heads import (
     HEADS_FILE,
     HeadsTrainer,
@@ -158,7 +158,7 @@ def test_held_out_acceptance_is_how_often_decodings_own_sampler_draws_the_first_
     """`coupled_acceptance` against counting with decoding's sampler: the target's sample and layer
     1's draft (over a draft vocabulary) both through `TorchSampler`, penalty window and min-p
     included, with the same noise row, over many rows; `draft_accuracy` reports its mean."""
-    from tokenswift_trt.runtime.sampling import TorchSampler
+    from tokenswift_trt.model.sampling import TorchSampler
     from tokenswift_trt.training.train_heads import (
         base_logits,
         coupled_acceptance,
@@ -544,7 +544,7 @@ def test_a_state_cache_trains_from_base_states_computed_once(model_dir, tmp_path
 
 
 def test_a_path_input_learns_what_follows_the_drafted_token_on_top_of_frozen_layers(model_dir, tmp_path):
-    """Path drafting (runtime/draft_layers.PathInput): depth 2 at t reads the token drafted at depth
+    """Path drafting (model/draft_layers.PathInput): depth 2 at t reads the token drafted at depth
     1, x[t + 2]. In a1 f(a1) a2 f(a2) ... x[t + 3] = f(x[t + 2]) half the time, which the chained
     layer 2 (reading h_t and x[t + 1] only) cannot know and the path input can."""
     engine = quiet_load(model_dir)

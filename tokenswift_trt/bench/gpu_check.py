@@ -54,20 +54,20 @@ SHORT_NAMES = {"smollm2-135m": "smollm2"}
 PROMPT = Path("models/swift-tiny/prompt.txt")  # held out of both models' training (Pride and Prejudice)
 TESTS = (
     "tests/plugins_cuda/test_cuda_kernels.py",
-    "tests/runtime/test_static_step.py",
-    "tests/runtime/test_sampling.py",
-    "tests/runtime/test_kernels.py",
-    "tests/runtime/test_model.py",
+    "tests/decode/test_static_step.py",
+    "tests/model/test_sampling.py",
+    "tests/kernels/test_kernels.py",
+    "tests/model/test_model.py",
     "tests/bench/test_kernel_bench.py",
     "tests/bench/test_steps.py",
-    "tests/runtime/test_kv_cache.py",
-    "tests/runtime/test_transfer.py",
-    "tests/runtime/test_device_loop.py",
-    "tests/runtime/test_fused_elementwise.py",
-    "tests/runtime/test_cascade.py",
-    "tests/runtime/test_triton_prefix.py",
-    "tests/runtime/test_triton_linear.py",
-    "tests/runtime/test_triton_aligned.py",
+    "tests/model/test_kv_cache.py",
+    "tests/kernels/test_transfer.py",
+    "tests/decode/test_device_loop.py",
+    "tests/kernels/test_fused_elementwise.py",
+    "tests/kernels/test_cascade.py",
+    "tests/kernels/test_triton_prefix.py",
+    "tests/kernels/test_triton_linear.py",
+    "tests/kernels/test_triton_aligned.py",
 )
 OUT_FILES = ("run.json", "summary.md", "run.log", "results.tar.gz")
 LOG_TAIL = 80  # lines of each stage's log in run.log

@@ -55,7 +55,7 @@ def probe(device: str) -> dict[str, Any]:
     if target.type == "cuda":
         properties = torch.cuda.get_device_properties(target)
         record.update(cuda_device=properties.name, multiprocessors=properties.multi_processor_count)
-        from tokenswift_trt.runtime import kernels
+        from tokenswift_trt.kernels import ops as kernels
 
         start = time.perf_counter()
         status = kernels.load_cuda_kernels(verbose=False)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import Engine
-from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.model.engine import Engine
+from tokenswift_trt.model.sampling import SamplingConfig
 
 TIMED_CALLS = ("forward", "draft", "logits", "head_logits")
 # operations that launch nothing: they wrap, detach or alias tensors

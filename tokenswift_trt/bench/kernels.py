@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenswift_trt.runtime import kernels
+from tokenswift_trt.kernels import ops as kernels
 
 
 @dataclass

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-from tokenswift_trt.runtime.engine import Engine
-from tokenswift_trt.runtime.sampling import SamplingConfig
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.model.engine import Engine
+from tokenswift_trt.model.sampling import SamplingConfig
 
 
 class ReferenceError(RuntimeError):

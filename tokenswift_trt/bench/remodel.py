@@ -166,8 +166,8 @@ def ar_floor_ms(
     import torch
 
     from tokenswift_trt.builder.build import BuildRequest, resolve
-    from tokenswift_trt.runtime.config import config_from_dict, load_config
-    from tokenswift_trt.runtime.model import LlamaModel
+    from tokenswift_trt.model.config import config_from_dict, load_config
+    from tokenswift_trt.model.decoder import LlamaModel
 
     preset, directory = resolve(BuildRequest(model=model, out=Path("."), random_weights=True))
     config = config_from_dict(preset.config) if preset is not None else load_config(directory)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tokenswift_trt.runtime.autotune import Plan, describe_plans
-from tokenswift_trt.runtime.decoding import (
+from tokenswift_trt.decode.autotune import Plan, describe_plans
+from tokenswift_trt.decode.loop import (
     WINDOW_TOKENS,
     DecodeSteps,
     GenerationConfig,
@@ -29,7 +29,7 @@ from tokenswift_trt.runtime.decoding import (
     decode_steps,
     generate,
 )
-from tokenswift_trt.runtime.engine import Engine
+from tokenswift_trt.model.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread
 from .plot_windows import plot_windows

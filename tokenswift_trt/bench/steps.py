@@ -34,16 +34,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenswift_trt.backends.cpu_linear import pack_linears
 from tokenswift_trt.builder.build import BuildRequest, resolve
-from tokenswift_trt.runtime.admission import GIB, available_bytes, plan_memory
-from tokenswift_trt.runtime.config import config_from_dict, load_config
-from tokenswift_trt.runtime.cpu_linear import pack_linears
-from tokenswift_trt.runtime.draft_layers import DraftLayers
-from tokenswift_trt.runtime.engine import Engine, choose_kernels
-from tokenswift_trt.runtime.kernel_config import KernelConfig
-from tokenswift_trt.runtime.kv_cache import KVCache, PartialKVCache
-from tokenswift_trt.runtime.model import LlamaModel
-from tokenswift_trt.runtime.static_step import StaticForward, bucket_for
+from tokenswift_trt.decode.admission import GIB, available_bytes, plan_memory
+from tokenswift_trt.decode.static_step import StaticForward, bucket_for
+from tokenswift_trt.kernels.config import KernelConfig
+from tokenswift_trt.model.config import config_from_dict, load_config
+from tokenswift_trt.model.decoder import LlamaModel
+from tokenswift_trt.model.draft_layers import DraftLayers
+from tokenswift_trt.model.engine import Engine, choose_kernels
+from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
 
 from . import kernels
 from .report import machine_meta, write_csv
@@ -374,10 +374,10 @@ def measure_accept_lengths(
     paper's B 4096): an acceptance profile measured by generation instead of assumed."""
     import warnings
 
-    from tokenswift_trt.runtime.decoding import GenerationConfig, generate
-    from tokenswift_trt.runtime.engine import UntrainedDraftLayersWarning, load_engine
-    from tokenswift_trt.runtime.sampling import SamplingConfig
-    from tokenswift_trt.runtime.text import TextCodec
+    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.decode.text import TextCodec
+    from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, load_engine
+    from tokenswift_trt.model.sampling import SamplingConfig
 
     directory = Path(model_dir)
     with warnings.catch_warnings():

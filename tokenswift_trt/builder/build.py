@@ -24,12 +24,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tokenswift_trt.environment import checkpoint_home
-from tokenswift_trt.runtime.config import ConfigError, config_from_dict
-from tokenswift_trt.runtime.draft_layers import DraftLayers, draft_key, heads_file_key
-from tokenswift_trt.runtime.engine import DEFAULT_HEADS_FILE, UntrainedDraftLayersWarning, load_engine
-from tokenswift_trt.runtime.engine_dir import BACKENDS, Manifest, record_artifacts, write_manifest
-from tokenswift_trt.runtime.kernel_config import KernelConfig
-from tokenswift_trt.runtime.model import LlamaModel
+from tokenswift_trt.kernels.config import KernelConfig
+from tokenswift_trt.model.config import ConfigError, config_from_dict
+from tokenswift_trt.model.decoder import LlamaModel
+from tokenswift_trt.model.draft_layers import DraftLayers, draft_key, heads_file_key
+from tokenswift_trt.model.engine import DEFAULT_HEADS_FILE, UntrainedDraftLayersWarning, load_engine
+from tokenswift_trt.model.engine_dir import BACKENDS, Manifest, record_artifacts, write_manifest
 
 from .gguf_import import GGUFImportError, import_gguf, read_source
 from .presets import PRESETS, REPOSITORY, Preset
@@ -328,7 +328,7 @@ def _build(
             progress("export onnx", 1, 1)
         max_len = request.max_sequence_length or engine.config.max_position_embeddings
         if request.backend == "tensorrt":
-            from tokenswift_trt.runtime.tensorrt_backend import MAX_PLAN_TOKENS, PLUGIN_LIBRARY_NAME
+            from tokenswift_trt.backends.tensorrt_backend import MAX_PLAN_TOKENS, PLUGIN_LIBRARY_NAME
 
             from .tensorrt_build import build_plan
 

@@ -539,8 +539,8 @@ def _plan_tensors(meta: GGUFMetadata, config: dict[str, Any]) -> Plan:
     """(GGUF tensor, HF name) for every weight, checked against the runtime's model for this config."""
     import torch
 
-    from tokenswift_trt.runtime.config import ConfigError, config_from_dict
-    from tokenswift_trt.runtime.model import LlamaModel
+    from tokenswift_trt.model.config import ConfigError, config_from_dict
+    from tokenswift_trt.model.decoder import LlamaModel
 
     try:
         model_config = config_from_dict(config)

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenswift_trt.runtime import kernels
-from tokenswift_trt.runtime.config import ModelConfig
-from tokenswift_trt.runtime.draft_layers import DraftLayers
-from tokenswift_trt.runtime.model import LlamaModel
+from tokenswift_trt.kernels import ops as kernels
+from tokenswift_trt.model.config import ModelConfig
+from tokenswift_trt.model.decoder import LlamaModel
+from tokenswift_trt.model.draft_layers import DraftLayers
 
 PLUGIN_DOMAIN = "tokenswift"
 TREE_ATTENTION_PLUGIN = "TokenSwiftTreeAttention"

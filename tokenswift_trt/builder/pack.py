@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from tokenswift_trt.runtime.engine_dir import sha256_of
+from tokenswift_trt.model.engine_dir import sha256_of
 
 MANIFEST = "manifest.json"
 PACK_FORMAT = 1

@@ -2,7 +2,7 @@
 per-model inference settings (TokenSwift, ICML 2025, Table 10).
 
 A preset's `defaults` are partial overrides of `GenerationConfig`/`SamplingConfig` (flat setting
-names, runtime/request.py): only where the paper's settings for that model differ from ours.
+names, decode/request.py): only where the paper's settings for that model differ from ours.
 Everything else (k = 20, temperature 1, W = 1024, B = 4096, tree auto) is the dataclasses' own."""
 
 from __future__ import annotations
@@ -305,8 +305,8 @@ def write_model_defaults(preset: Preset, model_dir: Path) -> Path:
 def read_model_defaults(model_dir: Path) -> dict[str, Any]:
     """The generation settings a model directory records (`MODEL_DIR_DEFAULTS`); {} when it has none.
     Raises PresetError naming the file when it cannot be read or holds an unknown setting or a bad value."""
-    from tokenswift_trt.runtime.decoding import GenerationError
-    from tokenswift_trt.runtime.request import config_from
+    from tokenswift_trt.decode.loop import GenerationError
+    from tokenswift_trt.decode.request import config_from
 
     path = Path(model_dir) / MODEL_DIR_DEFAULTS
     if not path.exists():

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tokenswift_trt.runtime.config import config_from_dict
-from tokenswift_trt.runtime.draft_layers import DraftLayers
-from tokenswift_trt.runtime.model import LlamaModel
+from tokenswift_trt.model.config import config_from_dict
+from tokenswift_trt.model.decoder import LlamaModel
+from tokenswift_trt.model.draft_layers import DraftLayers
 
 BOS, EOS = "<s>", "</s>"
 

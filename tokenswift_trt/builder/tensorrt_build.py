@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenswift_trt.backends.tensorrt_backend import PLUGIN_LIBRARY_NAME, import_tensorrt
 from tokenswift_trt.environment import plugin_library
-from tokenswift_trt.runtime.config import ModelConfig
-from tokenswift_trt.runtime.tensorrt_backend import PLUGIN_LIBRARY_NAME, import_tensorrt
+from tokenswift_trt.model.config import ModelConfig
 
 
 def find_plugin_library() -> Path | None:

@@ -24,14 +24,14 @@ from .common import (
 )
 
 if TYPE_CHECKING:
-    from tokenswift_trt.runtime.engine import Engine
+    from tokenswift_trt.model.engine import Engine
 
 PAPER_ACCEPT_LENGTH = 4.36  # 4α + 1 with the paper's α = 0.84 (LLaMA3.1-8B, 100K tokens)
 
 
 def trie_cap(tree: str) -> int:
     """Most tokens one iteration of static tree `tree` commits: every level accepted, plus the bonus token."""
-    from tokenswift_trt.runtime.tree import parse_tree
+    from tokenswift_trt.decode.tree import parse_tree
 
     return len(parse_tree(tree)) + 1
 
@@ -251,7 +251,7 @@ def _random_weights_source(
 
     from tokenswift_trt.bench.steps import random_engine
     from tokenswift_trt.builder.presets import PRESETS
-    from tokenswift_trt.runtime.kernel_config import KernelConfig
+    from tokenswift_trt.kernels.config import KernelConfig
 
     if model is None or any(sources):
         raise CliError(
@@ -413,9 +413,9 @@ def bench_steps(
         verify_step,
         write_step_report,
     )
-    from tokenswift_trt.runtime.decoding import GenerationConfig
-    from tokenswift_trt.runtime.engine import KernelFallbackWarning
-    from tokenswift_trt.runtime.kernel_config import KernelConfig
+    from tokenswift_trt.decode.loop import GenerationConfig
+    from tokenswift_trt.kernels.config import KernelConfig
+    from tokenswift_trt.model.engine import KernelFallbackWarning
 
     from ..progress import progress_bar
 
@@ -589,7 +589,7 @@ def bench_steps(
 def _device_loop_host_time(engine, prompt: list[int], config) -> None:
     """bench-host --device-loop: the host's own time per iteration (queue the graph, queue the
     report's copy) and its wait for the report of the iteration before."""
-    from tokenswift_trt.runtime.decoding import GenerationError, generate
+    from tokenswift_trt.decode.loop import GenerationError, generate
 
     try:
         tokens, stats = generate(engine, prompt, config)
@@ -679,7 +679,7 @@ def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype
     import torch
 
     from tokenswift_trt.bench.kernels import bench_tree_attention, device_description, write_kernel_report
-    from tokenswift_trt.runtime import kernels
+    from tokenswift_trt.kernels import ops as kernels
 
     from ..progress import progress_bar
 

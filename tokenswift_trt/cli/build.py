@@ -48,7 +48,7 @@ def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_len
     """Build an engine directory from a preset, checkpoint or GGUF file (torch, onnx or tensorrt backend);
     its manifest records the kernel settings, the engine's defaults."""
     from tokenswift_trt.builder.build import BuildError, BuildRequest, build_engine
-    from tokenswift_trt.runtime.kernel_config import KernelConfig
+    from tokenswift_trt.kernels.config import KernelConfig
 
     from ..progress import progress_bar
 

@@ -40,8 +40,8 @@ def fail(error: Exception) -> CliError:
 class Source:
     """A loaded model: engine, tokenizer, and the defaults its preset or manifest sets."""
 
-    engine: Any  # tokenswift_trt.runtime.engine.Engine
-    codec: Any  # tokenswift_trt.runtime.text.TextCodec
+    engine: Any  # tokenswift_trt.model.engine.Engine
+    codec: Any  # tokenswift_trt.decode.text.TextCodec
     defaults: dict[str, Any] = field(default_factory=dict)
     model_dir: Path | None = None
     engine_dir: Path | None = None
@@ -115,17 +115,17 @@ def load_source(
     kernel settings (`--kernel`) over the engine manifest's, else over the defaults."""
     import torch
 
-    from tokenswift_trt.runtime.config import ConfigError
-    from tokenswift_trt.runtime.engine import (
+    from tokenswift_trt.decode.request import manifest_defaults
+    from tokenswift_trt.decode.text import TextCodec, TokenizerError
+    from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
+    from tokenswift_trt.model.config import ConfigError
+    from tokenswift_trt.model.engine import (
         KernelFallbackWarning,
         UntrainedDraftLayersWarning,
         WeightsError,
         load_engine,
     )
-    from tokenswift_trt.runtime.engine_dir import EngineDirError, load_engine_dir
-    from tokenswift_trt.runtime.kernel_config import KernelConfig, KernelConfigError
-    from tokenswift_trt.runtime.request import manifest_defaults
-    from tokenswift_trt.runtime.text import TextCodec, TokenizerError
+    from tokenswift_trt.model.engine_dir import EngineDirError, load_engine_dir
 
     model_dir, engine_dir, heads, defaults = resolve_source(model, model_dir, engine_dir, heads)
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -217,7 +217,7 @@ def source_options(function):
 
 
 def _kernel_settings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, Any]:
-    from tokenswift_trt.runtime.kernel_config import KernelConfigError, parse_kernel_settings
+    from tokenswift_trt.kernels.config import KernelConfigError, parse_kernel_settings
 
     try:
         return parse_kernel_settings(values)
@@ -226,8 +226,8 @@ def _kernel_settings(ctx: click.Context, param: click.Parameter, values: tuple[s
 
 
 def kernel_option(function):
-    """`--kernel NAME=VALUE`, repeatable: kernel and fusion settings (runtime/kernel_config.py)."""
-    from tokenswift_trt.runtime.kernel_config import help_text
+    """`--kernel NAME=VALUE`, repeatable: kernel and fusion settings (kernels/config.py)."""
+    from tokenswift_trt.kernels.config import help_text
 
     return click.option(
         "--kernel",
@@ -315,7 +315,7 @@ def sampling_options(function):
 
 def request_settings(opts: dict[str, Any]) -> dict[str, Any]:
     """The generation settings among a command's options (None = not given)."""
-    from tokenswift_trt.runtime.request import SETTINGS
+    from tokenswift_trt.decode.request import SETTINGS
 
     return {name: value for name, value in opts.items() if name in SETTINGS}
 
@@ -323,9 +323,9 @@ def request_settings(opts: dict[str, Any]) -> dict[str, Any]:
 def generation_config(
     max_new_tokens: int, method: str, opts: dict[str, Any], defaults: dict[str, Any] | None = None
 ):
-    """The request's config, built as every entry point builds it (runtime/request.py)."""
-    from tokenswift_trt.runtime.decoding import GenerationError
-    from tokenswift_trt.runtime.request import config_from
+    """The request's config, built as every entry point builds it (decode/request.py)."""
+    from tokenswift_trt.decode.loop import GenerationError
+    from tokenswift_trt.decode.request import config_from
 
     try:
         return config_from(

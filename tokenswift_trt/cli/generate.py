@@ -85,10 +85,8 @@ def generate(
 ) -> None:
     """Generate a continuation of a prompt with TokenSwift (or the AR baseline); journal and resume long
     runs."""
-    from tokenswift_trt.runtime.autotune import describe_plans
-    from tokenswift_trt.runtime.decoding import GenerationError
-    from tokenswift_trt.runtime.decoding import generate as run_generate
-    from tokenswift_trt.runtime.journal import (
+    from tokenswift_trt.decode.autotune import describe_plans
+    from tokenswift_trt.decode.journal import (
         JournalError,
         JournalWriter,
         check_new_journal,
@@ -98,8 +96,10 @@ def generate(
         recorded_kernels,
         resume_journal,
     )
-    from tokenswift_trt.runtime.request import OUTPUT_DECIDING, SPEED_ONLY, with_fixed_seed
-    from tokenswift_trt.runtime.text import StreamDecoder
+    from tokenswift_trt.decode.loop import GenerationError
+    from tokenswift_trt.decode.loop import generate as run_generate
+    from tokenswift_trt.decode.request import OUTPUT_DECIDING, SPEED_ONLY, with_fixed_seed
+    from tokenswift_trt.decode.text import StreamDecoder
 
     from ..progress import progress_bar
 
@@ -296,8 +296,8 @@ def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_token
     Distinct-n and agreement."""
     from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.bench.run import take_turns
-    from tokenswift_trt.runtime.autotune import describe_plans
-    from tokenswift_trt.runtime.decoding import GenerationError, decode_steps
+    from tokenswift_trt.decode.autotune import describe_plans
+    from tokenswift_trt.decode.loop import GenerationError, decode_steps
 
     from ..progress import progress_bar
 

@@ -120,9 +120,7 @@ def serve(
         server.cleanup()
         raise fail(error) from None
     openai_url = f"  openai {fronts[1].url}" if openai_port else ""
-    click.echo(
-        f"ready: http://{http.url}  grpc {server.grpc_url}  metrics {server.metrics_url}{openai_url}"
-    )
+    click.echo(f"ready: http://{http.url}  grpc {server.grpc_url}  metrics {server.metrics_url}{openai_url}")
     click.echo(
         f"try: curl -X POST http://{http.url}/v2/models/tokenswift/generate "
         '-d \'{"text_input": "Once upon a time", "max_tokens": 64}\''

@@ -303,9 +303,9 @@ def draft_vocab(model, model_dir, heads, data, size, out) -> None:
     in DATA, through those rows of the LM head (output unchanged; drafting reads less)."""
     from safetensors.torch import load_file, save_file
 
-    from tokenswift_trt.runtime.config import ConfigError, load_config
-    from tokenswift_trt.runtime.draft_layers import HEADS_PREFIX, VOCAB_KEY
-    from tokenswift_trt.runtime.text import TextCodec, TokenizerError
+    from tokenswift_trt.decode.text import TextCodec, TokenizerError
+    from tokenswift_trt.model.config import ConfigError, load_config
+    from tokenswift_trt.model.draft_layers import HEADS_PREFIX, VOCAB_KEY
     from tokenswift_trt.training.train_heads import TrainingError, frequent_tokens, read_texts
 
     model_dir, _, heads, _ = resolve_source(model, model_dir, None, heads)

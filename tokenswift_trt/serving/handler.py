@@ -16,10 +16,7 @@ from typing import Any
 import numpy as np
 
 from tokenswift_trt.builder.presets import read_model_defaults
-from tokenswift_trt.runtime.decoding import GenerationConfig, GenerationError, Stats, generate
-from tokenswift_trt.runtime.engine import Engine, load_engine
-from tokenswift_trt.runtime.engine_dir import MANIFEST, load_engine_dir
-from tokenswift_trt.runtime.journal import (
+from tokenswift_trt.decode.journal import (
     JournalError,
     JournalWriter,
     check_new_journal,
@@ -27,9 +24,12 @@ from tokenswift_trt.runtime.journal import (
     model_identity,
     resume_journal,
 )
-from tokenswift_trt.runtime.kernel_config import KernelConfig, parse_kernel_settings
-from tokenswift_trt.runtime.request import config_from, manifest_defaults, with_fixed_seed
-from tokenswift_trt.runtime.text import StreamDecoder, TextCodec
+from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, Stats, generate
+from tokenswift_trt.decode.request import config_from, manifest_defaults, with_fixed_seed
+from tokenswift_trt.decode.text import StreamDecoder, TextCodec
+from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
+from tokenswift_trt.model.engine import Engine, load_engine
+from tokenswift_trt.model.engine_dir import MANIFEST, load_engine_dir
 
 # Triton request inputs that set generation settings: input name -> (setting, type). Unset ones take
 # the engine's defaults (its manifest), then GenerationConfig's; max_tokens is max_new_tokens.

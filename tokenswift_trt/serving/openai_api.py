@@ -28,8 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tokenswift_trt.runtime.engine_dir import MANIFEST, EngineDirError, read_manifest
-from tokenswift_trt.runtime.text import TextCodec, TokenizerError
+from tokenswift_trt.decode.text import TextCodec, TokenizerError
+from tokenswift_trt.model.engine_dir import MANIFEST, EngineDirError, read_manifest
 
 log = logging.getLogger(__name__)
 

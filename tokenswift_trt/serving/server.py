@@ -48,7 +48,7 @@ class ServerConfig:
     journal_dir: Path | None = None  # request journals (request_id / resume); None = no journals
     memory_budget_gib: float | None = None  # per-request cache memory cap; None = the free memory
     http_host: str | None = None  # address of tritonserver's HTTP endpoint; None = `host`
-    # kernel settings (runtime/kernel_config.py) over the engine manifest's; {} = the manifest's
+    # kernel settings (kernels/config.py) over the engine manifest's; {} = the manifest's
     kernels: dict[str, Any] = field(default_factory=dict)
 
 

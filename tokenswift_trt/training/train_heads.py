@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tokenswift_trt.runtime.draft_layers import (
+from tokenswift_trt.model.draft_layers import (
     HEADS_PREFIX,
     PATH_PREFIX,
     RELEASED_PREFIX,
@@ -50,9 +50,9 @@ from tokenswift_trt.runtime.draft_layers import (
     heads_file_key,
     read_heads_file,
 )
-from tokenswift_trt.runtime.engine import Engine
-from tokenswift_trt.runtime.kv_cache import KVCache
-from tokenswift_trt.runtime.sampling import SamplingConfig, min_p_filter
+from tokenswift_trt.model.engine import Engine
+from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.sampling import SamplingConfig, min_p_filter
 
 CHECKPOINT = "checkpoint.pt"
 HEADS_FILE = "heads.safetensors"
@@ -81,7 +81,7 @@ class TrainHeadsConfig:
     teacher_min_p: float = 0.1
     teacher_penalty: float = 1.2
     teacher_window: int = 256
-    root_conditioned: bool = False  # layers that read the root token (runtime/draft_layers.py)
+    root_conditioned: bool = False  # layers that read the root token (model/draft_layers.py)
     root_width: int = 0  # > 0: the root input is an MLP this wide (implies root_conditioned)
     path_width: int = 0  # > 0: a path input this wide drafts depths >= 2 (root-conditioned layers only)
     path_only: bool = False  # train the path input alone; the other layers stay as --init-heads gave them
@@ -499,7 +499,7 @@ def coupled_acceptance(
 
 def frequent_tokens(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
     """The `size` most frequent ids of `ids` [N] (ties: lower id first; never-seen ids fill up), in
-    ascending order [size] int64: a draft vocabulary (runtime/draft_layers.py). None when `size` is 0
+    ascending order [size] int64: a draft vocabulary (model/draft_layers.py). None when `size` is 0
     or covers the whole vocabulary (nothing to restrict)."""
     if size <= 0 or size >= vocab_size:
         return None

@@ -7,7 +7,7 @@
 // layer around them (views, norms, rotary, cache writes, residual adds; each a Python call and an
 // ATen dispatch) took ~12 ms more (SmolLM2, 30 layers, 2-core EPYC). Here they are plain loops over
 // a few hundred floats. Products go through linear_cpu (batch-invariant); attention through the
-// tree-attention kernel or ATen's SDPA, as runtime/model.py chooses; every per-row step here
+// tree-attention kernel or ATen's SDPA, as model/decoder.py chooses; every per-row step here
 // depends on its own row only, so a token's hidden state is the same bits in a step and in a tree.
 #include "kernels_cpu.h"
 

@@ -1,5 +1,5 @@
 // CPU implementation of the sampling step shared by AR decoding and TokenSwift verification
-// (runtime/sampling.py): per row, the contextual penalty over a window of token ids, temperature,
+// (model/sampling.py): per row, the contextual penalty over a window of token ids, temperature,
 // min-p (keeping at least `keep` tokens), then the `width` best tokens of score + Gumbel noise
 // (width 1: the sample; more: a draft's ranking). Greedy rows take the penalised logits as they
 // are. One pass over the vocabulary per stage in plain loops, instead of a dozen tensor operations

@@ -9,13 +9,13 @@
 // kernel on the same weights: those logits are the same bits as the full head's (every output is one
 // in-order chain of fused multiply-adds over k, whichever rows and columns share the call). Every
 // other token gets kScreened, a finite score below anything real, which the sampler's penalty,
-// temperature and min-p cut (runtime/sampling.py; sampling_cpu.cpp) leave below the cut. The sampled
+// temperature and min-p cut (model/sampling.py; sampling_cpu.cpp) leave below the cut. The sampled
 // token is therefore the one the full head gives, always, not just almost surely.
 //
 // The bound: with h = float16(w) and s = x · h as the screen computes it (one float32 chain),
 //   |x · w (float32 chain) - s| <= ||x||_2 (||w - h||_2 + gamma_K (||w||_2 + ||h||_2)),
 // gamma_K = K u / (1 - K u), u = 2^-24 (the rounding of each chain, Higham's bound, which holds for
-// fused multiply-adds). `bounds` holds the parenthesis per row of W (runtime/screened_head.py, in
+// fused multiply-adds). `bounds` holds the parenthesis per row of W (model/screened_head.py, in
 // float64, rounded up); here it is scaled by ||x||_2 per row.
 //
 // The cut, per row, in penalised-logit space (penalty p(z) = z / θ above 0, z θ below: increasing):

@@ -1,5 +1,5 @@
 // CPU implementation of torch.ops.tokenswift.tree_attention (float32), the semantics of
-// runtime/kernels.py: T tree tokens attend to every committed cache slot and, among themselves,
+// kernels/ops.py: T tree tokens attend to every committed cache slot and, among themselves,
 // through a packed tree mask (bit j % 32 of word j / 32 in row i: node i sees node j).
 //
 // Why it exists: a verify pass of a few tokens over a long cache is what speculative decoding

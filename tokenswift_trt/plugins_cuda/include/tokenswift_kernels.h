@@ -136,7 +136,7 @@ struct SiluMulParams {
 
 cudaError_t silu_mul(const SiluMulParams& params, cudaStream_t stream);
 
-// The FlashAttention cascade's tree block and log-sum-exp merge (src/cascade_tail.cu; runtime/cascade.py):
+// The FlashAttention cascade's tree block and log-sum-exp merge (src/cascade_tail.cu; kernels/cascade.py):
 // per packed row (node t of query head h), attention over the tree's own keys at [prefix, prefix + T) of
 // the cache through the ancestor mask, merged with the prefix block's per-range outputs and
 // log-sum-exps; fp32 inside, the output rounded once.

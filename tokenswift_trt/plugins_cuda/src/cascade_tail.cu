@@ -1,4 +1,4 @@
-// The FlashAttention cascade's tree block and log-sum-exp merge in one kernel (runtime/cascade.py).
+// The FlashAttention cascade's tree block and log-sum-exp merge in one kernel (kernels/cascade.py).
 //
 // The cascade's prefix block leaves, per key range s, every packed row's output normalised within the
 // range and its log-sum-exp. What remains per row is small: its scores against the tree's own T keys

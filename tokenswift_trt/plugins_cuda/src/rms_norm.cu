@@ -2,7 +2,7 @@
 // (x = x + attention; h = norm(x); x = x + mlp; h' = next_norm(x)), in one pass over the row instead
 // of PyTorch's eight small kernels (add, cast, square, mean, add eps, rsqrt, multiply, cast, scale).
 //
-// Rounding follows the PyTorch composition it replaces (runtime/model.py RMSNorm on fp16/bf16):
+// Rounding follows the PyTorch composition it replaces (model/decoder.py RMSNorm on fp16/bf16):
 // the sum is rounded to the element type (PyTorch's add); the mean of squares of that rounded sum is
 // taken in fp32; x * rsqrt(mean + eps) is rounded to the element type, then scaled by the weight in
 // fp32 and rounded again (PyTorch's half-precision multiply). Only the order of the fp32 sum of

@@ -3,7 +3,7 @@
 //
 // out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[D/2:], x[:D/2]], with every product and
 // the sum rounded to the element type as PyTorch's fp16/bf16 ops round them: no reduction, so the
-// outputs are the same bits as the composition's (runtime/rope.py apply_rotary).
+// outputs are the same bits as the composition's (model/rope.py apply_rotary).
 //
 // One warp per (head, token) row of q or k; inputs may be strided over heads and tokens (the
 // projections' [T, heads, D] memory seen as [heads, T, D]), outputs are contiguous [heads, T, D].

@@ -1,4 +1,4 @@
-// Torch bindings of the CUDA kernels. runtime/kernels.py compiles this file with
+// Torch bindings of the CUDA kernels. kernels/ops.py compiles this file with
 // torch.utils.cpp_extension and registers the functions as the CUDA implementations of
 // torch.ops.tokenswift.tree_attention, torch.ops.tokenswift.kv_importance_select,
 // torch.ops.tokenswift.add_rms_norm, torch.ops.tokenswift.rotary_qk, torch.ops.tokenswift.silu_mul and
@@ -330,7 +330,7 @@ at::Tensor cascade_tail(const at::Tensor& query, const at::Tensor& keys, const a
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-    module.def("tree_attention", &tree_attention, "tree-verify attention (see runtime/kernels.py)");
+    module.def("tree_attention", &tree_attention, "tree-verify attention (see kernels/ops.py)");
     module.def("tree_attention_into", &tree_attention_into, "tree_attention writing into a given output");
     module.def("tree_attention_static", &tree_attention_static, "tree_attention with a device-side prefix length");
     module.def("set_tree_row_tiles", &tokenswift::set_tree_row_tiles,
@@ -339,8 +339,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                "dynamic shared memory per block the tree-attention kernel needs for a head_dim");
     module.def("kv_importance_select", &kv_importance_select, "partial-cache position selection");
     module.def("kv_importance_select_gather", &kv_importance_select_gather, "selection + K/V gather");
-    module.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (see runtime/kernels.py)");
-    module.def("rotary_qk", &rotary_qk, "rotary embedding of queries and keys (see runtime/kernels.py)");
-    module.def("silu_mul", &silu_mul, "SiLU(gate) * up of a packed gate-up product (see runtime/kernels.py)");
-    module.def("cascade_tail", &cascade_tail, "the FlashAttention cascade's tree block and merge (runtime/cascade.py)");
+    module.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (see kernels/ops.py)");
+    module.def("rotary_qk", &rotary_qk, "rotary embedding of queries and keys (see kernels/ops.py)");
+    module.def("silu_mul", &silu_mul, "SiLU(gate) * up of a packed gate-up product (see kernels/ops.py)");
+    module.def("cascade_tail", &cascade_tail, "the FlashAttention cascade's tree block and merge (kernels/cascade.py)");
 }

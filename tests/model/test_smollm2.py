@@ -1,0 +1,42 @@
+"""SmolLM2-135M (the embedded real model): TokenSwift's greedy tokens equal transformers' own
+`generate` on the prepared model, with the committed draft layers actually drafting."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenswift_trt.bench.reference import load_reference
+from tokenswift_trt.builder.presets import PRESETS, PresetError, local_model_dir
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.text import TextCodec
+from tokenswift_trt.model.engine import load_engine
+from tokenswift_trt.model.sampling import SamplingConfig
+
+
+def _prepared():
+    try:
+        return local_model_dir(PRESETS["smollm2-135m"])
+    except PresetError as error:
+        pytest.skip(f"{error}")
+
+
+@pytest.mark.slow
+def test_greedy_tokenswift_equals_transformers_generate_for_256_tokens():
+    directory, heads = _prepared()
+    assert heads is not None, "the committed draft layers are part of the repository"
+    engine = load_engine(directory, heads_file=heads)
+    codec = TextCodec.from_dir(directory)
+    prompt = codec.encode(
+        "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+        "must be in want of a wife. However little known the feelings or views of such a man may be"
+    )
+    config = GenerationConfig(
+        max_new_tokens=256,
+        sampling=SamplingConfig(temperature=0),
+        tree="3,1",  # a static tree: every iteration drafts and verifies (auto may pick AR steps)
+        draft_source="verify",
+        ignore_eos=True,
+    )
+    ours, stats = generate(engine, prompt, config)
+    assert ours == load_reference(directory)(prompt, 256)
+    assert stats.accepted_tokens > 0 and stats.iterations < 256  # the draft layers were used

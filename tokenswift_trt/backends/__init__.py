@@ -1,0 +1,1 @@
+"""Execution backends for the model: the CPU's compiled decoder and linears, ONNX Runtime, TensorRT."""

@@ -1,1 +1,0 @@
-"""The TokenSwift decoding runtime: model, caches, drafting, verification, sampling."""
