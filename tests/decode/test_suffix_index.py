@@ -1,0 +1,74 @@
+"""The suffix index proposes what followed the longest, most recent earlier match of the text's end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenswift_trt.decode.suffix import SuffixIndex
+
+
+def _naive(tokens: list[int], history: list[int], keys: tuple[int, ...], depth: int) -> list[int]:
+    """The same rule by brute force: longest key first, most recent earlier window with a continuation."""
+    for k in sorted(keys, reverse=True):
+        if len(history) < k:
+            continue
+        for end in range(len(tokens) - 1, k - 1, -1):  # exclusive end, a next token must exist
+            if tokens[end - k : end] == history[-k:]:
+                return tokens[end : end + depth]
+    return []
+
+
+def test_a_repeated_passage_proposes_its_continuation():
+    passage = list(range(100, 140))
+    index = SuffixIndex(key_lengths=(8, 4))
+    index.extend([1, 2, 3] + passage + [7, 7] + passage[:10])
+    assert index.continuation(depth=5) == passage[10:15]
+    assert index.match() == (8, 3 + 10)
+
+
+def test_the_longest_key_wins_over_a_more_recent_shorter_match():
+    index = SuffixIndex(key_lengths=(8, 2))
+    long_context = [1, 2, 3, 4, 5, 6, 7, 8]
+    index.extend(long_context + [50] + [9, 7, 8, 60] + long_context)
+    assert index.continuation(depth=1) == [50]  # the 8-token match, not the later "7 8 -> 60"
+
+
+def test_the_most_recent_occurrence_is_used():
+    index = SuffixIndex(key_lengths=(2,))
+    index.extend([1, 2, 30, 1, 2, 40, 1, 2])
+    assert index.continuation(depth=1) == [40]
+
+
+def test_no_match_and_no_self_match():
+    index = SuffixIndex(key_lengths=(3,))
+    index.extend([1, 2, 3, 4])
+    assert index.continuation() == []
+    assert index.match() == (0, -1)
+
+
+def test_an_uncommitted_root_extends_the_history():
+    index = SuffixIndex(key_lengths=(2,))
+    index.extend([5, 6, 7, 8, 9, 5])
+    assert index.continuation(index.tokens + [6], depth=3) == [7, 8, 9]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_extends_match_brute_force(seed):
+    rng = random.Random(seed)
+    keys = (6, 3, 1)
+    index = SuffixIndex(key_lengths=keys)
+    tokens: list[int] = []
+    while len(tokens) < 400:
+        chunk = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        tokens += chunk
+        index.extend(chunk)
+        root = rng.randrange(6)
+        assert index.continuation(depth=7) == _naive(tokens, tokens, keys, 7)
+        assert index.continuation(tokens + [root], depth=7) == _naive(tokens, tokens + [root], keys, 7)
+
+
+def test_key_lengths_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        SuffixIndex(key_lengths=(4, 0))

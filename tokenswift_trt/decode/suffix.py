@@ -1,0 +1,70 @@
+"""Long matches: the longest earlier occurrence of the text's current suffix proposes what followed it.
+
+Long generations repeat themselves (a refrain, a list, a quoted passage, code). Where they do, the
+paper's 4-grams propose at most three tokens past the root, while the earlier occurrence knows many
+more: SuffixDecoding (arXiv 2411.04975) drafts the continuation of the longest matching suffix, as deep
+as it goes. This index does the same over the prompt and the committed text.
+
+Matching is by hashed keys of a few lengths (`KEY_LENGTHS`): for each length k, the last end position
+of every k-token window seen so far. A lookup tries the longest k first; the most recent earlier
+window equal to the history's last k tokens gives the continuation. Appending a token costs one dict
+write per key length; a lookup at most one dict read per key length. Only windows whose continuation
+is already known are indexed, so a match never points at the current position itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+KEY_LENGTHS = (32, 16, 8, 4)  # longest first: a longer match predicts its continuation better
+MAX_DEPTH = 32  # tokens proposed past the root at most
+
+
+@dataclass
+class SuffixIndex:
+    """Last end position of every window of `key_lengths` tokens in `tokens` (the prompt, then every
+    committed token, the root included as soon as it is committed)."""
+
+    key_lengths: tuple[int, ...] = KEY_LENGTHS
+    tokens: list[int] = field(default_factory=list)
+    _ends: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    _indexed: int = 0  # windows ending at positions < _indexed are in `_ends`
+
+    def __post_init__(self) -> None:
+        if not self.key_lengths or min(self.key_lengths) < 1:
+            raise ValueError(f"key lengths must be positive, got {self.key_lengths}")
+        self.key_lengths = tuple(sorted(set(self.key_lengths), reverse=True))
+        self._ends = {k: {} for k in self.key_lengths}
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        """Append tokens; index every window whose next token is now known."""
+        self.tokens.extend(new_tokens)
+        last = len(self.tokens) - 1  # a window ending here has no continuation yet
+        tokens = self.tokens
+        for end in range(self._indexed, last):
+            for k, ends in self._ends.items():
+                if end + 1 >= k:
+                    ends[tuple(tokens[end + 1 - k : end + 1])] = end + 1  # exclusive end
+        self._indexed = max(self._indexed, last)
+
+    def match(self, history: Sequence[int] | None = None) -> tuple[int, int]:
+        """(length, end) of the longest key matching the end of `history` (default: the indexed
+        tokens) at its most recent earlier occurrence; (0, -1) when none matches."""
+        history = self.tokens if history is None else history
+        for k in self.key_lengths:
+            if len(history) < k:
+                continue
+            end = self._ends[k].get(tuple(history[len(history) - k :]))
+            if end is not None:
+                return k, end
+        return 0, -1
+
+    def continuation(self, history: Sequence[int] | None = None, depth: int = MAX_DEPTH) -> list[int]:
+        """Up to `depth` tokens that followed the longest earlier match of `history`'s suffix (default:
+        the indexed tokens); [] when nothing matches. `history` may run past the indexed tokens by
+        uncommitted ones (the root of an iteration)."""
+        length, end = self.match(history)
+        if not length or depth <= 0:
+            return []
+        return list(self.tokens[end : end + depth])
