@@ -31,6 +31,12 @@ from tokenswift_trt.model.draft_layers import (
     draft_layout,
     read_heads_file,
 )
+from tokenswift_trt.model.tensor_parallel import (
+    TensorParallel,
+    make_row_parallel,
+    read_shard,
+    shard_config,
+)
 
 
 class WeightsError(ValueError):
@@ -158,26 +164,33 @@ def load_engine(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     kernels: KernelConfig = KernelConfig(),
+    tp: TensorParallel | None = None,
 ) -> Engine:
     """Load base weights and draft layers; zero-initialised draft layers (with a warning) when none exist.
 
     Draft layers come from `heads_file`, else from the checkpoint's released-format keys, else
     from `heads.safetensors` in the model directory. `kernels` chooses the kernels and fusions.
+    `tp`: this rank of a tensor-parallel group; its slices of the layers only (tensor_parallel.py).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise WeightsError(f"model directory {model_dir} does not exist")
-    config = load_config(model_dir)
+    config = full_config = load_config(model_dir)
+    if tp is not None:  # tensor parallel: this rank's shape (heads, KV heads, MLP width / size)
+        config = shard_config(config, tp.size)
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaModel(config, device="meta")
-    tensors = _read_tensors(_safetensors_files(model_dir))
+        if tp is not None:
+            make_row_parallel(model, tp)  # o_proj and down_proj end in an all-reduce
+    files = _safetensors_files(model_dir)
+    tensors = _read_tensors(files) if tp is None else read_shard(files, None, tp)
     base = {k: v for k, v in tensors.items() if draft_key(k) is None and not _IGNORED_KEYS.match(k)}
     draft = {draft_key(k): v for k, v in tensors.items() if draft_key(k) is not None}
     if config.tie_word_embeddings:
         base.pop("lm_head.weight", None)
     _check_and_assign_base(model, base, config, dtype, device)
-    fingerprint = model_fingerprint(config, model_dir, model.model.embed_tokens.weight)
+    fingerprint = model_fingerprint(full_config, model_dir, model.model.embed_tokens.weight)
 
     if heads_file is None and not draft and (model_dir / DEFAULT_HEADS_FILE).is_file():
         heads_file = model_dir / DEFAULT_HEADS_FILE
@@ -220,6 +233,8 @@ def load_engine(
     draft_layers.eval()
     choose_kernels(model, config, dtype, device, kernels)
     model.pack(kernels)  # CPU only: prepacked, fused weights (cpu_linear.py)
+    if tp is not None:  # the compiled CPU stack runs every layer in one call: no room for all-reduces
+        model.cpu_decoder = None
     # drafts never change the output: half the bytes per draft pass
     pack_linears(draft_layers, half=True, kernels=kernels)
     vocab = draft_layers.vocab

@@ -1,0 +1,216 @@
+"""Tensor parallelism over a torch.distributed process group (Megatron-style; docs/deploy.md).
+
+Each rank holds a slice of every decoder layer: the Q/K/V and gate/up projections are split by
+output rows (column-parallel: whole KV heads with their GQA groups of query heads, a slice of the
+MLP's inner width), o_proj and down_proj by input columns (row-parallel), so a layer's attention
+and MLP each end in one all-reduce of a [T, hidden] tensor (`RowParallelLinear`). The embedding,
+the final norm, the LM head and the draft layers are replicated: every rank then computes the same
+logits from the same all-reduced hidden states, and samples, accepts and commits the same tokens
+with no further communication (position-keyed noise, sampling.py).
+
+A rank reads only its slices from the checkpoint (`read_shard`: safetensors slices, no full
+tensor in memory). `shard_config` is the per-rank shape (heads, KV heads and inner width / size):
+the rank's KV caches and memory admission follow it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from tokenswift_trt.backends.cpu_linear import Linear
+from tokenswift_trt.model.config import ModelConfig
+
+# parameter name suffix -> the dimension it is split along (0: output rows, 1: input columns)
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+DEFAULT_TIMEOUT_S = 120.0  # a collective waiting longer for a rank fails (a rank died or hangs)
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel setup that cannot run (the message names the fix)."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: its rank of `size`, and the group (None: the
+    default group of `torch.distributed.init_process_group`)."""
+
+    rank: int
+    size: int
+    group: Any = None  # torch.distributed.ProcessGroup
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place (every rank receives the same bits: gloo and NCCL reduce
+        each element once and send the result to all)."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather(self, values: Sequence[int], device: torch.device | str = "cpu") -> list[list[int]]:
+        """Every rank's `values` (the same count on each), in rank order."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [item.tolist() for item in every]
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` (a picklable object) on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's `value` (picklable), in rank order."""
+        every: list[Any] = [None] * self.size
+        dist.all_gather_object(every, value, group=self.group)
+        return every
+
+
+def valid_sizes(config: ModelConfig) -> list[int]:
+    """Tensor-parallel sizes this model splits into: whole KV heads (with their query heads) and an
+    equal share of the MLP's inner width on every rank."""
+    return [
+        size
+        for size in range(1, config.num_kv_heads + 1)
+        if config.num_kv_heads % size == 0 and config.intermediate_size % size == 0
+    ]
+
+
+def check_size(config: ModelConfig, size: int) -> None:
+    """Raise TensorParallelError (one line, naming the valid sizes) unless `size` splits this model."""
+    if size < 1:
+        raise TensorParallelError(f"the tensor-parallel size must be at least 1, got {size}")
+    sizes = valid_sizes(config)
+    if size not in sizes:
+        raise TensorParallelError(
+            f"--tp {size} does not split this model: its {config.num_heads} query / {config.num_kv_heads} "
+            f"KV heads (and MLP width {config.intermediate_size}) split into whole GQA groups for "
+            f"--tp {', '.join(map(str, sizes))}"
+        )
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The shape one rank of `size` runs: heads, KV heads and the MLP's inner width divided."""
+    check_size(config, size)
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // size,
+        num_kv_heads=config.num_kv_heads // size,
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+def split_of(key: str) -> int | None:
+    """The dimension a checkpoint tensor is split along (0 or 1), or None: replicated."""
+    parts = key.split(".")
+    if not key.startswith("model.layers.") or len(parts) < 2:
+        return None  # the embedding, final norm, LM head and draft layers
+    module, kind = parts[-2], parts[-1]
+    if module in COLUMN_PARALLEL:
+        return 0
+    if module in ROW_PARALLEL and kind == "weight":
+        return 1
+    return None  # norms; the row-parallel biases (added once: rank 0's, zeros elsewhere)
+
+
+def read_shard(files: Sequence[Path], keys: set[str] | None, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """This rank's slices of the checkpoint's tensors (`keys`: those wanted, None: all): split ones
+    through safetensors slices, so only the slice is ever read; replicated ones whole."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    if keys is not None and key not in keys:
+                        continue
+                    dim = split_of(key)
+                    if dim is None:
+                        tensor = handle.get_tensor(key)
+                        if tp.rank and key.endswith(tuple(f"{m}.bias" for m in ROW_PARALLEL)):
+                            tensor = torch.zeros_like(tensor)  # the all-reduce adds rank 0's once
+                        tensors[key] = tensor
+                        continue
+                    part = handle.get_slice(key)
+                    length = part.get_shape()[dim]
+                    if length % tp.size:
+                        raise TensorParallelError(
+                            f"{key} has {length} {'rows' if dim == 0 else 'columns'}, not a multiple of "
+                            f"--tp {tp.size}"
+                        )
+                    step = length // tp.size
+                    window = slice(tp.rank * step, (tp.rank + 1) * step)
+                    tensors[key] = part[window] if dim == 0 else part[:, window]
+        except (SafetensorError, OSError) as error:
+            raise TensorParallelError(
+                f"{path} is not a readable safetensors file ({str(error).splitlines()[0]}): download the "
+                "checkpoint again"
+            ) from None
+    return tensors
+
+
+class RowParallelLinear(Linear):
+    """A row-parallel product: this rank's input columns, then the sum over the ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, **kwargs) -> None:
+        super().__init__(in_features, out_features, bias=bias, **kwargs)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in / size] -> [..., out]
+        return self.tp.all_reduce(super().forward(x).contiguous())
+
+
+def make_row_parallel(model: nn.Module, tp: TensorParallel) -> None:
+    """Replace every o_proj and down_proj `Linear` of a (meta-initialised) model by a
+    `RowParallelLinear` of the same shape: same parameter names, so the checkpoint loads as before."""
+    for module in list(model.modules()):
+        for name in ROW_PARALLEL:
+            old = getattr(module, name, None)
+            if isinstance(old, Linear) and not isinstance(old, RowParallelLinear):
+                new = RowParallelLinear(
+                    old.in_features, old.out_features, old.bias is not None, tp, device=old.weight.device
+                )
+                setattr(module, name, new)
+
+
+def config_digest(model_dir: Path) -> str:
+    """A short hash of a model directory's config.json (ranks compare it before loading)."""
+    path = Path(model_dir) / "config.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else ""
+
+
+def init_group(
+    rank: int,
+    size: int,
+    address: str,
+    port: int,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> TensorParallel:
+    """Join the default process group (TCP rendezvous at address:port); a collective that waits longer
+    than `timeout_s` for another rank fails instead of hanging."""
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return TensorParallel(rank, size)
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters (each tensor once)."""
+    seen: dict[int, int] = {}
+    for parameter in module.parameters():
+        seen[id(parameter)] = parameter.numel() * parameter.element_size()
+    return sum(seen.values())
