@@ -1,3 +1,4 @@
 from tokenswift_trt.cli import main
 
-main()
+if __name__ == "__main__":  # not when multiprocessing's spawn imports it in a tensor-parallel rank
+    main()

@@ -46,6 +46,7 @@ class Source:
     model_dir: Path | None = None
     engine_dir: Path | None = None
     heads: Path | None = None
+    ranks: Any = None  # tp_launch.Ranks: this process's rank of a tensor-parallel run (--tp > 1)
 
     @property
     def name(self) -> str:
@@ -110,9 +111,12 @@ def load_source(
     device: str,
     quiet: bool,
     kernels: dict[str, Any] | None = None,
+    tp: int = 1,
+    tp_timeout: float = 120.0,
 ) -> Source:
     """Load a preset, a Hugging Face dir or a built engine dir; every failure is one line. `kernels`:
-    kernel settings (`--kernel`) over the engine manifest's, else over the defaults."""
+    kernel settings (`--kernel`) over the engine manifest's, else over the defaults. `tp` > 1: this
+    process's rank of a tensor-parallel run (tp_launch.py), started before anything loads."""
     import torch
 
     from tokenswift_trt.decode.request import manifest_defaults
@@ -134,6 +138,10 @@ def load_source(
     assert source is not None
     if not source.is_dir():
         raise CliError(f"{'model' if model_dir else 'engine'} directory {source} does not exist")
+    ranks = None
+    if tp > 1:  # tensor parallel: checked, started and agreed on before any weight loads
+        ranks = _start_ranks(tp, tp_timeout, model_dir, engine_dir, dtype, device, kernels or {})
+        device = ranks.device
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntrainedDraftLayersWarning)
         warnings.simplefilter("always", KernelFallbackWarning)
@@ -155,7 +163,12 @@ def load_source(
                     )
                 settings = KernelConfig().updated(kernels or {})
                 engine = load_engine(
-                    model_dir, heads, dtype=getattr(torch, dtype), device=device, kernels=settings
+                    model_dir,
+                    heads,
+                    dtype=getattr(torch, dtype),
+                    device=device,
+                    kernels=settings,
+                    tp=ranks.tp if ranks is not None else None,
                 )
                 codec = TextCodec.from_dir(model_dir)
         except (
@@ -174,7 +187,32 @@ def load_source(
             click.echo(f"warning: {warning.message}", err=True)
         elif issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet:
             click.echo(f"warning: {no_draft_layers_line(source, model_dir)}", err=True)
-    return Source(engine, codec, defaults, model_dir, engine_dir, heads)
+    return Source(engine, codec, defaults, model_dir, engine_dir, heads, ranks)
+
+
+def _start_ranks(
+    tp: int,
+    timeout_s: float,
+    model_dir: Path | None,
+    engine_dir: Path | None,
+    dtype: str | None,
+    device: str,
+    kernels: dict[str, Any],
+) -> Any:
+    """`tp_launch.launch` with its failures as one line; the ranks end with the command."""
+    from tokenswift_trt.model.config import ConfigError
+    from tokenswift_trt.model.tensor_parallel import TensorParallelError
+
+    from .tp_launch import launch
+
+    if model_dir is None:
+        raise CliError(f"--tp {tp} loads a model directory (--model or --model-dir), not an --engine")
+    try:
+        ranks = launch(tp, timeout_s, model_dir, dtype, device, kernels)
+    except (ConfigError, TensorParallelError, RuntimeError) as error:
+        raise fail(error) from None
+    click.get_current_context().call_on_close(ranks.close)
+    return ranks
 
 
 def add_options(function, options):

@@ -21,6 +21,7 @@ from .common import (
     source_options,
     unequal_tokens_note,
 )
+from .tp_launch import tp_options
 
 DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
 
@@ -64,6 +65,7 @@ DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
     help="GiB the caches may use (default: the memory free now)",
 )
 @kernel_option
+@tp_options
 @sampling_options
 def generate(
     model,
@@ -81,6 +83,8 @@ def generate(
     resume,
     memory_budget,
     kernels,
+    tp,
+    tp_timeout,
     **opts,
 ) -> None:
     """Generate a continuation of a prompt with TokenSwift (or the AR baseline); journal and resume long
@@ -129,7 +133,16 @@ def generate(
             opts["dtype"] = (header.get("model") or {}).get("dtype")
         kernels = {**(recorded_kernels(recorded_state) or {}), **kernels}  # the kernels that wrote it
         source = load_source(
-            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json, kernels=kernels
+            model,
+            model_dir,
+            engine_dir,
+            heads,
+            opts["dtype"],
+            opts["device"],
+            quiet=as_json,
+            kernels=kernels,
+            tp=tp,
+            tp_timeout=tp_timeout,
         )
         try:
             speed = {name: value for name, value in request_settings(opts).items() if name in SPEED_ONLY}
@@ -154,10 +167,11 @@ def generate(
             resumed.done_ids,
             resumed.finished,
         )
+        leader = source.ranks is None or source.ranks.leader  # tensor parallel: rank 0 writes
         try:
-            if finished and not recorded_state.finished:  # it ended (EOS, every token) just before a crash
+            if finished and not recorded_state.finished and leader:  # it ended just before a crash
                 JournalWriter(resume).close(finished=True)  # so that a new run may replace it
-            writer = None if finished else JournalWriter(resume, every=journal_every)
+            writer = None if finished or not leader else JournalWriter(resume, every=journal_every)
         except JournalError as error:
             raise fail(error) from None
         run_config = resumed.remaining_config()
@@ -174,7 +188,16 @@ def generate(
             except JournalError as error:
                 raise fail(error) from None
         source = load_source(
-            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=as_json, kernels=kernels
+            model,
+            model_dir,
+            engine_dir,
+            heads,
+            opts["dtype"],
+            opts["device"],
+            quiet=as_json,
+            kernels=kernels,
+            tp=tp,
+            tp_timeout=tp_timeout,
         )
         config = generation_config(max_new_tokens, method, opts, source.defaults)
         prompt_ids = source.codec.encode(text)
@@ -188,7 +211,7 @@ def generate(
             )
         finished = False
         writer = None
-        if journal is not None:
+        if journal is not None and (source.ranks is None or source.ranks.leader):  # TP: rank 0 writes
             config = with_fixed_seed(config)  # the journal must know the seed to resume the same tokens
             header = journal_header(
                 prompt_ids, config, source.record(), model_identity(source.engine, source.name)
@@ -200,6 +223,8 @@ def generate(
         run_config = config
     if memory_budget is not None:
         run_config = dataclasses.replace(run_config, memory_budget=max(1, int(memory_budget * (1 << 30))))
+    if source.ranks is not None:  # tensor parallel: rank 0's seed and plan, the least memory any rank has
+        run_config = source.ranks.with_memory(source.ranks.agree(run_config))
 
     codec = source.codec
     stream_decoder = StreamDecoder(codec)
@@ -222,6 +247,8 @@ def generate(
     )
 
     def on_tokens(ids: list[int]) -> None:
+        if source.ranks is not None:
+            source.ranks.check_tokens(ids)  # every rank committed the same tokens
         progress.update(len(ids))
         if writer is not None:
             writer.add(ids)
@@ -237,6 +264,13 @@ def generate(
             done_ids = done_ids + new_ids
     except GenerationError as error:
         raise fail(error) from None
+    except (RuntimeError, ValueError) as error:  # tensor parallel: a rank stopped, timed out or diverged
+        if source.ranks is None:
+            raise
+        raise CliError(
+            f"the tensor-parallel run stopped: {fail(error).message}"
+            + (f"; {journal or resume} keeps the committed tokens (continue with --resume)" if writer else "")
+        ) from None
     finally:
         progress.close()
         if writer is not None:

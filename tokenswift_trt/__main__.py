@@ -1,0 +1,6 @@
+"""`python -m tokenswift_trt` (and `torchrun -m tokenswift_trt`): the `tokenswift-trt` command."""
+
+from tokenswift_trt.cli import main
+
+if __name__ == "__main__":  # not when multiprocessing's spawn imports it in a tensor-parallel rank
+    main()

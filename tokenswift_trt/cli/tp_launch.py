@@ -1,0 +1,282 @@
+"""`--tp N`: the ranks of a tensor-parallel run and what they agree on (docs/deploy.md).
+
+Two ways in, one code path after: under `torchrun` (its RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT, the torch.distributed launch protocol) every process is a rank; without it, the process
+the user started is rank 0 and starts ranks 1..N-1 itself, each running the same command
+(`multiprocessing` spawn). Every rank then
+- checks the size against the model's heads (one line, before anything starts or loads),
+- joins a gloo (CPU) or NCCL (GPU) group with a timeout, so that a rank that dies or hangs ends the
+  others with an error instead of a hang,
+- compares the size, the model's config, dtype and kernel settings with the others (one line on a
+  mismatch, before any weight loads),
+- loads only its slices (model/tensor_parallel.py) and takes rank 0's request settings: the seed, and
+  under `--tree auto` the tuner's probe plan held fixed (the tuner decides from each rank's own
+  timings, which differ: ranks would diverge),
+- checks after each iteration that every rank committed the same tokens.
+Only rank 0 prints and writes the journal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import multiprocessing
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+LOCALHOST = "127.0.0.1"
+ERROR_PREFIX = "tokenswift-trt: error: "
+JOIN_S = 30.0  # how long rank 0 waits for the ranks it started to exit once it is done
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A process's place in the run: its rank of `size` and the rendezvous address."""
+
+    rank: int
+    size: int
+    local_rank: int
+    address: str
+    port: int
+
+
+_ASSIGNED: Assignment | None = None  # set in the ranks `launch` starts, before their command runs
+
+
+def _from_torchrun() -> Assignment | None:
+    """The assignment torchrun (or any torch.distributed launcher) gives in the environment."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return Assignment(
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+        os.environ.get("MASTER_ADDR", LOCALHOST),
+        int(os.environ.get("MASTER_PORT", "29500")),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOCALHOST, 0))
+        return int(probe.getsockname()[1])
+
+
+class _ErrorsOnly:
+    """stderr of a rank other than 0: only its one-line error passes, naming the rank."""
+
+    def __init__(self, stream: Any, rank: int) -> None:
+        self.stream, self.rank = stream, rank
+
+    def write(self, text: str) -> int:
+        if text.startswith(ERROR_PREFIX):
+            self.stream.write(f"{ERROR_PREFIX}rank {self.rank}: {text[len(ERROR_PREFIX) :]}")
+            self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _silence(rank: int) -> None:
+    """Ranks other than 0 print nothing but their own error line."""
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    sys.stderr = _ErrorsOnly(sys.__stderr__, rank)
+
+
+def _rank_main(command: tuple[str, str], params: dict[str, Any], assignment: Assignment) -> None:
+    """Entry of a rank started by `launch`: the same command with the same parameters."""
+    global _ASSIGNED
+    _ASSIGNED = assignment
+    _silence(assignment.rank)
+    module, name = command
+    from tokenswift_trt.cli import main
+
+    target = getattr(importlib.import_module(module), name)
+    try:
+        with click.Context(target, info_name=target.name, parent=click.Context(main)) as ctx:
+            ctx.invoke(target.callback, **params)
+    except click.ClickException as error:
+        sys.stderr.write(f"{ERROR_PREFIX}{error.format_message()}\n")
+        sys.exit(error.exit_code)
+
+
+@dataclass
+class Ranks:
+    """This process's rank of a started tensor-parallel run and the ranks it started (rank 0 without
+    torchrun)."""
+
+    tp: Any  # tokenswift_trt.model.tensor_parallel.TensorParallel
+    device: str
+    started: list[Any] = field(default_factory=list)  # multiprocessing processes
+
+    @property
+    def leader(self) -> bool:
+        return self.tp.rank == 0
+
+    def agree(self, config: Any) -> Any:
+        """Rank 0's GenerationConfig on every rank, its seed fixed (a seed drawn on each rank would
+        differ) and `--tree auto` replaced by the tuner's probe plan, held fixed."""
+        from tokenswift_trt.decode.autotune import probe_plan
+        from tokenswift_trt.decode.loop import AUTO
+        from tokenswift_trt.decode.request import with_fixed_seed
+
+        if self.leader:
+            config = with_fixed_seed(config)
+            if config.tree == AUTO:
+                source = config.resolved_draft_source
+                tree, topk = probe_plan(source, _device(self.device))
+                config = dataclasses.replace(config, tree=tree, ngram_topk=topk, draft_source=source)
+        return self.tp.broadcast(config)
+
+    def with_memory(self, config: Any) -> Any:
+        """Without a memory budget: the least any rank has free (ranks admit alike or refuse alike)."""
+        from tokenswift_trt.decode.admission import available_bytes
+
+        if config.memory_budget is not None:
+            return config
+        free = min(row[0] for row in self.tp.gather([available_bytes(_device(self.device))], self._on()))
+        return dataclasses.replace(config, memory_budget=free)
+
+    def check_tokens(self, ids: list[int]) -> None:
+        """Raise unless every rank committed these same tokens (once per iteration)."""
+        from tokenswift_trt.model.tensor_parallel import TensorParallelError
+
+        digest = 0
+        for token in ids:
+            digest = (digest * 1_000_003 + token + 1) % (1 << 61)
+        rows = self.tp.gather([len(ids), digest], self._on())
+        if any(row != rows[0] for row in rows):
+            raise TensorParallelError(
+                "tensor-parallel ranks committed different tokens (their logits differ); please report "
+                "the command (docs/deploy.md, Tensor parallelism)"
+            )
+
+    def _on(self) -> str:
+        """Where collectives' tensors live: the GPU under NCCL, else the host."""
+        return self.device if self.device.startswith("cuda") else "cpu"
+
+    def close(self) -> None:
+        """Leave the group; wait a while for the ranks this process started, then stop them."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for process in self.started:
+            process.join(JOIN_S)
+            if process.is_alive():
+                process.terminate()
+                process.join(JOIN_S)
+
+
+def _device(name: str) -> Any:
+    import torch
+
+    return torch.device(name)
+
+
+def launch(
+    size: int, timeout_s: float, model_dir: Path, dtype: str | None, device: str, kernels: dict[str, Any]
+) -> Ranks:
+    """Check `size` against the model, start or join the ranks, and compare what every rank was asked
+    to run; raise TensorParallelError (one line) on any mismatch, before any weight loads."""
+    import torch
+
+    from tokenswift_trt.model.config import load_config
+    from tokenswift_trt.model.tensor_parallel import (
+        TensorParallelError,
+        check_size,
+        config_digest,
+        init_group,
+    )
+
+    check_size(load_config(model_dir), size)
+    assignment = _ASSIGNED or _from_torchrun()
+    started: list[Any] = []
+    if assignment is None:  # no launcher: this process is rank 0 and starts the others
+        assignment = Assignment(0, size, 0, LOCALHOST, _free_port())
+        context = click.get_current_context()
+        command = (context.command.callback.__module__, context.command.callback.__name__)
+        spawn = multiprocessing.get_context("spawn")
+        for rank in range(1, size):
+            process = spawn.Process(
+                target=_rank_main,
+                args=(
+                    command,
+                    dict(context.params),
+                    dataclasses.replace(assignment, rank=rank, local_rank=rank),
+                ),
+                daemon=True,
+            )
+            process.start()
+            started.append(process)
+    elif assignment.rank:
+        _silence(assignment.rank)
+    if _from_torchrun() is None:
+        # ranks started here share this machine's cores equally (torchrun sets OMP_NUM_THREADS itself)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    backend = "gloo"
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < size:
+            raise TensorParallelError(
+                f"--tp {size} needs {size} GPUs, this node has {torch.cuda.device_count()}: give --tp "
+                f"{max(1, torch.cuda.device_count())} or fewer"
+            )
+        backend, device = "nccl", f"cuda:{assignment.local_rank}"
+        torch.cuda.set_device(device)
+    tp = init_group(assignment.rank, assignment.size, assignment.address, assignment.port, backend, timeout_s)
+    ranks = Ranks(tp, device, started)
+    try:
+        asked = {
+            "--tp": size,
+            "model": config_digest(model_dir),
+            "--dtype": dtype,
+            "--kernel": sorted(kernels.items()),
+        }
+        every = tp.gather_objects(asked)
+        for name in asked:
+            values = [row[name] for row in every]
+            if any(value != values[0] for value in values):
+                raise TensorParallelError(
+                    f"tensor-parallel ranks disagree on {name}: "
+                    + ", ".join(f"rank {rank} {value}" for rank, value in enumerate(values))
+                    + ": start every rank with the same command"
+                )
+        if assignment.size != size:
+            raise TensorParallelError(
+                f"--tp {size} but the launcher started {assignment.size} processes: give torchrun "
+                f"--nproc-per-node {size} (or --tp {assignment.size})"
+            )
+    except BaseException:
+        ranks.close()
+        raise
+    return ranks
+
+
+def tp_options(function):
+    """`--tp N` and `--tp-timeout S`: tensor-parallel ranks and how long a collective waits for one."""
+    function = click.option(
+        "--tp-timeout",
+        type=click.FloatRange(min=1.0),
+        default=120.0,
+        show_default=True,
+        help="seconds a tensor-parallel rank waits for the others before the run fails (a rank died or "
+        "hangs)",
+    )(function)
+    return click.option(
+        "--tp",
+        type=click.IntRange(1),
+        default=1,
+        show_default=True,
+        help="tensor-parallel ranks: the model's layers split over N processes (one per GPU; gloo on a "
+        "CPU); under torchrun, its --nproc-per-node; without it, the ranks are started here",
+    )(function)
