@@ -68,14 +68,22 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+class RankError(click.ClickException):
+    """A tensor-parallel rank stopped or timed out before the generation began."""
+
+    exit_code = 2
+
+
 class _ErrorsOnly:
-    """stderr of a rank other than 0: only its one-line error passes, naming the rank."""
+    """stderr of a rank other than 0: only its one-line error passes, naming the rank, and only once the
+    ranks have agreed (an error every rank meets before, rank 0 reports alone)."""
 
     def __init__(self, stream: Any, rank: int) -> None:
         self.stream, self.rank = stream, rank
+        self.enabled = False
 
     def write(self, text: str) -> int:
-        if text.startswith(ERROR_PREFIX):
+        if self.enabled and text.startswith(ERROR_PREFIX):
             self.stream.write(f"{ERROR_PREFIX}rank {self.rank}: {text[len(ERROR_PREFIX) :]}")
             self.stream.flush()
         return len(text)
@@ -136,7 +144,7 @@ class Ranks:
                 source = config.resolved_draft_source
                 tree, topk = probe_plan(source, _device(self.device))
                 config = dataclasses.replace(config, tree=tree, ngram_topk=topk, draft_source=source)
-        return self.tp.broadcast(config)
+        return self._collective(lambda: self.tp.broadcast(config))
 
     def with_memory(self, config: Any) -> Any:
         """Without a memory budget: the least any rank has free (ranks admit alike or refuse alike)."""
@@ -144,8 +152,16 @@ class Ranks:
 
         if config.memory_budget is not None:
             return config
-        free = min(row[0] for row in self.tp.gather([available_bytes(_device(self.device))], self._on()))
-        return dataclasses.replace(config, memory_budget=free)
+        free = available_bytes(_device(self.device))
+        rows = self._collective(lambda: self.tp.gather([free], self._on()))
+        return dataclasses.replace(config, memory_budget=min(row[0] for row in rows))
+
+    def _collective(self, run: Any) -> Any:
+        """`run()`, a rank that stopped or timed out in it said in one line."""
+        try:
+            return run()
+        except RuntimeError as error:
+            raise RankError(f"a tensor-parallel rank stopped or timed out: {_first_line(error)}") from None
 
     def check_tokens(self, ids: list[int]) -> None:
         """Raise unless every rank committed these same tokens (once per iteration)."""
@@ -178,6 +194,10 @@ class Ranks:
                 process.join(JOIN_S)
 
 
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def _device(name: str) -> Any:
     import torch
 
@@ -199,8 +219,10 @@ def launch(
         init_group,
     )
 
-    check_size(load_config(model_dir), size)
     assignment = _ASSIGNED or _from_torchrun()
+    if assignment is not None and assignment.rank:
+        _silence(assignment.rank)
+    check_size(load_config(model_dir), size)
     started: list[Any] = []
     if assignment is None:  # no launcher: this process is rank 0 and starts the others
         assignment = Assignment(0, size, 0, LOCALHOST, _free_port())
@@ -219,8 +241,6 @@ def launch(
             )
             process.start()
             started.append(process)
-    elif assignment.rank:
-        _silence(assignment.rank)
     if _from_torchrun() is None:
         # ranks started here share this machine's cores equally (torchrun sets OMP_NUM_THREADS itself)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
@@ -242,7 +262,10 @@ def launch(
             "--dtype": dtype,
             "--kernel": sorted(kernels.items()),
         }
-        every = tp.gather_objects(asked)
+        try:
+            every = tp.gather_objects(asked)
+        except RuntimeError as error:
+            raise RankError(f"tensor-parallel ranks did not all start: {_first_line(error)}") from None
         for name in asked:
             values = [row[name] for row in every]
             if any(value != values[0] for value in values):
@@ -259,6 +282,8 @@ def launch(
     except BaseException:
         ranks.close()
         raise
+    if isinstance(sys.stderr, _ErrorsOnly):
+        sys.stderr.enabled = True  # from here on, an error may be this rank's own
     return ranks
 
 

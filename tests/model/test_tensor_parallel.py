@@ -1,0 +1,194 @@
+"""Tensor parallelism (model/tensor_parallel.py): the valid sizes from a model's heads, each rank's
+slices of the checkpoint, and two real gloo ranks decoding the single process's tokens."""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors import safe_open
+
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.model.config import config_from_dict, load_config
+from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, load_engine
+from tokenswift_trt.model.sampling import SamplingConfig
+from tokenswift_trt.model.tensor_parallel import (
+    TensorParallel,
+    TensorParallelError,
+    check_size,
+    init_group,
+    parameter_bytes,
+    read_shard,
+    shard_config,
+    split_of,
+    valid_sizes,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SWIFT_TINY = ROOT / "models" / "swift-tiny"
+SMOLLM2_CONFIG = {  # models/smollm2-135m/config.json's shape (the test needs no weights)
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+PROMPT = list(range(40, 90))
+# (method, sampling, tree): greedy and seeded sampling, AR and TokenSwift (static trees, partial cache)
+RUNS = [
+    ("ar", SamplingConfig(temperature=0.0), "auto"),
+    ("ar", SamplingConfig(temperature=0.9, top_p=0.9), "auto"),
+    ("tokenswift", SamplingConfig(temperature=0.0), "1,3,2,1"),
+    ("tokenswift", SamplingConfig(temperature=0.9, top_p=0.9), "3,2,1"),
+]
+
+
+def test_valid_sizes_keep_gqa_groups_whole():
+    smollm2 = config_from_dict(SMOLLM2_CONFIG)
+    assert valid_sizes(smollm2) == [1, 3]
+    check_size(smollm2, 3)
+    with pytest.raises(TensorParallelError) as refused:
+        check_size(smollm2, 2)
+    message = str(refused.value)
+    assert "\n" not in message and "9 query / 3 KV heads" in message and "--tp 1, 3" in message
+    tiny = load_config(SWIFT_TINY)
+    assert valid_sizes(tiny) == [1, 2]
+    rank_shape = shard_config(tiny, 2)
+    assert (rank_shape.num_heads, rank_shape.num_kv_heads, rank_shape.intermediate_size) == (4, 1, 384)
+    assert rank_shape.kv_group_size == tiny.kv_group_size
+
+
+def test_split_of_names_column_row_and_replicated_tensors():
+    assert split_of("model.layers.3.self_attn.q_proj.weight") == 0
+    assert split_of("model.layers.3.self_attn.k_proj.bias") == 0  # Qwen2's Q/K/V biases
+    assert split_of("model.layers.3.mlp.up_proj.weight") == 0
+    assert split_of("model.layers.3.self_attn.o_proj.weight") == 1
+    assert split_of("model.layers.3.mlp.down_proj.weight") == 1
+    for replicated in (
+        "model.layers.3.mlp.down_proj.bias",
+        "model.layers.3.input_layernorm.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "tokenswift_heads.0.mlp.down_proj.weight",
+    ):
+        assert split_of(replicated) is None
+
+
+def test_ranks_read_slices_that_make_the_whole_checkpoint():
+    files = [SWIFT_TINY / "model.safetensors"]
+    shards = [read_shard(files, None, TensorParallel(rank, 2)) for rank in range(2)]
+    with safe_open(str(files[0]), framework="pt") as handle:
+        for key in handle.keys():
+            whole = handle.get_tensor(key)
+            dim = split_of(key)
+            if dim is None:
+                assert all(torch.equal(shard[key], whole) for shard in shards), key
+            else:
+                assert shards[0][key].shape[dim] * 2 == whole.shape[dim], key
+                assert torch.equal(torch.cat([shard[key] for shard in shards], dim), whole), key
+
+
+def _load(tp: TensorParallel | None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntrainedDraftLayersWarning)
+        return load_engine(SWIFT_TINY, tp=tp)
+
+
+def _decode(engine) -> list[list[int]]:
+    outputs = []
+    for method, sampling, tree in RUNS:
+        config = GenerationConfig(
+            max_new_tokens=48,
+            method=method,
+            sampling=sampling,
+            tree=tree,
+            seed=11,
+            ignore_eos=True,
+            kv_budget=32,  # the partial cache reselects: each rank scores its own KV heads
+        )
+        outputs.append(generate(engine, PROMPT, config)[0])
+    return outputs
+
+
+def _layer_bytes(engine) -> int:
+    """Bytes of the split tensors (Q/K/V, O, gate/up, down); the rest is replicated."""
+    model = engine.model.torch_model
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if split_of(n) is not None)
+
+
+def _rank(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    tp = init_group(rank, 2, "127.0.0.1", port, timeout_s=60)
+    engine = _load(tp)
+    model = engine.model.torch_model
+    hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), _cache(engine)).hidden
+    logits = model.logits(hidden[-1:])  # [1, V]: every rank's own bits
+    every = [torch.empty_like(logits) for _ in range(2)]
+    torch.distributed.all_gather(every, logits)
+    results.put(
+        (
+            rank,
+            {
+                "tokens": _decode(engine),
+                "layer_bytes": _layer_bytes(engine),
+                "bytes": parameter_bytes(model),
+                "ranks_equal": torch.equal(every[0], every[1]),
+                "logits": logits.tolist(),  # not a tensor: its shared memory ends with the process
+                "kv_heads": engine.config.num_kv_heads,
+            },
+        )
+    )
+    torch.distributed.destroy_process_group()
+
+
+def _cache(engine):
+    from tokenswift_trt.model.kv_cache import KVCache
+
+    c = engine.config
+    return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, len(PROMPT), engine.dtype, engine.device)
+
+
+def _port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_gloo_ranks_decode_the_single_process_tokens_with_half_the_layer_weights_each():
+    torch.set_num_threads(1)
+    single = _load(None)
+    expected = _decode(single)
+    model = single.model.torch_model
+    hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), _cache(single)).hidden
+    reference = model.logits(hidden[-1:])
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _port()
+    ranks = [context.Process(target=_rank, args=(rank, port, results)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        got = dict(results.get(timeout=240) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(30)
+            if process.is_alive():
+                process.terminate()
+    for rank in range(2):
+        assert got[rank]["tokens"] == expected, f"rank {rank}"
+        assert got[rank]["ranks_equal"]  # every rank holds the same bits: each decides alike
+        assert got[rank]["kv_heads"] == 1  # its KV cache holds its own heads only
+        # the layers' products split in two; norms, embedding and LM head are replicated
+        assert got[rank]["layer_bytes"] * 2 == _layer_bytes(single)
+        replicated = parameter_bytes(model) - _layer_bytes(single)
+        assert got[rank]["bytes"] == replicated + _layer_bytes(single) // 2
+    # the row-parallel sums round differently from one product: close, not the same bits
+    torch.testing.assert_close(torch.tensor(got[0]["logits"]), reference, rtol=1e-4, atol=1e-4)
