@@ -28,6 +28,7 @@ EVERY_SETTING = {
     "ignore_eos": True,
     "tree": "1,2,2",
     "draft_source": "partial",
+    "adapt_drafts": True,
 }
 
 

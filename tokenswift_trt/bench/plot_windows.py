@@ -11,8 +11,9 @@ from pathlib import Path
 LINESTYLES = ("-", "--", ":", "-.")
 
 
-def longest_rows(path: Path) -> list[dict]:
-    """Per prompt length, the row of a bench JSON with the longest generation that has windows."""
+def longest_rows(path: Path, key: str = "windows") -> list[dict]:
+    """Per prompt length, the row of a bench JSON with the longest generation that has windows (under
+    `key`: "windows", or "adapted_windows" for the adapted draft layers' run), its windows as "windows"."""
     try:
         rows = json.loads(Path(path).read_text())["rows"]
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -21,23 +22,23 @@ def longest_rows(path: Path) -> list[dict]:
         ) from None
     longest: dict[int, dict] = {}
     for row in rows:
-        if row.get("windows") and row["gen_len"] >= longest.get(row["prefix_len"], {}).get("gen_len", 0):
-            longest[row["prefix_len"]] = row
+        if row.get(key) and row["gen_len"] >= longest.get(row["prefix_len"], {}).get("gen_len", 0):
+            longest[row["prefix_len"]] = {**row, "windows": row[key]}
     if not longest:
         raise ValueError(f"{path} has no figures by position (windows): rerun bench to record them")
     return [longest[prefix_len] for prefix_len in sorted(longest)]
 
 
-def plot_windows(runs: Sequence[tuple[str, Path]], out: Path) -> Path:
-    """Draw the windows of each (label, bench JSON) in `runs` (per prompt length, its longest
-    generation) into the PNG `out`; returns `out`."""
+def plot_windows(runs: Sequence[tuple[str, Path] | tuple[str, Path, str]], out: Path) -> Path:
+    """Draw the windows of each (label, bench JSON[, key]) in `runs` (per prompt length, its longest
+    generation; `key` as `longest_rows` takes it) into the PNG `out`; returns `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     curves = [
-        (f"{label}, prefix {row['prefix_len']:,}", row) for label, path in runs for row in longest_rows(path)
+        (f"{run[0]}, prefix {row['prefix_len']:,}", row) for run in runs for row in longest_rows(*run[1:])
     ]
     figure, (alpha_axis, tau_axis, speed_axis) = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

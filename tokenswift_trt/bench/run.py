@@ -12,6 +12,7 @@ ratios are side by side. `interleave = 0` runs the methods one after another ins
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -211,6 +212,8 @@ class BenchSpec:
     interleave: int = 256  # new tokens per method per turn; 0 = the methods one after another
     extras: bool = True  # also the penalty-off run (Distinct-n) and the paper's tree (auto vs paper)
     window_tokens: int = WINDOW_TOKENS  # output positions per window of the figures by position
+    # TokenSwift with the engine's draft layers ("tokenswift") and with layers adapted online ("adapted")
+    compare_adaptation: bool = False
 
 
 def prompt_windows(text_ids: Sequence[int], prefix_len: int, count: int) -> list[list[int]]:
@@ -242,6 +245,9 @@ def run_bench(
     base = spec.config
     no_penalty = replace(base, sampling=replace(base.sampling, penalty=1.0))
     variants = {"ar": replace(base, method="ar"), "tokenswift": base}
+    if spec.compare_adaptation:
+        variants["tokenswift"] = replace(base, adapt_drafts=False)
+        variants["adapted"] = replace(base, adapt_drafts=True)
     if spec.extras:
         variants["no_penalty"] = no_penalty
     if (
@@ -389,21 +395,49 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
     same = all(a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs["tokenswift"]))
     row["tokens_equal_ar"] = same
     row["windows"] = window_rows(swift, ar)  # figures by output position (bench_windows.csv)
+    if "adapted" in runs:
+        row.update(_adapted_figures(gen_len, runs, ar))
     return row
 
 
+def _adapted_figures(gen_len: int, runs: dict[str, list[Run]], ar: list[Snapshot]) -> dict:
+    """The adapted layers' run (`BenchSpec.compare_adaptation`): its figures beside the static ones."""
+    adapted = [r.snapshots[gen_len] for r in runs["adapted"]]
+    swift = [r.snapshots[gen_len] for r in runs["tokenswift"]]
+    accepted, drafted = sum(s.accepted for s in adapted), sum(s.drafted for s in adapted)
+    return {
+        "adapted_tokens_per_s": round(spread([s.tokens_per_s for s in adapted])[0], 2),
+        "adapted_vs_static": round(
+            spread([a.tokens_per_s / s.tokens_per_s for a, s in zip(adapted, swift)])[0], 3
+        ),
+        "adapted_alpha": round(acceptance_rate(accepted, drafted), 4),
+        "adapted_alpha_by_depth": "/".join(f"{alpha:.3f}" for alpha in alpha_by_depth(adapted)),
+        "adapted_tokens_per_iteration": round(1 + accepted / max(1, sum(s.iterations for s in adapted)), 3),
+        "adapted_decode_ms_per_iteration": round(spread([s.decode_ms_per_iteration for s in adapted])[0], 3),
+        "adapted_tokens_equal_ar": all(
+            a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs["adapted"])
+        ),
+        "adapted_windows": window_rows(adapted, ar),
+    }
+
+
 def flat_window_rows(rows: Sequence[dict]) -> list[dict]:
-    """One CSV row per (prefix length, generation length, window): α by depth as alpha_d1, alpha_d2..."""
-    depth = max((len(w["alpha_by_depth"]) for row in rows for w in row.get("windows", [])), default=0)
+    """One CSV row per (prefix length, generation length, variant, window): α by depth as alpha_d1,
+    alpha_d2...; the variant is "tokenswift", or "adapted" for the adapted layers' windows."""
+    keys = (("tokenswift", "windows"), ("adapted", "adapted_windows"))
+    depth = max(
+        (len(w["alpha_by_depth"]) for row in rows for _, key in keys for w in row.get(key, [])), default=0
+    )
     flat = []
-    for row in rows:
-        for window in row.get("windows", []):
+    for row, (variant, key) in itertools.product(rows, keys):
+        for window in row.get(key, []):
             by_depth = window["alpha_by_depth"]
             flat.append(
                 {
                     "prefix_len": row["prefix_len"],
                     "gen_len": row["gen_len"],
-                    **{key: window[key] for key in WINDOW_COLUMNS},
+                    "variant": variant,
+                    **{column: window[column] for column in WINDOW_COLUMNS},
                     **{f"alpha_d{d + 1}": by_depth[d] if d < len(by_depth) else "" for d in range(depth)},
                     "ar_tokens_per_s": window["ar_tokens_per_s"],
                     "tokenswift_tokens_per_s": window["tokenswift_tokens_per_s"],
@@ -436,7 +470,10 @@ def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
     flat = flat_window_rows(rows)
     if flat:
         written.append(write_csv(out_dir / "bench_windows.csv", flat))
-        written.append(plot_windows([(out_dir.name, written[1])], out_dir / "windows.png"))
+        curves = [(out_dir.name, written[1], "windows")]
+        if any("adapted_windows" in row for row in rows):  # static vs adapted draft layers
+            curves = [("static", written[1], "windows"), ("adapted", written[1], "adapted_windows")]
+        written.append(plot_windows(curves, out_dir / "windows.png"))
 
     import matplotlib
 

@@ -78,6 +78,12 @@ def trie_cap(tree: str) -> int:
     is_flag=True,
     help="AR and TokenSwift only: skip the penalty-off and paper-tree runs (half the time)",
 )
+@click.option(
+    "--compare-adaptation",
+    is_flag=True,
+    help="also TokenSwift with draft layers adapted online (--adapt-drafts) beside the engine's own: "
+    "adapted_* columns, the variant column of bench_windows.csv, both in windows.png",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @kernel_option
 @sampling_options
@@ -96,6 +102,7 @@ def bench(
     interleave,
     window,
     no_extras,
+    compare_adaptation,
     out,
     kernels,
     **opts,
@@ -159,7 +166,9 @@ def bench(
 
         return update
 
-    spec = BenchSpec(gen_lens, prefix_lens, prompts, repeats, config, interleave, not no_extras, window)
+    spec = BenchSpec(
+        gen_lens, prefix_lens, prompts, repeats, config, interleave, not no_extras, window, compare_adaptation
+    )
     try:
         rows = run_bench(engine, text_ids, spec, progress)
     except ValueError as error:
@@ -207,6 +216,10 @@ def bench(
         "distinct4_penalty",
         "distinct4_no_penalty",
         "tokens_equal_ar",
+        "adapted_tokens_per_s",
+        "adapted_alpha",
+        "adapted_tokens_per_iteration",
+        "adapted_tokens_equal_ar",
     ]
     if "auto_vs_default_tree" in rows[0]:
         columns.insert(5, "auto_vs_default_tree")
@@ -231,7 +244,7 @@ def bench(
             f"prompt (linear between the measured prompt lengths, {accept_length} tokens per iteration): AR "
             f"{long_run['ar_s']} s, TokenSwift {long_run['tokenswift_s']} s, {long_run['modeled_speedup']}x"
         )
-    if not all(row["tokens_equal_ar"] for row in rows):
+    if not all(row["tokens_equal_ar"] and row.get("adapted_tokens_equal_ar", True) for row in rows):
         click.echo(unequal_tokens_note(opts["device"], str(engine.dtype)), err=True)
     click.echo("wrote " + ", ".join(str(p) for p in written))
 

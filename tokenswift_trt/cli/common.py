@@ -334,6 +334,27 @@ def sampling_options(function):
                 "once per tree size)",
             ),
             click.option(
+                "--adapt-drafts/--no-adapt-drafts",
+                default=None,
+                help="adapt the request's own copy of the draft layers to the text it commits (output "
+                "unchanged) [on with CUDA, off on a CPU]",
+            ),
+            click.option(
+                "--adapt-block", type=int, default=None, help="committed positions per adaptation step [16]"
+            ),
+            click.option(
+                "--adapt-scope",
+                type=click.Choice(["all", "layer1"]),
+                default=None,
+                help="draft-layer parameters adapted: all, or layer 1 and the root input [all]",
+            ),
+            click.option(
+                "--adapt-optimizer", type=click.Choice(["adam", "sgd"]), default=None, help="[adam]"
+            ),
+            click.option(
+                "--adapt-lr", type=float, default=None, help="adaptation step size [3e-4 Adam, 3e-2 SGD]"
+            ),
+            click.option(
                 "--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"
             ),
             click.option("--ignore-eos", is_flag=True, default=None, help="do not stop at EOS"),

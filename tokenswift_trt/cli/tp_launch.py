@@ -3,7 +3,7 @@
 Two ways in, one code path after: under `torchrun` (its RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT, the torch.distributed launch protocol) every process is a rank; without it, the process
 the user started is rank 0 and starts ranks 1..N-1 itself, each running the same command
-(`multiprocessing` spawn). Every rank then
+(a `python -c` process each, given the command's parameters). Every rank then
 - checks the size against the model's heads (one line, before anything starts or loads),
 - joins a gloo (CPU) or NCCL (GPU) group with a timeout, so that a rank that dies or hangs ends the
   others with an error instead of a hang,
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import multiprocessing
 import os
+import pickle
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import click
 LOCALHOST = "127.0.0.1"
 ERROR_PREFIX = "tokenswift-trt: error: "
 JOIN_S = 30.0  # how long rank 0 waits for the ranks it started to exit once it is done
+RANK_ENTRY = "from tokenswift_trt.cli.tp_launch import _rank_main; _rank_main()"
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,11 @@ def _silence(rank: int) -> None:
     sys.stderr = _ErrorsOnly(sys.__stderr__, rank)
 
 
-def _rank_main(command: tuple[str, str], params: dict[str, Any], assignment: Assignment) -> None:
-    """Entry of a rank started by `launch`: the same command with the same parameters."""
+def _rank_main() -> None:
+    """Entry of a rank started by `launch` (`RANK_ENTRY`): the same command with the same parameters,
+    read pickled from stdin."""
     global _ASSIGNED
+    command, params, assignment = pickle.load(sys.stdin.buffer)
     _ASSIGNED = assignment
     _silence(assignment.rank)
     module, name = command
@@ -125,7 +129,7 @@ class Ranks:
 
     tp: Any  # tokenswift_trt.model.tensor_parallel.TensorParallel
     device: str
-    started: list[Any] = field(default_factory=list)  # multiprocessing processes
+    started: list[subprocess.Popen] = field(default_factory=list)
 
     @property
     def leader(self) -> bool:
@@ -188,10 +192,11 @@ class Ranks:
         if dist.is_initialized():
             dist.destroy_process_group()
         for process in self.started:
-            process.join(JOIN_S)
-            if process.is_alive():
-                process.terminate()
-                process.join(JOIN_S)
+            try:
+                process.wait(JOIN_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def _first_line(error: Exception) -> str:
@@ -223,23 +228,19 @@ def launch(
     if assignment is not None and assignment.rank:
         _silence(assignment.rank)
     check_size(load_config(model_dir), size)
-    started: list[Any] = []
+    started: list[subprocess.Popen] = []
     if assignment is None:  # no launcher: this process is rank 0 and starts the others
         assignment = Assignment(0, size, 0, LOCALHOST, _free_port())
         context = click.get_current_context()
         command = (context.command.callback.__module__, context.command.callback.__name__)
-        spawn = multiprocessing.get_context("spawn")
         for rank in range(1, size):
-            process = spawn.Process(
-                target=_rank_main,
-                args=(
-                    command,
-                    dict(context.params),
-                    dataclasses.replace(assignment, rank=rank, local_rank=rank),
-                ),
-                daemon=True,
+            place = dataclasses.replace(assignment, rank=rank, local_rank=rank)
+            process = subprocess.Popen(
+                [sys.executable, "-c", RANK_ENTRY], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
             )
-            process.start()
+            assert process.stdin is not None
+            process.stdin.write(pickle.dumps((command, dict(context.params), place)))
+            process.stdin.close()
             started.append(process)
     if _from_torchrun() is None:
         # ranks started here share this machine's cores equally (torchrun sets OMP_NUM_THREADS itself)

@@ -35,6 +35,7 @@ from tokenswift_trt.decode.stages import (
 )
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
 from tokenswift_trt.decode.tree import build_static_tree, build_trie, parse_tree
+from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.model.sampling import (
@@ -104,6 +105,14 @@ class GenerationConfig:
     device_loop: bool = False
     # fixed-shape steps through torch.compile (static_step.compiled_forward; implies static steps)
     compile_steps: bool = False
+    # each request adapts its own copy of the draft layers to what it commits (model/draft_adaptation.py):
+    # one optimiser step per `adapt_block` committed positions; None = on where it pays (`adapts_drafts`);
+    # the host loop only (the device loop keeps the engine's layers)
+    adapt_drafts: bool | None = None
+    adapt_block: int = 16
+    adapt_scope: str = "all"  # "all": every draft-layer parameter; "layer1": layer 1 and the root input
+    adapt_optimizer: str = "adam"  # "adam" or "sgd"
+    adapt_lr: float | None = None  # None: 3e-4 with Adam, 3e-2 with SGD
 
     @property
     def resolved_draft_source(self) -> str:
@@ -111,10 +120,24 @@ class GenerationConfig:
             return self.draft_source
         return "verify" if self.tree == AUTO or self.device_loop else "partial"
 
+    @property
+    def adaptation(self) -> AdaptationSettings:
+        return AdaptationSettings(self.adapt_block, self.adapt_scope, self.adapt_optimizer, self.adapt_lr)
+
+    def adapts_drafts(self, device: torch.device) -> bool:
+        """Whether this request adapts its draft layers on `device`: as `adapt_drafts` says, and where
+        it is None, on a GPU (the step runs on a side stream) but not on a CPU, where a step costs more
+        than the acceptance it gains (docs/smollm2.md#draft-layers-that-keep-up); never for AR or the
+        device loop."""
+        if self.method != "tokenswift" or self.device_loop:
+            return False
+        return self.adapt_drafts if self.adapt_drafts is not None else device.type == "cuda"
+
     def validate(self) -> None:
         """Engine-independent checks; raise GenerationError naming the bad value."""
         try:
             self.sampling.validate()
+            self.adaptation.validate()
             if self.tree != AUTO:
                 check_tree_size(self.tree)  # counted from the spec before any tensor is built
                 build_static_tree(self.tree)
@@ -154,6 +177,10 @@ class GenerationConfig:
             if self.resolved_draft_source != "verify":
                 raise GenerationError(
                     "the device loop drafts from the verify pass: use --draft-source verify"
+                )
+            if self.adapt_drafts:
+                raise GenerationError(
+                    "the device loop drafts with the engine's draft layers: drop --adapt-drafts"
                 )
 
 
@@ -252,6 +279,7 @@ class Stats:
     elapsed_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)
     stop_reason: str = ""
+    draft_updates: int = 0  # optimiser steps of the request's draft layers (adapt_drafts)
 
     @property
     def acceptance_rate(self) -> float:
@@ -392,6 +420,10 @@ def decode_steps(
     seed = config.seed if config.seed is not None else random_module.SystemRandom().randrange(2**63)
     state = new_decode_state(engine, prompt, config, random or PositionKeyedRandom(seed))
     stats = Stats(method=config.method, seed=seed, prompt_tokens=len(prompt), window_tokens=window_tokens)
+    adapter = None
+    if config.adapts_drafts(engine.device):  # the request's own copy of the layers, adapted as it goes
+        adapter = new_adapter(engine, state, config)
+        engine = replace(engine, draft_layers=adapter.layers)
     started = time.perf_counter()
     hidden = prefill(engine, state, prompt, config.prefill_chunk)
     first = sample_next(engine, state, hidden)
@@ -406,8 +438,29 @@ def decode_steps(
             yield from _device_loop(engine, state, config, stats, started, hidden, on_tokens)
         else:
             _refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
-            yield from _tokenswift_loop(engine, state, config, stats, started, hidden, on_tokens, acceptor)
+            yield from _tokenswift_loop(
+                engine, state, config, stats, started, hidden, on_tokens, acceptor, adapter
+            )
+    if adapter is not None:
+        adapter.finish()
+        stats.draft_updates = adapter.updates
     return _finish(state, config, stats, started)
+
+
+def new_adapter(engine: Engine, state: DecodeState, config: GenerationConfig) -> DraftAdapter:
+    """A `DraftAdapter` over a copy of the engine's draft layers, reading the request's history."""
+    model = engine.model.torch_model
+    return DraftAdapter(
+        engine.draft_layers,
+        engine.config,
+        model.model.embed_tokens.weight,
+        model.lm_head.weight,
+        model.model.norm,
+        state.history,
+        config.sampling,
+        config.adaptation,
+        engine.kernels,
+    )
 
 
 def new_decode_state(
@@ -553,9 +606,10 @@ def _tokenswift_loop(
     last_hidden: torch.Tensor,  # [hidden] of the last committed token (drafting from the verify pass)
     on_tokens: Callable[[list[int]], None] | None,
     acceptor: Acceptor,
+    adapter: DraftAdapter | None = None,
 ) -> Generator[Stats, None, None]:
     """Iterations of propose -> build trie -> verify -> accept -> commit, under a fixed plan or the
-    tuner's."""
+    tuner's; `adapter` adapts the draft layers (`engine.draft_layers`, its copy) from every commit."""
     from_verify = config.resolved_draft_source == "verify"
     new_tokens = lambda: len(state.tokens) - state.prompt_length  # noqa: E731
     tuner = (
@@ -609,6 +663,7 @@ def _tokenswift_loop(
             acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
             t_accept = time.perf_counter()
             # commit
+            root_position = state.root_position
             commit(state, acceptance, verified)
             last_node = acceptance.nodes[-1] if acceptance.nodes else 0
             last_hidden, last_draft_logits = verified.hidden[last_node], targets.draft_logits(last_node)
@@ -622,6 +677,9 @@ def _tokenswift_loop(
             ):
                 stats.add_time(phase, end - begin)
             costs = IterationCosts(t_draft - tick, t_trie - t_draft, t_commit - t_accept, len(trie))
+            if adapter is not None:  # the root's and the accepted nodes' states: committed positions
+                kept = verified.hidden[[0, *acceptance.nodes]]  # [1 + accepted, hidden]
+                stats.add_time("adapt", adapter.observe(root_position, kept))
             _count_drafts(stats, trie, acceptance, 1 if from_verify else 2, position)
         iteration_s = time.perf_counter() - tick
         stats.iterations += 1

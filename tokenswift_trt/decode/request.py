@@ -34,6 +34,11 @@ SPEED_ONLY = (
     "device_loop",
     "compile_steps",
     "memory_budget",
+    "adapt_drafts",
+    "adapt_block",
+    "adapt_scope",
+    "adapt_optimizer",
+    "adapt_lr",
 )
 
 

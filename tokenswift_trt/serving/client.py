@@ -32,6 +32,7 @@ TYPES = {  # input name -> (numpy dtype, Triton datatype)
     "eta": (np.float32, "FP32"),
     "tree": (np.object_, "BYTES"),
     "draft_source": (np.object_, "BYTES"),
+    "adapt_drafts": (np.bool_, "BOOL"),
 }
 STATS = (
     "acceptance_rate",

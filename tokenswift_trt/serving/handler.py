@@ -47,6 +47,7 @@ REQUEST_SETTINGS: dict[str, tuple[str, type]] = {
     "ignore_eos": ("ignore_eos", bool),
     "tree": ("tree", str),
     "draft_source": ("draft_source", str),
+    "adapt_drafts": ("adapt_drafts", bool),
 }
 
 

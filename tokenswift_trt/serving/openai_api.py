@@ -52,6 +52,7 @@ EXTRA_FIELDS: dict[str, type] = {
     "tree": str,
     "draft_source": str,
     "ignore_eos": bool,
+    "adapt_drafts": bool,
 }
 PENALTY_HINT = "use the extra fields repetition_penalty and penalty_window instead"
 # Standard fields accepted only at their neutral value (None always passes): field -> (neutral, hint)

@@ -1,0 +1,103 @@
+"""`generate --tp 2` on the CPU (gloo): ranks started by the command itself or by torchrun emit the
+single process's tokens, only rank 0 prints and journals, and a rank killed mid-generation ends the
+run in one line with its journal resumable."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from tokenswift_trt.cli import main
+from tokenswift_trt.decode.journal import read_journal
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "Once upon a time, a little fox"
+GREEDY = ["--temperature", "0"]
+SEEDED = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"]
+
+
+def _args(tokens: int) -> list[str]:
+    return ["generate", "--model", "swift-tiny", "--prompt", PROMPT, "--max-new-tokens", str(tokens)]
+
+
+def _single(tokens: int, *more: str) -> list[int]:
+    result = CliRunner().invoke(main, [*_args(tokens), "--ignore-eos", "--json", *more])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]
+
+
+def _cli(*args: str, launcher: list[str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [*(launcher or [sys.executable, "-m"]), "tokenswift_trt", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_tp_size_that_splits_no_gqa_group_is_refused_in_one_line():
+    result = CliRunner().invoke(main, [*_args(4), "--tp", "3"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "8 query / 2 KV heads" in lines[0] and "--tp 1, 2" in lines[0]
+
+
+def test_spawned_ranks_emit_the_single_process_tokens_and_rank_0_alone_prints_and_journals(tmp_path):
+    journal = tmp_path / "run.journal"
+    result = _cli(*_args(64), "--ignore-eos", "--json", *SEEDED, "--tp", "2", "--journal", str(journal))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1  # one JSON object: the other rank printed nothing
+    report = json.loads(lines[0])
+    assert report["token_ids"] == _single(64, *SEEDED)  # tuned on one process, a fixed plan on two
+    state = read_journal(journal)
+    assert state.header["settings"]["seed"] == 5 and state.tokens == report["token_ids"]
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_torchrun_ranks_emit_the_single_process_tokens():
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
+    result = _cli(*_args(48), "--ignore-eos", "--json", *GREEDY, "--tp", "2", launcher=torchrun)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["token_ids"] == _single(48, *GREEDY)
+
+
+def _rank_1(parent: psutil.Process) -> psutil.Process:
+    """The rank the command started."""
+    for _ in range(600):
+        for child in parent.children():
+            if "tp_launch" in " ".join(child.cmdline()):
+                return child
+        time.sleep(0.1)
+    raise AssertionError("rank 1 never started")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_generation_ends_the_run_in_one_line_and_the_journal_resumes(tmp_path):
+    journal = tmp_path / "run.journal"
+    command = [sys.executable, "-m", "tokenswift_trt", *_args(200), "--ignore-eos", *GREEDY, "--stream"]
+    command += ["--tp", "2", "--tp-timeout", "20", "--journal", str(journal), "--journal-every", "4"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        rank_1 = _rank_1(psutil.Process(process.pid))
+        assert process.stdout is not None
+        process.stdout.read(40)  # generation is under way
+        rank_1.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert time.monotonic() - killed < 30  # bounded by the --tp-timeout at most
+    assert process.returncode == 2
+    lines = stderr.strip().splitlines()
+    assert "Traceback" not in stderr and "the tensor-parallel run stopped" in lines[-1]
+    assert f"{journal} keeps the committed tokens" in lines[-1]
+    resumed = CliRunner().invoke(main, ["generate", "--resume", str(journal), "--json"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["token_ids"] == _single(200, *GREEDY)

@@ -1,0 +1,194 @@
+"""Draft layers adapted online (model/draft_adaptation.py): output equals AR's, every request adapts
+its own copy (the engine's layers and other requests untouched), the step trains against the target's
+processed distribution, and the device loop refuses it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tokenswift_trt.decode.loop import (
+    GenerationConfig,
+    GenerationError,
+    generate,
+    new_adapter,
+    new_decode_state,
+)
+from tokenswift_trt.model.draft_adaptation import AdaptationSettings
+from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig, process_logits
+
+GREEDY = SamplingConfig(temperature=0)
+PAPER = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16)
+
+
+def _prompt(vocab: int, length: int = 40, seed: int = 5) -> list[int]:
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _state(layers) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in layers.state_dict().items()}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "plan",
+    [dict(tree="3,3", draft_source="verify"), dict(tree="1,3,3", draft_source="partial"), dict(tree="auto")],
+    ids=["verify", "partial", "auto"],
+)
+@pytest.mark.parametrize("engine_name", ["llama_engine64", "rooted_engine64"])
+def test_adapted_drafts_emit_ars_tokens(request, engine_name, plan, sampling):
+    engine = request.getfixturevalue(engine_name)
+    prompt = _prompt(engine.config.vocab_size)
+    base = GenerationConfig(max_new_tokens=160, sampling=sampling, seed=7, ignore_eos=True, **plan)
+    before = _state(engine.draft_layers)
+    adapted, stats = generate(engine, prompt, replace(base, adapt_drafts=True, adapt_block=8))
+    ar, _ = generate(engine, prompt, replace(base, method="ar"))
+    assert adapted == ar
+    assert stats.draft_updates > 0 and stats.phase_s["adapt"] > 0
+    after = engine.draft_layers.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)  # the engine's layers unchanged
+
+
+def test_a_request_never_sees_another_requests_adaptation(rooted_engine64):
+    engine = rooted_engine64
+    config = GenerationConfig(
+        max_new_tokens=96,
+        sampling=PAPER,
+        seed=3,
+        ignore_eos=True,
+        tree="3,3",
+        adapt_drafts=True,
+        adapt_block=4,
+    )
+    prompt_b = _prompt(engine.config.vocab_size, seed=9)
+    first_b = generate(engine, prompt_b, config)[1]
+    generate(engine, _prompt(engine.config.vocab_size, seed=1), replace(config, max_new_tokens=256))
+    second_b = generate(engine, prompt_b, config)[1]
+    # adapting changed request B's drafts (else this test would prove nothing) ...
+    static_b = generate(engine, prompt_b, replace(config, adapt_drafts=False))[1]
+    assert first_b.accepted_by_depth != static_b.accepted_by_depth
+    # ... and request B after request A drafts exactly as before it: A's adaptation stayed A's
+    assert (second_b.accepted_by_depth, second_b.reached_by_depth) == (
+        first_b.accepted_by_depth,
+        first_b.reached_by_depth,
+    )
+
+
+def test_each_request_drafts_with_its_own_copy(rooted_engine64):
+    engine = rooted_engine64
+    config = GenerationConfig(max_new_tokens=32, sampling=PAPER, seed=1, adapt_drafts=True)
+    prompt = _prompt(engine.config.vocab_size)
+    adapters = [
+        new_adapter(engine, new_decode_state(engine, prompt, config, PositionKeyedRandom(1)), config)
+        for _ in range(2)
+    ]
+    first, second = (dict(adapter.layers.named_parameters()) for adapter in adapters)
+    shared = dict(engine.draft_layers.named_parameters())
+    for name, parameter in first.items():
+        assert torch.equal(parameter, shared[name])
+        assert parameter.data_ptr() not in (shared[name].data_ptr(), second[name].data_ptr())
+
+
+def _block(engine, config, length: int = 48):
+    """A request's state with `length` committed tokens and their hidden states [length, hidden]."""
+    tokens = _prompt(engine.config.vocab_size, length)
+    state = new_decode_state(engine, tokens, config, PositionKeyedRandom(1))
+    with torch.inference_mode():
+        hidden = engine.model(
+            torch.tensor(tokens), torch.arange(length), state.full, keep_queries=False
+        ).hidden  # [length, hidden]
+    return state, hidden
+
+
+def test_the_teacher_is_what_sampling_draws_from(llama_engine64):
+    """Without a draft vocabulary, the step's target at a position is the processed distribution AR
+    samples from there: the penalty over that position's own window, then min-p."""
+    engine, config = llama_engine64, GenerationConfig(max_new_tokens=8, sampling=PAPER, adapt_drafts=True)
+    state, hidden = _block(engine, config)
+    adapter = new_adapter(engine, state, config)
+    positions = torch.arange(20, 40)
+    windows = adapter._windows(positions, 39)
+    teacher = adapter._teacher(hidden[20:40], windows, state.history[21:41])
+    for row, position in enumerate(positions.tolist()):
+        with torch.inference_mode():
+            logits = engine.model.logits(hidden[position][None])  # [1, V]
+        window = state.history[max(0, position + 1 - PAPER.penalty_window) : position + 1]
+        expected = torch.softmax(process_logits(logits, window, PAPER).float(), dim=-1)[0]
+        torch.testing.assert_close(teacher[row], expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "settings", [AdaptationSettings(), AdaptationSettings(scope="layer1", optimizer="sgd")]
+)
+def test_steps_on_a_block_bring_the_drafts_towards_the_target(rooted_engine64, settings):
+    """Steps on the same committed positions lower the draft layers' loss there (the "sampled" loss)."""
+    engine = rooted_engine64
+    config = GenerationConfig(
+        max_new_tokens=8,
+        sampling=PAPER,
+        adapt_drafts=True,
+        adapt_block=40,
+        adapt_scope=settings.scope,
+        adapt_optimizer=settings.optimizer,
+    )
+    state, hidden = _block(engine, config)
+    adapter = new_adapter(engine, state, config)
+
+    def loss() -> float:
+        rows = hidden[:40].float()
+        roots = state.history[1:41]
+        with torch.inference_mode():
+            teacher = adapter._teacher(rows[1:], adapter._windows(torch.arange(1, 40), 39), roots[1:])
+            normed = adapter.layers.chain(rows, 1, adapter.embedding[roots].float())[0][1]
+            student = torch.log_softmax(torch.nn.functional.linear(normed.float(), adapter.rows), -1)
+        return float(-(teacher * student[:-1]).sum(-1).mean())
+
+    start = loss()
+    for _ in range(5):
+        adapter.positions, adapter.hidden, adapter.pending = [], [], 0
+        adapter.observe(0, hidden[:40])
+    assert adapter.updates == 5
+    assert loss() < start - 1e-3
+
+
+def test_the_device_loop_refuses_adaptation_and_ignores_the_default(llama_engine64):
+    config = GenerationConfig(max_new_tokens=16, tree="3,3", device_loop=True, seed=1)
+    with pytest.raises(GenerationError, match="drop --adapt-drafts"):
+        replace(config, adapt_drafts=True).validate()
+    _, stats = generate(llama_engine64, _prompt(llama_engine64.config.vocab_size), config)
+    assert stats.draft_updates == 0
+    assert not config.adapts_drafts(torch.device("cuda"))
+
+
+def test_the_default_is_on_with_cuda_and_off_on_a_cpu():
+    config = GenerationConfig(max_new_tokens=8)
+    assert config.adapts_drafts(torch.device("cuda")) and not config.adapts_drafts(torch.device("cpu"))
+    assert not replace(config, method="ar", adapt_drafts=True).adapts_drafts(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(adapt_block=0), "block"),
+        (dict(adapt_scope="norms"), "scope"),
+        (dict(adapt_optimizer="lion"), "optimiser"),
+        (dict(adapt_lr=2.0), "learning rate"),
+    ],
+)
+def test_bad_adaptation_settings_are_refused_in_one_line(bad, message):
+    with pytest.raises(GenerationError, match=message):
+        GenerationConfig(max_new_tokens=8, **bad).validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs CUDA")
+def test_the_side_stream_update_keeps_ars_tokens_on_cuda(llama_dir):
+    from conftest import quiet_load
+
+    engine = quiet_load(llama_dir[0], dtype=torch.float32, device="cuda")
+    prompt = _prompt(engine.config.vocab_size)
+    base = GenerationConfig(max_new_tokens=128, sampling=PAPER, seed=2, ignore_eos=True, tree="3,3")
+    adapted, stats = generate(engine, prompt, replace(base, adapt_drafts=True, adapt_block=8))
+    assert adapted == generate(engine, prompt, replace(base, method="ar"))[0]
+    assert stats.draft_updates > 0

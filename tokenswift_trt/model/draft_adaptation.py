@@ -1,0 +1,293 @@
+"""Online adaptation of the draft layers to the text being generated.
+
+Over a long generation the text drifts away from what the draft layers were trained on and their
+acceptance decays (on SmolLM2-135M from 0.41 in the first 1K tokens to 0.34 in the fourth,
+docs/smollm2.md). Verification already computes everything a training step needs at every
+committed position p: the target's final hidden state h_p (the verify pass's row of the root or
+of an accepted node) and the token x[p + 1] sampled there. A `DraftAdapter` keeps the newest
+committed positions and, every `block` of them, takes one optimiser step on its own copy of the
+draft layers with the "sampled" loss of `train-heads` (training/train_heads.py): layer i at
+position p, reading h_p and the root x[p + 1], is scored by cross-entropy against the target's
+processed distribution of x[p + 1 + i] (the contextual penalty over that position's window, then
+temperature, top-k/p, min-p, η, as sampling applies them; within the draft vocabulary when the
+layers have one), its own logits penalised over the same window. Greedy decoding's processed
+distribution is the committed token itself. Only positions already committed are read (strictly
+causal), and drafts decide only how many tokens an iteration accepts, never which: output is
+unchanged.
+
+Each request adapts its own copy (`DraftAdapter.layers`, what its drafting reads); the engine's
+layers, shared by every request of a server, are never written. The LM head, the draft vocabulary's
+head and the embedding stay shared and frozen. A path input (`PathInput`) is not adapted.
+
+On CUDA the step runs on a side stream: it is launched after an iteration's commit and trains a
+float32 master copy while the next iteration drafts and verifies with the layers as they were; the
+next `observe` makes the main stream wait for it and copies the master into the drafting copy
+(one iteration late, at a fixed point of the loop, so drafts stay deterministic). On a CPU the step
+runs in place and the changed products are re-packed for the CPU kernels (cpu_linear.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenswift_trt.backends.cpu_linear import Linear, pack_linears
+from tokenswift_trt.kernels.config import KernelConfig
+from tokenswift_trt.model.config import ModelConfig
+from tokenswift_trt.model.draft_layers import DraftLayers, draft_layout
+from tokenswift_trt.model.sampling import SamplingConfig, apply_penalty, process_logits
+
+SCOPES = ("all", "layer1")  # every draft-layer parameter / layer 1 and the root input only
+OPTIMIZERS = ("adam", "sgd")
+DEFAULT_LR = {"adam": 3e-4, "sgd": 3e-2}
+
+
+@dataclass(frozen=True)
+class AdaptationSettings:
+    """How a request adapts its draft layers (the defaults are what the offline replay measured)."""
+
+    block: int = 16  # committed positions per optimiser step (one step per block)
+    scope: str = "all"  # SCOPES
+    optimizer: str = "adam"  # OPTIMIZERS
+    lr: float | None = None  # None: DEFAULT_LR of the optimiser
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad value."""
+        if self.block < 1:
+            raise ValueError(f"the adaptation block must be at least 1 position, got {self.block}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"adaptation scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"adaptation optimiser must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if self.lr is not None and not 0 < self.lr < 1:
+            raise ValueError(f"the adaptation learning rate must be in (0, 1), got {self.lr}")
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
+
+
+def copy_draft_layers(layers: DraftLayers, config: ModelConfig, dtype: torch.dtype) -> DraftLayers:
+    """A trainable copy of `layers` (normal tensors, not inference tensors) in `dtype` on their
+    device; the vocabulary head (frozen rows of the LM head) is shared, not copied."""
+    state = layers.state_dict()
+    layout = draft_layout(state)
+    device = next(layers.parameters()).device
+    with torch.inference_mode(False):
+        copy = DraftLayers(
+            config,
+            layout.num_layers,
+            layout.root_conditioned,
+            layout.vocab_size,
+            layout.root_width,
+            layout.path_width,
+        ).to(device=device, dtype=dtype)
+        copy.load_state_dict({key: value.clone() for key, value in state.items()})
+    copy.vocab_head = layers.vocab_head
+    return copy.eval()
+
+
+class DraftAdapter:
+    """One request's draft layers and their online adaptation (module docstring)."""
+
+    def __init__(
+        self,
+        layers: DraftLayers,
+        config: ModelConfig,
+        embedding: torch.Tensor,  # [V, hidden] input embedding (frozen)
+        head: torch.Tensor,  # [V, hidden] LM head weight (frozen)
+        final_norm: nn.Module,  # the target's final norm (its head reads norm(h))
+        history: torch.Tensor,  # [capacity] the request's committed ids (DecodeState.history)
+        sampling: SamplingConfig,
+        settings: AdaptationSettings = AdaptationSettings(),
+        kernels: KernelConfig = KernelConfig(),
+    ) -> None:
+        settings.validate()
+        self.settings, self.sampling, self.kernels = settings, sampling, kernels
+        self.history, self.final_norm = history, final_norm
+        device = head.device
+        self.layers = copy_draft_layers(layers, config, layers.layers[0].linear.weight.dtype)
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        on_host_in_place = (
+            self.side_stream is None and self.layers.layers[0].linear.weight.dtype == torch.float32
+        )
+        # the parameters the optimiser changes: the drafting copy itself on a float32 CPU engine, else
+        # a float32 master copied into it after each step
+        self.master = self.layers if on_host_in_place else copy_draft_layers(layers, config, torch.float32)
+        self.count = len(self.master) if settings.scope == "all" else 1
+        trained: list[nn.Module] = list(self.master.layers[: self.count])
+        if self.master.root is not None:
+            trained.append(self.master.root)
+        with torch.inference_mode(False):
+            for parameter in self.master.parameters():
+                parameter.requires_grad_(False)
+            parameters = [p for module in trained for p in module.parameters()]
+            for parameter in parameters:
+                parameter.requires_grad_(True)
+            kind = torch.optim.Adam if settings.optimizer == "adam" else torch.optim.SGD
+            self.optimizer = kind(parameters, lr=settings.learning_rate)
+        # the products the step changes, re-packed for the CPU kernels after it
+        self.repacked = [
+            module
+            for module in (*self.layers.layers[: self.count], self.layers.root)
+            if module is not None
+            for module in module.modules()
+            if isinstance(module, Linear)
+        ]
+        if device.type == "cpu":
+            pack_linears(self.layers, half=True, kernels=kernels)
+        vocab = layers.vocab
+        with torch.inference_mode(False):
+            self.rows = (head if vocab is None else head[vocab.to(device)]).detach().float()  # [K, hidden]
+            self.embedding = embedding.detach()
+            size = head.shape[0]
+            # token id -> column of `rows` (K: outside the draft vocabulary)
+            self.column_of = torch.full((size + 1,), self.rows.shape[0], dtype=torch.long, device=device)
+            known = torch.arange(self.rows.shape[0], device=device)
+            self.column_of[known if vocab is None else vocab.to(device)] = known
+        self.positions: list[int] = []  # committed positions p held, ascending
+        self.hidden: list[torch.Tensor] = []  # their h_p rows, [n, hidden] float32 chunks
+        self.pending = 0  # positions held that no step has trained on yet
+        self.updates = 0
+        self.in_flight: torch.cuda.Event | None = None
+
+    def observe(self, first_position: int, hidden: torch.Tensor) -> float:
+        """The committed positions first_position .. first_position + n - 1 and the target's hidden
+        states there, hidden [n, hidden] (pre-norm; their next tokens already in `history`); takes a
+        step when a block has filled. Returns the host seconds spent."""
+        started = time.perf_counter()
+        self._publish()
+        with torch.inference_mode(False):
+            self.hidden.append(hidden.detach().float().clone())  # [n, hidden]
+        self.positions.extend(range(first_position, first_position + hidden.shape[0]))
+        self.pending += hidden.shape[0]
+        if self.pending >= self.settings.block:
+            self._update()
+        return time.perf_counter() - started
+
+    def finish(self) -> None:
+        """Wait for a step still running on the side stream (before the request's memory goes)."""
+        self._publish()
+
+    def _publish(self) -> None:
+        """CUDA: the main stream waits for the step in flight, then drafts with its result."""
+        if self.in_flight is None:
+            return
+        torch.cuda.current_stream().wait_event(self.in_flight)
+        self.in_flight = None
+        with torch.no_grad():
+            for live, master in zip(self.layers.parameters(), self.master.parameters()):
+                live.copy_(master)
+
+    def _update(self) -> None:
+        """One optimiser step on the pending positions (and the `count` before them that deeper
+        layers' targets reach back over)."""
+        keep = self.pending + self.count
+        hidden = torch.cat(self.hidden)[-keep:]  # [N, hidden]
+        positions = torch.tensor(self.positions[-keep:], device=hidden.device)  # [N]
+        roots = self.history[positions + 1]  # [N]: x[p + 1], what each row's root input reads
+        windows = self._windows(positions, self.positions[-1])  # [N, W] window columns, or None
+        pending = self.pending
+        self.hidden, self.positions, self.pending = [hidden[-self.count :]], self.positions[-self.count :], 0
+        self.updates += 1
+        if self.side_stream is None:
+            self._step(hidden, roots, windows, pending)
+            if self.master is self.layers:
+                for linear in self.repacked:
+                    linear.pack(half=True, kernels=self.kernels)
+            else:
+                self._copy_master()
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        self.side_stream.wait_event(ready)
+        for tensor in (hidden, roots) + (() if windows is None else (windows,)):
+            tensor.record_stream(self.side_stream)
+        with torch.cuda.stream(self.side_stream):
+            self._step(hidden, roots, windows, pending)
+            self.in_flight = torch.cuda.Event()
+            self.in_flight.record(self.side_stream)
+
+    def _copy_master(self) -> None:
+        with torch.no_grad():
+            for live, master in zip(self.layers.parameters(), self.master.parameters()):
+                live.copy_(master)
+
+    def _windows(self, positions: torch.Tensor, newest: int) -> torch.Tensor | None:
+        """positions [N] -> [N, W]: the columns of the penalty window in force when x[p + 1] was
+        sampled (ids at p + 1 - W .. p; rows near the start repeat their first id), or None
+        without a penalty; `newest`: the last position (on the host)."""
+        size = self.sampling.penalty_window
+        if self.sampling.penalty == 1 or size == 0:
+            return None
+        width = min(size, newest + 1)
+        offsets = torch.arange(width, device=positions.device) - (width - 1)  # [W]: -(W - 1) .. 0
+        index = positions[:, None] + offsets  # [N, W]
+        first = (positions - (size - 1)).clamp_(min=0)[:, None]  # a row's first position in its window
+        ids = self.history[torch.maximum(index, first)]
+        return self.column_of[ids]
+
+    def _teacher(
+        self, hidden: torch.Tensor, windows: torch.Tensor | None, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [R, hidden], windows [R, W] or None, tokens [R] (what was sampled) -> the target's
+        processed distribution over the rows' columns [R, K]; greedy: the token's one-hot (0 rows
+        for tokens outside the draft vocabulary)."""
+        columns = self.column_of[tokens]
+        size = self.rows.shape[0]
+        if self.sampling.greedy:
+            inside = columns < size
+            return F.one_hot(columns.clamp(max=size - 1), size).float() * inside[:, None]
+        normed = self.final_norm(hidden.to(self.final_norm.weight.dtype)).float()
+        logits = _penalised(F.linear(normed, self.rows), windows, self.sampling.penalty)
+        scores = process_logits(
+            logits, logits.new_empty(0, dtype=torch.long), replace(self.sampling, penalty=1.0)
+        )
+        return F.softmax(scores, dim=-1)
+
+    def _step(
+        self, hidden: torch.Tensor, roots: torch.Tensor, windows: torch.Tensor | None, pending: int
+    ) -> None:
+        count, rows = self.count, hidden.shape[0]
+        with torch.inference_mode(False), torch.enable_grad():
+            hidden, roots = hidden.clone(), roots.clone()
+            windows = None if windows is None else windows.clone()
+            first = max(1, rows - pending)  # the oldest row whose distribution is a target
+            with torch.no_grad():
+                teacher = self._teacher(
+                    hidden[first:], None if windows is None else windows[first:], roots[first:]
+                )  # [R, K]: row t is the target's distribution of x[t + 1] (row `first` first)
+            embedding = None
+            if self.master.root is not None:
+                embedding = self.embedding[roots].float()  # [N, hidden]
+            chain = self.master.chain(hidden, count, embedding)
+            losses = []
+            for depth, (_, normed) in enumerate(chain, start=1):
+                # layer `depth` at row j drafts x[j + 1 + depth]: row j + depth's distribution
+                start = max(0, first - depth)
+                student = F.linear(normed[start : rows - depth], self.rows)  # [R', K]
+                target = teacher[start + depth - first :]
+                if windows is not None:
+                    student = _penalised(student, windows[start + depth :], self.sampling.penalty)
+                if target.shape[0]:
+                    losses.append(-(target * F.log_softmax(student, dim=-1)).sum(-1).mean())
+            if not losses:
+                return
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.stack(losses).mean().backward()
+            self.optimizer.step()
+
+
+def _penalised(logits: torch.Tensor, windows: torch.Tensor | None, theta: float) -> torch.Tensor:
+    """logits [R, K] with the contextual penalty over each row's window columns windows [R, W]
+    (column K, a token outside the rows, penalises nothing); differentiable."""
+    if windows is None or theta == 1:
+        return logits
+    padded = torch.cat((logits, logits.new_zeros(logits.shape[0], 1)), dim=1)  # [R, K + 1]
+    return apply_penalty(padded, windows, theta)[:, :-1]
