@@ -186,14 +186,16 @@ class Ranks:
         return self.device if self.device.startswith("cuda") else "cpu"
 
     def close(self) -> None:
-        """Leave the group; wait a while for the ranks this process started, then stop them."""
+        """Leave the group; wait a while for the ranks this process started to finish, then stop them
+        (at once when the command is failing: a hung rank would never finish)."""
         import torch.distributed as dist
 
+        failing = sys.exc_info()[0] is not None  # called as the command's context exits
         if dist.is_initialized():
             dist.destroy_process_group()
         for process in self.started:
             try:
-                process.wait(JOIN_S)
+                process.wait(0 if failing else JOIN_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
