@@ -22,6 +22,7 @@ from tokenswift_trt.model.tensor_parallel import (
     check_size,
     init_group,
     parameter_bytes,
+    rank_bytes,
     read_shard,
     shard_config,
     split_of,
@@ -190,5 +191,7 @@ def test_two_gloo_ranks_decode_the_single_process_tokens_with_half_the_layer_wei
         assert got[rank]["layer_bytes"] * 2 == _layer_bytes(single)
         replicated = parameter_bytes(model) - _layer_bytes(single)
         assert got[rank]["bytes"] == replicated + _layer_bytes(single) // 2
+        # what docs/deploy.md's table computes for larger models, here against the loaded ranks
+        assert sum(rank_bytes(single.config, 2, 0, 4)[:2]) == got[rank]["bytes"]
     # the row-parallel sums round differently from one product: close, not the same bits
     torch.testing.assert_close(torch.tensor(got[0]["logits"]), reference, rtol=1e-4, atol=1e-4)

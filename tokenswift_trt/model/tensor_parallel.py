@@ -214,3 +214,20 @@ def parameter_bytes(module: nn.Module) -> int:
     for parameter in module.parameters():
         seen[id(parameter)] = parameter.numel() * parameter.element_size()
     return sum(seen.values())
+
+
+def rank_bytes(config: ModelConfig, size: int, positions: int, element: int) -> tuple[int, int, int]:
+    """What one rank of `size` holds for a model of `config`, `element` bytes per value (2: bf16):
+    (replicated weights: embedding, LM head unless tied, norms; its slice of the split weights; its
+    full KV cache for `positions` positions). The draft layers (replicated, a few hidden x hidden
+    products) are not counted."""
+    check_size(config, size)
+    hidden, inner, dim = config.hidden_size, config.intermediate_size, config.head_dim
+    projections = dim * (config.num_heads + 2 * config.num_kv_heads)  # Q, K and V outputs
+    attention = hidden * projections + config.num_heads * dim * hidden  # Q/K/V and O weights
+    attention += projections if config.qkv_bias else 0
+    split = config.num_layers * (attention + 3 * hidden * inner) // size
+    head = 0 if config.tie_word_embeddings else config.vocab_size * hidden
+    replicated = config.vocab_size * hidden + head + (2 * config.num_layers + 1) * hidden
+    kv = 2 * config.num_layers * (config.num_kv_heads // size) * dim * positions
+    return replicated * element, split * element, kv * element
