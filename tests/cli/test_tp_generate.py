@@ -129,3 +129,21 @@ def _port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (ROOT / "models" / "smollm2-135m" / "model.safetensors").is_file(), reason="make models adds SmolLM2"
+)
+def test_smollm2_on_three_ranks_emits_the_single_process_tokens():
+    args = ["generate", "--model", "smollm2-135m", "--prompt", "The history of the city begins"]
+    args += ["--max-new-tokens", "32", "--ignore-eos", "--json", *GREEDY]
+    result = _cli(*args, "--tp", "3", timeout=900)
+    assert result.returncode == 0, result.stderr
+    single = CliRunner().invoke(main, args)
+    assert single.exit_code == 0, single.output
+    tokens = [json.loads(out.strip().splitlines()[-1])["token_ids"] for out in (result.stdout, single.stdout)]
+    assert tokens[0] == tokens[1]
+    refused = CliRunner().invoke(main, [*args, "--tp", "2"])
+    assert refused.exit_code == 2 and "9 query / 3 KV heads" in refused.output
+    assert "--tp 1, 3" in refused.output
