@@ -1,4 +1,4 @@
-"""`--tp N`: the ranks of a tensor-parallel run and what they agree on (docs/deploy.md).
+"""`--tp N`: the ranks of a tensor-parallel run and what they agree on (docs/deploy.md, "Tensor parallelism").
 
 Two ways in, one code path after: under `torchrun` (its RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT, the torch.distributed launch protocol) every process is a rank; without it, the process
@@ -111,11 +111,9 @@ def _rank_main() -> None:
     _ASSIGNED = assignment
     _silence(assignment.rank)
     module, name = command
-    from tokenswift_trt.cli import main
-
     target = getattr(importlib.import_module(module), name)
     try:
-        with click.Context(target, info_name=target.name, parent=click.Context(main)) as ctx:
+        with click.Context(target, info_name=target.name) as ctx:
             ctx.invoke(target.callback, **params)
     except click.ClickException as error:
         sys.stderr.write(f"{ERROR_PREFIX}{error.format_message()}\n")

@@ -1,4 +1,4 @@
-"""Tensor parallelism over a torch.distributed process group (Megatron-style; docs/deploy.md).
+"""Tensor parallelism over a torch.distributed process group (docs/deploy.md, "Tensor parallelism").
 
 Each rank holds a slice of every decoder layer: the Q/K/V and gate/up projections are split by
 output rows (column-parallel: whole KV heads with their GQA groups of query heads, a slice of the
