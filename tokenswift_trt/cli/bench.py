@@ -22,6 +22,7 @@ from .common import (
     source_options,
     unequal_tokens_note,
 )
+from .tp_launch import tp_options
 
 if TYPE_CHECKING:
     from tokenswift_trt.model.engine import Engine
@@ -335,6 +336,75 @@ def modeled_long_run(rows: list[dict], accept_length: float) -> dict | None:
     }
 
 
+def _tp_steps(
+    model: str,
+    contexts: tuple[int, ...],
+    sizes: tuple[int, ...],
+    repeats: int,
+    dtype: str | None,
+    out: Path,
+    kernels: dict,
+    size: int,
+    timeout_s: float,
+    device: str,
+) -> None:
+    """`bench-steps --tp N`: every rank times its slice of the model's shape (random weights); rank 0
+    writes tp_steps.csv and tp_steps.json under `out` and prints the rows."""
+    import datetime
+    import os
+
+    import torch
+
+    from tokenswift_trt.bench.kernels import device_description
+    from tokenswift_trt.bench.report import machine_meta
+    from tokenswift_trt.bench.tp_steps import measure_tp_steps, random_rank_model, write_tp_report
+    from tokenswift_trt.builder.build import BuildRequest, resolve
+    from tokenswift_trt.kernels.config import KernelConfig
+    from tokenswift_trt.model.config import config_from_dict, load_config
+
+    from .tp_launch import start_ranks
+
+    try:
+        preset, directory = resolve(BuildRequest(model=model, out=Path("."), random_weights=True))
+        config = config_from_dict(preset.config) if preset is not None else load_config(directory)
+        dtype = dtype or "float32"
+        asked = {"--model": model, "--dtype": dtype, "--kernel": sorted(kernels.items())}
+        ranks = start_ranks(size, timeout_s, config, asked, device)
+    except (ValueError, RuntimeError) as error:
+        raise fail(error) from None
+    click.get_current_context().call_on_close(ranks.close)
+    device_now = torch.device(ranks.device)
+    settings = KernelConfig().updated(kernels)
+    rank_model = random_rank_model(config, ranks.tp, getattr(torch, dtype), device_now, settings)
+    try:
+        costs = measure_tp_steps(rank_model, ranks.tp, contexts, sizes, repeats)
+    except RuntimeError as error:
+        raise CliError(f"a tensor-parallel rank stopped or timed out: {fail(error).message}") from None
+    if not ranks.leader:
+        return
+    meta = {
+        "command": f"tokenswift-trt bench-steps --model {model} --tp {size} (contexts {contexts}, "
+        f"tree sizes {sizes}, {repeats} repeats)",
+        "model": model,
+        "tp": size,
+        "random_weights": True,
+        "dtype": dtype,
+        "device": device_description(device_now),
+        "backend": "nccl" if device_now.type == "cuda" else "gloo",
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "load_average": round(os.getloadavg()[0], 2),
+        **machine_meta(),
+    }
+    for path in write_tp_report(costs, out, meta):
+        click.echo(f"wrote {path}", err=True)
+    for cost in costs:
+        click.echo(
+            f"L={cost.context} T={cost.tokens}: step {cost.step_ms:.3f} ms, its {cost.all_reduces} "
+            f"all-reduces {cost.all_reduce_ms:.3f} ms ({cost.all_reduce_share:.0%})"
+        )
+
+
 @click.command("bench-steps")
 @click.option(
     "--model", required=True, help="preset name or model directory whose shape is timed (random weights)"
@@ -386,6 +456,7 @@ def modeled_long_run(rows: list[dict], accept_length: float) -> dict | None:
 )
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/steps"), show_default=True)
 @kernel_option
+@tp_options
 def bench_steps(
     model,
     contexts,
@@ -404,9 +475,12 @@ def bench_steps(
     compile_steps,
     out,
     kernels,
+    tp,
+    tp_timeout,
 ) -> None:
     """The cost of one AR, draft and verify step per context against the memory-bandwidth floor, and
-    the speedup those costs imply (docs/gpu.md)."""
+    the speedup those costs imply (docs/gpu.md). With --tp N: a tensor-parallel step's cost and its
+    all-reduces' on N ranks (tp_steps.csv, tp_steps.json; docs/deploy.md)."""
     import torch
     from click.core import ParameterSource
 
@@ -436,6 +510,9 @@ def bench_steps(
         reason = "this torch is CPU-only" if torch.version.cuda is None else "no CUDA GPU is visible"
         raise CliError(f"bench-steps: --device cuda needs a CUDA GPU and a CUDA build of torch ({reason})")
     context_list, sizes = int_list(contexts, "--contexts"), int_list(tree_sizes, "--tree-sizes")
+    if tp > 1:  # the all-reduces' share of a tensor-parallel step (bench/tp_steps.py)
+        _tp_steps(model, context_list, sizes, step_repeats, dtype, out, kernels, tp, tp_timeout, device)
+        return
     gen_lens = DEFAULT_GEN_LENGTHS if gen_len is None else int_list(gen_len, "--gen-len")
     prompt_length = DEFAULT_PROMPT_LENGTH if prefix_len is None else prefix_len
     tree_size = verify_tree_size or max(sizes)

@@ -214,20 +214,24 @@ def launch(
 ) -> Ranks:
     """Check `size` against the model, start or join the ranks, and compare what every rank was asked
     to run; raise TensorParallelError (one line) on any mismatch, before any weight loads."""
+    from tokenswift_trt.model.config import load_config
+    from tokenswift_trt.model.tensor_parallel import config_digest
+
+    asked = {"model": config_digest(model_dir), "--dtype": dtype, "--kernel": sorted(kernels.items())}
+    return start_ranks(size, timeout_s, load_config(model_dir), asked, device)
+
+
+def start_ranks(size: int, timeout_s: float, config: Any, asked: dict[str, Any], device: str) -> Ranks:
+    """`launch` for a model's `config` (ModelConfig): the ranks compare `asked` (what names the model
+    and its settings) and the size."""
     import torch
 
-    from tokenswift_trt.model.config import load_config
-    from tokenswift_trt.model.tensor_parallel import (
-        TensorParallelError,
-        check_size,
-        config_digest,
-        init_group,
-    )
+    from tokenswift_trt.model.tensor_parallel import TensorParallelError, check_size, init_group
 
     assignment = _ASSIGNED or _from_torchrun()
     if assignment is not None and assignment.rank:
         _silence(assignment.rank)
-    check_size(load_config(model_dir), size)
+    check_size(config, size)
     started: list[subprocess.Popen] = []
     if assignment is None:  # no launcher: this process is rank 0 and starts the others
         assignment = Assignment(0, size, 0, LOCALHOST, _free_port())
@@ -257,12 +261,7 @@ def launch(
     tp = init_group(assignment.rank, assignment.size, assignment.address, assignment.port, backend, timeout_s)
     ranks = Ranks(tp, device, started)
     try:
-        asked = {
-            "--tp": size,
-            "model": config_digest(model_dir),
-            "--dtype": dtype,
-            "--kernel": sorted(kernels.items()),
-        }
+        asked = {"--tp": size, **asked}
         try:
             every = tp.gather_objects(asked)
         except RuntimeError as error:
