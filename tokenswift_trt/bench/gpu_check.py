@@ -11,7 +11,8 @@ taking turns through the device loop, tree 3,3,3 with 4 n-gram branches; paper s
 first), the 8B shape's AR step and iteration at 4K-98K prompt tokens (random weights), `model` (the
 ~94K-token generation modeled from those times at the trie's cap and at the τ measured on SmolLM2,
 never above the cap), swift-tiny end to end, SmolLM2's iteration phase by phase, the GPU tests, then
-greedy and float32 variants and the 100-slot trie.
+greedy and float32 variants, the 100-slot trie, and `tp` (swift-tiny on one GPU and on two
+tensor-parallel ranks, compared; skipped with fewer than 2 GPUs).
 
 Every stage runs in its own process group with its own time limit, inside the run's budget: a stage
 is not started with less time left than it needs, and says so. OUT gets four files, rewritten after
@@ -759,6 +760,17 @@ def tests_summary(check: Check) -> dict[str, Any] | None:
     return {"result": outcome[-1].strip("= ") if outcome else last_line(log)}
 
 
+def tp_plan(check: Check) -> Commands | Skip:
+    """swift-tiny greedy on one GPU and on two (NCCL), compared (bench/tp_check.py)."""
+    if not check.cuda:
+        return Skip("a dry run: tests/cli/test_tp_generate.py runs --tp 2 on the CPU (gloo)")
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return Skip(f"--tp 2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    return [[check.python, "-m", "tokenswift_trt.bench.tp_check", str(check.work / "tp.json")]]
+
+
 def stages(sizes: Sizes) -> list[Stage]:
     """Every stage, most valuable first (the acceptance figures, then the tests, then variants)."""
     smollm2, tiny = "smollm2-135m", "swift-tiny"
@@ -802,6 +814,14 @@ def stages(sizes: Sizes) -> list[Stage]:
         EndToEnd(smollm2, "paper", "float32").stage(150, 50),
         EndToEnd(tiny, "greedy", "bfloat16").stage(90, 30),
         SHAPES[1].stage(150, 60),
+        Stage(
+            "tp",
+            "swift-tiny on one GPU and on two tensor-parallel ranks (NCCL), compared",
+            120,
+            40,
+            plan=tp_plan,
+            summarize=lambda check: read_json(check.work / "tp.json"),
+        ),
     ]
 
 
