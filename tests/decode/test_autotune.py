@@ -60,8 +60,12 @@ def _drive(engine, seconds_per_token: Callable[[str, int], float], tokens: int):
 
 
 def _stub_costs(monkeypatch):
-    """Every measured cost 1 s (ranking free), and no acceptance floor: the stubbed cost model decides."""
+    """Every measured cost 1 s (ranking free), no acceptance floor and the whole generation's time to
+    explore in (steps of 1 s against a choice costed at CHOOSE_COST_STEPS steps): the stubbed cost
+    model decides."""
     from tokenswift_trt.decode import autotune
+
+    monkeypatch.setattr(autotune, "EXPLORATION_BUDGET", 1.0)
 
     monkeypatch.setattr(autotune, "measure_verify", lambda *args: {1: 1.0})
     monkeypatch.setattr(autotune, "measure_sampling", lambda *args: {1: 1.0})
@@ -370,6 +374,7 @@ def test_a_probe_that_accepts_almost_nothing_settles_on_ar_steps_without_timing_
 
     monkeypatch.setattr(autotune, "measure_verify", never)
     monkeypatch.setattr(autotune, "choose_plan", never)
+    monkeypatch.setattr(autotune, "EXPLORATION_BUDGET", 1.0)  # steps of 1 s: the probe fits
     drafts = [[1, 2, 3], [4, 5], [6]]  # the probe trie's drafts at every root: never the token sampled
     monkeypatch.setattr(autotune, "candidates_from_hidden", lambda *args: drafts)
     engine = llama_engine64
@@ -473,3 +478,32 @@ def test_a_passed_audit_tries_a_plan_the_shared_samples_favour_and_keeps_the_old
         assert choose.calls == 2  # the probe's choice, then one re-choice: no new samples, no third
         settled = [plan for plan in tuner.history if not (plan.probe or plan.trial or plan.audit)]
         assert settled[-1].tree == expected  # 3 lost its trial: 1,1 again, not AR steps
+
+
+def test_a_probe_beyond_the_exploration_budget_is_abandoned_and_ar_steps_run_to_the_end(llama_engine64):
+    """900 tokens at 1 s a step give 18 s to explore (EXPLORATION_BUDGET); a probe and its choice are
+    expected to cost ~30 s (CHOOSE_COST_STEPS AR steps): the probe stops after its first shadow draft
+    and the loop may run plain AR steps to the end, never asking again."""
+    from tokenswift_trt.decode import autotune
+    from tokenswift_trt.decode.autotune import Tuner
+    from tokenswift_trt.decode.loop import new_decode_state
+    from tokenswift_trt.model.sampling import PositionKeyedRandom
+
+    engine = llama_engine64
+    state = new_decode_state(engine, [5, 6, 7], GenerationConfig(max_new_tokens=900), PositionKeyedRandom(0))
+    tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens) - 3)
+    hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
+    assert tuner.plan.probe and tuner.plain_ar_steps() == 0  # a probe hears of every step
+    while tuner.plan.probe:
+        state.append([len(state.tokens) % 50])
+        tuner.observe(None, [], None, hidden, False, 1.0, 1)
+    assert tuner.plan.tree == AR_PLAN and tuner.recorder.iterations <= 1
+    assert len(state.tokens) - 3 <= 4  # abandoned as soon as its first shadow draft is recorded
+    while len(state.tokens) < state.limit:
+        steps = tuner.plain_ar_steps()
+        assert steps > 0  # settled on AR steps: the loop runs them as --method ar does
+        state.append([len(state.tokens) % 50] * min(steps, state.limit - len(state.tokens)))
+        tuner.observe(None, [], None, hidden, False, float(steps), steps)
+        assert not tuner.plan.probe  # later probes do not fit either
+    assert [plan.probe for plan in tuner.history] == [True, False]
+    assert autotune.EXPLORATION_BUDGET * 900 < autotune.CHOOSE_COST_STEPS

@@ -390,6 +390,7 @@ def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monk
     from tokenswift_trt.decode.autotune import AR_PLAN, Estimate
 
     choices = iter([AR_PLAN, "1,1", AR_PLAN, "1,1", AR_PLAN, "1,1"])
+    monkeypatch.setattr(autotune, "EXPLORATION_BUDGET", 1e9)  # probes whatever they cost
     monkeypatch.setattr(autotune, "RETUNE_EVERY", 40)
     monkeypatch.setattr(autotune, "RETUNE_AFTER_AR", 20)  # AR steps teach nothing: probe again sooner
     monkeypatch.setattr(autotune, "PROBE_ITERATIONS", 4)
@@ -571,3 +572,33 @@ def test_path_drafts_of_a_node_do_not_depend_on_the_trees_size(path_engine64, mo
     assert two[()] == one[0] == three[()][:2]
     assert two[(0,)] == three[(0,)] and two[(1,)] == three[(1,)]
     assert len(three) == 4
+
+
+def test_auto_settled_on_ar_steps_runs_them_as_the_ar_method_does(llama_engine64, monkeypatch):
+    """--tree auto that settles on AR steps (here: a probe too costly for a 300-token generation's
+    exploration budget) runs `--method ar`'s steps and tells the tuner about them a run at a time,
+    not a step at a time; the tokens are AR's."""
+    from tokenswift_trt.decode import autotune
+
+    calls = []
+    observe = autotune.Tuner.observe
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.plan)
+        return observe(self, *args, **kwargs)
+
+    monkeypatch.setattr(autotune.Tuner, "observe", counted)
+    prompt = _prompts(llama_engine64.config.vocab_size, 1)[0]
+    base = dict(
+        max_new_tokens=300,
+        sampling=SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16),
+        seed=3,
+        ignore_eos=True,
+    )
+    auto, stats = generate(llama_engine64, prompt, GenerationConfig(**base))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert auto == ar
+    assert [plan.probe for plan in stats.plans] == [True, False] and stats.plans[1].tree == autotune.AR_PLAN
+    settled = [plan for plan in calls if not plan.probe]
+    assert 1 <= len(settled) <= 3 and stats.iterations == 299  # AR steps, reported in a few runs
+    assert set(stats.phase_s) == {"ar_step"}

@@ -131,6 +131,8 @@ def load_source(
     )
     from tokenswift_trt.model.engine_dir import EngineDirError, load_engine_dir
 
+    from .tp_launch import launched_ranks
+
     model_dir, engine_dir, heads, defaults = resolve_source(model, model_dir, engine_dir, heads)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
@@ -139,7 +141,7 @@ def load_source(
     if not source.is_dir():
         raise CliError(f"{'model' if model_dir else 'engine'} directory {source} does not exist")
     ranks = None
-    if tp > 1:  # tensor parallel: checked, started and agreed on before any weight loads
+    if tp > 1 or launched_ranks() > 1:  # tensor parallel: checked, started and agreed on before loading
         ranks = _start_ranks(tp, tp_timeout, model_dir, engine_dir, dtype, device, kernels or {})
         device = ranks.device
     with warnings.catch_warnings(record=True) as caught:

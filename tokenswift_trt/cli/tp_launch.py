@@ -64,6 +64,12 @@ def _from_torchrun() -> Assignment | None:
     )
 
 
+def launched_ranks() -> int:
+    """How many processes a torch.distributed launcher (torchrun) started this one among (1: none)."""
+    assignment = _from_torchrun()
+    return assignment.size if assignment is not None else 1
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind((LOCALHOST, 0))

@@ -140,6 +140,15 @@ AR_PLAN = "ar"  # tree value of the plan that drafts nothing
 MIN_TOKENS_PER_ITERATION = 1.05
 # On a CPU verify passes and batched sampling are timed up to this many nodes, larger ones extrapolated
 CPU_TIMED_NODES = 8
+# What exploring costs (the tuner's own work: shadow drafts, the choice's timing passes, recording; and
+# what drafting iterations lose to AR steps' speed) is spent from a budget: this share of the
+# generation's projected time (its decode seconds so far plus the tokens left at AR steps' speed), plus
+# what drafting iterations saved. A probe starts (and goes on past its first step) only if its expected
+# cost fits, so a generation where drafting never pays runs within this share of `--method ar`, however
+# fast the step (swift-tiny on a CPU: a shadow draft costs half an AR step, a probe and its choice ~35
+# AR steps, so generations shorter than ~2,000 tokens are not probed at all)
+EXPLORATION_BUDGET = 0.02
+CHOOSE_COST_STEPS = 30  # the first choice's timing passes, in AR steps, until one is measured (~16-40)
 
 
 def probe_plan(draft_source: str, device: torch.device) -> tuple[str, int]:
@@ -538,6 +547,13 @@ class Tuner:
         self._turns: _Turns | None = None  # the trial or audit in progress
         self._audits: int | None = None  # audits the kept drafting plan passed; None: none kept
         self._next_audit = 0  # token count at which the kept drafting plan is audited
+        # the exploration budget (EXPLORATION_BUDGET), in seconds
+        self._elapsed_s = 0.0  # of the iterations reported
+        self._ar_s_per_token: float | None = None  # AR steps' recent speed
+        self._spent_s = 0.0  # the tuner's own work (`observe`)
+        self._saved_s = 0.0  # drafting iterations against AR steps' speed (negative: lost)
+        self._shadow_s: float | None = None  # one shadow draft, on average
+        self._choose_s: float | None = None  # the last choice
         self._start_probe()
 
     @property
@@ -558,9 +574,31 @@ class Tuner:
     def _settle(self, plan: Plan) -> None:
         self._switch(plan.tree, plan.ngram_topk)
         self._ar_streak = self._ar_streak + 1 if plan.tree == AR_PLAN else 0
-        wait = RETUNE_AFTER_AR * 2 ** (self._ar_streak - 1) if plan.tree == AR_PLAN else RETUNE_EVERY
-        self._next_probe = len(self.state.tokens) + wait
+        self._schedule_probe()
         self._next_audit = len(self.state.tokens) + AUDIT_EVERY
+
+    def _schedule_probe(self) -> None:
+        wait = RETUNE_AFTER_AR * 2 ** (self._ar_streak - 1) if self.plan.tree == AR_PLAN else RETUNE_EVERY
+        self._next_probe = len(self.state.tokens) + wait
+
+    def plain_ar_steps(self) -> int:
+        """AR steps the loop may run as `--method ar` does before it reports them (as one iteration):
+        while the tuner has settled on AR steps, those up to its next probe; else 0 (report each)."""
+        plan = self.plan
+        if plan.tree != AR_PLAN or plan.probe or plan.trial or plan.audit:
+            return 0
+        return max(1, self._next_probe - len(self.state.tokens))
+
+    def _allowance(self) -> float:
+        """Seconds the budget has left (EXPLORATION_BUDGET)."""
+        left = (self.state.limit - len(self.state.tokens)) * (self._ar_s_per_token or 0.0)
+        return EXPLORATION_BUDGET * (self._elapsed_s + left) + self._saved_s - self._spent_s
+
+    def _probe_cost(self, steps: int) -> float:
+        """Expected seconds of `steps` more probe steps on AR steps and the choice after them."""
+        step = self._ar_s_per_token or 0.0
+        choose = self._choose_s if self._choose_s is not None else CHOOSE_COST_STEPS * step
+        return steps * (self._shadow_s or 0.0) + choose
 
     def observe(
         self,
@@ -572,15 +610,26 @@ class Tuner:
         seconds: float = 0.0,
         tokens: int = 1,
     ) -> Plan:
-        """Record one finished iteration (trie None: a plain AR step) that took `seconds` and
-        committed `tokens`; returns the plan to run next."""
-        plan = self.plan
-        if plan.tree == AR_PLAN and self.from_verify and (plan.trial or plan.audit):
+        """Record one finished iteration (trie None: plain AR steps, `tokens` of them) that took
+        `seconds` and committed `tokens`; returns the plan to run next. What this costs is spent from
+        the exploration budget."""
+        started = time.perf_counter()
+        plan = self._account(trie is None, seconds, tokens)
+        if (
+            plan.tree == AR_PLAN
+            and self.from_verify
+            and (plan.trial or plan.audit)
+            and (self._shadow_s or 0.0) <= self._allowance()
+        ):
             self._shadow_draft(last_hidden, probe=False)  # every candidate scored, ~10% of a step
         if plan.probe:
             if plan.tree == AR_PLAN:
                 self._shadow_draft(last_hidden, probe=True)
                 needed = SHADOW_PROBE_STEPS
+                if self._probe_iterations == 1 and self._probe_cost(needed - 1) > self._allowance():
+                    self._settle(Plan(AR_PLAN, 0))  # the probe would cost more than the budget has
+                    self._spent_s += time.perf_counter() - started
+                    return self.plan
             else:  # a probe tree runs every iteration
                 assert trie is not None and costs is not None
                 self._record_probe(trie, accepted_nodes, costs)
@@ -595,9 +644,27 @@ class Tuner:
                 self._time_turn(plan, seconds, tokens)
         settled = not (self.plan.probe or self.plan.trial or self.plan.audit)
         if settled and len(self.state.tokens) >= self._next_probe:
-            self._start_probe()
+            if self._probe_cost(SHADOW_PROBE_STEPS) <= self._allowance():
+                self._start_probe()
+            else:
+                self._schedule_probe()
         elif settled and self._audits is not None and len(self.state.tokens) >= self._next_audit:
             self._start_turns(self.plan, audit=True)
+        self._spent_s += time.perf_counter() - started
+        return self.plan
+
+    def _account(self, ar_steps: bool, seconds: float, tokens: int) -> Plan:
+        """The budget's side of an iteration: AR steps update their speed, a drafting iteration
+        saves (or loses) against it."""
+        self._elapsed_s += seconds
+        if ar_steps:
+            per_token = seconds / max(1, tokens)
+            previous = self._ar_s_per_token
+            self._ar_s_per_token = (
+                per_token if previous is None else previous + (per_token - previous) * min(1.0, tokens / 64)
+            )
+        elif self._ar_s_per_token is not None:
+            self._saved_s += tokens * self._ar_s_per_token - seconds
         return self.plan
 
     def _shadow_draft(self, hidden: torch.Tensor, probe: bool) -> None:
@@ -613,7 +680,10 @@ class Tuner:
         drafted = time.perf_counter()
         ngrams = retrieve_ngrams(state, state.tokens[-1:], self.probe_topk)
         trie = build_trie(state.tokens[-1], self._probe_static, candidates, ngrams, ngrams_from_root=True)
-        costs = IterationCosts(drafted - tick, time.perf_counter() - drafted, 0.0, len(trie))
+        done = time.perf_counter()
+        costs = IterationCosts(drafted - tick, done - drafted, 0.0, len(trie))
+        previous = self._shadow_s
+        self._shadow_s = done - tick if previous is None else previous + (done - tick - previous) / 8
         self._shadows.append((trie, len(state.tokens) - 1, max(trie.depths), costs if probe else None))
         self._settle_shadows()
 
@@ -723,6 +793,13 @@ class Tuner:
         return Plan(best.tree, best.ngram_topk)
 
     def _choose(self, last_hidden: torch.Tensor) -> None:
+        started = time.perf_counter()
+        try:
+            self._choose_measured(last_hidden)
+        finally:
+            self._choose_s = time.perf_counter() - started
+
+    def _choose_measured(self, last_hidden: torch.Tensor) -> None:
         engine, state, count = self.engine, self.state, self._probe_iterations
         recorder = self.recorder
         if max(1 + recorder.mean_accepted(key) for key in recorder.accepted) < MIN_TOKENS_PER_ITERATION:

@@ -35,6 +35,7 @@ from tokenswift_trt.decode.stages import (
 )
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
 from tokenswift_trt.decode.tree import build_static_tree, build_trie, parse_tree
+from tokenswift_trt.model.decoder import ForwardOutput
 from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
@@ -578,14 +579,29 @@ def _ar_loop(
     started: float,
     on_tokens: Callable[[list[int]], None] | None,
 ) -> Generator[Stats, None, None]:
-    done = False
-    while not done:
+    yield from _ar_steps(engine, state, stats, started, on_tokens, state.limit, "forward")
+
+
+def _ar_steps(
+    engine: Engine,
+    state: DecodeState,
+    stats: Stats,
+    started: float,
+    on_tokens: Callable[[list[int]], None] | None,
+    steps: int,
+    phase: str,
+) -> Generator[Stats, None, ArSteps]:
+    """Up to `steps` plain AR steps (`--method ar`'s loop; `--tree auto` runs the same between its
+    decisions), ending early at a stop token or the limit; returns what the tuner needs of them."""
+    out, seconds, count, done = None, 0.0, 0, False
+    while not done and count < steps:
         tick = time.perf_counter()
-        ar_step(engine, state)
+        out = ar_step(engine, state)
         token = state.tokens[-1]
         stats.iterations += 1
         stats.forwards += 1
-        stats.add_time("forward", time.perf_counter() - tick)
+        step_s = time.perf_counter() - tick
+        stats.add_time(phase, step_s)
         stats.new_tokens, stats.elapsed_s = (
             len(state.tokens) - state.prompt_length,
             time.perf_counter() - started,
@@ -594,7 +610,21 @@ def _ar_loop(
         if on_tokens:
             on_tokens([token])
         yield stats
+        seconds, count = seconds + step_s, count + 1
         done = token in state.stop_tokens or len(state.tokens) >= state.limit
+    assert out is not None
+    return ArSteps(out, seconds, count, done)
+
+
+@dataclass
+class ArSteps:
+    """A run of plain AR steps (`_ar_steps`): the last one's forward, their seconds, count and whether
+    the generation ended."""
+
+    out: ForwardOutput
+    seconds: float
+    steps: int
+    done: bool
 
 
 def _tokenswift_loop(
@@ -630,6 +660,21 @@ def _tokenswift_loop(
         tick = time.perf_counter()
         position = new_tokens()  # of this iteration's first committed token
         trie, costs = None, None
+        if tuner is not None and (steps := tuner.plain_ar_steps()):
+            # the tuner settled on AR steps: `--method ar`'s loop, no per-token bookkeeping, until
+            # its next decision; the tuner hears of them once
+            run = yield from _ar_steps(engine, state, stats, started, on_tokens, steps, "ar_step")
+            assert run.out.queries is not None
+            state.queries, last_hidden, last_draft_logits = (
+                [q[-1] for q in run.out.queries],
+                run.out.hidden[0],
+                None,
+            )
+            drafting_state_stale, done = True, run.done
+            next_plan = tuner.observe(None, [], None, last_hidden, done, run.seconds, run.steps)
+            if next_plan is not plan:
+                plan, tree = next_plan, next_plan.static_tree()
+            continue
         if tree is None:  # a plain AR step, the same code as the AR baseline's
             out = ar_step(engine, state)
             assert out.queries is not None
