@@ -162,3 +162,20 @@ def test_bench_steps_reports_the_all_reduce_cost_of_a_tp_step(tmp_path):
     for row in report["rows"]:
         assert row["all_reduces"] == 12 and 0 < row["all_reduce_ms"] and 0 < row["step_ms"]
     assert len(result.stdout.strip().splitlines()) == 2  # rank 0's rows only
+
+
+@pytest.mark.slow
+def test_an_engine_directory_runs_on_two_ranks_with_the_single_process_tokens(tmp_path):
+    engine = tmp_path / "engine"
+    built = CliRunner().invoke(
+        main, ["build", "--model", "models/swift-tiny", "--out", str(engine), "--dtype", "float32"]
+    )
+    assert built.exit_code == 0, built.output
+    args = ["generate", "--engine", str(engine), "--prompt", PROMPT, "--max-new-tokens", "48"]
+    args += ["--ignore-eos", "--json", *SEEDED]
+    result = _cli(*args, "--tp", "2")
+    assert result.returncode == 0, result.stderr
+    single = CliRunner().invoke(main, args)
+    assert single.exit_code == 0, single.output
+    tokens = [json.loads(out.strip().splitlines()[-1])["token_ids"] for out in (result.stdout, single.stdout)]
+    assert tokens[0] == tokens[1]

@@ -152,7 +152,11 @@ def load_source(
                 if heads is not None:
                     raise CliError("--heads applies to --model-dir; an engine carries its draft layers")
                 engine, manifest = load_engine_dir(
-                    engine_dir, device=device, dtype=getattr(torch, dtype) if dtype else None, kernels=kernels
+                    engine_dir,
+                    device=device,
+                    dtype=getattr(torch, dtype) if dtype else None,
+                    kernels=kernels,
+                    tp=ranks.tp if ranks is not None else None,
                 )
                 defaults = manifest_defaults(manifest)
                 codec = TextCodec.from_dir(engine_dir / "model")
@@ -207,10 +211,8 @@ def _start_ranks(
 
     from .tp_launch import launch
 
-    if model_dir is None:
-        raise CliError(f"--tp {tp} loads a model directory (--model or --model-dir), not an --engine")
     try:
-        ranks = launch(tp, timeout_s, model_dir, dtype, device, kernels)
+        ranks = launch(tp, timeout_s, model_dir or engine_dir / "model", dtype, device, kernels)
     except (ConfigError, TensorParallelError, RuntimeError) as error:
         raise fail(error) from None
     click.get_current_context().call_on_close(ranks.close)

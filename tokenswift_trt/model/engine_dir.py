@@ -23,6 +23,7 @@ import torch
 from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
 from tokenswift_trt.model.config import config_from_dict, load_config
 from tokenswift_trt.model.engine import Engine, load_engine
+from tokenswift_trt.model.tensor_parallel import TensorParallel
 
 MANIFEST = "tokenswift.json"
 FORMAT_VERSION = 2  # 2: `defaults` (partial settings) replaces `tree` and `sampling`
@@ -133,14 +134,25 @@ def load_engine_dir(
     dtype: torch.dtype | None = None,
     verify: str = "auto",
     kernels: Mapping[str, Any] | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[Engine, Manifest]:
     """Check the engine dir, then load it on its backend (torch forward, or onnxruntime graphs).
-    `kernels`: kernel settings (name -> value) replacing those the manifest records."""
+    `kernels`: kernel settings (name -> value) replacing those the manifest records. `tp`: this rank's
+    slices of a torch engine (tensor_parallel.py)."""
     engine_dir = Path(engine_dir)
     manifest = read_manifest(engine_dir, verify)
+    if tp is not None and manifest.backend != "torch":
+        raise EngineDirError(
+            f"--tp runs the torch backend; {engine_dir} was built for {manifest.backend}: build it with "
+            "--backend torch"
+        )
     settings = KernelConfig.from_dict(manifest.kernels).updated(kernels or {})
     engine = load_engine(
-        engine_dir / "model", dtype=dtype or getattr(torch, manifest.dtype), device=device, kernels=settings
+        engine_dir / "model",
+        dtype=dtype or getattr(torch, manifest.dtype),
+        device=device,
+        kernels=settings,
+        tp=tp,
     )
     if manifest.backend == "onnx":
         from tokenswift_trt.backends.onnx_backend import OnnxDecoder
