@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch.multiprocessing as mp
 from click.testing import CliRunner
 
 from tokenswift_trt.cli import main
@@ -179,3 +180,35 @@ def test_an_engine_directory_runs_on_two_ranks_with_the_single_process_tokens(tm
     assert single.exit_code == 0, single.output
     tokens = [json.loads(out.strip().splitlines()[-1])["token_ids"] for out in (result.stdout, single.stdout)]
     assert tokens[0] == tokens[1]
+
+
+def _check_tokens_rank(rank: int, port: int, last: int, results) -> None:
+    import torch.distributed as dist
+
+    from tokenswift_trt.cli.tp_launch import Ranks
+    from tokenswift_trt.model.tensor_parallel import TensorParallelError, init_group
+
+    ranks = Ranks(init_group(rank, 2, "127.0.0.1", port, timeout_s=60), "cpu")
+    ranks.check_tokens([4, 5, 6])  # the same on both ranks: passes
+    try:
+        ranks.check_tokens([4, 5, last])
+        results.put((rank, None))
+    except TensorParallelError as error:
+        results.put((rank, str(error)))
+    dist.destroy_process_group()
+
+
+def test_ranks_that_commit_different_tokens_fail_on_every_rank_in_one_line():
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _port()
+    processes = [context.Process(target=_check_tokens_rank, args=(r, port, 6 + r, results)) for r in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        errors = dict(results.get(timeout=120) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(30)
+    assert errors[0] == errors[1] and "ranks committed different tokens" in errors[0]
+    assert "\n" not in errors[0]
