@@ -38,11 +38,14 @@ def plot_windows(runs: Sequence[tuple[str, Path] | tuple[str, Path, str]], out: 
     import matplotlib.pyplot as plt
 
     curves = [
-        (f"{run[0]}, prefix {row['prefix_len']:,}", row) for run in runs for row in longest_rows(*run[1:])
+        (f"{run[0]}, prefix {row['prefix_len']:,}", row, (str(run[1]), row["prefix_len"]))
+        for run in runs
+        for row in longest_rows(*run[1:])
     ]
+    ar_drawn: set[tuple[str, int]] = set()  # one AR line per bench JSON and prompt length
     figure, (alpha_axis, tau_axis, speed_axis) = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, (label, row) in enumerate(curves):
+    for index, (label, row, source) in enumerate(curves):
         windows = row["windows"]
         style = LINESTYLES[index % len(LINESTYLES)]
         x = [(window["start"] + min(window["end"], row["gen_len"])) / 2 for window in windows]
@@ -73,9 +76,17 @@ def plot_windows(runs: Sequence[tuple[str, Path] | tuple[str, Path, str]], out: 
             color=color,
             label=f"TokenSwift, {label}",
         )
-        speed_axis.plot(
-            x, [w["ar_tokens_per_s"] for w in windows], style, marker="x", color="black", label=f"AR, {label}"
-        )
+        if source not in ar_drawn:  # runs of one bench share its AR run
+            ar_drawn.add(source)
+            label = f"{Path(source[0]).parent.name}, prefix {source[1]:,}"
+            speed_axis.plot(
+                x,
+                [w["ar_tokens_per_s"] for w in windows],
+                style,
+                marker="x",
+                color="black",
+                label=f"AR, {label}",
+            )
     size = curves[0][1]["windows"][0]["end"] - curves[0][1]["windows"][0]["start"]
     alpha_axis.set(
         ylabel="accepted / reached", ylim=(0, 1), title=f"By output position ({size}-token windows)"
