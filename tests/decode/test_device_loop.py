@@ -10,10 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tokenswift_trt.decode.device_loop import DeviceLoop, DeviceNgramTable, TrieSlots, walk
+from tokenswift_trt.decode.device_loop import DeviceLoop
 from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, generate
-from tokenswift_trt.decode.stages import accept_trie
-from tokenswift_trt.decode.tree import build_static_tree, build_trie
 from tokenswift_trt.model import sampling
 from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig, position_gumbel_tensor
 
@@ -123,9 +121,9 @@ def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch
     recorder = HostValueCopies()
     step = DeviceLoop.step
 
-    def recorded_step(self, route: bool | None = None) -> None:
+    def recorded_step(self, plan, route: bool | None = None) -> None:
         with recorder:
-            step(self, route)
+            step(self, plan, route)
 
     monkeypatch.setattr(DeviceLoop, "step", recorded_step)
     prompt = _prompt(llama_engine64.config.vocab_size)
@@ -187,16 +185,10 @@ def test_device_loop_stops_at_eos_and_at_the_maximum_length(llama_engine64):
     assert out == ar[:30] and stats.stop_reason == "max_length"
 
 
-@pytest.mark.parametrize(
-    "changes,match",
-    [
-        (dict(tree="auto"), "fixed tree"),
-        (dict(tree="3,3,3", draft_source="partial"), "verify pass"),
-    ],
-)
-def test_device_loop_refuses_what_it_does_not_run(llama_engine64, changes, match):
-    config = GenerationConfig(max_new_tokens=8, device_loop=True, **changes)
-    with pytest.raises(GenerationError, match=match):
+@pytest.mark.parametrize("tree", ["3,3,3", "auto"])
+def test_device_loop_refuses_partial_cache_drafting(llama_engine64, tree):
+    config = GenerationConfig(max_new_tokens=8, device_loop=True, tree=tree, draft_source="partial")
+    with pytest.raises(GenerationError, match="verify pass.*host loop"):
         generate(llama_engine64, [5, 6, 7], config)
 
 
@@ -212,135 +204,6 @@ def test_device_noise_is_the_host_keyed_noise_bit_for_bit():
     device = position_gumbel_tensor(12345, torch.tensor(positions), torch.arange(300))
     host = PositionKeyedRandom(seed=12345).gumbel_rows(positions, 300, torch.device("cpu"))
     assert torch.equal(python_keyed, device) and torch.equal(host, device)
-
-
-def test_device_ngram_table_counts_and_ranks_grams():
-    table = DeviceNgramTable(vocab=10, k=2, device=torch.device("cpu"))
-    on = torch.ones((), dtype=torch.bool)
-    for gram in ([1, 2, 3, 4], [1, 5, 6, 7], [1, 5, 6, 7], [2, 3, 4, 5]):
-        table.add(torch.tensor(gram), on)
-    table.add(torch.tensor([1, 9, 9, 9]), torch.zeros((), dtype=torch.bool))  # not valid: ignored
-    grams, valid = table.top(torch.tensor(1))
-    assert grams.tolist() == [[5, 6, 7], [2, 3, 4]] and valid.tolist() == [True, True]
-    assert table.counts[1].sort(descending=True).values.tolist() == [2, 1]
-    # full row: a new gram replaces the least counted one and takes its count + 1 (Space-Saving)
-    table.add(torch.tensor([1, 8, 8, 8]), on)
-    grams, _ = table.top(torch.tensor(1))
-    assert sorted(grams.tolist()) == [[5, 6, 7], [8, 8, 8]] and table.counts[1].tolist() == [2, 2]
-    grams, valid = table.top(torch.tensor(3))
-    assert valid.tolist() == [False, False]
-
-
-def test_device_ngram_table_fills_from_a_whole_prompt_with_each_starts_k_most_counted_grams():
-    """add_all in a few vectorised ops: the exact counts, the k most counted grams per start token,
-    ties to the earlier first occurrence (a small vocabulary so most starts have more than k grams)."""
-    from collections import Counter
-
-    tokens = torch.randint(0, 5, (600,), generator=torch.Generator().manual_seed(4))
-    table = DeviceNgramTable(vocab=5, k=3, device=torch.device("cpu"))
-    table.add_all(tokens)
-    listed = tokens.tolist()
-    grams = [tuple(listed[i : i + 4]) for i in range(len(listed) - 3)]
-    counts, first = Counter(grams), {}
-    for position, gram in enumerate(grams):
-        first.setdefault(gram, position)
-    for start in range(5):
-        ranked = sorted((g for g in counts if g[0] == start), key=lambda g: (-counts[g], first[g]))[:3]
-        got, valid = table.top(torch.tensor(start))
-        assert [tuple([start, *row]) for row in got.tolist()] == ranked and valid.all()
-        assert table.counts[start].tolist() == [counts[g] for g in ranked]
-    assert sum(counts[g] for g in counts if g[0] == 4) > table.counts[4].sum()  # some grams left out
-    short = DeviceNgramTable(vocab=5, k=3, device=torch.device("cpu"))
-    short.add_all(tokens[:3])  # no whole gram
-    assert not short.counts.any()
-    with pytest.raises(ValueError, match="empty"):
-        table.add_all(tokens)
-
-
-def _random_trie_case(generator: torch.Generator, vocab: int = 6):
-    """A static tree filled with candidates from a small vocabulary (many duplicates), and n-grams."""
-    tree = build_static_tree("2,2,1")
-    ranked = torch.randint(0, vocab, (3, 2), generator=generator)
-    grams = torch.randint(0, vocab, (4, 3), generator=generator)
-    valid = torch.rand(4, generator=generator) < 0.7
-    return tree, ranked, grams, valid
-
-
-def test_device_trie_holds_the_host_tries_paths_once_each():
-    generator = torch.Generator().manual_seed(3)
-    for _ in range(50):
-        tree, ranked, grams, valid = _random_trie_case(generator)
-        slots = TrieSlots(tree, ngram_topk=4, size=32, device=torch.device("cpu"))
-        trie = slots.assemble(torch.tensor(0), ranked, grams, valid)
-        host = build_trie(
-            0,
-            tree,
-            ranked.tolist(),
-            [[0] + g for g, v in zip(grams.tolist(), valid.tolist()) if v],
-            ngrams_from_root=True,
-        )
-
-        live = [slot for slot in range(32) if trie.live[slot]]
-        device_paths = sorted(_device_path(trie, slot) for slot in live)
-        host_paths = sorted(
-            tuple(host.tokens[a] for a in _host_path(host, node)) for node in range(len(host))
-        )
-        assert device_paths == host_paths  # every path once, the same paths
-
-
-def _device_path(trie, slot: int) -> tuple[int, ...]:
-    """The tokens after the root on a device trie slot's path, read from its mask row."""
-    ancestors = [j for j in range(trie.mask.shape[0]) if trie.mask[slot, j] and j != 0]
-    return tuple(trie.tokens[j].item() for j in sorted(ancestors, key=lambda j: trie.depths[j].item()))
-
-
-def _host_path(trie, node: int) -> list[int]:
-    nodes = []
-    while node > 0:
-        nodes.append(node)
-        node = trie.parents[node]
-    return nodes[::-1]
-
-
-class _Samples:
-    def __init__(self, table: dict[tuple[int, ...], int]) -> None:
-        self.table, self.trie = table, None
-
-    def sample(self, node: int) -> int:
-        return self.table[tuple(self.trie.tokens[n] for n in _host_path(self.trie, node))]
-
-
-def test_device_walk_accepts_what_the_host_walk_accepts():
-    """Samples are a function of the path (as the target's are); the device walk's emitted tokens
-    equal accept_trie's on the host trie, including the stop-token and limit cuts."""
-    generator = torch.Generator().manual_seed(4)
-    for case in range(200):
-        tree, ranked, grams, valid = _random_trie_case(generator, vocab=3)
-        slots = TrieSlots(tree, ngram_topk=4, size=32, device=torch.device("cpu"))
-        trie = slots.assemble(torch.tensor(0), ranked, grams, valid)
-        paths = {}
-        samples = []
-        for slot in range(32):
-            key = _device_path(trie, slot)
-            paths.setdefault(key, int(torch.randint(0, 3, (1,), generator=generator)))
-            samples.append(paths[key])
-        remaining = 2 + case % 4
-        stops = frozenset({case % 5}) if case % 3 == 0 else frozenset()
-        result = walk(trie, torch.tensor(samples), torch.tensor(remaining), torch.tensor(sorted(stops)), 3)
-        host = build_trie(
-            0,
-            tree,
-            ranked.tolist(),
-            [[0] + g for g, v in zip(grams.tolist(), valid.tolist()) if v],
-            ngrams_from_root=True,
-        )
-        targets = _Samples(paths)
-        targets.trie = host
-        expected = accept_trie(host, targets, remaining, stops)
-        count = int(result.count)
-        assert result.emitted[:count].tolist() == expected.tokens
-        stopped = expected.tokens[-1] in stops or len(expected.tokens) >= remaining
-        assert bool(result.stopped) == stopped
 
 
 def test_device_loop_with_the_compiled_cpu_sampler(llama_dir):

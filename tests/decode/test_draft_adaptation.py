@@ -163,9 +163,15 @@ def test_the_device_loop_refuses_adaptation_and_ignores_the_default(llama_engine
     assert not config.adapts_drafts(torch.device("cuda"))
 
 
-def test_the_default_is_on_with_cuda_and_off_on_a_cpu():
+def test_the_default_is_on_with_cuda_in_the_host_loop_and_off_on_a_cpu():
+    """On CUDA the default request runs the device loop, which keeps the engine's layers; a request
+    for the host loop (or partial-cache drafting, which only it runs) adapts by default there."""
     config = GenerationConfig(max_new_tokens=8)
-    assert config.adapts_drafts(torch.device("cuda")) and not config.adapts_drafts(torch.device("cpu"))
+    assert not config.adapts_drafts(torch.device("cuda")) and not config.adapts_drafts(torch.device("cpu"))
+    for host_loop in (replace(config, device_loop=False), replace(config, draft_source="partial")):
+        assert host_loop.adapts_drafts(torch.device("cuda")) and not host_loop.adapts_drafts(
+            torch.device("cpu")
+        )
     assert not replace(config, method="ar", adapt_drafts=True).adapts_drafts(torch.device("cpu"))
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokenswift_trt.decode.admission import AdmissionError, admit, available_bytes, plan_memory
-from tokenswift_trt.decode.autotune import IterationCosts, Plan, Tuner, probe_plan
+from tokenswift_trt.decode.autotune import AR_PLAN, IterationCosts, Plan, Tuner, probe_plan
 from tokenswift_trt.decode.device_loop import DeviceLoop, run_device_loop
-from tokenswift_trt.decode.ngram import NgramTable
+from tokenswift_trt.decode.ngram import NGRAM_LENGTH, NgramTable
 from tokenswift_trt.decode.stages import (
     Acceptance,
     Acceptor,
@@ -35,7 +35,7 @@ from tokenswift_trt.decode.stages import (
 )
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
 from tokenswift_trt.decode.tree import build_static_tree, build_trie, parse_tree
-from tokenswift_trt.model.decoder import ForwardOutput
+from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths
 from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
@@ -48,7 +48,6 @@ from tokenswift_trt.model.sampling import (
 )
 
 METHODS = ("tokenswift", "ar")
-NGRAM_LENGTH = 4
 AUTO = "auto"
 DRAFT_SOURCES = (AUTO, "partial", "verify")
 
@@ -101,9 +100,10 @@ class GenerationConfig:
     # fixed-shape steps over the whole cache (static_step.py), CUDA-graph captured on a GPU;
     # None = on for CUDA torch engines, off elsewhere
     static_steps: bool | None = None
-    # the whole iteration on the device (device_loop.py), one CUDA graph per iteration on a GPU;
-    # needs a static tree and drafting from the verify pass (the draft source it resolves to)
-    device_loop: bool = False
+    # the whole iteration on the device (device_loop.py), one CUDA graph per plan on a GPU; drafts
+    # from the verify pass (the draft source it resolves to). None: on with CUDA where it runs
+    # (`runs_device_loop`), the host loop elsewhere; False: the host loop
+    device_loop: bool | None = None
     # fixed-shape steps through torch.compile (static_step.compiled_forward; implies static steps)
     compile_steps: bool = False
     # each request adapts its own copy of the draft layers to what it commits (model/draft_adaptation.py):
@@ -122,6 +122,31 @@ class GenerationConfig:
         return "verify" if self.tree == AUTO or self.device_loop else "partial"
 
     @property
+    def prefers_device_loop(self) -> bool:
+        """Whether the device loop runs where it can (`runs_device_loop`): asked for, or left to the
+        default while drafting from the verify pass with no draft adaptation asked for."""
+        if self.method != "tokenswift" or self.device_loop is False or self.adapt_drafts:
+            return False
+        return self.device_loop is True or self.resolved_draft_source == "verify"
+
+    def runs_device_loop(self, engine: Engine, random: RandomSource) -> bool:
+        """Whether this request runs the device loop on `engine`: as `device_loop` says, and where it is
+        None on CUDA with a PyTorch engine whose iteration a graph can hold (no η sampling, which reads
+        its entropy back; position-keyed noise; draft layers without a path input, which draft level
+        by level on the host). On a CPU the host loop is the default (docs/architecture.md)."""
+        if not self.prefers_device_loop:
+            return False
+        if self.device_loop:
+            return True
+        return (
+            engine.device.type == "cuda"
+            and engine.model.fixed_shape_steps
+            and self.sampling.eta == 0
+            and isinstance(random, PositionKeyedRandom)
+            and not drafts_along_paths(engine.draft_layers)
+        )
+
+    @property
     def adaptation(self) -> AdaptationSettings:
         return AdaptationSettings(self.adapt_block, self.adapt_scope, self.adapt_optimizer, self.adapt_lr)
 
@@ -132,7 +157,9 @@ class GenerationConfig:
         device loop."""
         if self.method != "tokenswift" or self.device_loop:
             return False
-        return self.adapt_drafts if self.adapt_drafts is not None else device.type == "cuda"
+        if self.adapt_drafts is not None:
+            return self.adapt_drafts
+        return device.type == "cuda" and not self.prefers_device_loop
 
     def validate(self) -> None:
         """Engine-independent checks; raise GenerationError naming the bad value."""
@@ -173,11 +200,10 @@ class GenerationConfig:
         if self.compile_steps and self.static_steps is False:
             raise GenerationError("compiled steps are fixed-shape steps: they need static steps on")
         if self.device_loop and self.method == "tokenswift":
-            if self.tree == AUTO:
-                raise GenerationError("the device loop runs a fixed tree: give --tree (e.g. 3,3,3)")
             if self.resolved_draft_source != "verify":
                 raise GenerationError(
-                    "the device loop drafts from the verify pass: use --draft-source verify"
+                    "the device loop drafts from the verify pass: use --draft-source verify, or drop "
+                    "--device-loop for partial-cache drafting (the host loop's)"
                 )
             if self.adapt_drafts:
                 raise GenerationError(
@@ -435,7 +461,7 @@ def decode_steps(
     if first not in state.stop_tokens and len(state.tokens) < state.limit:
         if config.method == "ar":
             yield from _ar_loop(engine, state, stats, started, on_tokens)
-        elif config.device_loop:
+        elif config.runs_device_loop(engine, state.random):
             yield from _device_loop(engine, state, config, stats, started, hidden, on_tokens)
         else:
             _refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
@@ -750,31 +776,62 @@ def _device_loop(
     last_hidden: torch.Tensor,  # [hidden] of the last committed token
     on_tokens: Callable[[list[int]], None] | None,
 ) -> Generator[Stats, None, None]:
-    """Iterations run by device_loop.py; the host only reads each one's report, one iteration late."""
+    """Iterations run by device_loop.py under a fixed plan or the tuner's: its drafting plans on the
+    device, each captured once as its own graph (the host reads each iteration's report, one
+    iteration late), its AR steps as `--method ar` runs them. A plan the tuner leaves stops after the
+    iteration already queued, which commits but is not reported to the tuner."""
     if not engine.model.fixed_shape_steps:
         raise GenerationError("the device loop runs PyTorch engines: drop --device-loop for this engine")
     capture = engine.device.type == "cuda" and config.sampling.eta == 0  # η reads its entropy back
+    new_tokens = lambda: len(state.tokens) - state.prompt_length  # noqa: E731
+    auto = config.tree == AUTO
+    tuner = Tuner(engine, state, True, state.full.capacity - state.limit, new_tokens) if auto else None
+    plan = tuner.plan if tuner is not None else Plan(config.tree, config.ngram_topk)
+    largest, topk = probe_plan("verify", engine.device) if auto else (config.tree, config.ngram_topk)
     try:
-        tree = build_static_tree(config.tree)
-        loop = DeviceLoop(engine, state, tree, config.ngram_topk, last_hidden, capture, config.compile_steps)
+        loop = DeviceLoop(engine, state, len(parse_tree(largest)), topk, capture, config.compile_steps)
     except ValueError as error:
         raise GenerationError(str(error)) from None
-    for report in run_device_loop(loop, stats.add_time):
-        position = len(state.tokens) - state.prompt_length  # of this iteration's first committed token
-        state.tokens.extend(report.tokens)
-        stats.iterations += 1
-        stats.forwards += 1
-        stats.count_drafting(
-            position, len(report.tokens), loop.slots.max_depth, report.accepted, report.ngram_accepted
-        )
-        stats.new_tokens = len(state.tokens) - state.prompt_length
-        stats.elapsed_s = time.perf_counter() - started
-        if on_tokens and report.tokens:
-            on_tokens(report.tokens)
-        yield stats
-    state.full.length = len(state.tokens) - 1  # the device's committed slots
+    if tuner is not None:
+        stats.plans = tuner.history
+    done = False
+    while not done:
+        if plan.tree == AR_PLAN:  # the tuner's AR steps
+            assert tuner is not None
+            steps = max(1, tuner.plain_ar_steps())
+            run = yield from _ar_steps(engine, state, stats, started, on_tokens, steps, "ar_step")
+            last_hidden, done = run.out.hidden[0], run.done
+            plan = tuner.observe(None, [], None, last_hidden, done, run.seconds, run.steps)
+            continue
+        executor = loop.plan(plan.static_tree(), plan.ngram_topk)  # type: ignore[arg-type]
+        loop.enter(last_hidden)
+        loop.prepare(executor)  # a new plan's graph is captured before its iterations are timed
+        tick = time.perf_counter()
+        for report in run_device_loop(loop, executor, stats.add_time):
+            position = new_tokens()  # of this iteration's first committed token
+            state.tokens.extend(report.tokens)
+            stats.iterations += 1
+            stats.forwards += 1
+            stats.count_drafting(
+                position, len(report.tokens), executor.slots.max_depth, report.accepted, report.ngram_accepted
+            )
+            stats.new_tokens, stats.elapsed_s = new_tokens(), time.perf_counter() - started
+            if on_tokens and report.tokens:
+                on_tokens(report.tokens)
+            yield stats
+            done, now = report.done, time.perf_counter()
+            seconds, tick = now - tick, now
+            if tuner is not None and not report.drained:
+                features = executor.features(report)
+                next_plan = tuner.observe(
+                    features, report.chain, None, loop.last_hidden, done, seconds, len(report.tokens)
+                )
+                if next_plan is not plan:
+                    plan = next_plan
+                    loop.halt()
+        last_hidden = loop.leave()
     stats.graph_replays += loop.replays
-    stats.graph_captures += len(loop.graphs)
+    stats.graph_captures += loop.captures
 
 
 def _refresh_drafting_state(state: DecodeState) -> None:

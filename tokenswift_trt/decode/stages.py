@@ -11,7 +11,15 @@ Every iteration therefore commits accept_length + 1 tokens.
 Stages: propose (draft forward on the partial cache, or the last verify pass's draft rows ->
 per-depth candidates; n-gram branches) -> build trie (tree.py) -> verify (one forward over the
 trie on the full cache) -> accept (one target sample per visited node) -> commit (full cache,
-partial cache, n-gram table, token history). `decoding.py` strings them into the loop.
+partial cache, n-gram table, token history).
+
+Each stage has a host form and, where the device loop runs it, a batched device form beside it
+(tensors in, tensors out, nothing read back): the trie (`tree.Trie` / `tree.TrieSlots`), the n-gram
+table (`ngram.NgramTable` / `ngram.NgramTensors`), penalty windows (`DecodeState.windows` /
+`DecodeState.slot_windows`), the acceptance walk (`accept_trie` / `accept_slots`) and the commit
+(`commit` / `commit_chain`). Two executors string them into iterations: the host loop (loop.py) and
+the device loop (device_loop.py, one CUDA graph per iteration); tests/decode/test_executors.py
+shows they commit the same tokens, iteration by iteration.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 
 from tokenswift_trt.decode.ngram import NgramTable
 from tokenswift_trt.decode.static_step import StaticForward
-from tokenswift_trt.decode.tree import Candidates, StaticTree, Trie
+from tokenswift_trt.decode.tree import Candidates, StaticTree, Trie, TrieTensors
 from tokenswift_trt.kernels.transfer import copy_from_host, to_device
 from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths, reads_root
 from tokenswift_trt.model.engine import Engine
@@ -110,6 +118,23 @@ class DecodeState:
         ends = to_device([held + len(path) for path in paths], torch.long, rows.device)  # exclusive, per row
         columns = (torch.arange(width, device=rows.device) + (ends[:, None] - width)).clamp_(min=0)
         return rows.gather(1, columns)
+
+    def slot_windows(
+        self, count: torch.Tensor, paths: torch.Tensor | None = None, depths: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`window` / `windows` on the device, `count` (0-d) tokens committed: the committed window [W]
+        (paths None), or per slot [S, W]: the last W of committed + the slot's path (paths [S, Dmax],
+        -1 past depths [S]; shorter contexts padded with the first token, which is then in the window
+        anyway, so the padding is inert)."""
+        size = self.sampling.penalty_window
+        if self.sampling.penalty == 1 or size == 0:
+            return self.history[:0]
+        offsets = torch.arange(-size, 0, device=self.history.device)  # the window before `count`
+        committed = self.history[(count + offsets).clamp(min=0)]  # [W]
+        if paths is None or depths is None:
+            return committed
+        rows = torch.cat((committed.expand(paths.shape[0], -1), paths.clamp(min=0)), dim=1)  # [S, W + Dmax]
+        return rows.gather(1, depths[:, None] + (offsets + size)[None, :])
 
     def append(self, tokens: Sequence[int]) -> None:
         start = len(self.tokens)
@@ -218,6 +243,44 @@ def accept_trie(trie: Trie, targets: NodeTargets, remaining: int, stop_tokens: f
         nodes.append(child)
         node = child
     return Acceptance(nodes, tokens)
+
+
+@dataclass
+class Walk:
+    """`Acceptance` on the device (`accept_slots`)."""
+
+    chain: torch.Tensor  # [Dmax + 1] slots of the accepted chain by depth (root first; 0 past its end)
+    emitted: torch.Tensor  # [Dmax + 1] the target's samples along the chain (accepted tokens, then bonus)
+    count: torch.Tensor  # 0-d: tokens committed (emitted[:count])
+    last: torch.Tensor  # 0-d: the slot whose sample is the bonus token
+    stopped: torch.Tensor  # 0-d bool: an EOS token or the limit ends the generation
+
+
+def accept_slots(
+    trie: TrieTensors,
+    samples: torch.Tensor,  # [S] the target's sample at every slot
+    remaining: torch.Tensor,  # 0-d tokens left before the limit (>= 1)
+    stop_ids: torch.Tensor,  # [E] stop token ids (may be empty)
+    max_depth: int,
+) -> Walk:
+    """`accept_trie` as tensor algebra, every slot sampled: a live slot is accepted when its token is
+    the target's sample at its parent and its parent is accepted. De-duplicated, a parent has at most
+    one live child per token, so the accepted slots form one chain from the root; it is cut, as
+    `accept_trie` is, at the first stop token and at the limit."""
+    matched = trie.live & (trie.tokens == samples[trie.parents])
+    matched[0].fill_(True)  # not `= True`: that copies a host scalar, refused during graph capture
+    accepted = trie.live & ~(trie.mask & ~matched[None, :]).any(dim=-1)  # [S]: every ancestor matched
+    last = torch.where(accepted, trie.depths, -1).argmax().reshape(1)  # 1-d indices: no read-back
+    levels = torch.arange(max_depth + 1, device=samples.device)
+    on_chain = trie.mask[last] & (trie.depths[None, :] == levels[:, None])  # [Dmax + 1, S]
+    chain = on_chain.long().argmax(dim=1)
+    emitted = samples[chain]
+    length = trie.depths[last][0]
+    is_stop = torch.isin(emitted, stop_ids) & (levels <= length)
+    first_stop = torch.where(is_stop, levels, max_depth + 1).min()
+    cut = torch.minimum(torch.minimum(length, remaining - 1), first_stop)
+    bonus = chain[cut.clamp(min=0).reshape(1)][0]
+    return Walk(chain, emitted, cut + 1, bonus, (first_stop <= cut) | (remaining <= cut + 1))
 
 
 # ---------------------------------------------------------------- stages
@@ -392,3 +455,15 @@ def commit(state: DecodeState, acceptance: Acceptance, verified: ForwardOutput) 
         state.partial.append_from(state.full, start, len(kept), state.queries)
     if state.table is not None:
         state.table.update(state.tokens, len(state.tokens) - state.ngram_exclusion)
+
+
+def commit_chain(state: DecodeState, count: torch.Tensor, walk: Walk) -> None:
+    """`commit` on the device, `count` (0-d) tokens committed before the iteration: the accepted
+    chain's K/V moved into the committed slots after the root's, its tokens into the history (slots
+    past the new count are rewritten before they are read)."""
+    levels = torch.arange(walk.chain.numel(), device=count.device)
+    length = count - 1  # the root's slot
+    source, target = length + walk.chain, length + levels
+    for cache_tensor in (state.full.keys, state.full.values):
+        cache_tensor.index_copy_(2, target, cache_tensor.index_select(2, source))
+    state.history.index_copy_(0, count + levels, walk.emitted)

@@ -3,6 +3,10 @@
 Terms: the *root* is the last sampled token (not yet in the KV cache); node 0 of every tree is the
 root. A node at depth d proposes a token for position root + d. In the static tree a node at
 depth d takes the candidate of rank `rank` from head d-1 (head 0 is the base model's own head).
+
+The trie has two forms: `Trie` / `build_trie` on the host (nodes appended as paths are merged), and
+`TrieSlots` / `TrieTensors` on the device (a fixed slot layout, duplicates masked out, no value read
+back), holding the same paths (tests/decode/test_tree.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from tokenswift_trt.decode.ngram import NGRAM_LENGTH
 
 # Draft candidates, best first: per depth (every node of a depth has the same children; head d's
 # list) or per node (keyed by the node's candidate-rank path, () for the root: drafts that follow
@@ -193,3 +199,114 @@ def build_trie(
         ranks[path[0]] = rank + 1
         trie.add_path(path[1:] if ngrams_from_root else path, from_tree=False, ngram_rank=rank)
     return trie
+
+
+@dataclass
+class TrieTensors:
+    """`Trie` on the device: one iteration's trie in fixed slots (S of them); dead slots are duplicates
+    of an earlier slot's path, empty n-gram branches and padding."""
+
+    tokens: torch.Tensor  # [S] int64
+    depths: torch.Tensor  # [S] int64
+    parents: torch.Tensor  # [S] int64: canonical parent slot (0 for the root and dead slots)
+    live: torch.Tensor  # [S] bool
+    mask: torch.Tensor  # [S, S] bool: a live slot sees itself and its live ancestors
+    paths: torch.Tensor  # [S, Dmax] each slot's tokens after the root, -1 past its depth
+    # [S]: a live slot's best n-gram rank among the branches through its path (`Trie.ngram_ranks`),
+    # -1 where none passes through it, -2 for dead slots
+    ngram_ranks: torch.Tensor
+
+
+class TrieSlots:
+    """The fixed slot layout of `build_trie(root, tree, candidates, grams, ngrams_from_root=True)`:
+    slot 0 the root, then the static tree's nodes (breadth first), then k n-gram branches of 3 slots
+    each (root -> g1 -> g2 -> g3), then padding to `size`."""
+
+    def __init__(self, tree: StaticTree, ngram_topk: int, size: int, device: torch.device) -> None:
+        tree_nodes = tree.num_nodes
+        parents = tree.parents.tolist()
+        depths = tree.depths.tolist()
+        ranks = [-1] * tree_nodes  # each slot's n-gram branch rank (-1: a tree slot)
+        for rank in range(ngram_topk):
+            for step in range(NGRAM_LENGTH - 1):
+                parents.append(0 if step == 0 else len(parents) - 1)
+                depths.append(step + 1)
+                ranks.append(rank)
+        used = len(parents)
+        if size < used:
+            raise ValueError(f"{used} trie slots do not fit in {size}")
+        parents += [-1] * (size - used)
+        depths += [0] * (size - used)
+        ranks += [-1] * (size - used)
+        self.tree, self.ngram_topk = tree, ngram_topk
+        self.size, self.tree_nodes, self.used = size, tree_nodes, used
+        self.max_depth = max(depths)
+        self.width = max(tree.branching)
+        # static tree node i takes candidate `ranks[i]` of depth `depths[i]`: a flat index into [D, width]
+        self.candidate_index = torch.tensor(
+            [(d - 1) * self.width + r for d, r in zip(tree.depths.tolist()[1:], tree.ranks.tolist()[1:])],
+            dtype=torch.long,
+            device=device,
+        )
+        # ancestors[i, d - 1]: the slot at depth d on slot i's path (-1 past its depth)
+        ancestors = [[-1] * self.max_depth for _ in range(size)]
+        for slot in range(1, used):
+            node = slot
+            while node > 0:
+                ancestors[slot][depths[node] - 1] = node
+                node = parents[node]
+        self.ancestors = torch.tensor(ancestors, dtype=torch.long, device=device)  # [S, Dmax]
+        self.depths = torch.tensor(depths, dtype=torch.long, device=device)  # [S]
+        self.parents = torch.tensor(parents, dtype=torch.long, device=device).clamp(min=0)  # [S]
+        self.no_rank = no_rank = ngram_topk  # above every rank
+        self.branch_ranks = torch.tensor(
+            [no_rank if r < 0 else r for r in ranks], dtype=torch.long, device=device
+        )  # [S]
+        self.arange = torch.arange(size, device=device)
+
+    def assemble(
+        self, root: torch.Tensor, ranked: torch.Tensor, grams: torch.Tensor, gram_valid: torch.Tensor
+    ) -> TrieTensors:
+        """root 0-d, ranked [D, width] candidate ids, grams [k, 3], gram_valid [k] -> the trie."""
+        size, device = self.size, root.device
+        tokens = torch.cat(
+            (
+                root[None],
+                ranked.reshape(-1)[self.candidate_index],
+                grams.reshape(-1),
+                root.new_zeros(size - self.used),
+            )
+        )  # [S]
+        valid = torch.cat(
+            (
+                torch.ones(self.tree_nodes, dtype=torch.bool, device=device),
+                gram_valid.repeat_interleave(NGRAM_LENGTH - 1),
+                torch.zeros(size - self.used, dtype=torch.bool, device=device),
+            )
+        )  # [S]
+        known = self.ancestors >= 0
+        paths = torch.where(known, tokens[self.ancestors.clamp(min=0)], -1)  # [S, Dmax]
+        same = (paths[:, None, :] == paths[None, :, :]).all(-1) & valid[None, :]  # [S, S]
+        first = same.long().argmax(dim=1)  # the first valid slot with the same path
+        canonical = torch.where(valid, first, self.arange)
+        live = valid & (canonical == self.arange)
+        chain = torch.where(known, canonical[self.ancestors.clamp(min=0)], 0)  # [S, Dmax]
+        mask = torch.zeros(size, size, dtype=torch.bool, device=device)
+        mask.scatter_(1, chain, known)  # slot 0 (root) may receive a False from an unknown entry
+        mask[:, 0].fill_(True)  # a fill: `= True` copies a host value, refused in a graph capture
+        mask |= torch.eye(size, dtype=torch.bool, device=device)
+        best = torch.where(same, self.branch_ranks[None, :], self.no_rank).amin(dim=1)  # [S]
+        ngram_ranks = torch.where(live, torch.where(best < self.no_rank, best, -1), -2)
+        return TrieTensors(tokens, self.depths, canonical[self.parents], live, mask, paths, ngram_ranks)
+
+    def features(self, ngram_ranks: list[int]) -> Trie:
+        """A host `Trie` holding what the tuner reads of a device trie (`autotune.ProbeRecorder.record`):
+        per slot its static-tree rank path and best n-gram rank (dead slots neither), from
+        `TrieTensors.ngram_ranks` read back."""
+        trie = Trie(0)
+        trie.tree_paths = [
+            self.tree.paths[slot] if slot < self.tree_nodes and rank > -2 else None
+            for slot, rank in enumerate(ngram_ranks)
+        ]
+        trie.ngram_ranks = [rank if rank >= 0 else None for rank in ngram_ranks]
+        return trie
