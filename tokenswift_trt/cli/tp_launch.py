@@ -124,6 +124,9 @@ def _rank_main() -> None:
     except click.ClickException as error:
         sys.stderr.write(f"{ERROR_PREFIX}{error.format_message()}\n")
         sys.exit(error.exit_code)
+    except Exception as error:  # noqa: BLE001 (a rank's unexpected failure, said in one line)
+        sys.stderr.write(f"{ERROR_PREFIX}{type(error).__name__}: {_first_line(error)}\n")
+        sys.exit(1)
 
 
 @dataclass
