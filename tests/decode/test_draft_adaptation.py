@@ -154,25 +154,20 @@ def test_steps_on_a_block_bring_the_drafts_towards_the_target(rooted_engine64, s
     assert loss() < start - 1e-3
 
 
-def test_the_device_loop_refuses_adaptation_and_ignores_the_default(llama_engine64):
+def test_the_device_loop_refuses_adaptation(llama_engine64):
     config = GenerationConfig(max_new_tokens=16, tree="3,3", device_loop=True, seed=1)
     with pytest.raises(GenerationError, match="drop --adapt-drafts"):
         replace(config, adapt_drafts=True).validate()
     _, stats = generate(llama_engine64, _prompt(llama_engine64.config.vocab_size), config)
     assert stats.draft_updates == 0
-    assert not config.adapts_drafts(torch.device("cuda"))
 
 
-def test_the_default_is_on_with_cuda_in_the_host_loop_and_off_on_a_cpu():
-    """On CUDA the default request runs the device loop, which keeps the engine's layers; a request
-    for the host loop (or partial-cache drafting, which only it runs) adapts by default there."""
-    config = GenerationConfig(max_new_tokens=8)
-    assert not config.adapts_drafts(torch.device("cuda")) and not config.adapts_drafts(torch.device("cpu"))
-    for host_loop in (replace(config, device_loop=False), replace(config, draft_source="partial")):
-        assert host_loop.adapts_drafts(torch.device("cuda")) and not host_loop.adapts_drafts(
-            torch.device("cpu")
-        )
-    assert not replace(config, method="ar", adapt_drafts=True).adapts_drafts(torch.device("cpu"))
+def test_off_by_default_and_never_for_ar(llama_engine64):
+    config = GenerationConfig(max_new_tokens=24, tree="3,3", seed=1)
+    assert not config.adapts_drafts
+    assert not replace(config, method="ar", adapt_drafts=True).adapts_drafts
+    prompt = _prompt(llama_engine64.config.vocab_size)
+    assert generate(llama_engine64, prompt, config)[1].draft_updates == 0
 
 
 @pytest.mark.parametrize(

@@ -107,9 +107,10 @@ class GenerationConfig:
     # fixed-shape steps through torch.compile (static_step.compiled_forward; implies static steps)
     compile_steps: bool = False
     # each request adapts its own copy of the draft layers to what it commits (model/draft_adaptation.py):
-    # one optimiser step per `adapt_block` committed positions; None = on where it pays (`adapts_drafts`);
+    # one optimiser step per `adapt_block` committed positions; off by default: on a CPU a step costs ~20x
+    # what it gains, on a GPU it is not measured yet (docs/smollm2.md#draft-layers-that-keep-up);
     # the host loop only (the device loop keeps the engine's layers)
-    adapt_drafts: bool | None = None
+    adapt_drafts: bool = False
     adapt_block: int = 16
     adapt_scope: str = "all"  # "all": every draft-layer parameter; "layer1": layer 1 and the root input
     adapt_optimizer: str = "adam"  # "adam" or "sgd"
@@ -150,16 +151,11 @@ class GenerationConfig:
     def adaptation(self) -> AdaptationSettings:
         return AdaptationSettings(self.adapt_block, self.adapt_scope, self.adapt_optimizer, self.adapt_lr)
 
-    def adapts_drafts(self, device: torch.device) -> bool:
-        """Whether this request adapts its draft layers on `device`: as `adapt_drafts` says, and where
-        it is None, on a GPU (the step runs on a side stream) but not on a CPU, where a step costs more
-        than the acceptance it gains (docs/smollm2.md#draft-layers-that-keep-up); never for AR or the
-        device loop."""
-        if self.method != "tokenswift" or self.device_loop:
-            return False
-        if self.adapt_drafts is not None:
-            return self.adapt_drafts
-        return device.type == "cuda" and not self.prefers_device_loop
+    @property
+    def adapts_drafts(self) -> bool:
+        """Whether this request adapts its draft layers: as `adapt_drafts` says, for TokenSwift on the
+        host loop (`--device-loop --adapt-drafts` is refused; the device loop is not the default then)."""
+        return self.adapt_drafts and self.method == "tokenswift"
 
     def validate(self) -> None:
         """Engine-independent checks; raise GenerationError naming the bad value."""
@@ -448,7 +444,7 @@ def decode_steps(
     state = new_decode_state(engine, prompt, config, random or PositionKeyedRandom(seed))
     stats = Stats(method=config.method, seed=seed, prompt_tokens=len(prompt), window_tokens=window_tokens)
     adapter = None
-    if config.adapts_drafts(engine.device):  # the request's own copy of the layers, adapted as it goes
+    if config.adapts_drafts:  # the request's own copy of the layers, adapted as it goes
         adapter = new_adapter(engine, state, config)
         engine = replace(engine, draft_layers=adapter.layers)
     started = time.perf_counter()
