@@ -104,18 +104,20 @@ def measure(engine, context: int, args: argparse.Namespace) -> dict[str, object]
     prefill_s = time.perf_counter() - started
     tree = build_static_tree(args.tree)
     started = time.perf_counter()
-    eager = DeviceLoop(engine, state, tree, args.ngram_topk, hidden, capture=False)
+    eager = DeviceLoop(engine, state, tree.depth, args.ngram_topk, capture=False)
+    eager.enter(hidden)
+    eager_plan = eager.plan(tree, args.ngram_topk)
     synchronize(device)
     setup_s = time.perf_counter() - started
-    route = eager.route  # the verify's attention route for this context, as the loop would choose it
+    route = eager.route(eager_plan)  # the verify's attention route for this context, as the loop chooses it
     for _ in range(2):
-        eager.step(route)
+        eager.step(eager_plan, route)
     synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     started = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(args.iterations):
-            eager.step(route)
+            eager.step(eager_plan, route)
         synchronize(device)
     eager_ms = (time.perf_counter() - started) * 1e3 / args.iterations
     phases = phase_times(prof, args.iterations, device.type == "cuda")
@@ -128,19 +130,21 @@ def measure(engine, context: int, args: argparse.Namespace) -> dict[str, object]
         print(f"context {context}, {args.iterations} eager iterations:\n{top}", file=sys.stderr, flush=True)
     replay_ms = None
     if device.type == "cuda":
-        captured = DeviceLoop(engine, state, tree, args.ngram_topk, hidden, capture=True)
-        captured.launch()  # captures, then replays once
+        captured = DeviceLoop(engine, state, tree.depth, args.ngram_topk, capture=True)
+        captured.enter(hidden)
+        captured_plan = captured.plan(tree, args.ngram_topk)
+        captured.launch(captured_plan)  # captures, then replays once
         synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(args.iterations):
-            captured.launch()
+            captured.launch(captured_plan)
         end.record()
         synchronize(device)
         replay_ms = start.elapsed_time(end) / args.iterations
     return {
         "context": context,
-        "slots": eager.slots.size,
+        "slots": eager_plan.slots.size,
         "prefill_s": round(prefill_s, 3),
         "setup_s": round(setup_s, 4),
         "replay_ms": None if replay_ms is None else round(replay_ms, 3),

@@ -8,13 +8,17 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenswift_trt.decode import loop as loop_module
 from tokenswift_trt.decode.autotune import AR_PLAN, Plan
+from tokenswift_trt.decode.device_loop import DeviceLoop
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.decode.stages import DecodeState, accept_slots, accept_trie
 from tokenswift_trt.decode.tree import TrieSlots, build_static_tree, build_trie
 from tokenswift_trt.model.sampling import SamplingConfig
+
+from conftest import quiet_load
 
 GREEDY = SamplingConfig(temperature=0)
 PAPER_SAMPLING = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16)
@@ -278,3 +282,54 @@ def test_both_window_forms_give_every_path_the_same_penalised_tokens(window):
             path = paths[row, :depth].tolist()
             assert set(device[row].tolist()) == set(state.window(path).tolist())
             assert set(state.windows([path])[0].tolist()) == set(state.window(path).tolist())
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the torch operations dispatched on the host while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU and a CUDA build of torch"
+)
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
+def test_a_default_generate_on_cuda_replays_captured_iterations(llama_dir, monkeypatch, sampling):
+    """No --tree, no --device-loop: on CUDA the request runs the device loop under the tuner, each
+    drafting plan captured once as its own graph, every iteration of it a replay that dispatches no
+    operation on the host (what remains per iteration is the report's copy and its late read)."""
+    engine = quiet_load(llama_dir[0], dtype=torch.float64, device="cuda")  # float64: no near-ties
+    prompt = _prompt(engine.config.vocab_size, 11)
+    base = dict(max_new_tokens=160, sampling=sampling, seed=3, ignore_eos=True)
+    ar, _ = generate(engine, prompt, GenerationConfig(**base, method="ar"))
+    config = GenerationConfig(**base)
+    assert config.runs_device_loop(engine, loop_module.PositionKeyedRandom(3))
+    ran = []
+    device_loop = loop_module._device_loop
+    monkeypatch.setattr(loop_module, "_device_loop", lambda *args: ran.append(1) or device_loop(*args))
+    auto, stats = generate(engine, prompt, config)  # the real tuner
+    assert auto == ar and ran == [1] and stats.plans[0].probe
+    # the tuner's plans scripted, so that drafting plans run on this random model
+    ScriptedTuner.script = [(AR_PLAN, 0, 8), ("3,3,3", 20, 20), ("1,1", 4, 15), ("3,3,3", 20, 15)]
+    ScriptedTuner.made = []
+    monkeypatch.setattr(loop_module, "Tuner", ScriptedTuner)
+    launches: list[int] = []
+    launch = DeviceLoop.launch
+
+    def counted(self, plan) -> None:
+        with _OpCounter() as counter:
+            launch(self, plan)
+        launches.append(counter.ops)
+
+    monkeypatch.setattr(DeviceLoop, "launch", counted)
+    auto, stats = generate(engine, prompt, config)
+    assert auto == ar
+    # "3,3,3" once though it ran twice, "1,1" once (and again per attention route, where it changes)
+    assert 2 <= stats.graph_captures <= 4
+    assert stats.graph_replays == len(launches) >= 50 and set(launches) == {0}

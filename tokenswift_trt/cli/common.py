@@ -324,11 +324,10 @@ def sampling_options(function):
                 "pass; auto: verify with --tree auto, else partial [auto]",
             ),
             click.option(
-                "--device-loop",
-                is_flag=True,
+                "--device-loop/--host-loop",
                 default=None,
-                help="run each iteration on the device, one CUDA graph per iteration on a GPU "
-                "(a static --tree, drafting from the verify pass)",
+                help="run each iteration on the device, one CUDA graph per plan on a GPU (drafting "
+                "from the verify pass), or on the host [device with CUDA, host on a CPU]",
             ),
             click.option(
                 "--compile-steps",

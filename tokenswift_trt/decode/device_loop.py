@@ -265,20 +265,20 @@ class DeviceLoop:
 
     # ------------------------------------------------------------ the host side
 
-    def _route(self, plan: DevicePlan) -> bool | None:
+    def route(self, plan: DevicePlan) -> bool | None:
         """The verify's attention route for the committed length the host knows."""
         return self.engine.model.torch_model.cascade_route(plan.slots.size, self.known_count)
 
     def prepare(self, plan: DevicePlan) -> None:
         """Capture the plan's graph for the current route now (on CUDA), if it has none yet."""
-        route = self._route(plan)
+        route = self.route(plan)
         if self.capture and route not in plan.graphs:
             plan.graphs[route] = self._capture(plan, route)
 
     def launch(self, plan: DevicePlan) -> None:
         """Queue one iteration: a graph replay on CUDA (each plan's and route's captured at its first
         call), else eager."""
-        route = self._route(plan)
+        route = self.route(plan)
         if not self.capture:
             self.step(plan, route)
             return
