@@ -785,7 +785,8 @@ def _device_loop(
     plan = tuner.plan if tuner is not None else Plan(config.tree, config.ngram_topk)
     largest, topk = probe_plan("verify", engine.device) if auto else (config.tree, config.ngram_topk)
     try:
-        loop = DeviceLoop(engine, state, len(parse_tree(largest)), topk, capture, config.compile_steps)
+        depth = min(len(parse_tree(largest)), len(engine.draft_layers))  # the tuner's plans are no deeper
+        loop = DeviceLoop(engine, state, depth, topk, capture, config.compile_steps)
     except ValueError as error:
         raise GenerationError(str(error)) from None
     if tuner is not None:
