@@ -46,7 +46,8 @@ def test_adapted_drafts_emit_ars_tokens(request, engine_name, plan, sampling):
     adapted, stats = generate(engine, prompt, replace(base, adapt_drafts=True, adapt_block=8))
     ar, _ = generate(engine, prompt, replace(base, method="ar"))
     assert adapted == ar
-    assert stats.draft_updates > 0 and stats.phase_s["adapt"] > 0
+    if plan["tree"] != "auto":  # the tuner may settle on AR steps, which adapt nothing
+        assert stats.draft_updates > 0 and stats.phase_s["adapt"] > 0
     after = engine.draft_layers.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)  # the engine's layers unchanged
 
