@@ -387,7 +387,7 @@ def test_windows_of_many_paths_penalise_what_each_paths_own_window_does(window, 
 def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monkeypatch, draft_source):
     """AR steps chosen by --tree auto skip the partial cache and n-gram upkeep; the next probe catches up."""
     from tokenswift_trt.decode import autotune
-    from tokenswift_trt.decode.autotune import AR_PLAN, Estimate
+    from tokenswift_trt.decode.tuner_costs import AR_PLAN, Estimate
 
     choices = iter([AR_PLAN, "1,1", AR_PLAN, "1,1", AR_PLAN, "1,1"])
     monkeypatch.setattr(autotune, "EXPLORATION_BUDGET", 1e9)  # probes whatever they cost

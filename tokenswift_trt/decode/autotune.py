@@ -1,60 +1,66 @@
-"""`--tree auto`: choose the draft tree and n-gram k that maximise tokens per second here.
+"""`--tree auto`: which plan (a draft tree and n-gram k, or plain AR steps) runs next, on this machine's
+own timings. Every plan is lossless; the tuner decides speed only.
 
-During a probe phase decoding runs with the largest tree and k (`probe_plan`). For each
-probe iteration we know, for every trie node, whether a smaller tree or k would also have had it
-(its static-tree rank path and n-gram rank), so the acceptance length and trie size of every
-candidate plan follow exactly from the probe's accepted path: the target's samples along a path
-do not depend on which other nodes are in the trie. Then the verify forward is timed at the
-current context for several trie sizes, and the plan with the most expected tokens per second
-wins (plain AR steps are a candidate too). Every plan is lossless; only speed depends on it.
+`Policy` holds the decisions, in five phases:
 
-Between probes, the iterations of the chosen plan are recorded too, for the candidates that fit
-inside it (their nodes are all in its trie): a probe's 16 iterations estimate acceptance to about
-±0.1 tokens, and the plan that runs, with its smaller variants, gets thousands of samples more.
+    start ──> PROBE ──(the choice is AR steps; or the probe would overrun the budget)──> AR
+                │
+                │ the choice is a drafting plan
+                v
+              TRIAL ──(lost, its fallback AR steps)──────────────────────────────────> AR
+                │   └─(lost, its fallback the plan it would replace)─────────────────> DRAFT
+                │ won
+                v
+              DRAFT ──(audit due)──> AUDIT ──(lost)──────────────────────────────────> AR
+                │                      ├─(passed)────────────────────────────────────> DRAFT
+                │                      └─(passed; the samples since favour another)──> TRIAL
+                └──(probe due, within budget)──> PROBE
 
-A cost model can be wrong (a verify pass timed at one context, trie shapes it did not time), and
-plain AR steps are always a candidate, so a drafting plan the model picks is then tried for real:
-it and plain AR steps take turns (TURNS of each: TRIAL_ITERATIONS drafting iterations and
-AR_TRIAL_STEPS steps in all), and the drafting plan is kept only if it measured at least 3% fewer
-seconds per token (TRIAL_MARGIN). Taking turns is what makes ~100 tokens a fair test on a machine
-whose speed drifts by 10-30% over seconds (a CPU shared with other work): one block of each, one
-after the other, measured the same SmolLM2 AR step at 17 ms in one trial and 23 ms in the next, and
-dropped a tree that ran 1.2x faster than AR steps. A trial can still keep a plan that is slower
-over thousands of tokens, so a kept plan is audited: after AUDIT_EVERY tokens (doubling after each
-audit it passes) AR steps and the plan take turns again, and each audit judges on its own
-(acceptance changes over a long generation: SmolLM2 continuing Pride and Prejudice accepts 1.5
-tokens per iteration over the first 400 tokens, which the model partly knows, and ~1.15 later):
-once the plan's seconds per token are not below the AR steps' by the trial's margin, AR steps run
-until the next probe; once they are clearly below (AUDIT_CLEAR), the audits stop. Each audit costs
-AR_TRIAL_STEPS tokens at AR speed.
+              AR ──(probe due: within budget)──> PROBE;  (over budget)──> AR, put off again
 
-Drafting from the verify pass, the probe costs (almost) nothing: decoding runs plain AR steps,
-and after each one the tuner drafts the probe's trie from that step's hidden state, exactly as a
-verify-mode iteration rooted at the new token would (same draft layers, same noise ranking, same
-n-grams), then waits for the next tokens. Lossless verification accepts a node exactly when it is
-the token AR sampling puts there, so the path the AR tokens take through that trie is the path a
-real probe iteration would have accepted. What it costs is the draft layers' head pass and the
-ranking per AR step (~10% of a SmolLM2 step on a CPU) instead of verifying a 16-node trie, which
-on a CPU costs 2-3 AR steps. A separate draft pass (the paper's partial-cache drafting) is a whole
-forward, so that probe still runs the probe tree for real.
+- PROBE measures acceptance. Drafting from the verify pass it runs plain AR steps and drafts the probe
+  trie after each one from that step's hidden state ("shadow" drafts), as a verify-mode iteration
+  rooted at the new token would: the path the AR tokens take through it is the path a real probe
+  iteration would have accepted, for ~10% of a step instead of a 16-node verify (2-3 AR steps on a
+  CPU). A separate draft pass (partial-cache drafting) runs the probe tree for real. Its end asks the
+  cost model (tuner_costs.py): acceptance of every candidate from the probe's samples, the verify
+  forward and sampling timed here at the current context, the best plan in tokens per second.
+- TRIAL times the model's pick for real: it and plain AR steps take turns (TURNS of each,
+  TRIAL_ITERATIONS iterations and AR_TRIAL_STEPS steps in all), and it is kept only if it measured at
+  least 3% fewer seconds per token (TRIAL_MARGIN). Taking turns is what makes ~100 tokens a fair test
+  on a machine whose speed drifts by 10-30% over seconds: one block of each, one after the other,
+  measured the same SmolLM2 AR step at 17 ms in one trial and 23 ms in the next, and dropped a tree
+  that ran 1.2x faster than AR steps. A pick that a pair of turns measures TRIAL_GIVE_UP times slower
+  than AR steps has lost already (swift-tiny's `3,2` ran at half AR's speed for its 48 iterations).
+- DRAFT runs the kept plan; its iterations inform the candidates inside it too.
+- AUDIT: after AUDIT_EVERY tokens of a kept plan (doubling after each audit it passes) AR steps and the
+  plan take turns again, each audit judging on its own, since acceptance changes over a long
+  generation (SmolLM2 continuing Pride and Prejudice accepts 1.5 tokens per iteration over the first
+  400 tokens, which the model partly knows, and ~1.15 later). Below AUDIT_CLEAR the audits stop until
+  the next probe. A passed audit asks the cost model again on the samples every candidate shares
+  (probes, and shadow drafts on the AR turns of trials and audits); a plan it expects to be
+  1 / TRIAL_MARGIN times faster is tried, and if it loses, the audited plan runs on (SmolLM2 on a CPU:
+  the probe after the prompt estimated `1,1` above `3`, which commits 1.61 tokens an iteration against
+  1.49 over 1,024 tokens).
+- AR runs plain AR steps as `--method ar` does (`plain_ar_steps`: the loop reports them as one run)
+  until the next probe: RETUNE_AFTER_AR tokens, doubling for each probe in a row that ends here.
 
-The probe's estimates come from the tokens right after it, and a plan that runs only informs the
-candidates inside it, so drafting from the verify pass the probe trie is also drafted on the AR
-steps of every trial and audit (~10% of those steps): samples that score every candidate on the same
-positions as the text goes on (`Tuner.shared`, with the probes'). After an audit the running plan
-passes, the cost model (its costs from the last probe) is asked again on those samples alone; a plan
-it expects to be at least 1 / TRIAL_MARGIN times faster is tried for real against AR steps, and if it
-loses its trial the plan that passed its audit runs on (SmolLM2 on a CPU: the probe after the prompt
-estimated `1,1` above `3`, which commits 1.61 tokens an iteration against 1.49 over 1,024 tokens).
+Exploring has a budget (`Budget`): what the tuner's own work costs (shadow drafts, the choice's
+timing passes, recording) and what drafting iterations lose to AR steps' speed is spent from
+EXPLORATION_BUDGET of the generation's projected time plus what drafting iterations saved. A probe
+starts, and goes on past its first step, only if its expected cost fits; the AR turns draft shadow
+tries only while they fit. So where drafting never pays, `--tree auto` runs within that share of
+`--method ar`, however fast the step (swift-tiny on a CPU, a 0.6 ms step: a shadow draft costs half
+a step, a probe and its choice ~35 steps, and generations shorter than ~2,000 tokens are not probed).
 
-`Tuner` holds all of that state; the decode loop asks it for the plan to run and reports each
-iteration to it, and knows nothing of probes.
+`Tuner` is what the loop talks to: it drafts the shadow tries, records acceptance, runs the cost
+model, and hands each iteration to the policy once (`observe`).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -62,42 +68,40 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenswift_trt.decode.stages import (
-    BATCHED_NODES_MAX,
-    DecodeState,
-    NodeTargets,
-    candidates_from_hidden,
-    forward_full,
-    retrieve_ngrams,
-    sample_next,
-    sampled_in_one_batch,
-    top_candidates,
-)
+from tokenswift_trt.decode.stages import DecodeState, candidates_from_hidden, retrieve_ngrams
 from tokenswift_trt.decode.tree import StaticTree, Trie, build_static_tree, build_trie, parse_tree
+from tokenswift_trt.decode.tuner_costs import (
+    AR_PLAN,
+    IterationCosts,
+    ProbeRecorder,
+    accepted_path,
+    choose_plan,
+    measure_path_drafting,
+    measure_ranking,
+    measure_sampling,
+    measure_verify,
+)
 from tokenswift_trt.model.decoder import drafts_along_paths, reads_root
 from tokenswift_trt.model.engine import Engine
 
 # The probe's tree and n-gram k by device type and drafting source ("partial": a separate draft pass
 # on the partial cache, whose first level is the base model's one draft; "verify": depth d uses draft
-# layer d). Probe iterations are the tuner's own overhead. On a GPU a verify of ~120 nodes costs
-# about one step, so the largest tree and k are probed; on a CPU a verify costs about its node count
-# and the plans that win are small (2, 3, 2,1, ...), so a smaller probe pays for itself.
+# layer d). On a GPU a verify of ~120 nodes costs about one step, so the largest tree and k are probed;
+# on a CPU a verify costs about its node count and the plans that win are small (2, 3, 2,1, ...).
 PROBES: dict[tuple[str, str], tuple[str, int]] = {
     ("cuda", "partial"): ("1,3,3,3", 20),
     ("cuda", "verify"): ("3,3,3", 20),
     ("cpu", "partial"): ("1,3,2,1", 4),
     ("cpu", "verify"): ("3,2,1", 4),
 }
-# probe iterations with the largest tree: acceptance counts add up over probes and over the iterations of
+# probe iterations with the probe tree: acceptance counts add up over probes and over the iterations of
 # the plans that run; a probe is the tuner's overhead, and the trial catches a plan chosen on too few
 PROBE_ITERATIONS = 16
 SHADOW_PROBE_STEPS = 32  # a probe on AR steps (drafting from the verify pass): cheap, so twice as long
 # Acceptance changes as a long generation goes on (text that starts to repeat makes n-gram branches
-# pay; a kept plan only learns about the candidates inside it), and a probe drafting from the verify
-# pass costs ~10% of 32 AR steps, so probes come often
-RETUNE_EVERY = 2048  # probe again after this many new tokens
-RETUNE_AFTER_AR = 512  # ... or this many after choosing plain AR steps (which teach the tuner nothing),
-# doubling for every further probe in a row that ends in AR steps
+# pay; a kept plan only learns about the candidates inside it), so probes come again
+RETUNE_EVERY = 2048  # probe again after this many new tokens of a kept drafting plan
+RETUNE_AFTER_AR = 512  # ... or this many after settling on AR steps, doubling for each such probe in a row
 TRIAL_ITERATIONS = 48  # the model's drafting plan, timed for real ...
 AR_TRIAL_STEPS = 32  # ... against this many plain AR steps ...
 TURNS = 4  # ... the two taking turns, this many of each (12 iterations, then 8 steps, ...)
@@ -105,49 +109,16 @@ TURNS = 4  # ... the two taking turns, this many of each (12 iterations, then 8 
 # drifts by several percent cannot tell closer plans apart (SmolLM2 on the AVX2 CPU kept a tree `1`
 # whose trial measured it faster, and it ran 3% slower than AR steps over 4,096 tokens)
 TRIAL_MARGIN = 0.97
+# ... and given up, lost, once a pair of turns measured it this much slower than AR steps (beyond what a
+# drifting machine does between two turns): a losing pick costs one turn, not all of its iterations
+TRIAL_GIVE_UP = 1.25
 AUDIT_EVERY = 256  # tokens of a kept drafting plan before its first audit against AR steps (then doubling)
 AUDIT_CLEAR = 0.85  # no more audits once the drafting plan's seconds per token is below this share of AR's
-# Candidate trees; a probe considers those that fit inside its own tree (the paper's drafting probes
-# 1,3,3,3, whose first level is the base model's one draft; drafting from the verify pass probes
-# 3,3,3, whose first level is draft layer 1's, where a few first-level candidates can pay).
-CANDIDATE_TREES = (
-    "1",
-    "1,1",
-    "1,1,1",
-    "1,1,1,1",
-    "1,2,1,1",
-    "1,2,2,1",
-    "1,2,2,2",
-    "1,3,2,2",
-    "1,3,3,2",
-    "1,3,3,3",
-    "2",
-    "3",
-    "2,1",
-    "3,1",
-    "2,2",
-    "3,2",
-    "3,3",
-    "2,1,1",
-    "3,1,1",
-    "3,2,1",
-)
-CANDIDATE_TOPK = (0, 1, 2, 4, 8, 20)
-AR_PLAN = "ar"  # tree value of the plan that drafts nothing
 # A drafting iteration costs at least an AR step (its verify pass) plus the drafting, so a probe whose
 # best candidate commits fewer tokens per iteration than this settles on AR steps without timing
 # verify passes (~20 forwards of the tuner's own overhead)
 MIN_TOKENS_PER_ITERATION = 1.05
-# On a CPU verify passes and batched sampling are timed up to this many nodes, larger ones extrapolated
-CPU_TIMED_NODES = 8
-# What exploring costs (the tuner's own work: shadow drafts, the choice's timing passes, recording; and
-# what drafting iterations lose to AR steps' speed) is spent from a budget: this share of the
-# generation's projected time (its decode seconds so far plus the tokens left at AR steps' speed), plus
-# what drafting iterations saved. A probe starts (and goes on past its first step) only if its expected
-# cost fits, so a generation where drafting never pays runs within this share of `--method ar`, however
-# fast the step (swift-tiny on a CPU: a shadow draft costs half an AR step, a probe and its choice ~35
-# AR steps, so generations shorter than ~2,000 tokens are not probed at all)
-EXPLORATION_BUDGET = 0.02
+EXPLORATION_BUDGET = 0.02  # share of the generation's projected time the tuner may spend exploring
 CHOOSE_COST_STEPS = 30  # the first choice's timing passes, in AR steps, until one is measured (~16-40)
 
 
@@ -165,7 +136,7 @@ class Plan:
     from_token: int = 0  # new-token count when the plan started (Stats.plans)
     probe: bool = False  # the tuner's probe, run to measure acceptance
     trial: bool = False  # a turn of a trial: the model's pick or AR steps, timed against each other
-    audit: bool = False  # a turn of an audit: AR steps or the kept drafting plan (`Tuner` audits)
+    audit: bool = False  # a turn of an audit: AR steps or the kept drafting plan
 
     @functools.cached_property
     def branching(self) -> tuple[int, ...]:
@@ -206,273 +177,74 @@ def describe_plans(plans: Sequence[Plan]) -> list[str]:
     return described
 
 
+# ---------------------------------------------------------------- the policy
+
+
+class Phase(enum.Enum):
+    PROBE = "probe"  # measuring acceptance (AR steps with shadow drafts, or the probe tree)
+    TRIAL = "trial"  # the cost model's pick and AR steps taking turns
+    DRAFT = "draft"  # a drafting plan kept
+    AUDIT = "audit"  # the kept plan and AR steps taking turns again
+    AR = "ar"  # plain AR steps
+
+
 @dataclass(frozen=True)
-class Estimate:
-    """A candidate plan's expected tokens and seconds per iteration (`choose_plan`)."""
+class Report:
+    """One iteration as the loop saw it (a run of plain AR steps counts as one)."""
 
-    tree: str  # a tree string, or AR_PLAN
-    ngram_topk: int
-    tokens_per_iteration: float
-    seconds_per_iteration: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_iteration / self.seconds_per_iteration if self.seconds_per_iteration else 0.0
+    tokens: int  # committed
+    seconds: float  # its own time, the tuner's work left out
+    drafted: bool  # False: AR steps
+    position: int  # new tokens after it
+    left: int  # tokens the generation may still commit (to its limit)
+    done: bool = False  # the generation ended with it
 
 
-def _available(
-    tree_path: tuple[int, ...] | None, ngram_rank: int | None, branching: tuple[int, ...], k: int
-) -> bool:
-    in_tree = (
-        tree_path is not None
-        and len(tree_path) <= len(branching)
-        and all(rank < branching[depth] for depth, rank in enumerate(tree_path))
-    )
-    return in_tree or (ngram_rank is not None and ngram_rank < k)
+@dataclass
+class Budget:
+    """Seconds the tuner may spend exploring: `share` of the generation's projected time (its decode
+    seconds so far plus the tokens left at AR steps' speed), plus what drafting iterations saved
+    against AR steps' speed, less what the tuner's own work cost."""
 
+    share: float = field(default_factory=lambda: EXPLORATION_BUDGET)
+    elapsed_s: float = 0.0  # of the iterations reported
+    ar_s_per_token: float | None = None  # AR steps' recent speed
+    spent_s: float = 0.0  # the tuner's own work
+    saved_s: float = 0.0  # drafting iterations against AR steps' speed (negative: lost)
+    shadow_s: float = 0.0  # one shadow draft, on average
+    choose_s: float | None = None  # the last choice
 
-class ProbeRecorder:
-    """Accumulates, per candidate plan, accepted length and trie size over probe iterations."""
-
-    def __init__(self, max_depth: int, probe_tree: str | None = None, probe_topk: int | None = None) -> None:
-        """Candidates: CANDIDATE_TREES at most `max_depth` deep and, given the probe's tree and k,
-        inside it (a candidate's nodes must all be in the probe's trie to be scored from it)."""
-        probe = parse_tree(probe_tree) if probe_tree is not None else None
-
-        def fits(branching: tuple[int, ...]) -> bool:
-            if len(branching) > max_depth:
-                return False
-            return probe is None or (
-                len(branching) <= len(probe) and all(b <= p for b, p in zip(branching, probe))
+    def account(self, report: Report) -> None:
+        self.elapsed_s += report.seconds
+        if not report.drafted:
+            per_token = report.seconds / max(1, report.tokens)
+            previous = self.ar_s_per_token
+            weight = min(1.0, report.tokens / 64)
+            self.ar_s_per_token = (
+                per_token if previous is None else previous + (per_token - previous) * weight
             )
+        elif self.ar_s_per_token is not None:
+            self.saved_s += report.tokens * self.ar_s_per_token - report.seconds
 
-        self.candidates = [
-            (tree, parse_tree(tree), k)
-            for tree in CANDIDATE_TREES
-            if fits(parse_tree(tree))
-            for k in CANDIDATE_TOPK
-            if probe_topk is None or k <= probe_topk
-        ]
-        self.accepted = {(tree, k): 0 for tree, _, k in self.candidates}
-        self.nodes = {(tree, k): 0 for tree, _, k in self.candidates}
-        self.counts = {(tree, k): 0 for tree, _, k in self.candidates}  # iterations recorded per candidate
-        self.iterations = 0  # probe iterations
-        self._inside: dict[tuple[tuple[int, ...], int], list[tuple[str, tuple[int, ...], int]]] = {}
+    def note_shadow(self, seconds: float) -> None:
+        self.shadow_s = seconds if not self.shadow_s else self.shadow_s + (seconds - self.shadow_s) / 8
 
-    def record(
-        self, trie: Trie, accepted_nodes: Sequence[int], plan: tuple[tuple[int, ...], int] | None = None
-    ) -> None:
-        """One iteration: a probe's (every candidate), or with `plan` = (branching, k) one of that
-        plan's, which informs only the candidates inside it (every node they would verify was verified)."""
-        if plan is None:
-            self.iterations += 1
-            candidates = self.candidates
-        else:
-            candidates = self._candidates_inside(*plan)
-        features = list(zip(trie.tree_paths, trie.ngram_ranks))
-        for tree, branching, k in candidates:
-            self.counts[(tree, k)] += 1
-            size = 1 + sum(_available(p, r, branching, k) for p, r in features[1:])
-            length = 0
-            for node in accepted_nodes:
-                if not _available(trie.tree_paths[node], trie.ngram_ranks[node], branching, k):
-                    break
-                length += 1
-            self.accepted[(tree, k)] += length
-            self.nodes[(tree, k)] += size
+    def allowance(self, left: int) -> float:
+        """Seconds left to spend, with `left` tokens still to come."""
+        projected = self.elapsed_s + left * (self.ar_s_per_token or 0.0)
+        return self.share * projected + self.saved_s - self.spent_s
 
-    def _candidates_inside(
-        self, branching: tuple[int, ...], k: int
-    ) -> list[tuple[str, tuple[int, ...], int]]:
-        key = (branching, k)
-        if key not in self._inside:
-            self._inside[key] = [
-                (tree, b, candidate_k)
-                for tree, b, candidate_k in self.candidates
-                if candidate_k <= k and len(b) <= len(branching) and all(x <= y for x, y in zip(b, branching))
-            ]
-        return self._inside[key]
-
-    def mean_nodes(self) -> dict[tuple[str, int], float]:
-        return {key: value / max(1, self.counts[key]) for key, value in self.nodes.items()}
-
-    def mean_accepted(self, key: tuple[str, int]) -> float:
-        return self.accepted[key] / max(1, self.counts[key])
-
-
-def interpolate(costs: dict[int, float], size: float) -> float:
-    """Piecewise-linear cost at `size` from measured {trie size: seconds}."""
-    points = sorted(costs.items())
-    if size <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if size <= x1:
-            return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = points[-2], points[-1]
-    return y1 + (y1 - y0) * (size - x1) / (x1 - x0)
-
-
-def time_verify(forward, sizes: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """Median seconds of `forward(size)` for each size (forward runs one masked verify pass).
-
-    Rounds go over every size in turn (not all repeats of one size, then the next), so that a
-    machine whose speed drifts between moments charges the drift to every size alike: plans are
-    chosen on ratios of these costs, and a few percent decide between drafting and AR steps.
-    """
-    for size in sizes:
-        forward(size)  # warm
-    samples: dict[int, list[float]] = {size: [] for size in sizes}
-    for _ in range(repeats):
-        for size in sizes:
-            if torch.cuda.is_available():  # queued work (the warm-up, the last sample) is not this sample's
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            forward(size)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            samples[size].append(time.perf_counter() - start)
-    return {size: statistics.median(values) for size, values in samples.items()}
-
-
-def choose_plan(
-    recorder: ProbeRecorder,
-    verify_costs: dict[int, float],
-    draft_s: float,
-    overhead_s: float,
-    sampling_costs: dict[int, float] | None = None,
-    device: torch.device = torch.device("cuda"),
-    per_node_s: float = 0.0,
-    batched_draft_s: float | None = None,
-    draft_s_by_depth: dict[int, float] | None = None,
-) -> tuple[Estimate, list[Estimate]]:
-    """Best plan (and all, best first) from probe acceptance, verify costs and per-iteration costs.
-
-    `sampling_costs` {N: seconds} is what sampling N verified nodes as one batch costs (measured);
-    tries that `sampled_in_one_batch` says no to on `device` sample one node per visit instead,
-    i.e. about one single-node cost per committed token. Without it the sampling is taken to be
-    inside `overhead_s`, an AR step paying half of that. `per_node_s` is host work per trie node.
-    `batched_draft_s`, when given, replaces `draft_s` for tries sampled as one batch (drafting from
-    the verify pass, their drafts come out of that batch's head pass: only the ranking is left).
-    `draft_s_by_depth` {tree depth: seconds}, when given, replaces both: drafting along tree paths
-    (a path input) costs one pass per level, so a deep plan drafts for longer than a shallow one.
-    """
-
-    def sampling(nodes: float, tokens: float) -> float:
-        if sampling_costs is None:
-            return 0.0
-        if not sampled_in_one_batch(nodes, device):
-            return interpolate(sampling_costs, 1) * tokens
-        return interpolate(sampling_costs, nodes)
-
-    ar_overhead = sampling(1, 1) if sampling_costs is not None else overhead_s / 2
-    plans = [Estimate(AR_PLAN, 0, 1.0, interpolate(verify_costs, 1) + ar_overhead)]
-    for (tree, k), nodes in recorder.mean_nodes().items():
-        tokens = 1 + recorder.mean_accepted((tree, k))
-        batched = sampled_in_one_batch(nodes, device)
-        draft = batched_draft_s if batched_draft_s is not None and batched else draft_s
-        if draft_s_by_depth:
-            draft = draft_s_by_depth[min(len(parse_tree(tree)), max(draft_s_by_depth))]
-        seconds = (
-            draft
-            + overhead_s
-            + per_node_s * nodes
-            + interpolate(verify_costs, nodes)
-            + sampling(nodes, tokens)
-        )
-        plans.append(Estimate(tree, k, tokens, seconds))
-    plans.sort(key=lambda plan: -plan.tokens_per_s)
-    return plans[0], plans
-
-
-# ---------------------------------------------------------------- measured costs
-
-
-def measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[int, float]:
-    """Seconds of one verify forward at the current context for several trie sizes."""
-    device = engine.device
-    root_position = state.root_position
-
-    def forward(size: int) -> None:
-        tokens = torch.full((size,), state.tokens[-1], dtype=torch.long, device=device)
-        positions = torch.arange(root_position, root_position + size, device=device)
-        forward_full(engine, state, tokens, positions)
-        state.full.pending = 0  # timing only: nothing written is kept
-
-    # small sizes too: with a tree-attention kernel a few tokens cost what one does (not a straight line
-    # to 16). On a CPU a verify costs about its size beyond a few tokens and the tries that can pay
-    # are small, so sizes past CPU_TIMED_NODES are extrapolated instead of timed (a 16-node verify costs
-    # ~3 AR steps, four of them a probe: SmolLM2's choice took 0.88 s of 19 s for 1,024 tokens)
-    largest = max_size if device.type == "cuda" else min(max_size, CPU_TIMED_NODES)
-    sizes = sorted({s for s in (1, 2, 4, 8, 16, 48) if s <= largest} | {largest})
-    return time_verify(forward, sizes, repeats=5 if device.type == "cuda" else 3)
-
-
-def measure_ranking(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> float:
-    """Seconds to draft from logits the verify pass's head pass already holds (transforms and
-    noise ranking of one draft level): the whole drafting cost of a batched trie in verify mode."""
-    logits = engine.model.draft_logits(hidden[None], engine.draft_layers, 1)[:, 0]  # [1, V]
-    tree = build_static_tree("3")
-    return time_verify(lambda _: top_candidates(logits, state, tree), [1], repeats=3)[1]
-
-
-def measure_path_drafting(
-    engine: Engine, state: DecodeState, hidden: torch.Tensor, tree: StaticTree
-) -> dict[int, float]:
-    """Seconds to draft the first d levels of `tree` along its paths (a path input: one draft pass
-    per level, `stages.path_candidates`; one level is layer 1's pass alone) for d = 1..depth."""
-
-    def draft(depth: int) -> None:
-        candidates_from_hidden(engine, state, hidden, build_static_tree(tree.branching[:depth]))
-
-    return time_verify(draft, list(range(1, tree.depth + 1)), repeats=3)
-
-
-def measure_sampling(
-    engine: Engine, state: DecodeState, hidden: torch.Tensor, draft_depth: int
-) -> dict[int, float]:
-    """Seconds to turn verified rows into the target's samples: N = 1 is an AR step's (`sample_next`);
-    N = 2..BATCHED_NODES_MAX a trie of N nodes sampled as one batch (LM-head pass with `draft_depth`
-    draft rows per node, transforms, noise, one read). hidden [hidden] stands in for every node."""
-
-    def sample(size: int) -> None:
-        if size == 1:
-            sample_next(engine, state, hidden)
-            return
-        trie = build_trie(state.tokens[-1], build_static_tree(str(size - 1)), [list(range(size - 1))])
-        NodeTargets(engine, state, trie, hidden.expand(size, -1).contiguous(), draft_depth).sample(0)
-
-    largest = BATCHED_NODES_MAX if engine.device.type == "cuda" else CPU_TIMED_NODES
-    return time_verify(sample, sorted({1, 2, 4, 8, largest}), repeats=5)
-
-
-# ---------------------------------------------------------------- the tuner
-
-
-def accepted_path(trie: Trie, continuation: Sequence[int]) -> list[int]:
-    """The nodes lossless verification of `trie` accepts when the target samples `continuation`
-    after its root: each node whose token is the next one sampled, from the root down."""
-    nodes, node = [], 0
-    for token in continuation:
-        child = trie.children[node].get(token)
-        if child is None:
-            break
-        nodes.append(child)
-        node = child
-    return nodes
+    def probe_cost(self, shadows: int) -> float:
+        """Expected seconds of `shadows` more shadow drafts, the choice after them and a trial's first
+        pair of turns (its AR turn's shadow drafts, and a drafting turn that may run at half speed)."""
+        step = self.ar_s_per_token or 0.0
+        choose = self.choose_s if self.choose_s is not None else CHOOSE_COST_STEPS * step
+        trial = AR_TRIAL_STEPS // TURNS * self.shadow_s + TRIAL_ITERATIONS // TURNS * step
+        return shadows * self.shadow_s + choose + trial
 
 
 @dataclass
-class IterationCosts:
-    """Host work of one drafting iteration, as the loop timed it."""
-
-    draft_s: float
-    trie_s: float
-    commit_s: float
-    nodes: int
-
-
-@dataclass
-class _Trial:
+class _Side:
     seconds: float = 0.0
     tokens: int = 0
     iterations: int = 0
@@ -481,11 +253,6 @@ class _Trial:
     def seconds_per_token(self) -> float:
         return self.seconds / self.tokens
 
-    def add(self, seconds: float, tokens: int, iterations: int = 1) -> None:
-        self.seconds += seconds
-        self.tokens += tokens
-        self.iterations += iterations
-
 
 @dataclass
 class _Turns:
@@ -493,13 +260,12 @@ class _Turns:
     side timed on its own."""
 
     plan: Plan  # the drafting plan tried or audited
-    audit: bool  # an audit starts with AR steps (the plan was running), a trial with the plan
-    fallback: Plan  # what runs if a trial fails: AR steps, or the plan a re-choice would replace
-    drafting: _Trial = field(default_factory=_Trial)
-    ar: _Trial = field(default_factory=_Trial)
+    fallback: Plan  # what runs if a trial is lost: AR steps, or the plan a re-choice would replace
+    drafting: _Side = field(default_factory=_Side)
+    ar: _Side = field(default_factory=_Side)
     in_turn: int = 0  # iterations of the running turn
 
-    def side(self, ar: bool) -> tuple[_Trial, int]:
+    def side(self, ar: bool) -> tuple[_Side, int]:
         """The timing of one side and the iterations it runs in all."""
         return (self.ar, AR_TRIAL_STEPS) if ar else (self.drafting, TRIAL_ITERATIONS)
 
@@ -513,12 +279,197 @@ class _Turns:
         return self.drafting.seconds_per_token / self.ar.seconds_per_token
 
 
-class Tuner:
-    """`--tree auto`: probes, records acceptance, prices plans and says which plan runs next.
+class Policy:
+    """The phases of the module docstring's diagram: `next` takes each iteration's `Report` and says
+    which plan runs next. `choose()` is the cost model's pick after a probe (AR steps included);
+    `rechoose(plan)` a plan it expects to beat the audited `plan` by 1 / TRIAL_MARGIN, or None."""
 
-    The loop calls `plan` before an iteration and `observe` after it; every plan is lossless, so
-    the tuner decides speed only.
-    """
+    def __init__(
+        self,
+        probe: Plan,
+        probe_length: int,
+        choose: Callable[[], Plan],
+        rechoose: Callable[[Plan], Plan | None],
+        start: int = 1,
+    ) -> None:
+        self.probe, self.probe_length = probe, probe_length  # the probe's plan; samples it takes
+        self.choose, self.rechoose = choose, rechoose
+        self.budget = Budget()
+        self.history: list[Plan] = []
+        self.phase = Phase.PROBE
+        self._turns: _Turns | None = None  # TRIAL, AUDIT
+        self._reports = 0  # in this phase
+        self._next_probe = 0  # new-token position of the next probe (AR, DRAFT)
+        self._next_audit = 0  # ... and of the next audit (DRAFT)
+        self._audits = 0  # audits the kept plan passed
+        self._ar_streak = 0  # probes in a row that ended in AR steps
+        self._enter_probe(start)
+
+    @property
+    def plan(self) -> Plan:
+        return self.history[-1]
+
+    @property
+    def probes_on_ar_steps(self) -> bool:
+        return self.probe.tree == AR_PLAN
+
+    def plain_ar_steps(self, position: int) -> int:
+        """AR steps the loop may run as `--method ar` does and report as one run: those to the next
+        probe in the AR phase, else 0 (each iteration reported)."""
+        return max(1, self._next_probe - position) if self.phase is Phase.AR else 0
+
+    def shadow_wanted(self, left: int) -> bool:
+        """Whether the tuner drafts the probe trie after this AR step: on a probe's steps, and on the
+        AR turns of trials and audits while the budget allows (samples that score every candidate)."""
+        if not self.probes_on_ar_steps or self.plan.tree != AR_PLAN:
+            return False
+        if self.phase is Phase.PROBE:
+            return True
+        return self._turns is not None and self.budget.shadow_s <= self.budget.allowance(left)
+
+    def next(self, report: Report, probe_samples: int = 0) -> Plan:
+        """The plan after `report`'s iteration; `probe_samples`: the probe's recorded samples so far."""
+        self.budget.account(report)
+        self._reports += 1
+        if self.phase is Phase.PROBE:
+            self._probing(report, probe_samples)
+        elif self.phase in (Phase.TRIAL, Phase.AUDIT):
+            self._turn(report)
+        if self.phase in (Phase.AR, Phase.DRAFT) and not report.done:
+            self._settled(report)
+        return self.plan
+
+    # transitions, one method each
+
+    def _enter(self, phase: Phase, plan: Plan) -> None:
+        self.phase, self._reports = phase, 0
+        self.history.append(plan)
+
+    def _enter_probe(self, position: int) -> None:
+        self._turns = None
+        self._enter(Phase.PROBE, Plan(self.probe.tree, self.probe.ngram_topk, max(1, position), probe=True))
+
+    def _enter_ar(self, position: int) -> None:
+        self._ar_streak += 1
+        self._enter(Phase.AR, Plan(AR_PLAN, 0, position))
+        self._schedule_probe(position)
+
+    def _enter_draft(self, plan: Plan, position: int, audits: int = 0, schedule: bool = True) -> None:
+        """A kept plan; `schedule`: a probe and audit clock that starts now (else: audited again)."""
+        self._audits = audits
+        self._enter(Phase.DRAFT, Plan(plan.tree, plan.ngram_topk, position))
+        if schedule:
+            self._ar_streak = 0
+            self._schedule_probe(position)
+            self._next_audit = position + AUDIT_EVERY
+
+    def _enter_turns(self, turns: _Turns, audit: bool, position: int) -> None:
+        """A trial (the pick runs first) or an audit (AR steps first: the plan was running)."""
+        self._turns = turns
+        self.phase = Phase.AUDIT if audit else Phase.TRIAL
+        self._turn_to(ar=audit, position=position)
+
+    def _turn_to(self, ar: bool, position: int) -> None:
+        turns, audit = self._turns, self.phase is Phase.AUDIT
+        assert turns is not None
+        turns.in_turn = 0
+        tree, topk = (AR_PLAN, 0) if ar else (turns.plan.tree, turns.plan.ngram_topk)
+        self.history.append(Plan(tree, topk, position, trial=not audit, audit=audit))
+
+    def _schedule_probe(self, position: int) -> None:
+        ar = self.phase is Phase.AR
+        self._next_probe = position + (RETUNE_AFTER_AR * 2 ** (self._ar_streak - 1) if ar else RETUNE_EVERY)
+
+    # each phase's handling of a report
+
+    def _probing(self, report: Report, samples: int) -> None:
+        """PROBE -> AR (over budget at its first step, or the choice is AR steps) | TRIAL (a pick)."""
+        budget = self.budget
+        if (
+            self.probes_on_ar_steps
+            and self._reports == 1
+            and budget.probe_cost(self.probe_length - 1) > budget.allowance(report.left)
+        ):
+            self._enter_ar(report.position)
+            return
+        if samples < self.probe_length or report.done:
+            return
+        started = time.perf_counter()
+        pick = self.choose()
+        budget.choose_s = time.perf_counter() - started
+        if pick.tree == AR_PLAN:
+            self._enter_ar(report.position)
+        else:
+            self._enter_turns(_Turns(pick, Plan(AR_PLAN, 0)), audit=False, position=report.position)
+
+    def _turn(self, report: Report) -> None:
+        """An iteration of a trial or audit, timed to its side; the sides take turns of 1/TURNS of
+        their iterations; once both have run all of theirs, or an AR turn ends with the drafting
+        plan TRIAL_GIVE_UP times slower, the trial or audit ends."""
+        turns = self._turns
+        assert turns is not None
+        ar = not report.drafted
+        timing, total = turns.side(ar)
+        timing.seconds, timing.tokens = timing.seconds + report.seconds, timing.tokens + report.tokens
+        timing.iterations += 1
+        turns.in_turn += 1
+        turn_over = not turns.side_done(not ar) and (
+            turns.in_turn >= -(-total // TURNS) or turns.side_done(ar)
+        )
+        given_up = turn_over and ar and turns.drafting.tokens > 0 and turns.ratio >= TRIAL_GIVE_UP
+        if (turns.side_done(ar) and turns.side_done(not ar)) or given_up:
+            self._turns = None
+            if self.phase is Phase.AUDIT:
+                self._end_audit(turns, report.position)
+            else:
+                self._end_trial(turns, report.position)
+        elif turn_over:
+            self._turn_to(ar=not ar, position=report.position)
+
+    def _end_trial(self, turns: _Turns, position: int) -> None:
+        """TRIAL -> DRAFT (clearly faster than AR steps) | the fallback: AR, or DRAFT of the plan a
+        re-choice tried to replace."""
+        if turns.ratio < TRIAL_MARGIN:
+            self._enter_draft(turns.plan, position)
+        elif turns.fallback.tree == AR_PLAN:
+            self._enter_ar(position)
+        else:
+            self._enter_draft(turns.fallback, position)
+
+    def _end_audit(self, turns: _Turns, position: int) -> None:
+        """AUDIT -> AR (no longer faster by the trial's margin: judged on this audit alone, since a
+        plan that paid early on is not carried by its past) | TRIAL (passed; the shared samples favour
+        another plan, the audited one the fallback) | DRAFT (passed)."""
+        if turns.ratio >= TRIAL_MARGIN:
+            self._enter_ar(position)
+            return
+        better = self.rechoose(turns.plan)
+        if better is not None:
+            self._enter_turns(_Turns(better, turns.plan), audit=False, position=position)
+            return
+        self._enter_draft(turns.plan, position, self._audits + 1, schedule=False)
+        clear = turns.ratio < AUDIT_CLEAR
+        self._next_audit = self._next_probe if clear else position + AUDIT_EVERY * 2**self._audits
+
+    def _settled(self, report: Report) -> None:
+        """AR | DRAFT -> PROBE (due, and within budget; else rescheduled) | AUDIT (DRAFT, due)."""
+        if report.position >= self._next_probe:
+            if self.budget.probe_cost(self.probe_length) <= self.budget.allowance(report.left):
+                self._enter_probe(report.position)
+            else:
+                self._schedule_probe(report.position)
+        elif self.phase is Phase.DRAFT and report.position >= self._next_audit:
+            self._enter_turns(_Turns(self.plan, Plan(AR_PLAN, 0)), audit=True, position=report.position)
+
+
+# ---------------------------------------------------------------- the tuner
+
+
+class Tuner:
+    """`--tree auto` as the decode loop sees it: `plan` before an iteration, `observe` after it (once
+    per iteration; a run of plain AR steps is one, `plain_ar_steps` says how long). It drafts the
+    probe's shadow tries, records acceptance, runs the cost model when the policy asks, and hands
+    every iteration to the `Policy`."""
 
     def __init__(
         self, engine: Engine, state: DecodeState, from_verify: bool, max_trie: int, clock: Callable[[], int]
@@ -539,66 +490,22 @@ class Tuner:
         self.shared = ProbeRecorder(max_depth, self.probe_tree, self.probe_topk)
         self._costs: dict | None = None  # the cost model's inputs at the last choice (`_choose`)
         self._shared_at_choice = 0  # shared iterations when the last choice was made
-        self.history: list[Plan] = []
         self._probe_costs = IterationCosts(0.0, 0.0, 0.0, 0)
         self._probe_iterations = 0
-        self._next_probe = 0
-        self._ar_streak = 0  # probes in a row that ended in AR steps
-        self._turns: _Turns | None = None  # the trial or audit in progress
-        self._audits: int | None = None  # audits the kept drafting plan passed; None: none kept
-        self._next_audit = 0  # token count at which the kept drafting plan is audited
-        # the exploration budget (EXPLORATION_BUDGET), in seconds
-        self._elapsed_s = 0.0  # of the iterations reported
-        self._ar_s_per_token: float | None = None  # AR steps' recent speed
-        self._spent_s = 0.0  # the tuner's own work (`observe`)
-        self._saved_s = 0.0  # drafting iterations against AR steps' speed (negative: lost)
-        self._shadow_s: float | None = None  # one shadow draft, on average
-        self._choose_s: float | None = None  # the last choice
-        self._start_probe()
+        self._last_hidden: torch.Tensor | None = None
+        probe = Plan(AR_PLAN, 0) if from_verify else Plan(self.probe_tree, self.probe_topk)
+        length = SHADOW_PROBE_STEPS if from_verify else PROBE_ITERATIONS
+        self.policy = Policy(probe, length, self._choose, self._rechoose, clock())
+        self.history = self.policy.history
 
     @property
     def plan(self) -> Plan:
-        return self.history[-1]
-
-    def _start_probe(self) -> None:
-        """Drafting from the verify pass, on AR steps (see the module docstring); else the probe tree."""
-        self._audits = None
-        tree, topk = (AR_PLAN, 0) if self.from_verify else (self.probe_tree, self.probe_topk)
-        self.history.append(Plan(tree, topk, max(1, self.clock()), probe=True))
-        self._probe_costs, self._probe_iterations = IterationCosts(0.0, 0.0, 0.0, 0), 0
-        self._shadows.clear()
-
-    def _switch(self, tree: str, ngram_topk: int) -> None:
-        self.history.append(Plan(tree, ngram_topk, self.clock()))
-
-    def _settle(self, plan: Plan) -> None:
-        self._switch(plan.tree, plan.ngram_topk)
-        self._ar_streak = self._ar_streak + 1 if plan.tree == AR_PLAN else 0
-        self._schedule_probe()
-        self._next_audit = len(self.state.tokens) + AUDIT_EVERY
-
-    def _schedule_probe(self) -> None:
-        wait = RETUNE_AFTER_AR * 2 ** (self._ar_streak - 1) if self.plan.tree == AR_PLAN else RETUNE_EVERY
-        self._next_probe = len(self.state.tokens) + wait
+        return self.policy.plan
 
     def plain_ar_steps(self) -> int:
         """AR steps the loop may run as `--method ar` does before it reports them (as one iteration):
         while the tuner has settled on AR steps, those up to its next probe; else 0 (report each)."""
-        plan = self.plan
-        if plan.tree != AR_PLAN or plan.probe or plan.trial or plan.audit:
-            return 0
-        return max(1, self._next_probe - len(self.state.tokens))
-
-    def _allowance(self) -> float:
-        """Seconds the budget has left (EXPLORATION_BUDGET)."""
-        left = (self.state.limit - len(self.state.tokens)) * (self._ar_s_per_token or 0.0)
-        return EXPLORATION_BUDGET * (self._elapsed_s + left) + self._saved_s - self._spent_s
-
-    def _probe_cost(self, steps: int) -> float:
-        """Expected seconds of `steps` more probe steps on AR steps and the choice after them."""
-        step = self._ar_s_per_token or 0.0
-        choose = self._choose_s if self._choose_s is not None else CHOOSE_COST_STEPS * step
-        return steps * (self._shadow_s or 0.0) + choose
+        return self.policy.plain_ar_steps(self.clock())
 
     def observe(
         self,
@@ -611,61 +518,27 @@ class Tuner:
         tokens: int = 1,
     ) -> Plan:
         """Record one finished iteration (trie None: plain AR steps, `tokens` of them) that took
-        `seconds` and committed `tokens`; returns the plan to run next. What this costs is spent from
-        the exploration budget."""
+        `seconds` and committed `tokens`; returns the plan to run next. What this costs is spent
+        from the exploration budget."""
         started = time.perf_counter()
-        plan = self._account(trie is None, seconds, tokens)
-        if (
-            plan.tree == AR_PLAN
-            and self.from_verify
-            and (plan.trial or plan.audit)
-            and (self._shadow_s or 0.0) <= self._allowance()
-        ):
-            self._shadow_draft(last_hidden, probe=False)  # every candidate scored, ~10% of a step
-        if plan.probe:
-            if plan.tree == AR_PLAN:
-                self._shadow_draft(last_hidden, probe=True)
-                needed = SHADOW_PROBE_STEPS
-                if self._probe_iterations == 1 and self._probe_cost(needed - 1) > self._allowance():
-                    self._settle(Plan(AR_PLAN, 0))  # the probe would cost more than the budget has
-                    self._spent_s += time.perf_counter() - started
-                    return self.plan
-            else:  # a probe tree runs every iteration
-                assert trie is not None and costs is not None
-                self._record_probe(trie, accepted_nodes, costs)
-                needed = PROBE_ITERATIONS
-            if self._probe_iterations >= needed and not done:
-                self._choose(last_hidden)
-        else:
+        plan, left = self.plan, self.state.limit - len(self.state.tokens)
+        if self.policy.shadow_wanted(left):
+            self._shadow_draft(last_hidden, probe=plan.probe)
+        if plan.probe and plan.tree != AR_PLAN:  # a probe tree runs every iteration
+            assert trie is not None and costs is not None
+            self._record_probe(trie, accepted_nodes, costs)
+        elif not plan.probe:
             self._settle_shadows()
             if trie is not None and not done:  # the running plan's iterations count too
                 self.recorder.record(trie, accepted_nodes, (plan.branching, plan.ngram_topk))
-            if plan.trial or plan.audit:
-                self._time_turn(plan, seconds, tokens)
-        settled = not (self.plan.probe or self.plan.trial or self.plan.audit)
-        if settled and len(self.state.tokens) >= self._next_probe:
-            if self._probe_cost(SHADOW_PROBE_STEPS) <= self._allowance():
-                self._start_probe()
-            else:
-                self._schedule_probe()
-        elif settled and self._audits is not None and len(self.state.tokens) >= self._next_audit:
-            self._start_turns(self.plan, audit=True)
-        self._spent_s += time.perf_counter() - started
-        return self.plan
-
-    def _account(self, ar_steps: bool, seconds: float, tokens: int) -> Plan:
-        """The budget's side of an iteration: AR steps update their speed, a drafting iteration
-        saves (or loses) against it."""
-        self._elapsed_s += seconds
-        if ar_steps:
-            per_token = seconds / max(1, tokens)
-            previous = self._ar_s_per_token
-            self._ar_s_per_token = (
-                per_token if previous is None else previous + (per_token - previous) * min(1.0, tokens / 64)
-            )
-        elif self._ar_s_per_token is not None:
-            self._saved_s += tokens * self._ar_s_per_token - seconds
-        return self.plan
+        self._last_hidden = last_hidden
+        report = Report(tokens, seconds, trie is not None, self.clock(), left, done)
+        after = self.policy.next(report, self._probe_iterations)
+        if after is not plan and after.probe:
+            self._probe_costs, self._probe_iterations = IterationCosts(0.0, 0.0, 0.0, 0), 0
+            self._shadows.clear()
+        self.policy.budget.spent_s += time.perf_counter() - started
+        return after
 
     def _shadow_draft(self, hidden: torch.Tensor, probe: bool) -> None:
         """After an AR step (hidden [hidden]: the step's input token's, which sampled the new root):
@@ -680,10 +553,9 @@ class Tuner:
         drafted = time.perf_counter()
         ngrams = retrieve_ngrams(state, state.tokens[-1:], self.probe_topk)
         trie = build_trie(state.tokens[-1], self._probe_static, candidates, ngrams, ngrams_from_root=True)
-        done = time.perf_counter()
-        costs = IterationCosts(drafted - tick, done - drafted, 0.0, len(trie))
-        previous = self._shadow_s
-        self._shadow_s = done - tick if previous is None else previous + (done - tick - previous) / 8
+        end = time.perf_counter()
+        costs = IterationCosts(drafted - tick, end - drafted, 0.0, len(trie))
+        self.policy.budget.note_shadow(end - tick)
         self._shadows.append((trie, len(state.tokens) - 1, max(trie.depths), costs if probe else None))
         self._settle_shadows()
 
@@ -709,65 +581,37 @@ class Tuner:
         totals.nodes += costs.nodes
         self._probe_iterations += 1
 
-    def _start_turns(self, plan: Plan, audit: bool, fallback: Plan | None = None) -> None:
-        """A trial of `plan` (the model's pick; it runs first) or an audit of it (kept; AR steps first);
-        a trial that fails settles on `fallback` (default: AR steps)."""
-        self._turns = _Turns(plan, audit, fallback or Plan(AR_PLAN, 0))
-        self._turn_to(ar=audit)
-
-    def _turn_to(self, ar: bool) -> None:
-        turns = self._turns
-        assert turns is not None
-        turns.in_turn = 0
-        tree, topk = (AR_PLAN, 0) if ar else (turns.plan.tree, turns.plan.ngram_topk)
-        self.history.append(Plan(tree, topk, self.clock(), trial=not turns.audit, audit=turns.audit))
-
-    def _time_turn(self, plan: Plan, seconds: float, tokens: int) -> None:
-        """One iteration of a trial or audit: timed to its side; the sides take turns of
-        1/TURNS of their iterations; once both have run all of theirs, the trial or audit ends."""
-        turns = self._turns
-        assert turns is not None
-        ar = plan.tree == AR_PLAN
-        timing, total = turns.side(ar)
-        timing.add(seconds, tokens)
-        turns.in_turn += 1
-        if turns.side_done(ar) and turns.side_done(not ar):
-            self._turns = None
-            if turns.audit:
-                self._end_audit(turns)
-            else:
-                self._end_trial(turns)
-        elif not turns.side_done(not ar) and (turns.in_turn >= -(-total // TURNS) or turns.side_done(ar)):
-            self._turn_to(ar=not ar)
-
-    def _end_trial(self, turns: _Turns) -> None:
-        """Keep the drafting plan if it was clearly faster than AR steps, else settle on AR steps."""
-        if turns.ratio < TRIAL_MARGIN:
-            self._settle(turns.plan)
-            self._audits = 0
-        else:  # AR steps, or the plan that was running when a re-choice tried this one
-            self._settle(turns.fallback)
-            self._audits = None if turns.fallback.tree == AR_PLAN else 0
-
-    def _end_audit(self, turns: _Turns) -> None:
-        """Keep the drafting plan while it stays faster than AR steps, judged on this audit alone
-        (taking turns makes one fair; acceptance changes over a long generation, and a plan that paid
-        early on is not carried by its past)."""
-        assert self._audits is not None
-        if turns.ratio >= TRIAL_MARGIN:  # the margin it had to win its trial by, kept up
-            self._audits = None
-            self._settle(Plan(AR_PLAN, 0))
-            return
-        self._audits += 1
-        better = self._rechoose(turns.plan)
-        if better is not None:  # tried for real; the plan that passed its audit runs if it loses
-            self._start_turns(better, audit=False, fallback=Plan(turns.plan.tree, turns.plan.ngram_topk))
-            return
-        self._switch(turns.plan.tree, turns.plan.ngram_topk)
-        clear = turns.ratio < AUDIT_CLEAR
-        self._next_audit = (
-            self._next_probe if clear else len(self.state.tokens) + AUDIT_EVERY * 2**self._audits
+    def _choose(self) -> Plan:
+        """The cost model's pick after a probe, priced with costs timed here and now."""
+        engine, state, count, hidden = self.engine, self.state, self._probe_iterations, self._last_hidden
+        assert hidden is not None
+        recorder = self.recorder
+        if max(1 + recorder.mean_accepted(key) for key in recorder.accepted) < MIN_TOKENS_PER_ITERATION:
+            return Plan(AR_PLAN, 0)
+        totals = self._probe_costs
+        self._costs = dict(
+            verify_costs=measure_verify(engine, state, self.max_trie),
+            draft_s=totals.draft_s / count,
+            overhead_s=totals.commit_s / count,
+            # drafting from the verify pass the head pass carries draft rows (one level: the trees CPUs pick)
+            sampling_costs=measure_sampling(engine, state, hidden, 1 if self.from_verify else 0),
+            device=engine.device,
+            per_node_s=totals.trie_s / totals.nodes,  # building a trie (n-grams included)
+            # root-conditioned layers read each node's sample: their head pass is not batched
+            batched_draft_s=(
+                measure_ranking(engine, state, hidden)
+                if self.from_verify and not reads_root(engine.draft_layers)
+                else None
+            ),
+            draft_s_by_depth=(
+                measure_path_drafting(engine, state, hidden, self._probe_static)
+                if self.from_verify and drafts_along_paths(engine.draft_layers)
+                else None
+            ),
         )
+        self._shared_at_choice = self.shared.iterations
+        best, _ = choose_plan(self.recorder, **self._costs)
+        return Plan(best.tree, best.ngram_topk)
 
     def _rechoose(self, running: Plan) -> Plan | None:
         """After a passed audit: a drafting plan the cost model, fed the samples every candidate shares
@@ -791,46 +635,3 @@ class Tuner:
         if best.tokens_per_s * TRIAL_MARGIN < current.tokens_per_s:
             return None
         return Plan(best.tree, best.ngram_topk)
-
-    def _choose(self, last_hidden: torch.Tensor) -> None:
-        started = time.perf_counter()
-        try:
-            self._choose_measured(last_hidden)
-        finally:
-            self._choose_s = time.perf_counter() - started
-
-    def _choose_measured(self, last_hidden: torch.Tensor) -> None:
-        engine, state, count = self.engine, self.state, self._probe_iterations
-        recorder = self.recorder
-        if max(1 + recorder.mean_accepted(key) for key in recorder.accepted) < MIN_TOKENS_PER_ITERATION:
-            self._settle(Plan(AR_PLAN, 0))
-            return
-        totals = self._probe_costs
-        verify_costs = measure_verify(engine, state, self.max_trie)
-        # drafting from the verify pass the head pass carries draft rows (one level: the trees CPUs pick)
-        sampling = measure_sampling(engine, state, last_hidden, 1 if self.from_verify else 0)
-        self._costs = dict(
-            verify_costs=verify_costs,
-            draft_s=totals.draft_s / count,
-            overhead_s=totals.commit_s / count,
-            sampling_costs=sampling,
-            device=engine.device,
-            per_node_s=totals.trie_s / totals.nodes,  # building a trie (n-grams included)
-            # root-conditioned layers read each node's sample: their head pass is not batched
-            batched_draft_s=(
-                measure_ranking(engine, state, last_hidden)
-                if self.from_verify and not reads_root(engine.draft_layers)
-                else None
-            ),
-            draft_s_by_depth=(
-                measure_path_drafting(engine, state, last_hidden, self._probe_static)
-                if self.from_verify and drafts_along_paths(engine.draft_layers)
-                else None
-            ),
-        )
-        self._shared_at_choice = self.shared.iterations
-        best, _ = choose_plan(self.recorder, **self._costs)
-        if best.tree == AR_PLAN:
-            self._settle(Plan(AR_PLAN, 0))
-        else:  # timed for real against plain AR steps before it is kept
-            self._start_turns(Plan(best.tree, best.ngram_topk), audit=False)
