@@ -489,7 +489,7 @@ def test_a_passed_audit_tries_a_plan_the_shared_samples_favour_and_keeps_the_old
 
 
 def test_a_probe_beyond_the_exploration_budget_is_abandoned_and_ar_steps_run_to_the_end(llama_engine64):
-    """900 tokens at 1 s a step give 18 s to explore (EXPLORATION_BUDGET); a probe and its choice are
+    """900 tokens at 1 s a step give 9 s to explore (EXPLORATION_BUDGET); a probe and its choice are
     expected to cost ~30 s (CHOOSE_COST_STEPS AR steps): the probe stops after its first shadow draft
     and the loop may run plain AR steps to the end, never asking again."""
     from tokenswift_trt.decode import autotune

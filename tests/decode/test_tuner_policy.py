@@ -55,7 +55,7 @@ def test_start_probe():
 
 
 def test_probe_to_ar_when_the_probe_would_overrun_the_budget():
-    """900 tokens of 1 s give 18 s to explore; a choice is costed at CHOOSE_COST_STEPS steps."""
+    """900 tokens of 1 s give 9 s to explore; a choice is costed at CHOOSE_COST_STEPS steps."""
     driver = Driver(limit=900)
     driver.step()
     assert driver.policy.phase is Phase.AR and driver.position == 2  # abandoned after its first step

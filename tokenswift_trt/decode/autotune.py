@@ -51,7 +51,8 @@ EXPLORATION_BUDGET of the generation's projected time plus what drafting iterati
 starts, and goes on past its first step, only if its expected cost fits; the AR turns draft shadow
 tries only while they fit. So where drafting never pays, `--tree auto` runs within that share of
 `--method ar`, however fast the step (swift-tiny on a CPU, a 0.6 ms step: a shadow draft costs half
-a step, a probe and its choice ~35 steps, and generations shorter than ~2,000 tokens are not probed).
+a step, a probe, its choice and a trial's first turns are expected to cost ~60 steps, and generations
+shorter than ~6,000 tokens are not probed).
 
 `Tuner` is what the loop talks to: it drafts the shadow tries, records acceptance, runs the cost
 model, and hands each iteration to the policy once (`observe`).
@@ -118,7 +119,9 @@ AUDIT_CLEAR = 0.85  # no more audits once the drafting plan's seconds per token 
 # best candidate commits fewer tokens per iteration than this settles on AR steps without timing
 # verify passes (~20 forwards of the tuner's own overhead)
 MIN_TOKENS_PER_ITERATION = 1.05
-EXPLORATION_BUDGET = 0.02  # share of the generation's projected time the tuner may spend exploring
+# share of the generation's projected time the tuner may spend exploring (swift-tiny on a 2-core CPU
+# with 2%: a 4,096-token generation probed three times and ran at 0.96x `--method ar`)
+EXPLORATION_BUDGET = 0.01
 CHOOSE_COST_STEPS = 30  # the first choice's timing passes, in AR steps, until one is measured (~16-40)
 
 
