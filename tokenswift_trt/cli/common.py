@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,28 +37,37 @@ def fail(error: Exception) -> CliError:
 
 @dataclass
 class Source:
-    """A loaded model: engine, tokenizer, and the defaults its preset or manifest sets."""
+    """A loaded model (`api.Model`) and, under tensor parallelism, this process's ranks."""
 
-    engine: Any  # tokenswift_trt.model.engine.Engine
-    codec: Any  # tokenswift_trt.decode.text.TextCodec
-    defaults: dict[str, Any] = field(default_factory=dict)
-    model_dir: Path | None = None
-    engine_dir: Path | None = None
-    heads: Path | None = None
-    ranks: Any = None  # tp_launch.Ranks: this process's rank of a tensor-parallel run (--tp > 1)
+    model: Any  # tokenswift_trt.api.Model
+    ranks: Any = None  # tp_launch.Ranks when tensor parallel, else None
+
+    @property
+    def engine(self) -> Any:
+        return self.model.engine
+
+    @property
+    def codec(self) -> Any:
+        return self.model.codec
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.model.defaults
 
     @property
     def name(self) -> str:
-        """The directory the model was loaded from, for messages."""
-        return str(self.model_dir or self.engine_dir)
+        return self.model.name
 
     def record(self) -> dict[str, str | None]:
-        """Where this model came from (a journal's header keeps it for --resume)."""
-        return {
-            "model_dir": str(self.model_dir) if self.model_dir else None,
-            "engine_dir": str(self.engine_dir) if self.engine_dir else None,
-            "heads": str(self.heads) if self.heads else None,
-        }
+        return self.model.record()
+
+    @property
+    def model_dir(self) -> Path | None:
+        return self.model.origin.model_dir
+
+    @property
+    def engine_dir(self) -> Path | None:
+        return self.model.origin.engine_dir
 
 
 def resolve_source(
@@ -68,28 +76,13 @@ def resolve_source(
     """(model_dir, engine_dir, heads, defaults) from the source options: `--model PRESET` names a
     preset whose model directory is on this machine (bundled or prepared by `make models`); a
     `--model-dir` takes the settings its `tokenswift_defaults.json` records (written by `make models`)."""
-    from tokenswift_trt.builder.presets import PRESETS, PresetError, local_model_dir, read_model_defaults
+    from tokenswift_trt.api import ApiError, Origin
 
-    given = [
-        name
-        for name, value in (("--model", model), ("--model-dir", model_dir), ("--engine", engine_dir))
-        if value is not None
-    ]
-    if len(given) != 1:
-        raise CliError("give exactly one of --model PRESET, --model-dir DIR or --engine DIR")
-    if model is None:
-        try:
-            defaults = read_model_defaults(model_dir) if model_dir is not None else {}
-        except PresetError as error:
-            raise fail(error) from None
-        return model_dir, engine_dir, heads, defaults
-    if model not in PRESETS:
-        raise CliError(f"unknown preset {model!r}; presets: {', '.join(PRESETS)} (or pass --model-dir DIR)")
     try:
-        directory, preset_heads = local_model_dir(PRESETS[model])
-    except PresetError as error:
+        origin, defaults = Origin(model, model_dir, engine_dir, heads).resolved()
+    except ApiError as error:
         raise fail(error) from None
-    return directory, None, heads or preset_heads, dict(PRESETS[model].defaults)
+    return origin.model_dir, origin.engine_dir, origin.heads, defaults
 
 
 def no_draft_layers_line(source: Path, model_dir: Path | None) -> str:
@@ -114,86 +107,33 @@ def load_source(
     tp: int = 1,
     tp_timeout: float = 120.0,
 ) -> Source:
-    """Load a preset, a Hugging Face dir or a built engine dir; every failure is one line. `kernels`:
-    kernel settings (`--kernel`) over the engine manifest's, else over the defaults. `tp` > 1: this
-    process's rank of a tensor-parallel run (tp_launch.py), started before anything loads."""
-    import torch
-
-    from tokenswift_trt.decode.request import manifest_defaults
-    from tokenswift_trt.decode.text import TextCodec, TokenizerError
-    from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
-    from tokenswift_trt.model.config import ConfigError
-    from tokenswift_trt.model.engine import (
-        KernelFallbackWarning,
-        UntrainedDraftLayersWarning,
-        WeightsError,
-        load_engine,
-    )
-    from tokenswift_trt.model.engine_dir import EngineDirError, load_engine_dir
+    """`api.load` with the command's options; every failure is one line, and what loading noticed is
+    said on stderr. `tp` > 1: this process's rank of a tensor-parallel run (tp_launch.py), started
+    before anything loads."""
+    from tokenswift_trt.api import ApiError, Origin, load_resolved
 
     from .tp_launch import launched_ranks
 
-    model_dir, engine_dir, heads, defaults = resolve_source(model, model_dir, engine_dir, heads)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
-    source = model_dir if model_dir is not None else engine_dir
-    assert source is not None
-    if not source.is_dir():
-        raise CliError(f"{'model' if model_dir else 'engine'} directory {source} does not exist")
-    ranks = None
-    if tp > 1 or launched_ranks() > 1:  # tensor parallel: checked, started and agreed on before loading
-        ranks = _start_ranks(tp, tp_timeout, model_dir, engine_dir, dtype, device, kernels or {})
-        device = ranks.device
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UntrainedDraftLayersWarning)
-        warnings.simplefilter("always", KernelFallbackWarning)
-        try:
-            if engine_dir is not None:
-                if heads is not None:
-                    raise CliError("--heads applies to --model-dir; an engine carries its draft layers")
-                engine, manifest = load_engine_dir(
-                    engine_dir,
-                    device=device,
-                    dtype=getattr(torch, dtype) if dtype else None,
-                    kernels=kernels,
-                    tp=ranks.tp if ranks is not None else None,
-                )
-                defaults = manifest_defaults(manifest)
-                codec = TextCodec.from_dir(engine_dir / "model")
-            else:
-                assert model_dir is not None
-                if dtype is None:  # the kernel's element types on GPUs (bf16 needs compute capability 8.0+)
-                    on_gpu = device.startswith("cuda")
-                    dtype = (
-                        ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else "float32"
-                    )
-                settings = KernelConfig().updated(kernels or {})
-                engine = load_engine(
-                    model_dir,
-                    heads,
-                    dtype=getattr(torch, dtype),
-                    device=device,
-                    kernels=settings,
-                    tp=ranks.tp if ranks is not None else None,
-                )
-                codec = TextCodec.from_dir(model_dir)
-        except (
-            ConfigError,
-            WeightsError,
-            TokenizerError,
-            EngineDirError,
-            KernelConfigError,
-            OSError,
-            RuntimeError,
-        ) as error:
-            raise fail(error) from None
-    for warning in caught:
-        # an untrained-heads note can be silenced; running without the CUDA kernel is always said
-        if issubclass(warning.category, KernelFallbackWarning):
-            click.echo(f"warning: {warning.message}", err=True)
-        elif issubclass(warning.category, UntrainedDraftLayersWarning) and not quiet:
-            click.echo(f"warning: {no_draft_layers_line(source, model_dir)}", err=True)
-    return Source(engine, codec, defaults, model_dir, engine_dir, heads, ranks)
+    try:
+        origin, defaults = Origin(model, model_dir, engine_dir, heads).resolved()
+        ranks = None
+        if tp > 1 or launched_ranks() > 1:  # tensor parallel: checked, started and agreed on before loading
+            if not origin.directory.is_dir():
+                kind = "model" if origin.model_dir is not None else "engine"
+                raise ApiError(f"{kind} directory {origin.directory} does not exist")
+            ranks = _start_ranks(
+                tp, tp_timeout, origin.model_dir, origin.engine_dir, dtype, device, kernels or {}
+            )
+            device = ranks.device
+        tp_group = ranks.tp if ranks is not None else None
+        loaded = load_resolved(origin, defaults, dtype, device, kernels, tp_group)
+    except ApiError as error:
+        raise fail(error) from None
+    for message in loaded.fallbacks:  # running without the CUDA kernel is always said
+        click.echo(f"warning: {message}", err=True)
+    if loaded.untrained_drafts and not quiet:  # an untrained-heads note can be silenced
+        click.echo(f"warning: {no_draft_layers_line(origin.directory, origin.model_dir)}", err=True)
+    return Source(loaded, ranks)
 
 
 def _start_ranks(

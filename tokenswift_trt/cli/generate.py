@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -89,25 +88,13 @@ def generate(
 ) -> None:
     """Generate a continuation of a prompt with TokenSwift (or the AR baseline); journal and resume long
     runs."""
+    from tokenswift_trt.api import ApiError, journal_origin, resume_run, start_run, with_memory_budget
     from tokenswift_trt.decode.autotune import describe_plans
-    from tokenswift_trt.decode.journal import (
-        JournalError,
-        JournalWriter,
-        check_new_journal,
-        journal_header,
-        model_identity,
-        read_journal,
-        recorded_kernels,
-        resume_journal,
-    )
-    from tokenswift_trt.decode.loop import GenerationError
-    from tokenswift_trt.decode.loop import generate as run_generate
-    from tokenswift_trt.decode.request import OUTPUT_DECIDING, SPEED_ONLY, with_fixed_seed
+    from tokenswift_trt.decode.request import OUTPUT_DECIDING, SPEED_ONLY
     from tokenswift_trt.decode.text import StreamDecoder
 
     from ..progress import progress_bar
 
-    done_ids: list[int] = []
     if resume is not None:
         if journal is not None or prompt is not None or prompt_file is not None:
             raise CliError("--resume continues a journal: it takes no --prompt, --prompt-file or --journal")
@@ -119,112 +106,48 @@ def generate(
         if deciding:
             raise CliError(f"--resume continues with the journal's own settings: drop {', '.join(deciding)}")
         try:
-            recorded_state = read_journal(resume)
-        except JournalError as error:
+            origin, recorded_dtype, recorded_kernels = journal_origin(resume)
+        except ApiError as error:
             raise fail(error) from None
-        header = recorded_state.header
-        recorded = header.get("source") or {}
         if model is None and model_dir is None and engine_dir is None:
-            model_dir, engine_dir, heads = (
-                Path(recorded[key]) if recorded.get(key) else None
-                for key in ("model_dir", "engine_dir", "heads")
-            )
+            model_dir, engine_dir, heads = origin.model_dir, origin.engine_dir, origin.heads
         if opts["dtype"] is None and engine_dir is None:  # the dtype that wrote the journal's tokens
-            opts["dtype"] = (header.get("model") or {}).get("dtype")
-        kernels = {**(recorded_kernels(recorded_state) or {}), **kernels}  # the kernels that wrote it
-        source = load_source(
-            model,
-            model_dir,
-            engine_dir,
-            heads,
-            opts["dtype"],
-            opts["device"],
-            quiet=as_json,
-            kernels=kernels,
-            tp=tp,
-            tp_timeout=tp_timeout,
-        )
-        try:
-            speed = {name: value for name, value in request_settings(opts).items() if name in SPEED_ONLY}
-            resumed = resume_journal(
-                resume, source.engine.config.eos_token_ids, speed, model_identity(source.engine, source.name)
-            )
-        except JournalError as error:
-            raise fail(error) from None
-        if resumed.dropped_records and not as_json:
-            click.echo(
-                f"note: ignored {resumed.dropped_records} torn record(s) at the end of {resume}", err=True
-            )
-        if resumed.earlier_sampler and not as_json:
-            click.echo(
-                f"note: {resume} was written by an earlier version with another sampler; the continuation "
-                "is sampled correctly but differs from what the original run would have written",
-                err=True,
-            )
-        config, prompt_ids, done_ids, finished = (
-            resumed.config,
-            resumed.prompt_ids,
-            resumed.done_ids,
-            resumed.finished,
-        )
-        leader = source.ranks is None or source.ranks.leader  # tensor parallel: rank 0 writes
-        try:
-            if finished and not recorded_state.finished and leader:  # it ended just before a crash
-                JournalWriter(resume).close(finished=True)  # so that a new run may replace it
-            writer = None if finished or not leader else JournalWriter(resume, every=journal_every)
-        except JournalError as error:
-            raise fail(error) from None
-        run_config = resumed.remaining_config()
+            opts["dtype"] = recorded_dtype
+        kernels = {**recorded_kernels, **kernels}  # the kernels that wrote it
     else:
         if max_new_tokens is None:
             raise CliError("--max-new-tokens is required (unless --resume)")
         text = read_prompt(prompt, prompt_file)
         generation_config(max_new_tokens, method, opts)  # bad values fail before any loading
-        if journal is not None:
-            try:
-                check_new_journal(
-                    journal, f"--resume {journal}", "delete it (or choose another --journal path)"
-                )
-            except JournalError as error:
-                raise fail(error) from None
-        source = load_source(
-            model,
-            model_dir,
-            engine_dir,
-            heads,
-            opts["dtype"],
-            opts["device"],
-            quiet=as_json,
-            kernels=kernels,
-            tp=tp,
-            tp_timeout=tp_timeout,
-        )
-        config = generation_config(max_new_tokens, method, opts, source.defaults)
-        prompt_ids = source.codec.encode(text)
-        limit = config.max_length or source.engine.config.max_position_embeddings
-        if len(prompt_ids) + max_new_tokens > limit > len(prompt_ids) and not as_json:
-            click.echo(
-                f"note: the engine's maximum length is {limit:,} tokens: this {len(prompt_ids):,}-token "
-                "prompt "
-                f"leaves room for {limit - len(prompt_ids):,} new tokens, not {max_new_tokens:,}",
-                err=True,
-            )
-        finished = False
-        writer = None
-        if journal is not None and (source.ranks is None or source.ranks.leader):  # TP: rank 0 writes
-            config = with_fixed_seed(config)  # the journal must know the seed to resume the same tokens
-            header = journal_header(
-                prompt_ids, config, source.record(), model_identity(source.engine, source.name)
-            )
-            try:
-                writer = JournalWriter(journal, header, every=journal_every)
-            except JournalError as error:
-                raise fail(error) from None
-        run_config = config
-    if memory_budget is not None:
-        run_config = dataclasses.replace(run_config, memory_budget=max(1, int(memory_budget * (1 << 30))))
+    source = load_source(
+        model,
+        model_dir,
+        engine_dir,
+        heads,
+        opts["dtype"],
+        opts["device"],
+        quiet=as_json,
+        kernels=kernels,
+        tp=tp,
+        tp_timeout=tp_timeout,
+    )
+    leader = source.ranks is None or source.ranks.leader  # tensor parallel: rank 0 writes the journal
+    try:
+        if resume is not None:
+            speed = {name: value for name, value in request_settings(opts).items() if name in SPEED_ONLY}
+            run = resume_run(resume, source.model, speed, journal_every, writes=leader)
+        else:
+            config = generation_config(max_new_tokens, method, opts, source.defaults)
+            run = start_run(source.model, text, config, journal, journal_every, writes=leader)
+    except ApiError as error:
+        raise fail(error) from None
+    if not as_json:
+        for note in run.notes:
+            click.echo(f"note: {note}", err=True)
+    run.with_remaining(lambda remaining: with_memory_budget(remaining, memory_budget))
     if source.ranks is not None:  # tensor parallel: rank 0's seed and plan, the least memory any rank has
-        run_config = source.ranks.with_memory(source.ranks.agree(run_config))
+        run.with_remaining(lambda remaining: source.ranks.with_memory(source.ranks.agree(remaining)))
+    config, done_ids = run.config, run.done_ids
 
     codec = source.codec
     stream_decoder = StreamDecoder(codec)
@@ -250,31 +173,24 @@ def generate(
         if source.ranks is not None:
             source.ranks.check_tokens(ids)  # every rank committed the same tokens
         progress.update(len(ids))
-        if writer is not None:
-            writer.add(ids)
         if stream:
             show(stream_decoder.push(ids))
 
-    stats = None
+    kept = journal or resume
     try:
-        if not finished:
-            new_ids, stats = run_generate(
-                source.engine, prompt_ids + done_ids, run_config, on_tokens=on_tokens
-            )
-            done_ids = done_ids + new_ids
-    except GenerationError as error:
+        result = run.execute(on_tokens)
+    except ApiError as error:
         raise fail(error) from None
     except (RuntimeError, ValueError) as error:  # tensor parallel: a rank stopped, timed out or diverged
         if source.ranks is None:
             raise
         raise CliError(
             f"the tensor-parallel run stopped: {fail(error).message}"
-            + (f"; {journal or resume} keeps the committed tokens (continue with --resume)" if writer else "")
+            + (f"; {kept} keeps the committed tokens (continue with --resume)" if run.writer else "")
         ) from None
     finally:
         progress.close()
-        if writer is not None:
-            writer.close(finished=stats is not None or finished)
+    done_ids, stats = result.token_ids, result.stats
     output = codec.decode(done_ids)
     if stream:
         show(stream_decoder.flush())
