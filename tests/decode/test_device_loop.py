@@ -1,5 +1,6 @@
 """The device-resident iteration (device_loop.py), run eagerly on the CPU: its tokens equal AR's and the
-host loop's, its trie and walk equal the host's, its noise and n-gram table do what they claim."""
+host loop's, an iteration reads no host value, its noise is the host's. The stages' two forms and the
+two executors are compared in test_executors.py, the n-gram table's in test_ngram.py."""
 
 from __future__ import annotations
 

@@ -64,6 +64,7 @@ TESTS = (
     "tests/model/test_kv_cache.py",
     "tests/kernels/test_transfer.py",
     "tests/decode/test_device_loop.py",
+    "tests/decode/test_executors.py",
     "tests/kernels/test_fused_elementwise.py",
     "tests/kernels/test_cascade.py",
     "tests/kernels/test_triton_prefix.py",
