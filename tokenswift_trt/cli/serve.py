@@ -7,6 +7,21 @@ from pathlib import Path
 import click
 
 from .common import CliError, PositiveGiB, fail, kernel_option, read_prompt
+from .tp_launch import tp_options
+
+
+def check_tp(engine_dir: Path, tp: int, instances: int) -> None:
+    """`serve --tp N`: one instance, and a size the model's heads split into (one line otherwise)."""
+    from tokenswift_trt.model.config import load_config
+    from tokenswift_trt.model.tensor_parallel import TensorParallelError, check_size
+
+    if instances != 1:
+        raise CliError(f"--tp {tp} serves one instance spanning {tp} ranks: drop --instances")
+    model_dir = engine_dir / "model" if (engine_dir / "model" / "config.json").is_file() else engine_dir
+    try:
+        check_size(load_config(model_dir), tp)
+    except (TensorParallelError, OSError, ValueError) as error:
+        raise CliError(str(error).strip().splitlines()[0]) from None
 
 
 @click.command()
@@ -60,6 +75,7 @@ from .common import CliError, PositiveGiB, fail, kernel_option, read_prompt
     help="keep tritonserver's log here (default: a temporary file removed when serve exits)",
 )
 @kernel_option
+@tp_options
 def serve(
     engine_dir,
     host,
@@ -74,6 +90,8 @@ def serve(
     served_model_name,
     log_file,
     kernels,
+    tp,
+    tp_timeout,
 ) -> None:
     """Serve an engine from a real tritonserver (HTTP, gRPC, metrics) until Ctrl-C or SIGTERM."""
     import signal
@@ -83,6 +101,8 @@ def serve(
     from tokenswift_trt.serving.openai_api import FrontendError, OpenAIFrontend
     from tokenswift_trt.serving.server import MODEL_REPO, ServerConfig, ServerError, TritonServer, free_port
 
+    if tp > 1:
+        check_tp(engine_dir, tp, instances)
     # tritonserver's HTTP endpoint stays on loopback; the published HTTP port is the front that checks
     # generate requests before relaying them (a malformed body gets HTTP 400, not Triton's 500)
     config = ServerConfig(
@@ -97,6 +117,8 @@ def serve(
         memory_budget_gib=memory_budget,
         http_host="127.0.0.1",
         kernels=kernels,
+        tp=tp,
+        tp_timeout=tp_timeout,
     )
     server = TritonServer(config, log_path=log_file)
     click.echo(f"starting tritonserver (log: {server.log_path})", err=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from tokenswift_trt.decode.text import StreamDecoder, TextCodec
 from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.model.engine import Engine, load_engine
 from tokenswift_trt.model.engine_dir import MANIFEST, load_engine_dir
+from tokenswift_trt.serving.tp_serve import RankGroup
 
 # Triton request inputs that set generation settings: input name -> (setting, type). Unset ones take
 # the engine's defaults (its manifest), then GenerationConfig's; max_tokens is max_new_tokens.
@@ -96,10 +98,20 @@ class Session:
         journal_dir: str | Path | None = None,
         memory_budget: int | None = None,
         kernels: str = "",
+        tp: int = 1,
+        tp_timeout: float = 120.0,
+        python: str = "",
     ) -> None:
         """`kernels`: kernel settings as NAME=VALUE items joined by `;` (the model's `kernels`
-        parameter), over the engine manifest's, else over the defaults."""
+        parameter), over the engine manifest's, else over the defaults. `tp` > 1: this process is rank
+        0 of that many tensor-parallel ranks; it starts the others with the interpreter `python`
+        (serving/tp_serve.py)."""
         source = Path(source)
+        self.ranks: RankGroup | None = None
+        rank = None
+        if tp > 1:
+            self.ranks = RankGroup(tp, tp_timeout, str(source), device, kernels, python or sys.executable)
+            rank = self.ranks.start()
         settings = parse_kernel_settings(item for item in kernels.split(";") if item.strip())
         # what journals record of the model (resume refuses a journal of another model)
         self.model_name = str(source)
@@ -108,12 +120,14 @@ class Session:
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
         if (source / MANIFEST).is_file():
-            self.engine, manifest = load_engine_dir(source, device=device, kernels=settings)
+            self.engine, manifest = load_engine_dir(source, device=device, kernels=settings, tp=rank)
             self.codec = TextCodec.from_dir(source / "model")
             self.defaults = manifest_defaults(manifest)
             self.max_length = manifest.max_sequence_length
         else:
-            self.engine: Engine = load_engine(source, device=device, kernels=KernelConfig().updated(settings))
+            self.engine: Engine = load_engine(
+                source, device=device, kernels=KernelConfig().updated(settings), tp=rank
+            )
             self.codec = TextCodec.from_dir(source)
             # a model directory prepared from a preset (`make models`) records its sampling settings
             self.defaults: dict[str, Any] = read_model_defaults(source)
@@ -226,9 +240,11 @@ class Session:
                 config = dataclasses.replace(
                     request.config, max_new_tokens=max(1, remaining), memory_budget=self.memory_budget
                 )
-                ids, stats = generate(
-                    self.engine, request.prompt_ids + request.done_ids, config, on_tokens=on_tokens
-                )
+                prompt = request.prompt_ids + request.done_ids
+                if self.ranks is not None:  # every rank runs it in step; rank 0 streams and journals
+                    ids, stats = self.ranks.run(generate, self.engine, prompt, config, on_tokens)
+                else:
+                    ids, stats = generate(self.engine, prompt, config, on_tokens=on_tokens)
             completed = True
         except GenerationError as error:
             raise RequestError(str(error)) from None

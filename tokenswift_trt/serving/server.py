@@ -50,6 +50,8 @@ class ServerConfig:
     http_host: str | None = None  # address of tritonserver's HTTP endpoint; None = `host`
     # kernel settings (kernels/config.py) over the engine manifest's; {} = the manifest's
     kernels: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel ranks of the one instance (serving/tp_serve.py)
+    tp_timeout: float = 120.0  # seconds a rank waits for the others in a collective
 
 
 def free_ports(count: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> list[int]:
@@ -127,6 +129,10 @@ def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
     text = re.sub(r'(key: "memory_budget_gib" value: \{ string_value: )"[^"]*"', rf'\1"{budget}"', text)
     kernels = kernel_parameter(config.kernels)
     text = re.sub(r'(key: "kernels" value: \{ string_value: )"[^"]*"', lambda m: f'{m[1]}"{kernels}"', text)
+    for key, value in (("tp", config.tp), ("tp_timeout", config.tp_timeout), ("python", sys.executable)):
+        text = re.sub(
+            rf'(key: "{key}" value: \{{ string_value: )"[^"]*"', lambda m, v=value: f'{m[1]}"{v}"', text
+        )
     pbtxt.write_text(text)
     return repo
 

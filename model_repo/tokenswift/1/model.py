@@ -51,9 +51,16 @@ class TritonPythonModel:
             journal_dir=parameters.get("journal_dir") or None,
             memory_budget=int(float(budget) * (1 << 30)) if budget else None,
             kernels=parameters.get("kernels", ""),
+            tp=int(parameters.get("tp") or 1),
+            tp_timeout=float(parameters.get("tp_timeout") or 120.0),
+            python=parameters.get("python", ""),
         )
         self.metrics = ServingMetrics(pb_utils.MetricFamily)
         self.eos = set(self.session.engine.config.eos_token_ids)
+
+    def finalize(self):
+        if self.session.ranks is not None:
+            self.session.ranks.stop()  # the tensor-parallel worker ranks end with the instance
 
     def execute(self, requests):
         failed = [message for request in requests if (message := self._serve(request))]

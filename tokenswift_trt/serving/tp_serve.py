@@ -1,0 +1,206 @@
+"""`serve --tp N`: one model instance spanning N tensor-parallel ranks (docs/serving.md).
+
+The Triton model is rank 0. It starts ranks 1..N-1 as worker processes (`python -c`, like
+`generate --tp N`, cli/tp_launch.py), each loading its slices of the same model. Per request rank 0
+broadcasts the prompt ids and the settings (its seed fixed, `--tree auto` held at the tuner's probe
+plan) and every rank runs the same generate loop in step; the workers discard their tokens, rank 0
+streams and journals. Jobs go over a second gloo group without a timeout (a worker waits for
+requests as long as the server is idle); the model's collectives keep `--tp-timeout`, so a worker
+that dies or hangs mid-request fails that request within it. A failed request leaves the group
+broken: the next request stops the workers, forms a new group and starts them again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOCALHOST = "127.0.0.1"
+WORKER_ENTRY = "from tokenswift_trt.serving.tp_serve import _worker_main; _worker_main()"
+IDLE = datetime.timedelta(days=365)  # the job group waits for the next request this long
+
+
+@dataclass(frozen=True)
+class Place:
+    """What a worker needs to join: its rank, the group's size and rendezvous, how to load the model."""
+
+    rank: int
+    size: int
+    port: int
+    timeout_s: float
+    source: str
+    device: str
+    kernels: str
+
+
+def load_model(source: str | Path, device: str, kernels: str, tp: Any) -> Any:
+    """This rank's engine of an engine directory or a model directory (as `Session` loads it)."""
+    from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
+    from tokenswift_trt.model.engine import load_engine
+    from tokenswift_trt.model.engine_dir import MANIFEST, load_engine_dir
+
+    source = Path(source)
+    settings = parse_kernel_settings(item for item in kernels.split(";") if item.strip())
+    if (source / MANIFEST).is_file():
+        return load_engine_dir(source, device=device, kernels=settings, tp=tp)[0]
+    return load_engine(source, device=device, kernels=KernelConfig().updated(settings), tp=tp)
+
+
+def _join(place: Place) -> tuple[Any, Any]:
+    """Form the default group (the model's collectives, with the timeout) and the job group."""
+    import torch.distributed as dist
+
+    from tokenswift_trt.model.tensor_parallel import init_group
+
+    tp = init_group(place.rank, place.size, LOCALHOST, place.port, "gloo", place.timeout_s)
+    jobs = dist.new_group(backend="gloo", timeout=IDLE)
+    return tp, jobs
+
+
+def _broadcast(value: Any, group: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _step_check(tp: Any) -> Callable[[list[int]], None]:
+    """An on_tokens that checks every rank committed the same tokens (once per iteration)."""
+    from tokenswift_trt.model.tensor_parallel import TensorParallelError
+
+    def check(ids: list[int]) -> None:
+        digest = 0
+        for token in ids:
+            digest = (digest * 1_000_003 + token + 1) % (1 << 61)
+        rows = tp.gather([len(ids), digest])
+        if any(row != rows[0] for row in rows):
+            raise TensorParallelError(
+                "tensor-parallel ranks committed different tokens (their logits differ)"
+            )
+
+    return check
+
+
+def _exit_with_parent() -> None:
+    """End this worker when rank 0 goes (its end of stdin closes)."""
+
+    def watch() -> None:
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker_main() -> None:
+    """A worker rank: join, load its slices, then run every job rank 0 broadcasts until told to stop."""
+    import torch
+
+    from tokenswift_trt.decode.loop import generate
+
+    place: Place = pickle.load(sys.stdin.buffer)
+    _exit_with_parent()
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.size))
+    tp, jobs = _join(place)
+    engine = load_model(place.source, place.device, place.kernels, tp)
+    check = _step_check(tp)
+    while (job := _broadcast(None, jobs)) is not None:
+        prompt_ids, config = job
+        generate(engine, prompt_ids, config, on_tokens=check)
+
+
+class RankGroup:
+    """Rank 0's side: the workers it started and supervises, and the per-request broadcast."""
+
+    def __init__(self, size: int, timeout_s: float, source: str, device: str, kernels: str, python: str):
+        self.size, self.timeout_s, self.python = size, timeout_s, python
+        self.source, self.device, self.kernels = source, device, kernels
+        self.workers: list[subprocess.Popen] = []
+        self.tp: Any = None
+        self.jobs: Any = None
+        self.broken = False
+
+    def start(self) -> Any:
+        """Start the workers and form the group; this rank's TensorParallel."""
+        import torch
+
+        from tokenswift_trt.serving.server import free_port
+
+        port = free_port()
+        for rank in range(1, self.size):
+            place = Place(rank, self.size, port, self.timeout_s, self.source, self.device, self.kernels)
+            process = subprocess.Popen(
+                [self.python, "-c", WORKER_ENTRY], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
+            )
+            assert process.stdin is not None
+            process.stdin.write(pickle.dumps(place))
+            process.stdin.flush()  # stdin stays open: the worker exits when it closes
+            self.workers.append(process)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
+        place = Place(0, self.size, port, self.timeout_s, self.source, self.device, self.kernels)
+        self.tp, self.jobs = _join(place)
+        self.broken = False
+        return self.tp
+
+    def stop(self) -> None:
+        """Stop the workers and leave the group."""
+        import torch.distributed as dist
+
+        for process in self.workers:
+            process.kill()
+            process.wait()
+            if process.stdin is not None:
+                process.stdin.close()
+        self.workers = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def run(
+        self, generate: Callable[..., Any], engine: Any, prompt_ids: list[int], config: Any, on_tokens: Any
+    ):
+        """`generate(engine, prompt_ids, config, on_tokens=...)` on every rank in step; any failure
+        leaves the group to be formed again before the next request."""
+        from tokenswift_trt.decode.autotune import probe_plan
+        from tokenswift_trt.decode.loop import AUTO
+        from tokenswift_trt.decode.request import with_fixed_seed
+
+        if self.broken:
+            self.stop()
+            self.start()  # the engine's collectives use the default group: the new one
+        config = with_fixed_seed(config)
+        if config.tree == AUTO:  # the tuner decides from each rank's own timings: hold its probe plan
+            import torch
+
+            source = config.resolved_draft_source
+            tree, topk = probe_plan(source, torch.device(self.device))
+            config = dataclasses.replace(config, tree=tree, ngram_topk=topk, draft_source=source)
+        check = _step_check(self.tp)
+
+        def each(ids: list[int]) -> None:
+            check(ids)
+            on_tokens(ids)
+
+        self.broken = True
+        try:
+            _broadcast((prompt_ids, config), self.jobs)
+            result = generate(engine, prompt_ids, config, on_tokens=each)
+        except RuntimeError as error:  # a worker died or timed out in a collective
+            line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise TensorParallelStopped(f"a tensor-parallel rank stopped or timed out: {line}") from None
+        self.broken = False
+        return result
+
+
+class TensorParallelStopped(RuntimeError):
+    """A worker rank died or hung during a request (the next request starts the workers again)."""
