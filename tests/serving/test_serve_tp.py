@@ -1,0 +1,135 @@
+"""`serve --tp 2` on the CPU (gloo): a real tritonserver whose one model instance spans two ranks answers
+as the single-process server does; a worker rank killed mid-request fails that request only, the
+server stays ready, the next request re-forms the group and the journal resumes token for token."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[all]")
+from tokenswift_trt.serving.client import ClientError, generate_endpoint, grpc_generate  # noqa: E402
+from tokenswift_trt.serving.server import ServerConfig, TritonServer, _bundled, free_ports  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
+PROMPT = "It is a truth universally acknowledged, that a single man"
+TP_TIMEOUT_S = 20.0
+
+
+def _params(seed: int, max_tokens: int = 40, **extra) -> dict:
+    return {
+        "text_input": PROMPT,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "min_p": 0.1,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def _workers(server: TritonServer) -> list[int]:
+    """Pids of the worker ranks (processes of the server's group running the worker entry)."""
+    group = os.getpgid(server.process.pid)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            if b"_worker_main" in command and os.getpgid(int(entry.name)) == group:
+                found.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return found
+
+
+def _ready(server: TritonServer) -> bool:
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=5) as response:
+        return response.status == 200
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    if _bundled() is None:
+        pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
+    http, grpc, metrics = free_ports(3)
+    config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    with TritonServer(config, log_path=tmp_path_factory.mktemp("single") / "server.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def journals(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("journals")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, journals):
+    if _bundled() is None:
+        pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
+    http, grpc, metrics = free_ports(3)
+    config = ServerConfig(
+        engine=MODEL,
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        journal_dir=journals,
+        tp=2,
+        tp_timeout=TP_TIMEOUT_S,
+    )
+    with TritonServer(config, log_path=tmp_path_factory.mktemp("tp") / "server.log") as running:
+        yield running
+
+
+@pytest.mark.slow
+def test_serve_tp_2_answers_http_and_grpc_streaming_as_one_process_does(single, sharded):
+    expected = grpc_generate(single.grpc_url, _params(7, stream=True)).text
+    assert len(_workers(sharded)) == 1
+    streamed = grpc_generate(sharded.grpc_url, _params(7, stream=True))
+    assert streamed.text == expected and streamed.chunks > 2
+    assert generate_endpoint(sharded.http_url, _params(7), stream=False).text == expected
+    assert grpc_generate(sharded.grpc_url, _params(7, tree="2,1")).text == expected
+
+
+@pytest.mark.slow
+def test_killing_a_worker_fails_that_request_then_serves_and_resumes(single, sharded, journals):
+    from tokenswift_trt.decode.journal import read_journal
+
+    expected = grpc_generate(single.grpc_url, _params(21, max_tokens=400)).text
+    (worker,) = _workers(sharded)
+    outcome: dict = {}
+
+    def long_request() -> None:
+        try:
+            outcome["result"] = grpc_generate(
+                sharded.grpc_url, _params(21, max_tokens=400, stream=True, request_id="tp-job"), timeout_s=300
+            )
+        except ClientError as error:
+            outcome["error"] = str(error)
+
+    thread = threading.Thread(target=long_request, daemon=True)
+    thread.start()
+    journal = journals / "tp-job.journal"
+    for _ in range(2400):
+        if journal.is_file() and len(read_journal(journal).tokens) >= 32:
+            break
+        threading.Event().wait(0.05)
+    os.kill(worker, signal.SIGKILL)
+    thread.join(TP_TIMEOUT_S + 60)
+    assert not thread.is_alive()
+    assert "tensor-parallel rank stopped" in outcome.get("error", ""), outcome
+    assert "\n" not in outcome["error"].strip()
+    interrupted = read_journal(journal)
+    assert 32 <= len(interrupted.tokens) < 400 and not interrupted.finished
+    assert _ready(sharded)
+
+    resumed = grpc_generate(sharded.grpc_url, {"request_id": "tp-job", "resume": True, "stream": True})
+    assert resumed.text == expected and read_journal(journal).finished
+    (restarted,) = _workers(sharded)
+    assert restarted != worker
+    assert grpc_generate(sharded.grpc_url, _params(7, max_tokens=8)).text
