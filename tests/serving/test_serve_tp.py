@@ -133,3 +133,21 @@ def test_killing_a_worker_fails_that_request_then_serves_and_resumes(single, sha
     (restarted,) = _workers(sharded)
     assert restarted != worker
     assert grpc_generate(sharded.grpc_url, _params(7, max_tokens=8)).text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tp", "3"], "split into whole GQA groups for --tp 1, 2"),
+        (["--tp", "2", "--instances", "2"], "drop --instances"),
+        (["--tp", "2", "--device", "cuda"], "use --device cpu"),
+    ],
+)
+def test_serve_tp_refuses_what_it_cannot_serve_in_one_line(args, message):
+    from click.testing import CliRunner
+
+    from tokenswift_trt.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--engine", str(MODEL), *args])
+    assert result.exit_code != 0 and message in result.output and result.exception.__class__ is SystemExit
+    assert len(result.output.strip().splitlines()) == 1

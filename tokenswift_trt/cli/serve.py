@@ -10,13 +10,19 @@ from .common import CliError, PositiveGiB, fail, kernel_option, read_prompt
 from .tp_launch import tp_options
 
 
-def check_tp(engine_dir: Path, tp: int, instances: int) -> None:
-    """`serve --tp N`: one instance, and a size the model's heads split into (one line otherwise)."""
+def check_tp(engine_dir: Path, tp: int, instances: int, device: str) -> None:
+    """`serve --tp N`: one instance on the CPU, and a size the model's heads split into (one line
+    otherwise)."""
     from tokenswift_trt.model.config import load_config
     from tokenswift_trt.model.tensor_parallel import TensorParallelError, check_size
 
     if instances != 1:
         raise CliError(f"--tp {tp} serves one instance spanning {tp} ranks: drop --instances")
+    if device != "cpu":
+        raise CliError(
+            f"serve --tp runs its ranks on the CPU (gloo) only so far: use --device cpu (generate --tp {tp} "
+            "runs on GPUs)"
+        )
     model_dir = engine_dir / "model" if (engine_dir / "model" / "config.json").is_file() else engine_dir
     try:
         check_size(load_config(model_dir), tp)
@@ -102,7 +108,7 @@ def serve(
     from tokenswift_trt.serving.server import MODEL_REPO, ServerConfig, ServerError, TritonServer, free_port
 
     if tp > 1:
-        check_tp(engine_dir, tp, instances)
+        check_tp(engine_dir, tp, instances, device)
     # tritonserver's HTTP endpoint stays on loopback; the published HTTP port is the front that checks
     # generate requests before relaying them (a malformed body gets HTTP 400, not Triton's 500)
     config = ServerConfig(
