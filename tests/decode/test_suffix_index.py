@@ -16,7 +16,7 @@ def _naive(tokens: list[int], history: list[int], keys: tuple[int, ...], depth: 
             continue
         for end in range(len(tokens) - 1, k - 1, -1):  # exclusive end, a next token must exist
             if tokens[end - k : end] == history[-k:]:
-                return tokens[end : end + depth]
+                return [history[end + i % (len(history) - end)] for i in range(depth)]
     return []
 
 
@@ -54,6 +54,12 @@ def test_an_uncommitted_root_extends_the_history():
     assert index.continuation(index.tokens + [6], depth=3) == [7, 8, 9]
 
 
+def test_a_match_running_into_the_present_repeats_its_period():
+    index = SuffixIndex(key_lengths=(4,))
+    index.extend([9, 1, 2, 3, 1, 2, 3, 1, 2])  # period 3; the latest "3 1 2 ..." match ends 3 back
+    assert index.continuation(depth=7) == [3, 1, 2, 3, 1, 2, 3]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_incremental_extends_match_brute_force(seed):
     rng = random.Random(seed)
@@ -72,3 +78,24 @@ def test_incremental_extends_match_brute_force(seed):
 def test_key_lengths_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         SuffixIndex(key_lengths=(4, 0))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_long_matches_commit_past_the_tree_and_keep_ars_tokens(llama_engine64, temperature):
+    """A repeating prompt: the long-match branch is offered deeper than the tree and the 4-grams reach
+    (depth 3), and the tokens stay AR's, greedy and seeded."""
+    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.model.sampling import SamplingConfig
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 12
+    sampling = SamplingConfig(temperature=temperature, penalty=1.0)
+    settings = dict(max_new_tokens=240, sampling=sampling, ignore_eos=True, seed=7)
+    swift, stats = generate(
+        llama_engine64,
+        prompt,
+        GenerationConfig(tree="1,1,1", draft_source="verify", ngram_topk=4, **settings),
+    )
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(method="ar", **settings))
+    assert swift == ar
+    if temperature == 0.0:  # greedy continues the prompt's period for a while
+        assert len(stats.reached_by_depth) > 3  # drafts offered past depth 3: the long match's branch

@@ -30,10 +30,13 @@ from tokenswift_trt.decode.stages import (
     prefill,
     propose,
     retrieve_ngrams,
+    retrieve_suffix,
     sample_next,
     verify,
 )
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
+from tokenswift_trt.decode.suffix import MAX_DEPTH as SUFFIX_MAX_DEPTH
+from tokenswift_trt.decode.suffix import SuffixIndex
 from tokenswift_trt.decode.tree import build_static_tree, build_trie, parse_tree
 from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths
 from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
@@ -505,7 +508,11 @@ def new_decode_state(
         )
     ngram_topk = (probe_topk if auto else config.ngram_topk) if drafting else 0
     limit = min(len(prompt) + config.max_new_tokens, max_length)
-    max_trie = tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH
+    # long matches where the text may repeat (suffix.py): a penalty makes repeating its window unlikely
+    long_matches = ngram_topk > 0 and config.sampling.penalty <= 1
+    max_trie = (
+        tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH + long_matches * SUFFIX_MAX_DEPTH
+    )
     cfg, dtype, device = engine.config, engine.dtype, engine.device
     static = config.static_steps if config.static_steps is not None else device.type == "cuda"
     static = static or config.compile_steps
@@ -564,6 +571,7 @@ def new_decode_state(
         sampler=fused_sampler(config.sampling, device, dtype, engine.kernels)
         or TorchSampler(config.sampling),
         ngram_exclusion=config.sampling.penalty_window if config.sampling.penalty > 1 else 0,
+        suffix=SuffixIndex() if long_matches else None,
         static_full=static_full,
         static_partial=StaticForward(
             engine.model.torch_model, partial, capture=static_full.capture, compiled=compiled
@@ -721,6 +729,9 @@ def _tokenswift_loop(
             keys = [state.tokens[-1]] if from_verify else candidates[0]
             ngrams = retrieve_ngrams(state, keys, plan.ngram_topk)
             trie = build_trie(state.tokens[-1], tree, candidates, ngrams, from_verify)
+            long_match = retrieve_suffix(state, state.limit - len(state.tokens)) if plan.ngram_topk else []
+            if long_match:  # the text repeats: what followed its earlier occurrence, as deep as it matched
+                trie.add_path(long_match, from_tree=False)
             t_trie = time.perf_counter()
             # verify
             verified = verify(engine, state, trie)

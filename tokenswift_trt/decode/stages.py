@@ -31,6 +31,7 @@ import torch
 
 from tokenswift_trt.decode.ngram import NgramTable
 from tokenswift_trt.decode.static_step import StaticForward
+from tokenswift_trt.decode.suffix import SuffixIndex
 from tokenswift_trt.decode.tree import Candidates, StaticTree, Trie, TrieTensors
 from tokenswift_trt.kernels.transfer import copy_from_host, to_device
 from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths, reads_root
@@ -39,6 +40,7 @@ from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.model.sampling import Noise, RandomSource, Sampler, SamplingConfig
 
 BATCHED_NODES_MAX = 16  # on a CPU, tries up to this size sample every node in one batch
+SUFFIX_MIN_MATCH = 8  # a long match's branch is offered from this many matching tokens
 
 
 def sampled_in_one_batch(num_nodes: float, device: torch.device) -> bool:
@@ -67,6 +69,7 @@ class DecodeState:
     sampler: Sampler  # the sampling step: compiled on float32 CPU engines (FusedSampler), else PyTorch's
     # n-gram table: 4-grams ending before the last `ngram_exclusion` tokens (the penalty window)
     ngram_exclusion: int = 0
+    suffix: SuffixIndex | None = None  # long matches (suffix.py); None: off
     static_full: StaticForward | None = None  # fixed-shape forwards on `full` (and `partial`)
     static_partial: StaticForward | None = None
     queries: list[torch.Tensor] = field(
@@ -422,6 +425,19 @@ def path_candidates(
             states = states.repeat_interleave(width, dim=0)
             frontier, tokens = children, [path[-1] for _, path in children]
     return candidates
+
+
+def retrieve_suffix(state: DecodeState, remaining: int) -> list[int]:
+    """What followed the longest earlier match of the committed text's end (root included), when that
+    match is at least `SUFFIX_MIN_MATCH` tokens long (shorter ones are the 4-grams' work): as many
+    tokens as matched, at most `remaining` - 1 (the bonus token is the last). [] when off or none."""
+    if state.suffix is None:
+        return []
+    state.suffix.extend(state.tokens[len(state.suffix.tokens) :])  # every path appends to `tokens`
+    length, _ = state.suffix.match()
+    if length < SUFFIX_MIN_MATCH:
+        return []
+    return state.suffix.continuation(depth=min(length, remaining - 1))
 
 
 def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:

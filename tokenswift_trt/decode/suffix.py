@@ -5,11 +5,12 @@ paper's 4-grams propose at most three tokens past the root, while the earlier oc
 more: SuffixDecoding (arXiv 2411.04975) drafts the continuation of the longest matching suffix, as deep
 as it goes. This index does the same over the prompt and the committed text.
 
-Matching is by hashed keys of a few lengths (`KEY_LENGTHS`): for each length k, the last end position
-of every k-token window seen so far. A lookup tries the longest k first; the most recent earlier
-window equal to the history's last k tokens gives the continuation. Appending a token costs one dict
-write per key length; a lookup at most one dict read per key length. Only windows whose continuation
-is already known are indexed, so a match never points at the current position itself.
+Matching is by keys of a few lengths (`KEY_LENGTHS`; 4-grams are the n-gram table's): for each
+length k, the last end position of every k-token window seen so far. A lookup tries the longest k
+first; the most recent earlier window equal to the history's last k tokens gives the continuation.
+Appending a token costs one dict write per key length; a lookup at most one dict read per key length.
+Only windows whose continuation is already known are indexed, so a match never points at the
+current position itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-KEY_LENGTHS = (32, 16, 8, 4)  # longest first: a longer match predicts its continuation better
+KEY_LENGTHS = (32, 16, 8)  # longest first: a longer match predicts its continuation better
 MAX_DEPTH = 32  # tokens proposed past the root at most
 
 
@@ -61,10 +62,13 @@ class SuffixIndex:
         return 0, -1
 
     def continuation(self, history: Sequence[int] | None = None, depth: int = MAX_DEPTH) -> list[int]:
-        """Up to `depth` tokens that followed the longest earlier match of `history`'s suffix (default:
-        the indexed tokens); [] when nothing matches. `history` may run past the indexed tokens by
-        uncommitted ones (the root of an iteration)."""
+        """`depth` tokens that followed the longest earlier match of `history`'s suffix (default: the
+        indexed tokens); [] when nothing matches. `history` may run past the indexed tokens by
+        uncommitted ones (the root of an iteration). Where the earlier occurrence runs into the present
+        (a text repeating with period p = len(history) - end), the continuation repeats that period."""
+        history = self.tokens if history is None else history
         length, end = self.match(history)
         if not length or depth <= 0:
             return []
-        return list(self.tokens[end : end + depth])
+        period = len(history) - end
+        return [history[end + i % period] for i in range(depth)]
