@@ -109,7 +109,10 @@ def test_seeded_sampling_is_reproducible_and_streams_the_same_text(model_dir):
             ["--prompt", "x", "--max-new-tokens", "5", "--kv-budget", "64", "--kv-recent", "64"],
             "recent region",
         ),
-        (["--prompt", "x", "--max-new-tokens", "5", "--device-loop"], "fixed tree"),
+        (
+            ["--prompt", "x", "--max-new-tokens", "5", "--device-loop", "--draft-source", "partial"],
+            "verify pass",
+        ),
         (["--max-new-tokens", "5"], "exactly one of --prompt"),
         (["--prompt", "x", "--max-new-tokens", "five"], "five"),
         (["--prompt-file", "/nonexistent/prompt.txt", "--max-new-tokens", "5"], "cannot read prompt file"),
