@@ -266,7 +266,7 @@ def start_run(
 ) -> Run:
     """A new generation; with `journal`, its tokens are journaled (an unfinished journal there is
     never replaced). `writes` False: another process writes the journal (tensor-parallel ranks)."""
-    if journal is not None:
+    if journal is not None and writes:
         try:
             check_new_journal(journal, f"--resume {journal}", "delete it (or choose another --journal path)")
         except JournalError as error:

@@ -10,6 +10,7 @@ on to child processes:
 | `TOKENSWIFT_TRT_PLUGINS` | the TensorRT plugin library (default: `make plugins`' output in the checkout) |
 | `TORCH_EXTENSIONS_DIR` | where torch keeps compiled extensions; `serve` gives tritonserver its own |
 | `GPU_CHECK_COMMAND` | the command line a GPU check run records as its own (set by scripts/gpu_checks.sh) |
+| `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` | set by torchrun per rank |
 
 Every other module reads the environment through the functions here.
 """
@@ -23,11 +24,22 @@ HOME = "TOKENSWIFT_HOME"
 TRT_PLUGINS = "TOKENSWIFT_TRT_PLUGINS"
 TORCH_EXTENSIONS_DIR = "TORCH_EXTENSIONS_DIR"
 GPU_CHECK_COMMAND = "GPU_CHECK_COMMAND"
+# the five a torch.distributed launcher (torchrun) sets for each rank
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
 VARIABLES = {
     HOME: "where `build` looks for a preset's checkpoint ($TOKENSWIFT_HOME/<preset>)",
     TRT_PLUGINS: "the TensorRT plugin library (default: `make plugins`' output in the checkout)",
     TORCH_EXTENSIONS_DIR: "where torch keeps compiled extensions; `serve` gives tritonserver its own",
     GPU_CHECK_COMMAND: "the command line a GPU check run records as its own (set by scripts/gpu_checks.sh)",
+    RANK: "this process's rank among those a torch.distributed launcher (torchrun) started",
+    WORLD_SIZE: "how many ranks the launcher started",
+    LOCAL_RANK: "this process's rank on its node (its GPU)",
+    MASTER_ADDR: "the rendezvous address of the ranks",
+    MASTER_PORT: "the rendezvous port of the ranks",
 }
 
 
@@ -49,6 +61,22 @@ def plugin_library() -> Path | None:
 def gpu_check_command() -> str | None:
     """$GPU_CHECK_COMMAND, or None where it is not set."""
     return os.environ.get(GPU_CHECK_COMMAND) or None
+
+
+def launcher_assignment() -> tuple[int, int, int, str | None, int | None] | None:
+    """(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) as a torch.distributed launcher set
+    them (LOCAL_RANK defaults to RANK; address and port None where unset), or None outside one."""
+    if RANK not in os.environ or WORLD_SIZE not in os.environ:
+        return None
+    rank = int(os.environ[RANK])
+    port = os.environ.get(MASTER_PORT)
+    return (
+        rank,
+        int(os.environ[WORLD_SIZE]),
+        int(os.environ.get(LOCAL_RANK, rank)),
+        os.environ.get(MASTER_ADDR),
+        int(port) if port else None,
+    )
 
 
 def child_environment() -> dict[str, str]:

@@ -95,6 +95,8 @@ def test_bench_host_command(tmp_path):
             "--max-new-tokens",
             "40",
             "--ignore-eos",
+            "--tree",
+            "2,1",  # a fixed tree: under auto a short request on a CPU may run AR steps only
         ],
     )
     assert result.exit_code == 0, result.output

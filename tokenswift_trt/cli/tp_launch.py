@@ -53,15 +53,13 @@ _ASSIGNED: Assignment | None = None  # set in the ranks `launch` starts, before 
 
 def _from_torchrun() -> Assignment | None:
     """The assignment torchrun (or any torch.distributed launcher) gives in the environment."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    from tokenswift_trt.environment import launcher_assignment
+
+    given = launcher_assignment()
+    if given is None:
         return None
-    return Assignment(
-        int(os.environ["RANK"]),
-        int(os.environ["WORLD_SIZE"]),
-        int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-        os.environ.get("MASTER_ADDR", LOCALHOST),
-        int(os.environ.get("MASTER_PORT", "29500")),
-    )
+    rank, size, local_rank, address, port = given
+    return Assignment(rank, size, local_rank, address or LOCALHOST, port or 29500)
 
 
 def launched_ranks() -> int:
