@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[all]")
 from tokenswift_trt.serving.client import ClientError, generate_endpoint, grpc_generate  # noqa: E402
-from tokenswift_trt.serving.server import ServerConfig, TritonServer, _bundled, free_ports  # noqa: E402
+from tokenswift_trt.serving.server import TritonServer, _bundled, local_config  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
 PROMPT = "It is a truth universally acknowledged, that a single man"
@@ -57,8 +57,7 @@ def _ready(server: TritonServer) -> bool:
 def single(tmp_path_factory):
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
-    http, grpc, metrics = free_ports(3)
-    config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    config = local_config(MODEL)
     with TritonServer(config, log_path=tmp_path_factory.mktemp("single") / "server.log") as running:
         yield running
 
@@ -72,16 +71,7 @@ def journals(tmp_path_factory) -> Path:
 def sharded(tmp_path_factory, journals):
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
-    http, grpc, metrics = free_ports(3)
-    config = ServerConfig(
-        engine=MODEL,
-        http_port=http,
-        grpc_port=grpc,
-        metrics_port=metrics,
-        journal_dir=journals,
-        tp=2,
-        tp_timeout=TP_TIMEOUT_S,
-    )
+    config = local_config(MODEL, journal_dir=journals, tp=2, tp_timeout=TP_TIMEOUT_S)
     with TritonServer(config, log_path=tmp_path_factory.mktemp("tp") / "server.log") as running:
         yield running
 

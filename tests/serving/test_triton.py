@@ -17,7 +17,13 @@ from tokenswift_trt.cli import main
 
 pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[all]")
 from tokenswift_trt.serving.client import ClientError, generate_endpoint, grpc_generate  # noqa: E402
-from tokenswift_trt.serving.server import ServerConfig, ServerError, TritonServer, _bundled  # noqa: E402
+from tokenswift_trt.serving.server import (  # noqa: E402
+    ServerConfig,
+    ServerError,
+    TritonServer,
+    _bundled,
+    local_config,
+)
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
 PROMPT = "It is a truth universally acknowledged, that a single man"
@@ -33,8 +39,7 @@ def _free_ports(count: int) -> list[int]:
 def server(tmp_path_factory):
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
-    http, grpc, metrics = _free_ports(3)
-    config = ServerConfig(engine=MODEL, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    config = local_config(MODEL)
     with TritonServer(config, log_path=tmp_path_factory.mktemp("triton") / "server.log") as running:
         yield running
 
@@ -220,15 +225,7 @@ def test_kill_9_the_server_then_resume_by_request_id(tmp_path):
 
     expected = _cli_text(seed=21, max_tokens=500)
     journals = tmp_path / "journals"
-    http, grpc, metrics = _free_ports(3)
-    config = ServerConfig(
-        engine=MODEL,
-        http_port=http,
-        grpc_port=grpc,
-        metrics_port=metrics,
-        journal_dir=journals,
-        memory_budget_gib=0.05,
-    )
+    config = local_config(MODEL, journal_dir=journals, memory_budget_gib=0.05)
     first = TritonServer(config, log_path=tmp_path / "first.log").start()
     done = threading.Event()
 

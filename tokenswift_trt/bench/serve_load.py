@@ -670,16 +670,9 @@ def checks(result: LoadResult, final: dict[str, float], memory_measured: bool) -
 def local_server(engine: Path, instances: int = 1, log_path: Path | None = None) -> Iterator[Endpoints]:
     """A tritonserver on free loopback ports for `engine`, with `serve`'s checked HTTP front."""
     from tokenswift_trt.serving.http_front import HttpFront
-    from tokenswift_trt.serving.server import MODEL_REPO, ServerConfig, TritonServer, free_ports
+    from tokenswift_trt.serving.server import MODEL_REPO, TritonServer, local_config
 
-    http_port, grpc_port, metrics_port = free_ports(3)
-    config = ServerConfig(
-        engine=engine,
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
-        instances=instances,
-    )
+    config = local_config(engine, instances=instances)
     server = TritonServer(config, log_path=log_path)
     try:
         server.start()

@@ -73,6 +73,12 @@ def free_ports(count: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ())
     return ports
 
 
+def local_config(engine: Path, **settings: Any) -> ServerConfig:
+    """A `ServerConfig` for `engine` on three free loopback ports (tests, the load test)."""
+    http, grpc, metrics = free_ports(3)
+    return ServerConfig(engine=engine, http_port=http, grpc_port=grpc, metrics_port=metrics, **settings)
+
+
 def free_port(host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
     """A TCP port free on `host` now and not in `avoid` (for an endpoint only this machine reaches)."""
     return free_ports(1, host, avoid)[0]
