@@ -119,8 +119,8 @@ AUDIT_CLEAR = 0.85  # no more audits once the drafting plan's seconds per token 
 # best candidate commits fewer tokens per iteration than this settles on AR steps without timing
 # verify passes (~20 forwards of the tuner's own overhead)
 MIN_TOKENS_PER_ITERATION = 1.05
-# share of the generation's projected time the tuner may spend exploring (swift-tiny on a 2-core CPU
-# with 2%: a 4,096-token generation probed three times and ran at 0.96x `--method ar`)
+# share of the generation's projected time the tuner may spend exploring: at 1% the default stays within
+# 3% of `--method ar` where drafting does not pay (docs/benchmarks.md, cpu-auto-vs-ar-*)
 EXPLORATION_BUDGET = 0.01
 CHOOSE_COST_STEPS = 30  # the first choice's timing passes, in AR steps, until one is measured (~16-40)
 

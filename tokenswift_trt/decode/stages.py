@@ -31,7 +31,7 @@ import torch
 
 from tokenswift_trt.decode.ngram import NgramTable
 from tokenswift_trt.decode.static_step import StaticForward
-from tokenswift_trt.decode.suffix import SuffixIndex
+from tokenswift_trt.decode.suffix import SuffixIndex, following
 from tokenswift_trt.decode.tree import Candidates, StaticTree, Trie, TrieTensors
 from tokenswift_trt.kernels.transfer import copy_from_host, to_device
 from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths, reads_root
@@ -434,10 +434,10 @@ def retrieve_suffix(state: DecodeState, remaining: int) -> list[int]:
     if state.suffix is None:
         return []
     state.suffix.extend(state.tokens[len(state.suffix.tokens) :])  # every path appends to `tokens`
-    length, _ = state.suffix.match()
+    length, end = state.suffix.match()
     if length < SUFFIX_MIN_MATCH:
         return []
-    return state.suffix.continuation(depth=min(length, remaining - 1))
+    return following(state.suffix.tokens, end, min(length, remaining - 1))
 
 
 def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:

@@ -64,11 +64,14 @@ class SuffixIndex:
     def continuation(self, history: Sequence[int] | None = None, depth: int = MAX_DEPTH) -> list[int]:
         """`depth` tokens that followed the longest earlier match of `history`'s suffix (default: the
         indexed tokens); [] when nothing matches. `history` may run past the indexed tokens by
-        uncommitted ones (the root of an iteration). Where the earlier occurrence runs into the present
-        (a text repeating with period p = len(history) - end), the continuation repeats that period."""
+        uncommitted ones (the root of an iteration)."""
         history = self.tokens if history is None else history
         length, end = self.match(history)
-        if not length or depth <= 0:
-            return []
-        period = len(history) - end
-        return [history[end + i % period] for i in range(depth)]
+        return following(history, end, depth) if length else []
+
+
+def following(history: Sequence[int], end: int, depth: int) -> list[int]:
+    """The `depth` tokens after an earlier occurrence ending at `end`; where it runs into the present (a
+    text repeating with period p = len(history) - end), the continuation repeats that period."""
+    period = len(history) - end
+    return [history[end + i % period] for i in range(max(depth, 0))]
