@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import click
 
-from .common import DTYPES, CliError, fail, load_source, resolve_source
+from .common import DTYPES, CliError, fail, resolve_source
 
 
 @click.command("train-heads")
@@ -158,19 +157,8 @@ def train_heads(
     device,
 ) -> None:
     """Train the 3 chained draft layers of a model with its base frozen."""
-    from tokenswift_trt.training.train_heads import (
-        CHECKPOINT,
-        HEADS_FILE,
-        HeadsTrainer,
-        TrainHeadsConfig,
-        TrainingError,
-        draft_accuracy,
-        evaluation_sequences,
-        read_texts,
-        save_heads,
-        token_splits,
-        write_combined,
-    )
+    from tokenswift_trt.training.run import TrainHeadsJob, start_training
+    from tokenswift_trt.training.train_heads import TrainHeadsConfig, TrainingError
 
     from ..progress import progress_bar
 
@@ -194,71 +182,44 @@ def train_heads(
         draft_vocab=draft_vocab,
         state_cache=state_cache,
     )
+    job = TrainHeadsJob(
+        model_dir=model_dir,
+        data=tuple(data),
+        out=out,
+        config=config,
+        eval_data=tuple(eval_data),
+        init_heads=init_heads,
+        resume=resume,
+        force=force,
+        combined=combined,
+        dtype=dtype,
+        device=device,
+    )
     try:
-        config.validate()
-        texts = read_texts(list(data))
-        eval_texts = read_texts(list(eval_data)) if eval_data else []
+        training = start_training(job)
+        for message in training.fallbacks:  # running without the CUDA kernel is always said
+            click.echo(f"warning: {message}", err=True)
+        click.echo(
+            f"training {training.draft_layer_count} draft layers on {training.train_ids.numel():,} tokens, "
+            f"from step {training.trainer.step}",
+            err=True,
+        )
+        if config.state_cache:
+            with progress_bar(total=config.state_cache, desc="base states", unit="seq") as bar:
+                training.cache_states(lambda done: bar.update(1))
+        with progress_bar(total=steps, initial=training.trainer.step, desc="train-heads", unit="step") as bar:
+
+            def on_step(step: int, loss: float) -> None:
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update's redraw
+                bar.update(1)
+
+            training.train(on_step)
+        outcome = training.finish()
     except TrainingError as error:
         raise fail(error) from None
-    if not model_dir.is_dir():
-        raise CliError(f"model directory {model_dir} does not exist")
-    if (out / CHECKPOINT).exists() and not (resume or force):
-        raise CliError(f"{out} holds a checkpoint: pass --resume to continue it or --force to start over")
-    source = load_source(None, model_dir, None, None, dtype, device, quiet=True)
-    engine = source.engine
-    train_ids, eval_ids = token_splits(
-        texts, eval_texts, source.codec.encode, engine.config.eos_token_ids[:1]
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        trainer = HeadsTrainer(engine, train_ids, config, out, init_heads)
-        if resume:
-            trainer.load_checkpoint()
-    except TrainingError as error:
-        raise fail(error) from None
-    click.echo(
-        f"training {len(engine.draft_layers)} draft layers on {train_ids.numel():,} tokens, "
-        f"from step {trainer.step}",
-        err=True,
-    )
-    if config.state_cache:
-        with progress_bar(total=config.state_cache, desc="base states", unit="seq") as bar:
-            trainer.cache_states(lambda done: bar.update(1))
-    with progress_bar(total=steps, initial=trainer.step, desc="train-heads", unit="step") as bar:
-
-        def on_step(step: int, loss: float) -> None:
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update's redraw
-            bar.update(1)
-
-        trainer.run(on_step)
-    heads_path = out / HEADS_FILE
-    save_heads(trainer.draft_layers, heads_path)
-    trainer.draft_layers.eval()
-    accuracy = draft_accuracy(
-        engine, trainer.draft_layers, evaluation_sequences(eval_ids, seq_len, 8), config.teacher
-    )
-    report = {
-        "steps": trainer.step,
-        "final_loss": trainer.last_loss,
-        "base_top1": accuracy.base,
-        "draft_top1": accuracy.layers,
-        "draft_agrees_with_base": accuracy.agreement,
-        "path_top1": accuracy.path_layers,
-        "path_agrees_with_base": accuracy.path_agreement,
-        # under the --teacher-* sampling settings: the chance a layer's first draft is the sample
-        "draft_coupled_acceptance": accuracy.acceptance,
-        "init_heads": None if init_heads is None else str(init_heads),
-        "train_tokens": train_ids.numel(),
-        "eval_tokens": eval_ids.numel(),
-        "config": dict(vars(config)),
-    }
-    (out / "train_heads.json").write_text(json.dumps(report, indent=2) + "\n")
-    if combined is not None:
-        try:
-            write_combined(model_dir, heads_path, combined)
-        except TrainingError as error:
-            raise fail(error) from None
-        click.echo(f"combined checkpoint (released TokenSwift format): {combined}")
+    accuracy, heads_path = outcome.accuracy, outcome.heads_path
+    if outcome.combined is not None:
+        click.echo(f"combined checkpoint (released TokenSwift format): {outcome.combined}")
     click.echo(f"heads file: {heads_path}")
     click.echo(
         f"held-out top-1 accuracy: base (+1) {accuracy.base:.3f}, "

@@ -129,15 +129,6 @@ class TrainHeadsConfig:
             raise TrainingError(f"learning rate must be positive, got {self.lr}")
 
 
-@dataclass
-class TrainResult:
-    steps: int
-    final_loss: float
-    accuracy: list[float]  # held-out top-1 accuracy per draft layer
-    base_accuracy: float  # held-out top-1 accuracy of the base head (next token)
-    heads_file: Path
-
-
 def read_texts(paths: Sequence[Path]) -> list[str]:
     """Text from .txt files, .jsonl files (field "text"), or directories of them."""
     files: list[Path] = []
