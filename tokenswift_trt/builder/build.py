@@ -1,8 +1,9 @@
 """`tokenswift-trt build`: a preset or local checkpoint -> a checked, self-describing engine directory.
 
 Steps: resolve the checkpoint, check every weight's key and shape against the config (and the
-preset's shape), write weights in the engine dtype, copy the tokenizer, export ONNX / build
-TensorRT plans when asked, hash every artifact into the manifest. Everything is written into a
+preset's shape), write weights in the engine dtype (with `tp` > 1: one file per tensor-parallel rank,
+each holding that rank's slices), copy the tokenizer, export ONNX / build TensorRT plans when asked,
+hash every artifact into the manifest. Everything is written into a
 temporary directory next to the target and renamed at the end, so a failed build leaves nothing
 behind and never touches an existing engine (which is replaced only with `force`).
 """
@@ -30,6 +31,7 @@ from tokenswift_trt.model.decoder import LlamaModel
 from tokenswift_trt.model.draft_layers import DraftLayers, draft_key, heads_file_key
 from tokenswift_trt.model.engine import DEFAULT_HEADS_FILE, UntrainedDraftLayersWarning, load_engine
 from tokenswift_trt.model.engine_dir import BACKENDS, Manifest, record_artifacts, write_manifest
+from tokenswift_trt.model.tensor_parallel import TensorParallelError, check_size, write_rank_files
 
 from .gguf_import import GGUFImportError, import_gguf, read_source
 from .presets import PRESETS, REPOSITORY, Preset
@@ -69,6 +71,7 @@ class BuildRequest:
     force: bool = False
     max_sequence_length: int | None = None
     kernels: KernelConfig = KernelConfig()  # recorded in the manifest: the engine's default kernel settings
+    tp: int = 1  # > 1: the weights split into one file per tensor-parallel rank (loaded with --tp tp)
 
 
 def resolve(request: BuildRequest) -> tuple[Preset | None, Path | None]:
@@ -262,9 +265,16 @@ def _build(
         assert preset is not None
         config_dict = dict(preset.config)
     try:
-        config_from_dict(config_dict)
-    except ConfigError as error:
+        model_config = config_from_dict(config_dict)
+        if request.tp > 1:
+            check_size(model_config, request.tp)
+    except (ConfigError, TensorParallelError) as error:
         raise BuildError(str(error)) from None
+    if request.tp > 1 and request.backend != "torch":
+        raise BuildError(
+            f"--tp {request.tp} splits a torch engine (ranks run the torch backend): drop --backend "
+            f"{request.backend}"
+        )
     dtype_name = request.dtype or (preset.dtype if preset else "float32")
     dtype = getattr(torch, dtype_name)
     defaults = dict(preset.defaults) if preset else {}
@@ -347,6 +357,14 @@ def _build(
                     with_mask,
                     plugin_library,
                 )
+        tp: dict = {}
+        if request.tp > 1:  # each rank's slices in its own file, in place of the whole weights
+            note(f"splitting the weights into {request.tp} tensor-parallel rank files")
+            written = write_rank_files(
+                [model_dir / "model.safetensors"], staging / f"model/tp-{request.tp}", request.tp
+            )
+            (model_dir / "model.safetensors").unlink()
+            tp = {"size": request.tp, "shards": [path.relative_to(staging).as_posix() for path in written]}
         source = read_source(checkpoint) if checkpoint is not None else None  # a GGUF import's origin
         manifest = Manifest(
             name=name or (preset.name if preset else Path(request.model).name),
@@ -360,6 +378,7 @@ def _build(
             tool_versions=_tool_versions(),
             source={"gguf": source.file, "sha256": source.sha256} if source else {},
             kernels=request.kernels.to_dict(),
+            tp=tp,
         )
         note("hashing artifacts")
         record_artifacts(staging, manifest)

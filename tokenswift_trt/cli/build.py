@@ -43,8 +43,18 @@ from .common import DTYPES, CliError, fail, kernel_option
     help="maximum sequence length (default: the model's)",
 )
 @click.option("--force", is_flag=True, help="replace an existing engine directory")
+@click.option(
+    "--tp",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="split the weights into one file per tensor-parallel rank (each rank's slices only); the engine "
+    "then loads with --tp N only (torch backend)",
+)
 @kernel_option
-def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force, kernels) -> None:
+def build(
+    model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force, tp, kernels
+) -> None:
     """Build an engine directory from a preset, checkpoint or GGUF file (torch, onnx or tensorrt backend);
     its manifest records the kernel settings, the engine's defaults."""
     from tokenswift_trt.builder.build import BuildError, BuildRequest, build_engine
@@ -73,6 +83,7 @@ def build(model, out, checkpoint, heads, backend, dtype, random_weights, max_len
         force=force,
         max_sequence_length=max_length,
         kernels=KernelConfig().updated(kernels),
+        tp=tp,
     )
     try:
         path = build_engine(request, progress, log=lambda message: click.echo(message, err=True))

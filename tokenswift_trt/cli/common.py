@@ -117,6 +117,8 @@ def load_source(
     try:
         origin, defaults = Origin(model, model_dir, engine_dir, heads).resolved()
         ranks = None
+        if origin.engine_dir is not None:  # an engine built with `build --tp M` loads with --tp M only
+            check_engine_tp(origin.engine_dir, tp)
         if tp > 1 or launched_ranks() > 1:  # tensor parallel: checked, started and agreed on before loading
             if not origin.directory.is_dir():
                 kind = "model" if origin.model_dir is not None else "engine"
@@ -134,6 +136,17 @@ def load_source(
     if loaded.untrained_drafts and not quiet:  # an untrained-heads note can be silenced
         click.echo(f"warning: {no_draft_layers_line(origin.directory, origin.model_dir)}", err=True)
     return Source(loaded, ranks)
+
+
+def check_engine_tp(engine_dir: Path, tp: int) -> None:
+    """One line, before any rank starts or weight loads, when `engine_dir` was built with `build --tp M`
+    for another --tp."""
+    from tokenswift_trt.model.engine_dir import EngineDirError, check_tp_size, engine_tp_size
+
+    try:
+        check_tp_size(engine_tp_size(engine_dir), engine_dir, tp)
+    except EngineDirError as error:
+        raise fail(error) from None
 
 
 def _start_ranks(

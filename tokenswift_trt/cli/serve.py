@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .common import CliError, PositiveGiB, fail, kernel_option, read_prompt
+from .common import CliError, PositiveGiB, check_engine_tp, fail, kernel_option, read_prompt
 from .tp_launch import tp_options
 
 
@@ -109,6 +109,7 @@ def serve(
 
     if tp > 1:
         check_tp(engine_dir, tp, instances, device)
+    check_engine_tp(engine_dir, tp)
     # tritonserver's HTTP endpoint stays on loopback; the published HTTP port is the front that checks
     # generate requests before relaying them (a malformed body gets HTTP 400, not Triton's 500)
     config = ServerConfig(

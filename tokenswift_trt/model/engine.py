@@ -34,6 +34,7 @@ from tokenswift_trt.model.draft_layers import (
 from tokenswift_trt.model.tensor_parallel import (
     TensorParallel,
     make_row_parallel,
+    read_rank_file,
     read_shard,
     shard_config,
 )
@@ -165,12 +166,14 @@ def load_engine(
     device: torch.device | str = "cpu",
     kernels: KernelConfig = KernelConfig(),
     tp: TensorParallel | None = None,
+    rank_file: Path | None = None,
 ) -> Engine:
     """Load base weights and draft layers; zero-initialised draft layers (with a warning) when none exist.
 
     Draft layers come from `heads_file`, else from the checkpoint's released-format keys, else
     from `heads.safetensors` in the model directory. `kernels` chooses the kernels and fusions.
-    `tp`: this rank of a tensor-parallel group; its slices of the layers only (tensor_parallel.py).
+    `tp`: this rank of a tensor-parallel group; its slices of the layers only (tensor_parallel.py),
+    read from `rank_file` (an engine built with `build --tp N`) when given, else from the checkpoint.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -183,8 +186,11 @@ def load_engine(
         model = LlamaModel(config, device="meta")
         if tp is not None:
             make_row_parallel(model, tp)  # o_proj and down_proj end in an all-reduce
-    files = _safetensors_files(model_dir)
-    tensors = _read_tensors(files) if tp is None else read_shard(files, None, tp)
+    if tp is not None and rank_file is not None:
+        tensors = read_rank_file(rank_file, tp)
+    else:
+        files = _safetensors_files(model_dir)
+        tensors = _read_tensors(files) if tp is None else read_shard(files, None, tp)
     base = {k: v for k, v in tensors.items() if draft_key(k) is None and not _IGNORED_KEYS.match(k)}
     draft = {draft_key(k): v for k, v in tensors.items() if draft_key(k) is not None}
     if config.tie_word_embeddings:

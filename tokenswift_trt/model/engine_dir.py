@@ -4,6 +4,8 @@ Layout written by `tokenswift-trt build`:
     tokenswift.json          manifest (format version, shapes, dtype, the preset's settings, ...)
     model/                   Hugging Face format: config.json, model.safetensors, heads.safetensors,
     tokenizer.json
+    model/tp-N/rank-R.safetensors   instead of model.safetensors with `build --tp N`: rank R's slices
+                             (model/tensor_parallel.py), loaded only with --tp N
     onnx/                    verify.onnx, draft.onnx            (backends onnx and tensorrt)
     tensorrt/                verify.plan, draft.plan            (backend tensorrt)
     build.log
@@ -23,7 +25,7 @@ import torch
 from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
 from tokenswift_trt.model.config import config_from_dict, load_config
 from tokenswift_trt.model.engine import Engine, load_engine
-from tokenswift_trt.model.tensor_parallel import TensorParallel
+from tokenswift_trt.model.tensor_parallel import TensorParallel, TensorParallelError
 
 MANIFEST = "tokenswift.json"
 FORMAT_VERSION = 2  # 2: `defaults` (partial settings) replaces `tree` and `sampling`
@@ -50,7 +52,14 @@ class Manifest:
     source: dict[str, Any] = field(default_factory=dict)  # a GGUF import: {"gguf": file name, "sha256"}
     # the kernel settings it was built with (kernels/config.py), the defaults of its loads
     kernels: dict[str, Any] = field(default_factory=dict)
+    # `build --tp N`: {"size": N, "shards": [rank 0's file, ...]} (relative to the engine dir); {}: unsplit
+    tp: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel size the weights were split for at build time (1: not split)."""
+        return int(self.tp.get("size", 1))
 
 
 def sha256_of(path: Path) -> str:
@@ -71,15 +80,40 @@ def record_artifacts(engine_dir: Path, manifest: Manifest) -> None:
         manifest.artifacts[relative] = {"sha256": sha256_of(path), "bytes": path.stat().st_size}
 
 
+def check_tp_size(built: int, engine_dir: Path, size: int) -> None:
+    """Raise EngineDirError (one line naming the fix) unless an engine built with `build --tp M`
+    (`built`: M) is loaded with --tp M (an unsplit engine, `built` 1, loads with any --tp)."""
+    if built == 1 or built == size:
+        return
+    if size == 1:
+        raise EngineDirError(
+            f"{engine_dir} was built with --tp {built} (one weights file per rank): pass --tp {built}, or "
+            "rebuild it without --tp"
+        )
+    raise EngineDirError(
+        f"{engine_dir} was built with --tp {built}, not --tp {size}: pass --tp {built}, or rebuild it with "
+        f"`build --tp {size}`"
+    )
+
+
+def engine_tp_size(engine_dir: Path) -> int:
+    """The --tp an engine dir was built for (1: unsplit, or not an engine dir); reads only the manifest."""
+    try:
+        return int(json.loads((Path(engine_dir) / MANIFEST).read_text()).get("tp", {}).get("size", 1))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 1  # no or unreadable manifest: loading says what is wrong
+
+
 def write_manifest(engine_dir: Path, manifest: Manifest) -> Path:
     path = engine_dir / MANIFEST
     path.write_text(json.dumps(asdict(manifest), indent=2) + "\n")
     return path
 
 
-def read_manifest(engine_dir: str | Path, verify: str = "auto") -> Manifest:
+def read_manifest(engine_dir: str | Path, verify: str = "auto", rank: int | None = None) -> Manifest:
     """Read and check an engine dir. verify: "auto" (hash files up to 2 GiB, size-check the rest), "full",
-    "none"."""
+    "none". `rank`: of an engine built with `build --tp N`, the rank loading it: the other ranks' weight
+    files are size-checked only (a rank reads no other rank's file)."""
     engine_dir = Path(engine_dir)
     path = engine_dir / MANIFEST
     if not engine_dir.is_dir():
@@ -106,6 +140,8 @@ def read_manifest(engine_dir: str | Path, verify: str = "auto") -> Manifest:
         KernelConfig.from_dict(manifest.kernels)
     except KernelConfigError as error:
         raise EngineDirError(f"{path}: {error}: rebuild the engine") from None
+    shards = list(manifest.tp.get("shards", []))
+    others = {name for index, name in enumerate(shards) if rank is not None and index != rank}
     for relative, entry in manifest.artifacts.items():
         artifact = engine_dir / relative
         if not artifact.is_file():
@@ -114,6 +150,8 @@ def read_manifest(engine_dir: str | Path, verify: str = "auto") -> Manifest:
             raise EngineDirError(
                 f"engine artifact {artifact} has the wrong size (corrupt or replaced): rebuild the engine"
             )
+        if relative in others:
+            continue
         if verify == "full" or (verify == "auto" and entry["bytes"] <= HASH_LIMIT_BYTES):
             if sha256_of(artifact) != entry["sha256"]:
                 raise EngineDirError(
@@ -140,20 +178,26 @@ def load_engine_dir(
     `kernels`: kernel settings (name -> value) replacing those the manifest records. `tp`: this rank's
     slices of a torch engine (tensor_parallel.py)."""
     engine_dir = Path(engine_dir)
-    manifest = read_manifest(engine_dir, verify)
+    manifest = read_manifest(engine_dir, verify, rank=tp.rank if tp is not None else None)
     if tp is not None and manifest.backend != "torch":
         raise EngineDirError(
             f"--tp runs the torch backend; {engine_dir} was built for {manifest.backend}: build it with "
             "--backend torch"
         )
+    check_tp_size(manifest.tp_size, engine_dir, tp.size if tp is not None else 1)
+    shards = manifest.tp.get("shards", [])
     settings = KernelConfig.from_dict(manifest.kernels).updated(kernels or {})
-    engine = load_engine(
-        engine_dir / "model",
-        dtype=dtype or getattr(torch, manifest.dtype),
-        device=device,
-        kernels=settings,
-        tp=tp,
-    )
+    try:
+        engine = load_engine(
+            engine_dir / "model",
+            dtype=dtype or getattr(torch, manifest.dtype),
+            device=device,
+            kernels=settings,
+            tp=tp,
+            rank_file=engine_dir / shards[tp.rank] if tp is not None and shards else None,
+        )
+    except TensorParallelError as error:
+        raise EngineDirError(str(error)) from None
     if manifest.backend == "onnx":
         from tokenswift_trt.backends.onnx_backend import OnnxDecoder
 

@@ -9,8 +9,10 @@ logits from the same all-reduced hidden states, and samples, accepts and commits
 with no further communication (position-keyed noise, sampling.py).
 
 A rank reads only its slices from the checkpoint (`read_shard`: safetensors slices, no full
-tensor in memory). `shard_config` is the per-rank shape (heads, KV heads and inner width / size):
-the rank's KV caches and memory admission follow it.
+tensor in memory), or, from an engine built with `build --tp N`, its own rank file
+(`write_rank_files` / `read_rank_file`: the same slices, written once at build time).
+`shard_config` is the per-rank shape (heads, KV heads and inner width / size): the rank's KV caches
+and memory admission follow it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from tokenswift_trt.backends.cpu_linear import Linear
@@ -156,6 +159,40 @@ def read_shard(files: Sequence[Path], keys: set[str] | None, tp: TensorParallel)
                 "checkpoint again"
             ) from None
     return tensors
+
+
+def write_rank_files(files: Sequence[Path], out_dir: Path, size: int) -> list[Path]:
+    """Write each rank's slices of the checkpoint `files` (what `read_shard` gives rank r of `size`) to
+    out_dir/rank-r.safetensors, its rank and size in the file's metadata; the paths, in rank order."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rank in range(size):
+        tensors = read_shard(files, None, TensorParallel(rank, size))
+        path = out_dir / f"rank-{rank}.safetensors"
+        metadata = {"tp_rank": str(rank), "tp_size": str(size)}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+        paths.append(path)
+        del tensors  # one rank's slices in memory at a time
+    return paths
+
+
+def read_rank_file(path: Path, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """This rank's tensors from its file of an engine built with `build --tp N` (read whole: it holds
+    this rank's slices only); a file of another rank or size is refused."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            written = (metadata.get("tp_rank"), metadata.get("tp_size"))
+            if written != (str(tp.rank), str(tp.size)):
+                raise TensorParallelError(
+                    f"{path} holds rank {written[0]} of --tp {written[1]}, not rank {tp.rank} of --tp "
+                    f"{tp.size}: rebuild the engine with `build --tp {tp.size}`"
+                )
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+    except (SafetensorError, OSError) as error:
+        raise TensorParallelError(
+            f"{path} is not a readable safetensors file ({str(error).splitlines()[0]}): rebuild the engine"
+        ) from None
 
 
 class RowParallelLinear(Linear):
