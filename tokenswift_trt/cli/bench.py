@@ -87,6 +87,7 @@ def trie_cap(tree: str) -> int:
 )
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @kernel_option
+@tp_options
 @sampling_options
 def bench(
     model,
@@ -106,9 +107,12 @@ def bench(
     compare_adaptation,
     out,
     kernels,
+    tp,
+    tp_timeout,
     **opts,
 ) -> None:
-    """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG."""
+    """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG. With
+    --tp N every run is split over N tensor-parallel ranks; rank 0 writes the report."""
     from tokenswift_trt.bench.run import BenchSpec, run_bench, write_results
 
     from ..progress import progress_bar
@@ -122,6 +126,11 @@ def bench(
         raise CliError(f"--window must be at least 1 token (e.g. 256), got {window}")
     if opts["seed"] is None:
         opts["seed"] = 0
+    if random_weights and tp > 1:
+        raise CliError(
+            f"--random-weights times one process: drop --tp {tp} (bench-steps --tp {tp} times a split step)"
+        )
+    ranks = None
     if random_weights:
         engine, text_ids, defaults = _random_weights_source(
             model,
@@ -144,12 +153,23 @@ def bench(
         generation_config(max(gen_lens), "tokenswift", opts)
         text = read_prompt(None, prompt_file)
         source = load_source(
-            model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False, kernels=kernels
+            model,
+            model_dir,
+            engine_dir,
+            heads,
+            opts["dtype"],
+            opts["device"],
+            quiet=False,
+            kernels=kernels,
+            tp=tp,
+            tp_timeout=tp_timeout,
         )
-        engine, defaults = source.engine, source.defaults
+        engine, defaults, ranks = source.engine, source.defaults, source.ranks
         text_ids = source.codec.encode(text)
         source_name = str(source.model_dir or source.engine_dir)
     config = generation_config(max(gen_lens), "tokenswift", opts, defaults)
+    if ranks is not None:  # tensor parallel: rank 0's seed and plan, the least memory any rank has
+        config = ranks.with_memory(ranks.agree(config))
     longest = max(prefix_lens) + max(gen_lens)
     limit = config.max_length or engine.config.max_position_embeddings
     if longest > limit:
@@ -161,6 +181,8 @@ def bench(
         bar = progress_bar(total=total, desc=label, unit="tok", leave=False)
 
         def update(ids: list[int]) -> None:
+            if ranks is not None:
+                ranks.check_tokens(ids)  # every rank committed the same tokens
             bar.update(len(ids))
             if bar.n >= total:
                 bar.close()
@@ -174,6 +196,12 @@ def bench(
         rows = run_bench(engine, text_ids, spec, progress)
     except ValueError as error:
         raise fail(error) from None
+    except RuntimeError as error:  # tensor parallel: a rank stopped or timed out in a collective
+        if ranks is None:
+            raise
+        raise CliError(f"the tensor-parallel run stopped: {fail(error).message}") from None
+    if ranks is not None and not ranks.leader:
+        return  # rank 0 writes the report
     meta = {
         "command": "tokenswift-trt bench " + " ".join(sys.argv[2:]),
         "source": source_name,
@@ -187,6 +215,7 @@ def bench(
         "interleave": interleave,
         "window_tokens": window,
         "kernels": engine.kernels.to_dict(),
+        "tp": tp,
     }
     steps = engine.model
     if getattr(steps, "torch_model", None) is steps:  # a PyTorch engine: what its steps ran

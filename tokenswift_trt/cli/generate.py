@@ -240,10 +240,13 @@ def generate(
 )
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None)
 @click.option("--max-new-tokens", type=int, default=2048, show_default=True)
+@tp_options
 @sampling_options
-def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, **opts) -> None:
+def demo(
+    model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, tp, tp_timeout, **opts
+) -> None:
     """Generate with AR and with TokenSwift on the same engine, taking turns; print speedup, α, β,
-    Distinct-n and agreement."""
+    Distinct-n and agreement. With --tp N both run split over N tensor-parallel ranks; rank 0 prints."""
     from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.bench.run import take_turns
     from tokenswift_trt.decode.autotune import describe_plans
@@ -253,7 +256,18 @@ def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_token
 
     if opts["seed"] is None:
         opts["seed"] = 0
-    loaded = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
+    loaded = load_source(
+        model,
+        model_dir,
+        engine_dir,
+        heads,
+        opts["dtype"],
+        opts["device"],
+        quiet=False,
+        tp=tp,
+        tp_timeout=tp_timeout,
+    )
+    ranks = loaded.ranks  # tensor parallel: rank 0's seed and plan; ranks check each iteration's tokens
     directory = loaded.model_dir or loaded.engine_dir
     assert directory is not None
     if prompt is None and prompt_file is None:
@@ -272,19 +286,30 @@ def demo(model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_token
     # the two methods take turns (256 new tokens each), each timed on its own clock: a machine whose
     # speed drifts while the demo runs slows both alike (docs/benchmarks.md); one bar for both
     bar = progress_bar(total=2 * max_new_tokens, unit="tok", desc="AR + TokenSwift")
-    steps = {
-        method: decode_steps(
-            loaded.engine,
-            prompt_ids,
-            generation_config(max_new_tokens, method, opts, loaded.defaults),
-            on_tokens=lambda ids: bar.update(len(ids)),
-        )
+
+    def on_tokens(ids: list[int]) -> None:
+        if ranks is not None:
+            ranks.check_tokens(ids)
+        bar.update(len(ids))
+
+    configs = {
+        method: generation_config(max_new_tokens, method, opts, loaded.defaults)
         for method in ("ar", "tokenswift")
+    }
+    if ranks is not None:
+        configs = {method: ranks.with_memory(ranks.agree(config)) for method, config in configs.items()}
+    steps = {
+        method: decode_steps(loaded.engine, prompt_ids, config, on_tokens=on_tokens)
+        for method, config in configs.items()
     }
     try:
         results = take_turns(steps, DEMO_TURN_TOKENS)
     except GenerationError as error:
         raise fail(error) from None
+    except RuntimeError as error:  # tensor parallel: a rank stopped or timed out in a collective
+        if ranks is None:
+            raise
+        raise CliError(f"the tensor-parallel run stopped: {fail(error).message}") from None
     finally:
         bar.close()
     for _, stats, clock in results.values():
