@@ -11,6 +11,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+PAPER_ACCEPT_LENGTH = 4.36  # 4α + 1 with the paper's α = 0.84 (LLaMA3.1-8B, 100K tokens)
+
 
 def distinct_n(tokens: Sequence[int], n: int) -> float:
     """Unique n-grams / total n-grams (0 when the sequence is shorter than n)."""

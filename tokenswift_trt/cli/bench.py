@@ -4,11 +4,12 @@ random weights), `bench-kernels` (CUDA tree attention) and `bench-host` (host ti
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+
+from tokenswift_trt.bench.metrics import PAPER_ACCEPT_LENGTH
 
 from .common import (
     CliError,
@@ -25,9 +26,9 @@ from .common import (
 from .tp_launch import tp_options
 
 if TYPE_CHECKING:
+    from tokenswift_trt.bench.step_bench import StepBenchJob, StepBenchResult
+    from tokenswift_trt.bench.steps import StepCost
     from tokenswift_trt.model.engine import Engine
-
-PAPER_ACCEPT_LENGTH = 4.36  # 4α + 1 with the paper's α = 0.84 (LLaMA3.1-8B, 100K tokens)
 
 
 def trie_cap(tree: str) -> int:
@@ -365,75 +366,6 @@ def modeled_long_run(rows: list[dict], accept_length: float) -> dict | None:
     }
 
 
-def _tp_steps(
-    model: str,
-    contexts: tuple[int, ...],
-    sizes: tuple[int, ...],
-    repeats: int,
-    dtype: str | None,
-    out: Path,
-    kernels: dict,
-    size: int,
-    timeout_s: float,
-    device: str,
-) -> None:
-    """`bench-steps --tp N`: every rank times its slice of the model's shape (random weights); rank 0
-    writes tp_steps.csv and tp_steps.json under `out` and prints the rows."""
-    import datetime
-    import os
-
-    import torch
-
-    from tokenswift_trt.bench.kernels import device_description
-    from tokenswift_trt.bench.report import machine_meta
-    from tokenswift_trt.bench.tp_steps import measure_tp_steps, random_rank_model, write_tp_report
-    from tokenswift_trt.builder.build import BuildRequest, resolve
-    from tokenswift_trt.kernels.config import KernelConfig
-    from tokenswift_trt.model.config import config_from_dict, load_config
-
-    from .tp_launch import start_ranks
-
-    try:
-        preset, directory = resolve(BuildRequest(model=model, out=Path("."), random_weights=True))
-        config = config_from_dict(preset.config) if preset is not None else load_config(directory)
-        dtype = dtype or "float32"
-        asked = {"--model": model, "--dtype": dtype, "--kernel": sorted(kernels.items())}
-        ranks = start_ranks(size, timeout_s, config, asked, device)
-    except (ValueError, RuntimeError) as error:
-        raise fail(error) from None
-    click.get_current_context().call_on_close(ranks.close)
-    device_now = torch.device(ranks.device)
-    settings = KernelConfig().updated(kernels)
-    rank_model = random_rank_model(config, ranks.tp, getattr(torch, dtype), device_now, settings)
-    try:
-        costs = measure_tp_steps(rank_model, ranks.tp, contexts, sizes, repeats)
-    except RuntimeError as error:
-        raise CliError(f"a tensor-parallel rank stopped or timed out: {fail(error).message}") from None
-    if not ranks.leader:
-        return
-    meta = {
-        "command": f"tokenswift-trt bench-steps --model {model} --tp {size} (contexts {contexts}, "
-        f"tree sizes {sizes}, {repeats} repeats)",
-        "model": model,
-        "tp": size,
-        "random_weights": True,
-        "dtype": dtype,
-        "device": device_description(device_now),
-        "backend": "nccl" if device_now.type == "cuda" else "gloo",
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-        "load_average": round(os.getloadavg()[0], 2),
-        **machine_meta(),
-    }
-    for path in write_tp_report(costs, out, meta):
-        click.echo(f"wrote {path}", err=True)
-    for cost in costs:
-        click.echo(
-            f"L={cost.context} T={cost.tokens}: step {cost.step_ms:.3f} ms, its {cost.all_reduces} "
-            f"all-reduces {cost.all_reduce_ms:.3f} ms ({cost.all_reduce_share:.0%})"
-        )
-
-
 @click.command("bench-steps")
 @click.option(
     "--model", required=True, help="preset name or model directory whose shape is timed (random weights)"
@@ -510,133 +442,73 @@ def bench_steps(
     """The cost of one AR, draft and verify step per context against the memory-bandwidth floor, and
     the speedup those costs imply (docs/gpu.md). With --tp N: a tensor-parallel step's cost and its
     all-reduces' on N ranks (tp_steps.csv, tp_steps.json; docs/deploy.md)."""
-    import torch
-    from click.core import ParameterSource
-
-    from tokenswift_trt.bench.host import reference_host_ms
-    from tokenswift_trt.bench.kernels import device_description
-    from tokenswift_trt.bench.steps import (
-        DEFAULT_GEN_LENGTHS,
-        DEFAULT_PROMPT_LENGTH,
-        PAPER_A100_LLAMA31_8B,
-        VERIFY_TREE_CAP,
-        check_step_request,
-        measure_accept_lengths,
-        measure_copy_bandwidth,
-        measure_step_costs,
-        modeled_speedup,
-        random_engine,
-        verify_step,
-        write_step_report,
-    )
-    from tokenswift_trt.decode.loop import GenerationConfig
-    from tokenswift_trt.kernels.config import KernelConfig
-    from tokenswift_trt.model.engine import KernelFallbackWarning
+    from tokenswift_trt.bench.step_bench import StepBenchJob, check_cuda, run_step_bench
+    from tokenswift_trt.bench.steps import DEFAULT_GEN_LENGTHS, DEFAULT_PROMPT_LENGTH
 
     from ..progress import progress_bar
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        reason = "this torch is CPU-only" if torch.version.cuda is None else "no CUDA GPU is visible"
-        raise CliError(f"bench-steps: --device cuda needs a CUDA GPU and a CUDA build of torch ({reason})")
-    context_list, sizes = int_list(contexts, "--contexts"), int_list(tree_sizes, "--tree-sizes")
-    if tp > 1:  # the all-reduces' share of a tensor-parallel step (bench/tp_steps.py)
-        _tp_steps(model, context_list, sizes, step_repeats, dtype, out, kernels, tp, tp_timeout, device)
-        return
-    gen_lens = DEFAULT_GEN_LENGTHS if gen_len is None else int_list(gen_len, "--gen-len")
-    prompt_length = DEFAULT_PROMPT_LENGTH if prefix_len is None else prefix_len
-    tree_size = verify_tree_size or max(sizes)
-    if tree_size not in sizes:
-        raise CliError(f"--verify-tree-size {tree_size} is not among --tree-sizes {tree_sizes}")
-    # verify-pass drafting runs tree 3,3,3: by default the same τ, at most what that tree commits
-    verify_tau = min(accept_length, VERIFY_TREE_CAP) if verify_accept_length is None else verify_accept_length
-    if acceptance_from is not None:
-        if not acceptance_from.is_dir():
-            raise CliError(f"--acceptance-from: model directory {acceptance_from} does not exist")
-        try:
-            accept_length, verify_tau = measure_accept_lengths(acceptance_from)
-        except ValueError as error:
-            raise fail(error) from None
-        click.echo(
-            f"measured on {acceptance_from}: τ {accept_length:.3f} (partial-cache drafting, tree 1,3,3,3), "
-            f"{verify_tau:.3f} (verify-pass drafting, tree 3,3,3)",
-            err=True,
-        )
-    if (
-        min(accept_length, verify_tau) < 1
-        or step_repeats < 1
-        or (host_overhead_ms or 0) < 0
-        or prompt_length < 1
-    ):
-        raise CliError(
-            "--accept-length and --verify-accept-length must be >= 1, --step-repeats and --prefix-len "
-            ">= 1, --host-overhead-ms >= 0"
-        )
-    kv_budget = kv_budget or GenerationConfig(max_new_tokens=1).kv_budget
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", KernelFallbackWarning)
-        try:
-            engine, dtype_name = random_engine(
-                model,
-                getattr(torch, dtype) if dtype else None,
-                device,
-                kernels=KernelConfig().updated(kernels),
-            )
-        except (ValueError, RuntimeError) as error:
-            raise fail(error) from None
-    for warning in caught:
-        click.echo(f"warning: {warning.message}", err=True)
     try:
-        check_step_request(engine, context_list, sizes, kv_budget, step_repeats)
+        check_cuda(device)
     except ValueError as error:
         raise fail(error) from None
-    bandwidth = measure_copy_bandwidth(engine.device)
-    bar = progress_bar(
-        total=len(context_list) * (3 + len(sizes)),
-        desc="step costs",
-        unit="step",
-        leave=False,
+    context_list, sizes = int_list(contexts, "--contexts"), int_list(tree_sizes, "--tree-sizes")
+    job = StepBenchJob(
+        model=model,
+        contexts=context_list,
+        tree_sizes=sizes,
+        gen_lens=DEFAULT_GEN_LENGTHS if gen_len is None else int_list(gen_len, "--gen-len"),
+        prompt_length=DEFAULT_PROMPT_LENGTH if prefix_len is None else prefix_len,
+        accept_length=accept_length,
+        verify_accept_length=verify_accept_length,
+        acceptance_from=acceptance_from,
+        verify_tree_size=verify_tree_size,
+        host_overhead_ms=host_overhead_ms,
+        step_repeats=step_repeats,
+        kv_budget=kv_budget,
+        dtype=dtype,
+        device=device,
+        compile_steps=compile_steps,
+        kernels=kernels,
+        out=out,
+        command=_given_command("tokenswift-trt bench-steps"),
     )
+    if tp > 1:  # the all-reduces' share of a tensor-parallel step (bench/tp_steps.py)
+        _tp_steps(job, tp, tp_timeout)
+        return
+    bars = []  # opened at the first measured step, after the engine is built and the host timed
 
-    def on_step(cost) -> None:
-        bar.set_postfix_str(f"L={cost.context} {cost.step}", refresh=False)
-        bar.update(1)
+    def on_step(cost: StepCost) -> None:
+        if not bars:
+            total = len(context_list) * (3 + len(sizes))
+            bars.append(progress_bar(total=total, desc="step costs", unit="step", leave=False))
+        bars[0].set_postfix_str(f"L={cost.context} {cost.step}", refresh=False)
+        bars[0].update(1)
 
-    host_measured = host_overhead_ms is None
-    if host_overhead_ms is None:
-        host_overhead_ms = reference_host_ms(engine, kv_budget)
-        click.echo(
-            f"host overhead: {host_overhead_ms:.3f} ms per iteration (measured: 256 tokens, tree 1,3,3,3, "
-            "k=20, min-p 0.1, θ 1.2)",
-            err=True,
-        )
     try:
-        costs = measure_step_costs(
-            engine,
-            context_list,
-            sizes,
-            kv_budget,
-            step_repeats,
-            bandwidth,
-            on_step,
-            compile_steps=compile_steps,
-        )
-        speedups = modeled_speedup(
-            costs, prompt_length, gen_lens, accept_length, verify_tau, tree_size, host_overhead_ms / 1e3
-        )
+        result = run_step_bench(job, on_step, note=lambda line: click.echo(line, err=True))
     except ValueError as error:
         raise fail(error) from None
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
+    _print_step_report(result, job)
+
+
+def _given_command(name: str) -> str:
+    """The running command with the options given (defaults left out), as a report records it."""
+    from click.core import ParameterSource
+
     ctx = click.get_current_context()
     given = [
         (param.opts[0], ctx.params[param.name])
         for param in ctx.command.params
-        if param.name and ctx.get_parameter_source(param.name) != ParameterSource.DEFAULT
+        if param.name in ctx.params  # not in a rank's context (tp_launch invokes the callback)
+        and ctx.get_parameter_source(param.name) != ParameterSource.DEFAULT
     ]
-    command = " ".join(
-        ["tokenswift-trt bench-steps"]
+    return " ".join(
+        [name]
         + [
-            " ".join(f"{flag} {name}={item}" for name, item in value.items())
+            " ".join(f"{flag} {key}={item}" for key, item in value.items())
             if isinstance(value, dict)
             else flag
             if value is True
@@ -644,57 +516,70 @@ def bench_steps(
             for flag, value in given
         ]
     )
-    meta = {
-        "command": command,
-        "model": model,
-        "random_weights": True,
-        "device": device_description(engine.device),
-        "dtype": dtype_name,
-        "torch": torch.__version__,
-        "attention_kernel": engine.model.torch_model.attention_summary(),
-        "fused_elementwise": engine.model.torch_model.fused_elementwise,
-        "batch_invariant": engine.model.torch_model.batch_invariant,
-        "kernels": engine.kernels.to_dict(),
-        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-        "kv_budget": kv_budget,
-        "step_repeats": step_repeats,
-        "prompt_length": prompt_length,
-        "accept_length": round(accept_length, 4),
-        "verify_accept_length": round(verify_tau, 4),
-        "acceptance_from": str(acceptance_from) if acceptance_from else None,
-        "verify_tree_size": tree_size,
-        "host_overhead_ms": round(host_overhead_ms, 4),
-        "host_overhead_measured": host_measured,
-    }
-    written = write_step_report(costs, speedups, out, meta)
+
+
+def _tp_steps(job: StepBenchJob, size: int, timeout_s: float) -> None:
+    """`bench-steps --tp N`: start the ranks (every one runs this command), time each rank's slice;
+    rank 0 writes the report and prints the rows."""
+    from tokenswift_trt.bench.step_bench import TpRankError, model_config, run_tp_step_bench, tp_rank_settings
+
+    from .tp_launch import start_ranks
+
+    try:
+        config = model_config(job.model)
+        ranks = start_ranks(size, timeout_s, config, tp_rank_settings(job), job.device)
+    except (ValueError, RuntimeError) as error:
+        raise fail(error) from None
+    click.get_current_context().call_on_close(ranks.close)
+    try:
+        result = run_tp_step_bench(job, config, ranks.tp, ranks.device, ranks.leader, size)
+    except TpRankError as error:
+        raise CliError(f"a tensor-parallel rank stopped or timed out: {fail(error).message}") from None
+    if not ranks.leader:
+        return
+    for path in result.written:
+        click.echo(f"wrote {path}", err=True)
+    for cost in result.costs:
+        click.echo(
+            f"L={cost.context} T={cost.tokens}: step {cost.step_ms:.3f} ms, its {cost.all_reduces} "
+            f"all-reduces {cost.all_reduce_ms:.3f} ms ({cost.all_reduce_share:.0%})"
+        )
+
+
+def _print_step_report(result: StepBenchResult, job: StepBenchJob) -> None:
+    """bench-steps' tables: step costs per context against their floor, then the modeled speedups."""
+    from tokenswift_trt.bench.steps import PAPER_A100_LLAMA31_8B, verify_step
+
+    meta = result.meta
     click.echo(
-        f"{model} ({dtype_name}, random weights) on {meta['device']}; copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s; attention {meta['attention_kernel']}, "
+        f"{meta['model']} ({meta['dtype']}, random weights) on {meta['device']}; copy bandwidth "
+        f"{result.bandwidth / 1e9:.1f} GB/s; attention {meta['attention_kernel']}, "
         f"fused elementwise {meta['fused_elementwise']}"
     )
-    steps = ["ar", "draft", "heads"] + [verify_step(size) for size in sizes]
+    steps = ["ar", "draft", "heads"] + [verify_step(size) for size in job.tree_sizes]
     click.echo("context | " + " | ".join(f"{step} ms (floor)" for step in steps))
-    by_key = {(cost.context, cost.step): cost for cost in costs}
-    for context in sorted(context_list):
+    by_key = {(cost.context, cost.step): cost for cost in result.costs}
+    for context in sorted(job.contexts):
         cells = [by_key[context, step] for step in steps]
         click.echo(
             f"{context} | "
             + " | ".join(f"{c.seconds * 1e3:.3f} ({c.bandwidth_seconds * 1e3:.3f})" for c in cells)
         )
     click.echo(
-        f"modeled: prompt {prompt_length}, T {tree_size}, τ partial {accept_length:.3f} / verify "
-        f"{verify_tau:.3f}, host {host_overhead_ms:.3f} ms"
+        f"modeled: prompt {job.prompt_length}, T {result.tree_size}, τ partial {result.accept_length:.3f} / "
+        f"verify {result.verify_accept_length:.3f}, host {result.host_overhead_ms:.3f} ms"
     )
-    if prompt_length + max(gen_lens) > 1.25 * max(context_list):
+    if result.extrapolated is not None:
+        measured, needed = result.extrapolated
         click.echo(
-            f"note: the model extrapolates step costs measured up to context {max(context_list)} to "
-            f"{prompt_length + max(gen_lens)}: measure larger --contexts for figures to trust",
+            f"note: the model extrapolates step costs measured up to context {measured} to "
+            f"{needed}: measure larger --contexts for figures to trust",
             err=True,
         )
     click.echo("gen_len | AR s | partial s | speedup partial | verify s | speedup verify | paper A100 8B")
-    for gen_length in gen_lens:
+    for gen_length in job.gen_lens:
         partial, verify = (
-            next(s for s in speedups if s.gen_length == gen_length and s.mode == mode)
+            next(s for s in result.speedups if s.gen_length == gen_length and s.mode == mode)
             for mode in ("partial", "verify")
         )
         click.echo(
@@ -702,7 +587,7 @@ def bench_steps(
             f"{partial.speedup:.2f} | {verify.tokenswift_seconds:.1f} | {verify.speedup:.2f} | "
             f"{PAPER_A100_LLAMA31_8B.get(gen_length, '-')}"
         )
-    click.echo("wrote " + ", ".join(str(p) for p in written))
+    click.echo("wrote " + ", ".join(str(p) for p in result.written))
 
 
 def _device_loop_host_time(engine, prompt: list[int], config) -> None:
