@@ -130,7 +130,7 @@ def test_killing_a_worker_fails_that_request_then_serves_and_resumes(single, sha
     [
         (["--tp", "3"], "split into whole GQA groups for --tp 1, 2"),
         (["--tp", "2", "--instances", "2"], "drop --instances"),
-        (["--tp", "2", "--device", "cuda"], "use --device cpu"),
+        (["--tp", "2", "--device", "cuda:1"], "puts rank r on cuda:r: give --device cuda"),
     ],
 )
 def test_serve_tp_refuses_what_it_cannot_serve_in_one_line(args, message):

@@ -11,18 +11,24 @@ from .tp_launch import tp_options
 
 
 def check_tp(engine_dir: Path, tp: int, instances: int, device: str) -> None:
-    """`serve --tp N`: one instance on the CPU, and a size the model's heads split into (one line
-    otherwise)."""
+    """`serve --tp N`: one instance, N GPUs under --device cuda (rank r on cuda:r), and a size the
+    model's heads split into (one line otherwise, before anything loads)."""
     from tokenswift_trt.model.config import load_config
     from tokenswift_trt.model.tensor_parallel import TensorParallelError, check_size
 
     if instances != 1:
         raise CliError(f"--tp {tp} serves one instance spanning {tp} ranks: drop --instances")
+    if device not in ("cpu", "cuda", "cuda:0"):
+        raise CliError(f"serve --tp {tp} puts rank r on cuda:r: give --device cuda (or --device cpu)")
     if device != "cpu":
-        raise CliError(
-            f"serve --tp runs its ranks on the CPU (gloo) only so far: use --device cpu (generate --tp {tp} "
-            "runs on GPUs)"
-        )
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < tp:
+            raise CliError(
+                f"serve --tp {tp} --device cuda needs {tp} GPUs (one per rank), this node has {gpus}: "
+                + (f"give --tp {gpus} or fewer" if gpus > 1 else "serve on the CPU with --device cpu")
+            )
     model_dir = engine_dir / "model" if (engine_dir / "model" / "config.json").is_file() else engine_dir
     try:
         check_size(load_config(model_dir), tp)

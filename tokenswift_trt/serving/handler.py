@@ -112,6 +112,7 @@ class Session:
         if tp > 1:
             self.ranks = RankGroup(tp, tp_timeout, str(source), device, kernels, python or sys.executable)
             rank = self.ranks.start()
+            device = self.ranks.device  # rank 0's: cuda:0 under --device cuda
         settings = parse_kernel_settings(item for item in kernels.split(";") if item.strip())
         # what journals record of the model (resume refuses a journal of another model)
         self.model_name = str(source)

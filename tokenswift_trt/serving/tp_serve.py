@@ -8,6 +8,12 @@ streams and journals. Jobs go over a second gloo group without a timeout (a work
 requests as long as the server is idle); the model's collectives keep `--tp-timeout`, so a worker
 that dies or hangs mid-request fails that request within it. A failed request leaves the group
 broken: the next request stops the workers, forms a new group and starts them again.
+
+On the CPU the model's group is gloo; with `--device cuda` it is NCCL, rank r on `cuda:r` (the node
+needs N GPUs, checked by `serve` before anything loads). NCCL's watchdog is told to abort a failed
+or timed-out collective's communicator without ending the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=2,
+unless the environment sets it), so that the Triton model, rank 0, survives a worker's death and forms
+a new group for the next request as on the CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ class Place:
     kernels: str
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Where rank `rank` runs: `cuda:rank` under `--device cuda` (one GPU per rank), else `device`."""
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
 def load_model(source: str | Path, device: str, kernels: str, tp: Any) -> Any:
     """This rank's engine of an engine directory or a model directory (as `Session` loads it)."""
     from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
@@ -56,12 +67,20 @@ def load_model(source: str | Path, device: str, kernels: str, tp: Any) -> Any:
 
 
 def _join(place: Place) -> tuple[Any, Any]:
-    """Form the default group (the model's collectives, with the timeout) and the job group."""
+    """Form the default group (the model's collectives, with the timeout: gloo, or NCCL on GPUs) and
+    the job group (gloo)."""
+    import torch
     import torch.distributed as dist
 
     from tokenswift_trt.model.tensor_parallel import init_group
 
-    tp = init_group(place.rank, place.size, LOCALHOST, place.port, "gloo", place.timeout_s)
+    backend = "gloo"
+    if place.device.startswith("cuda"):
+        backend = "nccl"
+        torch.cuda.set_device(rank_device(place.device, place.rank))
+        # a failed or timed-out collective aborts its communicator and raises; the process lives on
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    tp = init_group(place.rank, place.size, LOCALHOST, place.port, backend, place.timeout_s)
     jobs = dist.new_group(backend="gloo", timeout=IDLE)
     return tp, jobs
 
@@ -74,15 +93,16 @@ def _broadcast(value: Any, group: Any) -> Any:
     return box[0]
 
 
-def _step_check(tp: Any) -> Callable[[list[int]], None]:
-    """An on_tokens that checks every rank committed the same tokens (once per iteration)."""
+def _step_check(tp: Any, device: str) -> Callable[[list[int]], None]:
+    """An on_tokens that checks every rank committed the same tokens (once per iteration; the
+    collective's tensors on `device`: NCCL reduces GPU tensors only)."""
     from tokenswift_trt.model.tensor_parallel import TensorParallelError
 
     def check(ids: list[int]) -> None:
         digest = 0
         for token in ids:
             digest = (digest * 1_000_003 + token + 1) % (1 << 61)
-        rows = tp.gather([len(ids), digest])
+        rows = tp.gather([len(ids), digest], device)
         if any(row != rows[0] for row in rows):
             raise TensorParallelError(
                 "tensor-parallel ranks committed different tokens (their logits differ)"
@@ -113,8 +133,9 @@ def _worker_main() -> None:
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.size))
     tp, jobs = _join(place)
-    engine = load_model(place.source, place.device, place.kernels, tp)
-    check = _step_check(tp)
+    device = rank_device(place.device, place.rank)
+    engine = load_model(place.source, device, place.kernels, tp)
+    check = _step_check(tp, device)
     while (job := _broadcast(None, jobs)) is not None:
         prompt_ids, config = job
         generate(engine, prompt_ids, config, on_tokens=check)
@@ -125,7 +146,8 @@ class RankGroup:
 
     def __init__(self, size: int, timeout_s: float, source: str, device: str, kernels: str, python: str):
         self.size, self.timeout_s, self.python = size, timeout_s, python
-        self.source, self.device, self.kernels = source, device, kernels
+        self.source, self.asked, self.kernels = source, device, kernels
+        self.device = rank_device(device, 0)  # rank 0's: this process's
         self.workers: list[subprocess.Popen] = []
         self.tp: Any = None
         self.jobs: Any = None
@@ -139,7 +161,7 @@ class RankGroup:
 
         port = free_port()
         for rank in range(1, self.size):
-            place = Place(rank, self.size, port, self.timeout_s, self.source, self.device, self.kernels)
+            place = Place(rank, self.size, port, self.timeout_s, self.source, self.asked, self.kernels)
             process = subprocess.Popen(
                 [self.python, "-c", WORKER_ENTRY], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
             )
@@ -148,7 +170,7 @@ class RankGroup:
             process.stdin.flush()  # stdin stays open: the worker exits when it closes
             self.workers.append(process)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
-        place = Place(0, self.size, port, self.timeout_s, self.source, self.device, self.kernels)
+        place = Place(0, self.size, port, self.timeout_s, self.source, self.asked, self.kernels)
         self.tp, self.jobs = _join(place)
         self.broken = False
         return self.tp
@@ -185,7 +207,7 @@ class RankGroup:
             source = config.resolved_draft_source
             tree, topk = probe_plan(source, torch.device(self.device))
             config = dataclasses.replace(config, tree=tree, ngram_topk=topk, draft_source=source)
-        check = _step_check(self.tp)
+        check = _step_check(self.tp, self.device)
 
         def each(ids: list[int]) -> None:
             check(ids)
