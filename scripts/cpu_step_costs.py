@@ -3,6 +3,7 @@
 attention alone costs per layer.
 
     .venv/bin/python scripts/cpu_step_costs.py [--model-dir models/smollm2-135m] [--contexts 512,4096]
+        [--tokens 1,2,4,8,16] [--paths mkl,onednn,tiled] [--no-attention]
 
 The K/V cache is filled with random values (the cost does not depend on them); each row is the
 median of `--repeats` runs, the three paths' runs interleaved so that the machine's drift hits all
@@ -23,8 +24,7 @@ from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.engine import load_engine
 from tokenswift_trt.model.kv_cache import KVCache
 
-TOKENS = (1, 2, 4, 8, 16)
-PATHS = ("nn.Linear (MKL)", "oneDNN prepacked", "tiled kernel")
+PATHS = {"mkl": "nn.Linear (MKL)", "onednn": "oneDNN prepacked", "tiled": "tiled kernel"}
 
 
 def load_with(model_dir: str, path: str):
@@ -33,7 +33,8 @@ def load_with(model_dir: str, path: str):
     engine = load_engine(model_dir)
     if path == "oneDNN prepacked":
         engine.model.pack(KernelConfig(cpu_kernel="off"))  # packs in oneDNN's layout
-    if path == "nn.Linear (MKL)":
+    if path == "nn.Linear (MKL)":  # what a forward over more rows than the tiled kernel takes runs
+        engine.model.cpu_decoder = None
         for module in engine.model.modules():
             if isinstance(module, Linear):
                 module._packed = None
@@ -43,23 +44,23 @@ def load_with(model_dir: str, path: str):
 
 
 def forward_costs(
-    model_dir: str, context: int, repeats: int, paths: list[str]
+    model_dir: str, context: int, repeats: int, paths: list[str], tokens: list[int]
 ) -> dict[tuple[int, str], float]:
     """(T, path) -> median ms of forward + LM head over all T rows at `context` cached positions."""
     engines = {path: load_with(model_dir, path) for path in paths}
     config = next(iter(engines.values())).config
-    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, context + max(TOKENS))
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, context + max(tokens))
     cache.keys[:, :, :context].normal_()
     cache.values[:, :, :context].normal_()
     cache.length = context
     times: dict[tuple[int, str], list[float]] = {}
-    for count in TOKENS:
-        tokens = torch.randint(0, config.vocab_size, (count,))
+    for count in tokens:
+        ids = torch.randint(0, config.vocab_size, (count,))
         positions = torch.arange(context, context + count)
         for run in range(repeats + 3):
             for path, engine in engines.items():
                 start = time.perf_counter()
-                engine.model.logits(engine.model(tokens, positions, cache).hidden)
+                engine.model.logits(engine.model(ids, positions, cache).hidden)
                 if run >= 3:  # warm-up
                     times.setdefault((count, path), []).append((time.perf_counter() - start) * 1e3)
     return {key: statistics.median(values) for key, values in times.items()}
@@ -89,21 +90,26 @@ def main() -> None:
     parser.add_argument("--model-dir", default="models/smollm2-135m")
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--tokens", default="1,2,4,8,16", help="new tokens T per forward")
+    parser.add_argument("--paths", default="mkl,onednn,tiled", help=f"linear-layer paths: {', '.join(PATHS)}")
+    parser.add_argument("--no-attention", action="store_true", help="skip the attention-only rows")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
+    tokens = [int(t) for t in args.tokens.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| context | linears | " + " | ".join(f"T={t} ms" for t in TOKENS) + " |")
-    print("|---|---|" + "---|" * len(TOKENS))
+    print("| context | linears | " + " | ".join(f"T={t} ms" for t in tokens) + " |")
+    print("|---|---|" + "---|" * len(tokens))
     config = None
     with torch.inference_mode():
-        paths = [path for path in PATHS if path != "tiled kernel" or tiled_kernels() is not None]
+        chosen = [PATHS[name] for name in args.paths.split(",")]
+        paths = [path for path in chosen if path != "tiled kernel" or tiled_kernels() is not None]
         for context in contexts:
-            costs = forward_costs(args.model_dir, context, args.repeats, paths)
+            costs = forward_costs(args.model_dir, context, args.repeats, paths, tokens)
             for path in paths:
-                row = " | ".join(f"{costs[(t, path)]:.2f}" for t in TOKENS)
+                row = " | ".join(f"{costs[(t, path)]:.2f}" for t in tokens)
                 print(f"| {context:,} | {path} | {row} |")
         config = load_engine(args.model_dir).config
-        for context in contexts:
+        for context in [] if args.no_attention else contexts:
             attention = attention_costs(config, context, args.repeats)
             print(
                 f"attention, one layer, {context:,} keys: T=1 {attention[1]:.0f} µs, T=4 "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenswift_trt.backends.cpu_linear import tiled_kernels
+from tokenswift_trt.backends.cpu_linear import TILED_MAX_ROWS, tiled_kernels
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.decode.tree import Trie
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
@@ -47,11 +47,12 @@ def test_the_compiled_stack_equals_the_layers_own_code(request, fixture, kernel)
     model, config = engine.model, engine.config
     assert model.cpu_decoder is not None
     model.use_attention_kernel(kernel)
-    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 80)
+    cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 120)
     with torch.inference_mode():
         model(torch.arange(3, 43), torch.arange(40), cache)
     cache.commit()
-    for count in (1, 3, 9, 16):  # SDPA folds the query heads up to 8 tokens, not beyond
+    # SDPA folds the query heads up to 8 tokens, not beyond; 40 and 80: tries with a long match's branch
+    for count in (1, 3, 9, 16, 40, 80):
         trie = _tree(count, seed=count)
         tokens, positions = torch.tensor(trie.tokens[:count]), torch.tensor(trie.depths[:count]) + 40
         mask = trie.mask()[:count, :count]
@@ -72,8 +73,10 @@ def test_the_compiled_stack_is_left_for_changed_weights_partial_caches_and_promp
     cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 64)
     partial = PartialKVCache(config.num_layers, config.num_kv_heads, config.head_dim, 32)
     with torch.inference_mode():
-        assert decoder.usable(16, cache)
-        assert not decoder.usable(17, cache)  # a prompt's chunk: PyTorch's product is faster there
+        assert decoder.usable(TILED_MAX_ROWS, cache)  # every verify trie
+        assert not decoder.usable(
+            TILED_MAX_ROWS + 1, cache
+        )  # a prompt's chunk: PyTorch's product is faster there
         assert not decoder.usable(1, partial)
     assert not decoder.usable(1, cache)  # outside inference mode (training, export)
     tokens = torch.arange(5, 9)

@@ -43,7 +43,10 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-TILED_MAX_ROWS = 16  # rows per call the tiled kernel takes (the largest CPU verify trees)
+# rows per call the tiled kernel takes: every verify trie, a long match's branch included. Up to 256
+# rows it beats PyTorch's product (SmolLM2-135M's forward, one thread: docs/bench/cpu-verify-rows);
+# a prompt's 512-row chunks are ~1.5x faster in PyTorch's
+TILED_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class PackedWeight:
 
     def takes(self, rows: int) -> bool:
         """Whether the packed copy serves `rows` rows: the tiled kernel is for decode and verify
-        (<= TILED_MAX_ROWS); a prompt's rows take PyTorch's product on the unpacked weight, which
+        (<= TILED_MAX_ROWS); a prompt's chunks take PyTorch's product on the unpacked weight, which
         is ~1.5x faster there (SmolLM2, 512 rows: 0.90 s vs 1.39 s on the development machine)."""
         return self.kernels is None or rows <= TILED_MAX_ROWS
 

@@ -40,6 +40,7 @@ from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.model.sampling import Noise, RandomSource, Sampler, SamplingConfig
 
 BATCHED_NODES_MAX = 16  # on a CPU, tries up to this size sample every node in one batch
+CHAIN_ROWS = 8  # on a CPU, a larger trie's visit samples this many nodes down its deepest path at once
 SUFFIX_MIN_MATCH = 8  # a long match's branch is offered from this many matching tokens
 
 
@@ -176,7 +177,14 @@ class NodeTargets:
         self.batched = sampled_in_one_batch(len(trie), engine.device)
         self.all_logits: torch.Tensor | None = None  # [N, V] when batched
         self.all_samples: list[int] | None = None
-        self.sample_all = self.batched and (state.random.noise_known_in_advance or state.sampling.greedy)
+        ahead = state.random.noise_known_in_advance or state.sampling.greedy  # a node's sample: its path's
+        self.sample_all = self.batched and ahead
+        # a larger trie on a CPU: a visit samples its node and the deepest path below it, up to
+        # `CHAIN_ROWS` nodes in one LM-head pass (a few rows cost what one does), so a long match's
+        # branch costs a pass per `CHAIN_ROWS` accepted tokens instead of one per token
+        self.chain_rows = CHAIN_ROWS if ahead and not self.batched else 1
+        self.known: dict[int, int] = {}  # node -> sample, from chained visits
+        self._heights: list[int] | None = None
 
     def path(self, node: int) -> list[int]:
         tokens = []
@@ -209,6 +217,11 @@ class NodeTargets:
             if self.all_samples is None:
                 self.all_samples = self._sample_every_node()
             return self.all_samples[node]
+        if self.chain_rows > 1:
+            if node not in self.known:
+                chain = self._deepest_chain(node)
+                self.known.update(zip(chain, self._sample_nodes(chain), strict=True))
+            return self.known[node]
         position = self.state.root_position + self.trie.depths[node] + 1
         window = self.state.window(self.path(node))
         if self.batched:
@@ -219,14 +232,35 @@ class NodeTargets:
         return self.state.sampler.samples(logits[None], window, noise)[0]
 
     def _sample_every_node(self) -> list[int]:
-        state, trie = self.state, self.trie
-        windows = state.windows([self.path(node) for node in range(len(trie))])
-        logits = self.logits(windows)  # [N, V]
-        # sample_all: greedy, or position-keyed noise, which nodes at one depth share
-        noise = state.noise(
-            [state.root_position + depth + 1 for depth in trie.depths], logits.shape[-1], logits.device
-        )
-        return state.sampler.samples(logits, windows, noise)
+        windows = self.state.windows([self.path(node) for node in range(len(self.trie))])
+        return self._samples(range(len(self.trie)), self.logits(windows), windows)
+
+    def _sample_nodes(self, nodes: list[int]) -> list[int]:
+        """Samples at `nodes` from one LM-head pass over their rows."""
+        windows = self.state.windows([self.path(node) for node in nodes])
+        logits = self.engine.model.target_logits(self.hidden[nodes], self.state.sampling, windows)  # [n, V]
+        return self._samples(nodes, logits, windows)
+
+    def _samples(self, nodes: Sequence[int], logits: torch.Tensor, windows: torch.Tensor) -> list[int]:
+        """Samples from `nodes`' logits [n, V]: greedy, or position-keyed noise, which nodes at one
+        depth share."""
+        state, depths = self.state, self.trie.depths
+        positions = [state.root_position + depths[node] + 1 for node in nodes]
+        return state.sampler.samples(logits, windows, state.noise(positions, logits.shape[-1], logits.device))
+
+    def _deepest_chain(self, node: int) -> list[int]:
+        """`node`, then down its deepest child's line: at most `chain_rows` nodes."""
+        if self._heights is None:  # a node's index is above its parent's: one pass from the leaves
+            trie, heights = self.trie, [0] * len(self.trie)
+            for child in range(len(trie) - 1, 0, -1):
+                parent = trie.parents[child]
+                heights[parent] = max(heights[parent], heights[child] + 1)
+            self._heights = heights
+        chain = [node]
+        while len(chain) < self.chain_rows and self.trie.children[node]:
+            node = max(self.trie.children[node].values(), key=self._heights.__getitem__)
+            chain.append(node)
+        return chain
 
 
 Acceptor = Callable[[Trie, NodeTargets, int, frozenset], Acceptance]

@@ -1,5 +1,5 @@
 // The whole decoder stack of a float32 Llama/Qwen2 engine for a few new tokens (an AR step or a tree
-// verification, T <= 16) in one call: per layer RMSNorm, the fused Q/K/V product, rotary embedding,
+// verification, T <= TILED_MAX_ROWS) in one call: per layer RMSNorm, the fused Q/K/V product, rotary embedding,
 // the K/V write into the cache's pending slots, attention, the output product and residual, RMSNorm,
 // the fused gate/up product, SiLU(gate)·up, the down product and residual.
 //
