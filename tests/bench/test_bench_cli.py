@@ -9,6 +9,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from tokenswift_trt.bench.remodel import measured_iteration_times, modeled_long_run
 from tokenswift_trt.bench.run import (
     BenchSpec,
     Snapshot,
@@ -20,7 +21,6 @@ from tokenswift_trt.bench.run import (
 )
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.cli.bench import measured_iteration_times, modeled_long_run
 from tokenswift_trt.decode.autotune import AR_PLAN, Plan
 from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, Stats
 from tokenswift_trt.model.sampling import SamplingConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -28,14 +28,6 @@ from .tp_launch import tp_options
 if TYPE_CHECKING:
     from tokenswift_trt.bench.step_bench import StepBenchJob, StepBenchResult
     from tokenswift_trt.bench.steps import StepCost
-    from tokenswift_trt.model.engine import Engine
-
-
-def trie_cap(tree: str) -> int:
-    """Most tokens one iteration of static tree `tree` commits: every level accepted, plus the bonus token."""
-    from tokenswift_trt.decode.tree import parse_tree
-
-    return len(parse_tree(tree)) + 1
 
 
 @click.command()
@@ -114,17 +106,23 @@ def bench(
 ) -> None:
     """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG. With
     --tp N every run is split over N tensor-parallel ranks; rank 0 writes the report."""
-    from tokenswift_trt.bench.run import BenchSpec, run_bench, write_results
+    from tokenswift_trt.bench.compare import (
+        BenchJob,
+        check_counts,
+        check_random_weights,
+        random_weights_engine,
+        run_comparison,
+        write_comparison,
+    )
+    from tokenswift_trt.bench.run import BenchSpec
 
     from ..progress import progress_bar
 
     gen_lens, prefix_lens = int_list(gen_len, "--gen-len"), int_list(prefix_len, "--prefix-len")
-    if prompts < 1 or repeats < 1:
-        raise CliError("--prompts and --repeats must be at least 1")
-    if interleave < 0:
-        raise CliError(f"--interleave must be >= 0 (0 runs the methods one after another), got {interleave}")
-    if window < 1:
-        raise CliError(f"--window must be at least 1 token (e.g. 256), got {window}")
+    try:
+        check_counts(prompts, repeats, interleave, window)
+    except ValueError as error:
+        raise fail(error) from None
     if opts["seed"] is None:
         opts["seed"] = 0
     if random_weights and tp > 1:
@@ -133,16 +131,16 @@ def bench(
         )
     ranks = None
     if random_weights:
-        engine, text_ids, defaults = _random_weights_source(
-            model,
-            (model_dir, engine_dir, heads, prompt_file),
-            accept_length,
-            opts,
-            prefix_lens,
-            prompts,
-            kernels,
-        )
-        accept_length = trie_cap(opts["tree"]) if accept_length is None else accept_length
+        try:
+            defaults = check_random_weights(
+                model, any((model_dir, engine_dir, heads, prompt_file)), opts["tree"], accept_length
+            )
+            generation_config(1, "tokenswift", opts, defaults)  # bad settings fail before weights are built
+            engine, text_ids = random_weights_engine(
+                model, opts["dtype"], opts["device"], kernels, prefix_lens, prompts
+            )
+        except ValueError as error:
+            raise fail(error) from None
         source_name = f"{model} (random weights)"
     else:
         if prompt_file is None:
@@ -171,12 +169,6 @@ def bench(
     config = generation_config(max(gen_lens), "tokenswift", opts, defaults)
     if ranks is not None:  # tensor parallel: rank 0's seed and plan, the least memory any rank has
         config = ranks.with_memory(ranks.agree(config))
-    longest = max(prefix_lens) + max(gen_lens)
-    limit = config.max_length or engine.config.max_position_embeddings
-    if longest > limit:
-        raise CliError(
-            f"prefix {max(prefix_lens)} + generation {max(gen_lens)} exceeds the maximum length {limit}"
-        )
 
     def progress(label: str, total: int):
         bar = progress_bar(total=total, desc=label, unit="tok", leave=False)
@@ -194,7 +186,7 @@ def bench(
         gen_lens, prefix_lens, prompts, repeats, config, interleave, not no_extras, window, compare_adaptation
     )
     try:
-        rows = run_bench(engine, text_ids, spec, progress)
+        rows = run_comparison(engine, text_ids, spec, progress)
     except ValueError as error:
         raise fail(error) from None
     except RuntimeError as error:  # tensor parallel: a rank stopped or timed out in a collective
@@ -203,167 +195,31 @@ def bench(
         raise CliError(f"the tensor-parallel run stopped: {fail(error).message}") from None
     if ranks is not None and not ranks.leader:
         return  # rank 0 writes the report
-    meta = {
-        "command": "tokenswift-trt bench " + " ".join(sys.argv[2:]),
-        "source": source_name,
-        "tree": config.tree,
-        "ngram_topk": config.ngram_topk,
-        "draft_source": config.resolved_draft_source,
-        "sampling": vars(config.sampling),
-        "kv_budget": config.kv_budget,
-        "device": opts["device"],
-        "dtype": str(engine.dtype),
-        "interleave": interleave,
-        "window_tokens": window,
-        "kernels": engine.kernels.to_dict(),
-        "tp": tp,
-    }
-    steps = engine.model
-    if getattr(steps, "torch_model", None) is steps:  # a PyTorch engine: what its steps ran
-        meta.update(
-            attention=steps.attention_summary(),
-            fused_elementwise=steps.fused_elementwise,
-            batch_invariant=steps.batch_invariant,
-        )
-    long_run = None
-    if random_weights:
-        meta.update(model=model, random_weights=True, accept_length=accept_length)
-        for row in rows:
-            row.update(measured_iteration_times(row, accept_length))
-        long_run = modeled_long_run(rows, accept_length)
-        if long_run is not None:  # e.g. --prefix-len 4096,32768,65536,98304: a ~100K-token generation
-            meta["modeled_long_run"] = long_run
-    written = write_results(rows, out, meta)
-    columns = [
-        "prefix_len",
-        "gen_len",
-        "ar_tokens_per_s",
-        "tokenswift_tokens_per_s",
-        "speedup",
-        "alpha",
-        "beta",
-        "tokens_per_iteration",
-        "tokens_per_forward",
-        "distinct4_penalty",
-        "distinct4_no_penalty",
-        "tokens_equal_ar",
-        "adapted_tokens_per_s",
-        "adapted_alpha",
-        "adapted_tokens_per_iteration",
-        "adapted_tokens_equal_ar",
-    ]
-    if "auto_vs_default_tree" in rows[0]:
-        columns.insert(5, "auto_vs_default_tree")
-    if random_weights:  # acceptance means nothing here: what the measured times imply at --accept-length
-        columns = [
-            "prefix_len",
-            "gen_len",
-            "ar_ms_per_token",
-            "tokenswift_ms_per_iteration",
-            "iteration_over_ar_step",
-            "tokens_per_iteration",
-            "modeled_speedup",
-            "tokens_equal_ar",
-        ]
-    columns = [column for column in columns if column in rows[0]]
-    click.echo(" | ".join(columns))
-    for row in rows:
-        click.echo(" | ".join(str(row[c]) for c in columns))
+    job = BenchJob(
+        spec,
+        out,
+        command="tokenswift-trt bench " + " ".join(sys.argv[2:]),
+        source=source_name,
+        device=opts["device"],
+        random_weights_model=model if random_weights else None,
+        accept_length=accept_length,
+        tp=tp,
+    )
+    outcome = write_comparison(engine, rows, job)
+    click.echo(" | ".join(outcome.columns))
+    for row in outcome.rows:
+        click.echo(" | ".join(str(row[c]) for c in outcome.columns))
+    long_run = outcome.long_run
     if long_run is not None:
         click.echo(
             f"modeled generation of {long_run['tokens']} tokens from a {long_run['from_context']}-token "
-            f"prompt (linear between the measured prompt lengths, {accept_length} tokens per iteration): AR "
-            f"{long_run['ar_s']} s, TokenSwift {long_run['tokenswift_s']} s, {long_run['modeled_speedup']}x"
+            f"prompt (linear between the measured prompt lengths, {outcome.meta['accept_length']} tokens "
+            f"per iteration): AR {long_run['ar_s']} s, TokenSwift {long_run['tokenswift_s']} s, "
+            f"{long_run['modeled_speedup']}x"
         )
-    if not all(row["tokens_equal_ar"] and row.get("adapted_tokens_equal_ar", True) for row in rows):
+    if not outcome.tokens_equal_ar:
         click.echo(unequal_tokens_note(opts["device"], str(engine.dtype)), err=True)
-    click.echo("wrote " + ", ".join(str(p) for p in written))
-
-
-def _random_weights_source(
-    model: str | None,
-    sources: tuple[Path | None, Path | None, Path | None, Path | None],
-    accept_length: float | None,
-    opts: dict,
-    prefix_lens: tuple[int, ...],
-    prompts: int,
-    kernels: dict[str, Any],
-) -> tuple[Engine, list[int], dict]:
-    """`bench --random-weights`: (engine with random weights on the device, random prompt ids, the
-    preset's defaults). `sources`: --model-dir, --engine, --heads and --prompt-file, none allowed."""
-    import torch
-
-    from tokenswift_trt.bench.steps import random_engine
-    from tokenswift_trt.builder.presets import PRESETS
-    from tokenswift_trt.kernels.config import KernelConfig
-
-    if model is None or any(sources):
-        raise CliError(
-            "--random-weights takes --model (a preset or model directory whose shape is timed) and no "
-            "--model-dir, --engine, --heads or --prompt-file"
-        )
-    if opts["tree"] in (None, "auto"):
-        raise CliError(
-            "--random-weights needs a static --tree (e.g. 1,3,3,3): `auto` tunes on acceptance, which "
-            "random weights do not have"
-        )
-    if accept_length is not None and not 1 <= accept_length < float("inf"):  # nan and inf too
-        raise CliError(f"--accept-length must be at least 1 (tokens per iteration), got {accept_length}")
-    cap = trie_cap(opts["tree"])
-    if accept_length is not None and accept_length > cap:
-        raise CliError(
-            f"--accept-length {accept_length:g} is more than tree {opts['tree']} can commit in one iteration "
-            f"(its depth + 1 = {cap}): give at most {cap}"
-        )
-    defaults = dict(PRESETS[model].defaults) if model in PRESETS else {}
-    generation_config(1, "tokenswift", opts, defaults)  # bad settings fail before any weights are built
-    if opts["device"].startswith("cuda") and not torch.cuda.is_available():
-        raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
-    dtype = getattr(torch, opts["dtype"]) if opts["dtype"] else None
-    try:
-        engine, _ = random_engine(model, dtype, opts["device"], kernels=KernelConfig().updated(kernels))
-    except (ValueError, RuntimeError) as error:  # too little memory, an unknown preset, CUDA errors
-        raise fail(error) from None
-    count = max(prefix_lens) * (prompts + 1)  # prompt_windows spreads its windows over the ids
-    ids = torch.randint(3, engine.config.vocab_size, (count,), generator=torch.Generator().manual_seed(0))
-    return engine, ids.tolist(), defaults
-
-
-def measured_iteration_times(row: dict, accept_length: float) -> dict:
-    """A bench row's measured decode times per AR token and per TokenSwift iteration (ms, the prompt's
-    prefill left out), the iteration in AR steps, and the speedup an iteration of that cost gives when
-    it commits `accept_length` tokens."""
-    ar_ms = row["ar_decode_ms_per_iteration"]
-    iteration_ms = row["tokenswift_decode_ms_per_iteration"]
-    return {
-        "ar_ms_per_token": round(ar_ms, 3),
-        "tokenswift_ms_per_iteration": round(iteration_ms, 3),
-        "iteration_over_ar_step": round(iteration_ms / ar_ms, 3),
-        "modeled_speedup": round(accept_length * ar_ms / iteration_ms, 3),
-    }
-
-
-def modeled_long_run(rows: list[dict], accept_length: float) -> dict | None:
-    """A generation from the shortest measured prompt to the longest, modeled from the rows' measured
-    times at each prompt length (linear between them): each new token costs AR one step at its context,
-    and TokenSwift 1 / `accept_length` of an iteration there. None with fewer than two prompt lengths."""
-    by_context = sorted({row["prefix_len"]: row for row in rows}.items())
-    if len(by_context) < 2:
-        return None
-    ar_s = tokenswift_s = 0.0
-    for (start, low), (end, high) in zip(by_context, by_context[1:]):
-        tokens = end - start  # the mean of a linear cost over the span: the mean of its ends
-        ar_s += tokens * (low["ar_ms_per_token"] + high["ar_ms_per_token"]) / 2e3
-        iteration = (low["tokenswift_ms_per_iteration"] + high["tokenswift_ms_per_iteration"]) / 2e3
-        tokenswift_s += tokens * iteration / accept_length
-    return {
-        "from_context": by_context[0][0],
-        "to_context": by_context[-1][0],
-        "tokens": by_context[-1][0] - by_context[0][0],
-        "ar_s": round(ar_s, 2),
-        "tokenswift_s": round(tokenswift_s, 2),
-        "modeled_speedup": round(ar_s / tokenswift_s, 3),
-    }
+    click.echo("wrote " + ", ".join(str(p) for p in outcome.written))
 
 
 @click.command("bench-steps")
