@@ -114,6 +114,47 @@ class HostOverhead:
     def model_ms_per_iteration(self) -> float:
         return self.model_s / self.iterations * 1e3 if self.iterations else 0.0
 
+    @property
+    def phase_ms_per_iteration(self) -> dict[str, float]:
+        """The generation's phases (model calls included), ms per measured iteration."""
+        return {name: seconds / self.iterations * 1e3 for name, seconds in self.phase_s.items()}
+
+
+@dataclass
+class DeviceLoopHostTime:
+    """The device loop's host side: its own time per iteration (queue the captured graph and the
+    report's copy) and its wait for the report of the iteration before."""
+
+    tree: str
+    ngram_topk: int
+    iterations: int
+    tokens: int
+    mean_accept_length: float
+    graph_replays: int
+    host_ms_per_iteration: float
+    wait_ms_per_iteration: float
+    tokens_per_s: float
+
+
+def device_loop_host_time(
+    engine: Engine, prompt: Sequence[int], config: GenerationConfig
+) -> DeviceLoopHostTime:
+    """Generate with `config` (its `device_loop` on) and read the host's and the wait's time per
+    iteration from the generation's phases."""
+    tokens, stats = generate(engine, prompt, config)
+    per_iteration = {name: seconds / stats.iterations * 1e3 for name, seconds in stats.phase_s.items()}
+    return DeviceLoopHostTime(
+        config.tree,
+        config.ngram_topk,
+        stats.iterations,
+        len(tokens),
+        stats.mean_accept_length,
+        stats.graph_replays,
+        per_iteration.get("host", 0.0),
+        per_iteration.get("wait", 0.0),
+        stats.tokens_per_s,
+    )
+
 
 def measure_host_overhead(
     engine: Engine, prompt: Sequence[int], config: GenerationConfig, count_ops: bool = True
@@ -124,6 +165,10 @@ def measure_host_overhead(
     Both are counted from the end of the first iteration to the end of the last, so prefill and
     the first iteration's warm-up are excluded exactly.
     """
+    if config.compile_steps:
+        raise ValueError(
+            "bench-host times the host loop's model calls eagerly: use --compile-steps with --device-loop"
+        )
     config = replace(config, method="tokenswift")
     timed = TimedModel(engine.model, engine.device)
     timed_engine = replace(engine, model=timed)  # same weights and caches; only timing added

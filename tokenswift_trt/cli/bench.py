@@ -446,28 +446,6 @@ def _print_step_report(result: StepBenchResult, job: StepBenchJob) -> None:
     click.echo("wrote " + ", ".join(str(p) for p in result.written))
 
 
-def _device_loop_host_time(engine, prompt: list[int], config) -> None:
-    """bench-host --device-loop: the host's own time per iteration (queue the graph, queue the
-    report's copy) and its wait for the report of the iteration before."""
-    from tokenswift_trt.decode.loop import GenerationError, generate
-
-    try:
-        tokens, stats = generate(engine, prompt, config)
-    except GenerationError as error:
-        raise fail(error) from None
-    per_iteration = {name: seconds / stats.iterations * 1e3 for name, seconds in stats.phase_s.items()}
-    click.echo(
-        f"device loop, tree {config.tree}, k={config.ngram_topk}, {stats.iterations} iterations, "
-        f"{len(tokens)} tokens, {stats.mean_accept_length:.2f} tokens/iteration, "
-        f"{stats.graph_replays} graph replays"
-    )
-    click.echo(
-        f"host ms/iteration: {per_iteration.get('host', 0.0):.3f} (queue the iteration and its report)  "
-        f"wait ms/iteration: {per_iteration.get('wait', 0.0):.3f} (for the report one iteration late)"
-    )
-    click.echo(f"{stats.tokens_per_s:.1f} tokens/s")
-
-
 @click.command("bench-host")
 @source_options
 @click.option(
@@ -478,7 +456,7 @@ def _device_loop_host_time(engine, prompt: list[int], config) -> None:
 @sampling_options
 def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max_new_tokens, **opts) -> None:
     """Host overhead per TokenSwift iteration: decode time outside model calls (docs/gpu.md)."""
-    from tokenswift_trt.bench.host import measure_host_overhead
+    from tokenswift_trt.bench.host import device_loop_host_time, measure_host_overhead
 
     if prefix_len < 1 or max_new_tokens < 2:
         raise CliError("--prefix-len must be >= 1 and --max-new-tokens >= 2")
@@ -487,20 +465,27 @@ def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max
     generation_config(max_new_tokens, "tokenswift", opts)
     text = read_prompt(None, prompt_file)
     source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
-    engine = source.engine
     config = generation_config(max_new_tokens, "tokenswift", opts, source.defaults)
     prompt = source.codec.encode(text)[:prefix_len]
-    if config.device_loop:
-        _device_loop_host_time(engine, prompt, config)
-        return
-    if config.compile_steps:
-        raise CliError(
-            "bench-host times the host loop's model calls eagerly: use --compile-steps with --device-loop"
-        )
     try:
-        result = measure_host_overhead(engine, prompt, config)
-    except ValueError as error:
+        if config.device_loop:
+            loop = device_loop_host_time(source.engine, prompt, config)
+        else:
+            result = measure_host_overhead(source.engine, prompt, config)
+    except ValueError as error:  # GenerationError included
         raise fail(error) from None
+    if config.device_loop:
+        click.echo(
+            f"device loop, tree {loop.tree}, k={loop.ngram_topk}, {loop.iterations} iterations, "
+            f"{loop.tokens} tokens, {loop.mean_accept_length:.2f} tokens/iteration, "
+            f"{loop.graph_replays} graph replays"
+        )
+        click.echo(
+            f"host ms/iteration: {loop.host_ms_per_iteration:.3f} (queue the iteration and its report)  "
+            f"wait ms/iteration: {loop.wait_ms_per_iteration:.3f} (for the report one iteration late)"
+        )
+        click.echo(f"{loop.tokens_per_s:.1f} tokens/s")
+        return
     click.echo(
         f"tree {config.tree}, k={config.ngram_topk}, {result.iterations} iterations, "
         f"{result.new_tokens} tokens"
@@ -513,9 +498,7 @@ def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max
         f"host tensor ops/iteration: {result.host_ops_per_iteration:.1f} (outside model calls, views "
         "excluded: each is a kernel launch on a GPU)"
     )
-    phases = ", ".join(
-        f"{name} {seconds / result.iterations * 1e3:.3f}" for name, seconds in result.phase_s.items()
-    )
+    phases = ", ".join(f"{name} {ms:.3f}" for name, ms in result.phase_ms_per_iteration.items())
     click.echo(f"phases (ms/iteration, model calls included): {phases}")
 
 
