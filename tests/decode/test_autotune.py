@@ -122,6 +122,20 @@ def test_candidate_trie_sizes_count_only_available_nodes():
     assert sizes[("1,3,3,3", 20)] == len(trie)
 
 
+def test_a_long_matchs_branch_counts_for_every_plan_with_ngrams():
+    """The loop offers a long match's branch with any k >= 1 (as rank 0): the probe scores its nodes,
+    accepted and verified, for those plans and for no plan without n-grams."""
+    trie = _probe_trie()
+    trie.add_path([10, 20, 30, 40, 70, 71, 72, 73], from_tree=False, ngram_rank=0)  # along the tree, then on
+    recorder = ProbeRecorder(max_depth=4)
+    recorder.record(trie, _path(trie, [10, 20, 30, 40, 70, 71]))
+    assert recorder.accepted[("1,1,1,1", 0)] == 4  # the tree's own path
+    assert recorder.accepted[("1,1,1,1", 1)] == 6 and recorder.accepted[("1", 1)] == 6
+    sizes = recorder.mean_nodes()
+    assert sizes[("1", 1)] == 1 + 1 + 3 + 3 + 4  # root, the tree's 10, gram 0's 50-52, 20-30-40, 70-73
+    assert sizes[("1", 0)] == 1 + 1
+
+
 def test_candidates_fit_inside_the_probe_tree():
     paper = ProbeRecorder(max_depth=4, probe_tree="1,3,3,3")
     trees = {tree for tree, _, _ in paper.candidates}
@@ -195,6 +209,19 @@ def test_measured_sampling_costs_enter_every_plan():
     )
     assert {(p.tree, p.ngram_topk): p for p in plans}[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(
         1.0 + 2.5
+    )
+    # ... or one per 4 committed tokens where a visit samples 4 nodes down its path (greedy, keyed noise)
+    _, plans = choose_plan(
+        recorder,
+        flat,
+        0.0,
+        0.0,
+        sampling_costs={1: 0.5, 2: 1.0, 16: 1.0},
+        device=torch.device("cpu"),
+        chain_rows=4,
+    )
+    assert {(p.tree, p.ngram_topk): p for p in plans}[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(
+        1.0 + 2 * 0.5
     )
     # drafting from the verify pass: batched tries draft from their own head pass (ranking only)
     _, plans = choose_plan(

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenswift_trt.decode.stages import DecodeState, candidates_from_hidden, retrieve_ngrams
+from tokenswift_trt.decode.stages import DecodeState, candidates_from_hidden, chain_rows, retrieve_ngrams
 from tokenswift_trt.decode.tree import StaticTree, Trie, build_static_tree, build_trie, parse_tree
 from tokenswift_trt.decode.tuner_costs import (
     AR_PLAN,
@@ -599,6 +599,7 @@ class Tuner:
             # drafting from the verify pass the head pass carries draft rows (one level: the trees CPUs pick)
             sampling_costs=measure_sampling(engine, state, hidden, 1 if self.from_verify else 0),
             device=engine.device,
+            chain_rows=chain_rows(state),  # how larger tries sample
             per_node_s=totals.trie_s / totals.nodes,  # building a trie (n-grams included)
             # root-conditioned layers read each node's sample: their head pass is not batched
             batched_draft_s=(

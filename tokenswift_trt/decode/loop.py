@@ -730,8 +730,9 @@ def _tokenswift_loop(
             ngrams = retrieve_ngrams(state, keys, plan.ngram_topk)
             trie = build_trie(state.tokens[-1], tree, candidates, ngrams, from_verify)
             long_match = retrieve_suffix(state, state.limit - len(state.tokens)) if plan.ngram_topk else []
-            if long_match:  # the text repeats: what followed its earlier occurrence, as deep as it matched
-                trie.add_path(long_match, from_tree=False)
+            if long_match:  # the text repeats: what followed its earlier occurrence, as deep as it matched;
+                # offered with any k >= 1, as the best 4-gram is: the tuner prices it as rank 0
+                trie.add_path(long_match, from_tree=False, ngram_rank=0)
             t_trie = time.perf_counter()
             # verify
             verified = verify(engine, state, trie)

@@ -53,6 +53,12 @@ def sampled_in_one_batch(num_nodes: float, device: torch.device) -> bool:
     return device.type == "cuda" or num_nodes <= BATCHED_NODES_MAX
 
 
+def chain_rows(state: DecodeState) -> int:
+    """Nodes a visit of a trie too large for one batch samples at once (`NodeTargets`): CHAIN_ROWS
+    where each node's sample depends only on its own path (greedy, or position-keyed noise), else 1."""
+    return CHAIN_ROWS if state.random.noise_known_in_advance or state.sampling.greedy else 1
+
+
 @dataclass
 class DecodeState:
     """Everything one sequence carries between iterations."""
@@ -177,12 +183,11 @@ class NodeTargets:
         self.batched = sampled_in_one_batch(len(trie), engine.device)
         self.all_logits: torch.Tensor | None = None  # [N, V] when batched
         self.all_samples: list[int] | None = None
-        ahead = state.random.noise_known_in_advance or state.sampling.greedy  # a node's sample: its path's
-        self.sample_all = self.batched and ahead
+        self.sample_all = self.batched and chain_rows(state) > 1
         # a larger trie on a CPU: a visit samples its node and the deepest path below it, up to
         # `CHAIN_ROWS` nodes in one LM-head pass (a few rows cost what one does), so a long match's
         # branch costs a pass per `CHAIN_ROWS` accepted tokens instead of one per token
-        self.chain_rows = CHAIN_ROWS if ahead and not self.batched else 1
+        self.chain_rows = 1 if self.batched else chain_rows(state)
         self.known: dict[int, int] = {}  # node -> sample, from chained visits
         self._heights: list[int] | None = None
 

@@ -11,6 +11,7 @@ Which plan runs, and when it is judged again, is the policy's (autotune.py).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -60,7 +61,8 @@ CANDIDATE_TREES = (
 CANDIDATE_TOPK = (0, 1, 2, 4, 8, 20)
 
 # On a CPU verify passes and batched sampling are timed up to this many nodes, larger ones extrapolated
-CPU_TIMED_NODES = 8
+# (past a few rows a CPU verify costs about its size: 16 rows give the slope a long match's branch needs)
+CPU_TIMED_NODES = 16
 
 
 @dataclass(frozen=True)
@@ -201,13 +203,16 @@ def choose_plan(
     per_node_s: float = 0.0,
     batched_draft_s: float | None = None,
     draft_s_by_depth: dict[int, float] | None = None,
+    chain_rows: int = 1,
 ) -> tuple[Estimate, list[Estimate]]:
     """Best plan (and all, best first) from probe acceptance, verify costs and per-iteration costs.
 
     `sampling_costs` {N: seconds} is what sampling N verified nodes as one batch costs (measured);
     tries that `sampled_in_one_batch` says no to on `device` sample one node per visit instead,
-    i.e. about one single-node cost per committed token. Without it the sampling is taken to be
-    inside `overhead_s`, an AR step paying half of that. `per_node_s` is host work per trie node.
+    i.e. about one single-node cost per committed token, or per `chain_rows` committed tokens where a
+    visit samples that many nodes down its path in one pass (`stages.chain_rows`). Without it the
+    sampling is taken to be inside `overhead_s`, an AR step paying half of that. `per_node_s` is host
+    work per trie node.
     `batched_draft_s`, when given, replaces `draft_s` for tries sampled as one batch (drafting from
     the verify pass, their drafts come out of that batch's head pass: only the ranking is left).
     `draft_s_by_depth` {tree depth: seconds}, when given, replaces both: drafting along tree paths
@@ -217,8 +222,8 @@ def choose_plan(
     def sampling(nodes: float, tokens: float) -> float:
         if sampling_costs is None:
             return 0.0
-        if not sampled_in_one_batch(nodes, device):
-            return interpolate(sampling_costs, 1) * tokens
+        if not sampled_in_one_batch(nodes, device):  # a few rows of one pass cost what one does
+            return interpolate(sampling_costs, 1) * math.ceil(tokens / chain_rows)
         return interpolate(sampling_costs, nodes)
 
     ar_overhead = sampling(1, 1) if sampling_costs is not None else overhead_s / 2
@@ -253,9 +258,9 @@ def measure_verify(engine: Engine, state: DecodeState, max_size: int) -> dict[in
         state.full.pending = 0  # timing only: nothing written is kept
 
     # small sizes too: with a tree-attention kernel a few tokens cost what one does (not a straight line
-    # to 16). On a CPU a verify costs about its size beyond a few tokens and the tries that can pay
-    # are small, so sizes past CPU_TIMED_NODES are extrapolated instead of timed (a 16-node verify costs
-    # ~3 AR steps, four of them a probe: SmolLM2's choice took 0.88 s of 19 s for 1,024 tokens)
+    # to 16). On a CPU a verify costs about its size beyond a few tokens, so sizes past CPU_TIMED_NODES
+    # are extrapolated from the last two instead of timed (a 16-node verify costs ~2 AR steps, a 32-node
+    # one ~4: docs/bench/cpu-verify-rows)
     largest = max_size if device.type == "cuda" else min(max_size, CPU_TIMED_NODES)
     sizes = sorted({s for s in (1, 2, 4, 8, 16, 48) if s <= largest} | {largest})
     return time_verify(forward, sizes, repeats=5 if device.type == "cuda" else 3)
