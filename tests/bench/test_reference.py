@@ -45,3 +45,21 @@ def test_cli_writes_a_row(tmp_path):
     assert row["same_tokens"] == "True" and float(row["ours_over_transformers"]) > 0
     engine = CliRunner().invoke(main, ["bench-ar", "--engine", str(tmp_path), "--prompt-file", "x"])
     assert engine.exit_code == 2 and "transformers" in engine.stderr
+
+
+def test_the_report_holds_the_medians_their_ratio_and_every_repeat(tmp_path):
+    import json
+
+    from tokenswift_trt.bench.reference import ReferenceComparison, write_reference_report
+
+    result = ReferenceComparison(16, [10.0, 30.0, 20.0], [10.0, 10.0, 40.0], same_tokens=True)
+    row = write_reference_report(result, "model", 32, 3, tmp_path / "ar", "tokenswift-trt bench-ar x")
+    assert row["ours_tokens_per_s"] == 20.0 and row["transformers_tokens_per_s"] == 10.0
+    assert row["ours_over_transformers"] == 1.0  # the median of 1, 3 and 0.5
+    assert (row["model"], row["prefix_len"], row["gen_len"], row["repeats"]) == ("model", 32, 16, 3)
+    (written,) = list(csv.DictReader(open(tmp_path / "ar" / "bench_ar.csv")))
+    assert written == {key: str(value) for key, value in row.items()}
+    report = json.loads((tmp_path / "ar" / "bench_ar.json").read_text())
+    assert report["row"] == row and report["meta"]["command"] == "tokenswift-trt bench-ar x"
+    assert report["ours"] == [10.0, 30.0, 20.0] and report["transformers"] == [10.0, 10.0, 40.0]
+    assert "machine" in report["meta"]

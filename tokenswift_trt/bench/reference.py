@@ -8,17 +8,21 @@ and both must produce the same greedy tokens.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.sampling import SamplingConfig
+
+from .report import machine_meta, write_csv
 
 
 class ReferenceError(RuntimeError):
@@ -97,3 +101,30 @@ def compare_with_reference(
             (ours_rates if who == "ours" else theirs_rates).append(rate)
         same = same and outputs["ours"] == outputs["theirs"]
     return ReferenceComparison(new_tokens, ours_rates, theirs_rates, same)
+
+
+def write_reference_report(
+    result: ReferenceComparison, model: str, prefix_len: int, repeats: int, out: Path, command: str
+) -> dict[str, Any]:
+    """bench_ar.csv (one row: the medians and their ratio) and bench_ar.json (the row, every repeat's
+    rates, the command and the machine) under `out`; returns the row."""
+    row = {
+        "model": model,
+        "prefix_len": prefix_len,
+        "gen_len": result.new_tokens,
+        "repeats": repeats,
+        "ours_tokens_per_s": round(result.ours_median, 2),
+        "transformers_tokens_per_s": round(result.reference_median, 2),
+        "ours_over_transformers": round(result.ratio, 3),
+        "same_tokens": result.same_tokens,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "bench_ar.csv", [row])
+    report = {
+        "meta": {"command": command, **machine_meta()},
+        "row": row,
+        "ours": result.ours_tokens_per_s,
+        "transformers": result.reference_tokens_per_s,
+    }
+    (out / "bench_ar.json").write_text(json.dumps(report, indent=2) + "\n")
+    return row

@@ -596,10 +596,12 @@ def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench-ar"), show_default=True)
 def bench_ar(model, model_dir, engine_dir, heads, prompt_file, prefix_len, gen_len, repeats, out) -> None:
     """Our AR baseline vs transformers' greedy generate: same model, prompt and machine (float32, CPU)."""
-    import json
-
-    from tokenswift_trt.bench.reference import ReferenceError, compare_with_reference, load_reference
-    from tokenswift_trt.bench.report import machine_meta, write_csv
+    from tokenswift_trt.bench.reference import (
+        ReferenceError,
+        compare_with_reference,
+        load_reference,
+        write_reference_report,
+    )
 
     if prefix_len < 1 or gen_len < 1 or repeats < 1:
         raise CliError("--prefix-len, --gen-len and --repeats must be at least 1")
@@ -614,30 +616,7 @@ def bench_ar(model, model_dir, engine_dir, heads, prompt_file, prefix_len, gen_l
         raise fail(error) from None
     prompt = source.codec.encode(text)[:prefix_len]
     result = compare_with_reference(source.engine, reference, prompt, gen_len, repeats)
-    row = {
-        "model": str(source.model_dir),
-        "prefix_len": len(prompt),
-        "gen_len": gen_len,
-        "repeats": repeats,
-        "ours_tokens_per_s": round(result.ours_median, 2),
-        "transformers_tokens_per_s": round(result.reference_median, 2),
-        "ours_over_transformers": round(result.ratio, 3),
-        "same_tokens": result.same_tokens,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "bench_ar.csv", [row])
-    meta = {"command": "tokenswift-trt bench-ar " + " ".join(sys.argv[2:]), **machine_meta()}
-    (out / "bench_ar.json").write_text(
-        json.dumps(
-            {
-                "meta": meta,
-                "row": row,
-                "ours": result.ours_tokens_per_s,
-                "transformers": result.reference_tokens_per_s,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    command = "tokenswift-trt bench-ar " + " ".join(sys.argv[2:])
+    row = write_reference_report(result, str(source.model_dir), len(prompt), repeats, out, command)
     click.echo(" | ".join(row))
     click.echo(" | ".join(str(value) for value in row.values()))
