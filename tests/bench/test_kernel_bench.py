@@ -82,3 +82,20 @@ def test_refusals_are_one_line(tmp_path):
         result = runner.invoke(main, ["bench-kernels", "--out", str(tmp_path)])
         assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
         assert len(result.output.strip().splitlines()) == 1
+
+
+def test_requests_the_op_cannot_take_are_refused_before_anything_runs():
+    from tokenswift_trt.bench.kernels import KernelBenchError, check_kernel_request
+    from tokenswift_trt.kernels.ops import MAX_TREE_TOKENS
+
+    check_kernel_request("cpu", [1, MAX_TREE_TOKENS], 4, 2, 64, 1)  # the largest tree the op takes
+    for args, message in [
+        (("cpu", [MAX_TREE_TOKENS + 1], 4, 2, 64, 1), f"at most {MAX_TREE_TOKENS} tree tokens"),
+        (("cpu", [1], 6, 4, 64, 1), "multiple of --kv-heads"),
+        (("cpu", [1], 4, 2, 64, 0), "--repeats at least 1"),
+    ]:
+        with pytest.raises(KernelBenchError, match=message):
+            check_kernel_request(*args)
+    if not torch.cuda.is_available():
+        with pytest.raises(KernelBenchError, match="needs a CUDA GPU"):
+            check_kernel_request("cuda", [1], 4, 2, 64, 1)

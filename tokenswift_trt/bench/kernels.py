@@ -23,6 +23,37 @@ import torch.nn.functional as F
 from tokenswift_trt.kernels import ops as kernels
 
 
+class KernelBenchError(ValueError):
+    """The kernel bench cannot run as asked (the message names the flag to change)."""
+
+
+def check_kernel_request(
+    device: str, tree_sizes: Sequence[int], heads: int, kv_heads: int, head_dim: int, repeats: int
+) -> None:
+    """One-line errors for sizes the op does not take, and for a CUDA device where the CUDA kernel
+    cannot run (no GPU, no CUDA build, too little shared memory for `head_dim`)."""
+    if max(tree_sizes) > kernels.MAX_TREE_TOKENS:
+        raise KernelBenchError(
+            f"--tree-sizes: the kernel takes at most {kernels.MAX_TREE_TOKENS} tree tokens"
+        )
+    if heads < 1 or kv_heads < 1 or heads % kv_heads or repeats < 1:
+        raise KernelBenchError("--heads must be a positive multiple of --kv-heads, and --repeats at least 1")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise KernelBenchError(
+                "bench-kernels --device cuda needs a CUDA GPU and a CUDA build of torch "
+                "(use --device cpu for a smoke run of the reference)"
+            )
+        status = kernels.load_cuda_kernels()
+        problem = (
+            kernels.shared_memory_problem(status, head_dim, torch.device(device))
+            if status.loaded
+            else status.reason
+        )
+        if problem is not None:
+            raise KernelBenchError(problem)
+
+
 @dataclass
 class KernelTiming:
     tree_tokens: int  # T

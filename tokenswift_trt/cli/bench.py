@@ -521,30 +521,20 @@ def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype
     """Tree attention vs masked SDPA and vs the memory-bandwidth time; CSV + JSON (docs/kernels.md)."""
     import torch
 
-    from tokenswift_trt.bench.kernels import bench_tree_attention, device_description, write_kernel_report
-    from tokenswift_trt.kernels import ops as kernels
+    from tokenswift_trt.bench.kernels import (
+        bench_tree_attention,
+        check_kernel_request,
+        device_description,
+        write_kernel_report,
+    )
 
     from ..progress import progress_bar
 
     sizes, lengths = int_list(tree_sizes, "--tree-sizes"), int_list(contexts, "--contexts")
-    if max(sizes) > kernels.MAX_TREE_TOKENS:
-        raise CliError(f"--tree-sizes: the kernel takes at most {kernels.MAX_TREE_TOKENS} tree tokens")
-    if heads < 1 or kv_heads < 1 or heads % kv_heads or repeats < 1:
-        raise CliError("--heads must be a positive multiple of --kv-heads, and --repeats at least 1")
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise CliError(
-                "bench-kernels --device cuda needs a CUDA GPU and a CUDA build of torch "
-                "(use --device cpu for a smoke run of the reference)"
-            )
-        status = kernels.load_cuda_kernels()
-        problem = (
-            kernels.shared_memory_problem(status, int(head_dim), torch.device(device))
-            if status.loaded
-            else status.reason
-        )
-        if problem is not None:
-            raise CliError(problem)
+    try:
+        check_kernel_request(device, sizes, heads, kv_heads, int(head_dim), repeats)
+    except ValueError as error:
+        raise fail(error) from None
     target = torch.device(device)
     bar = progress_bar(total=len(sizes) * len(lengths), desc="kernels", unit="case", leave=False)
     try:
