@@ -7,8 +7,9 @@ import sys
 
 import click
 
-from .bench import bench, bench_ar, bench_host, bench_kernels, bench_steps
+from .bench import bench, bench_ar, bench_host, bench_kernels
 from .bench_serve import bench_serve
+from .bench_steps import bench_steps
 from .build import build, presets, random_model
 from .generate import demo, generate
 from .pack import pack
