@@ -80,15 +80,15 @@ def test_key_lengths_must_be_positive():
         SuffixIndex(key_lengths=(4, 0))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_long_matches_commit_past_the_tree_and_keep_ars_tokens(llama_engine64, temperature):
+@pytest.mark.parametrize("temperature,penalty", [(0.0, 1.0), (1.0, 1.0), (1.0, 1.3)])
+def test_long_matches_commit_past_the_tree_and_keep_ars_tokens(llama_engine64, temperature, penalty):
     """A repeating prompt: the long-match branch is offered deeper than the tree and the 4-grams reach
-    (depth 3), and the tokens stay AR's, greedy and seeded."""
+    (depth 3), and the tokens stay AR's, greedy and seeded, with a penalty too (each node's own window)."""
     from tokenswift_trt.decode.loop import GenerationConfig, generate
     from tokenswift_trt.model.sampling import SamplingConfig
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 12
-    sampling = SamplingConfig(temperature=temperature, penalty=1.0)
+    sampling = SamplingConfig(temperature=temperature, penalty=penalty, penalty_window=16)
     settings = dict(max_new_tokens=240, sampling=sampling, ignore_eos=True, seed=7)
     swift, stats = generate(
         llama_engine64,

@@ -508,8 +508,9 @@ def new_decode_state(
         )
     ngram_topk = (probe_topk if auto else config.ngram_topk) if drafting else 0
     limit = min(len(prompt) + config.max_new_tokens, max_length)
-    # long matches where the text may repeat (suffix.py): a penalty makes repeating its window unlikely
-    long_matches = ngram_topk > 0 and config.sampling.penalty <= 1
+    # long matches (suffix.py) wherever n-grams are reused: a branch is offered only where the text's
+    # last 8+ tokens occurred before, which a penalty makes rarer but does not rule out
+    long_matches = ngram_topk > 0
     max_trie = (
         tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH + long_matches * SUFFIX_MAX_DEPTH
     )
