@@ -99,3 +99,42 @@ def test_long_matches_commit_past_the_tree_and_keep_ars_tokens(llama_engine64, t
     assert swift == ar
     if temperature == 0.0:  # greedy continues the prompt's period for a while
         assert len(stats.reached_by_depth) > 3  # drafts offered past depth 3: the long match's branch
+
+
+def test_the_gate_closes_after_a_branch_slower_than_ar_steps_and_backs_off():
+    from tokenswift_trt.decode.suffix import BACKOFF_TOKENS, MatchGate
+
+    gate = MatchGate()
+    gate.branch_run(0, 1.0, 1)  # before any AR step is timed: taken to pay
+    assert gate.open(1) and gate.wins == 1
+    gate.ar_run(0.8, 8)  # 0.1 s a token
+    gate.branch_run(10, 0.5, 2)  # 0.25 s a token: slower
+    first = BACKOFF_TOKENS[0]
+    assert not gate.open(11) and not gate.open(12 + first - 1) and gate.open(12 + first)
+    gate.branch_run(100, 0.5, 1)  # a second loss in a row: twice as long
+    assert not gate.open(101 + 2 * first - 1) and gate.open(101 + 2 * first)
+    gate.branch_run(500, 0.5, 10)  # 0.05 s a token: pays, the backoff starts over
+    assert gate.backoff == first and gate.open(510)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_tuners_ar_steps_verify_long_matches_and_keep_ars_tokens(
+    llama_engine64, monkeypatch, temperature
+):
+    """`--tree auto` settled on AR steps (no budget to explore): where the text repeats, the loop
+    verifies the long match's branch alone between AR steps, and the tokens stay AR's."""
+    from tokenswift_trt.decode import autotune
+    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.model.sampling import SamplingConfig
+
+    monkeypatch.setattr(autotune, "EXPLORATION_BUDGET", 0.0)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 12
+    settings = dict(
+        max_new_tokens=200, sampling=SamplingConfig(temperature=temperature), ignore_eos=True, seed=3
+    )
+    swift, stats = generate(llama_engine64, prompt, GenerationConfig(tree="auto", **settings))
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(method="ar", **settings))
+    assert swift == ar
+    assert all(plan.tree == autotune.AR_PLAN for plan in stats.plans[1:])  # AR steps after the probe
+    if temperature == 0.0:  # greedy continues the prompt's period: branches commit several tokens
+        assert stats.branch_iterations > 0 and stats.iterations < len(swift)

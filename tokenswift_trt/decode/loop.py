@@ -35,9 +35,9 @@ from tokenswift_trt.decode.stages import (
     verify,
 )
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
+from tokenswift_trt.decode.suffix import LOOKUP_EVERY, MatchGate, SuffixIndex
 from tokenswift_trt.decode.suffix import MAX_DEPTH as SUFFIX_MAX_DEPTH
-from tokenswift_trt.decode.suffix import SuffixIndex
-from tokenswift_trt.decode.tree import build_static_tree, build_trie, parse_tree
+from tokenswift_trt.decode.tree import Trie, build_static_tree, build_trie, parse_tree
 from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths
 from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
 from tokenswift_trt.model.engine import Engine
@@ -285,6 +285,7 @@ class Stats:
     new_tokens: int = 0
     iterations: int = 0  # decode iterations (AR: steps)
     forwards: int = 0  # decode forward passes: AR steps, draft passes, verify passes (timing probes excluded)
+    branch_iterations: int = 0  # between the tuner's AR steps: verifies of a long match's branch alone
     drafted_tokens: int = 0  # per iteration, the trie's depth (the longest draft offered)
     accepted_tokens: int = 0
     ngram_accepted_tokens: int = 0  # accepted nodes that only an n-gram branch proposed
@@ -621,11 +622,13 @@ def _ar_steps(
     on_tokens: Callable[[list[int]], None] | None,
     steps: int,
     phase: str,
+    look: Callable[[], list[int]] | None = None,
 ) -> Generator[Stats, None, ArSteps]:
     """Up to `steps` plain AR steps (`--method ar`'s loop; `--tree auto` runs the same between its
-    decisions), ending early at a stop token or the limit; returns what the tuner needs of them."""
-    out, seconds, count, done = None, 0.0, 0, False
-    while not done and count < steps:
+    decisions), ending early at a stop token or the limit, or where `look` (asked every LOOKUP_EVERY
+    steps) finds a long match's branch; returns what the tuner needs of them, and that branch."""
+    out, seconds, count, done, branch = None, 0.0, 0, False, []
+    while not done and count < steps and not branch:
         tick = time.perf_counter()
         out = ar_step(engine, state)
         token = state.tokens[-1]
@@ -643,8 +646,29 @@ def _ar_steps(
         yield stats
         seconds, count = seconds + step_s, count + 1
         done = token in state.stop_tokens or len(state.tokens) >= state.limit
+        if look is not None and count % LOOKUP_EVERY == 0 and not done:
+            branch = look()
     assert out is not None
-    return ArSteps(out, seconds, count, done)
+    return ArSteps(out, seconds, count, done, branch)
+
+
+def _branch_iteration(
+    engine: Engine, state: DecodeState, branch: list[int], acceptor: Acceptor, stats: Stats, position: int
+) -> tuple[Acceptance, torch.Tensor]:
+    """One iteration between AR steps whose trie is the root and a long match's branch alone (no
+    drafts); returns its acceptance and the hidden state [hidden] of its last accepted node."""
+    trie = Trie(state.tokens[-1])
+    trie.add_path(branch, from_tree=False, ngram_rank=0)
+    tick = time.perf_counter()
+    verified = verify(engine, state, trie)
+    targets = NodeTargets(engine, state, trie, verified.hidden)
+    acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
+    commit(state, acceptance, verified)
+    stats.add_time("branch_step", time.perf_counter() - tick)
+    _count_drafts(stats, trie, acceptance, 1, position)
+    stats.iterations += 1
+    stats.branch_iterations += 1
+    return acceptance, verified.hidden[acceptance.nodes[-1] if acceptance.nodes else 0]
 
 
 @dataclass
@@ -656,6 +680,7 @@ class ArSteps:
     seconds: float
     steps: int
     done: bool
+    branch: list[int] = field(default_factory=list)  # a long match's branch found after the last step
 
 
 def _tokenswift_loop(
@@ -686,6 +711,13 @@ def _tokenswift_loop(
         None  # [depth, V] at the last committed token, from the verify pass
     )
     drafting_state_stale = False  # AR steps skip the partial cache and n-gram table upkeep
+    gate = MatchGate()  # long matches between the tuner's AR steps
+    branch_before = False  # the last iteration verified a long match's branch between AR steps
+
+    def look() -> list[int]:
+        """A long match's branch to verify between AR steps, where the gate is open; [] otherwise."""
+        return retrieve_suffix(state, state.limit - len(state.tokens)) if gate.open(new_tokens()) else []
+
     done = False
     while not done:
         tick = time.perf_counter()
@@ -693,18 +725,40 @@ def _tokenswift_loop(
         trie, costs = None, None
         if tuner is not None and (steps := tuner.plain_ar_steps()):
             # the tuner settled on AR steps: `--method ar`'s loop, no per-token bookkeeping, until
-            # its next decision; the tuner hears of them once
-            run = yield from _ar_steps(engine, state, stats, started, on_tokens, steps, "ar_step")
-            assert run.out.queries is not None
-            state.queries, last_hidden, last_draft_logits = (
-                [q[-1] for q in run.out.queries],
-                run.out.hidden[0],
-                None,
-            )
-            drafting_state_stale, done = True, run.done
-            next_plan = tuner.observe(None, [], None, last_hidden, done, run.seconds, run.steps)
-            if next_plan is not plan:
-                plan, tree = next_plan, next_plan.static_tree()
+            # its next decision or a long match worth verifying; the tuner hears of them once. Right
+            # after a branch iteration the text likely goes on repeating: look at once
+            branch = look() if branch_before else []
+            if not branch:
+                watch = look if state.suffix is not None else None
+                run = yield from _ar_steps(engine, state, stats, started, on_tokens, steps, "ar_step", watch)
+                gate.ar_run(run.seconds, run.steps)
+                assert run.out.queries is not None
+                state.queries, last_hidden, last_draft_logits = (
+                    [q[-1] for q in run.out.queries],
+                    run.out.hidden[0],
+                    None,
+                )
+                drafting_state_stale, done = True, run.done
+                next_plan = tuner.observe(None, [], None, last_hidden, done, run.seconds, run.steps)
+                if next_plan is not plan:
+                    plan, tree = next_plan, next_plan.static_tree()
+                branch = run.branch
+            branch_before = bool(branch) and not done and bool(tuner.plain_ar_steps())
+            if branch_before:
+                # the text repeats: verify what followed its earlier occurrence, the branch alone
+                tick, position = time.perf_counter(), new_tokens()
+                acceptance, last_hidden = _branch_iteration(engine, state, branch, acceptor, stats, position)
+                seconds = time.perf_counter() - tick
+                gate.branch_run(position, seconds, len(acceptance.tokens))
+                last_draft_logits, drafting_state_stale = None, True
+                stats.new_tokens, stats.elapsed_s = new_tokens(), time.perf_counter() - started
+                if on_tokens:
+                    on_tokens(acceptance.tokens)
+                yield stats
+                done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
+                next_plan = tuner.observe(None, [], None, last_hidden, done, seconds, len(acceptance.tokens))
+                if next_plan is not plan:
+                    plan, tree = next_plan, next_plan.static_tree()
             continue
         if tree is None:  # a plain AR step, the same code as the AR baseline's
             out = ar_step(engine, state)

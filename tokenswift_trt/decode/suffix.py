@@ -75,3 +75,38 @@ def following(history: Sequence[int], end: int, depth: int) -> list[int]:
     text repeating with period p = len(history) - end), the continuation repeats that period."""
     period = len(history) - end
     return [history[end + i % period] for i in range(max(depth, 0))]
+
+
+# Between AR steps (`--tree auto` settled on them) the loop looks for a long match every
+# `LOOKUP_EVERY` steps and verifies its branch when one is found, while that pays
+LOOKUP_EVERY = 8
+BACKOFF_TOKENS = (32, 4096)  # a branch that did not pay: no lookups for this many tokens, doubling to the cap
+
+
+@dataclass
+class MatchGate:
+    """Whether a long match's branch is verified between AR steps: measured, like the tuner's plans.
+    A branch iteration that commits its tokens slower than AR steps do (per token) closes the gate
+    for `backoff` tokens, doubling after each loss in a row; one that pays resets the backoff."""
+
+    ar_s_per_token: float | None = None  # the last AR run's
+    closed_until: int = 0  # new-token count before which no lookup is made
+    backoff: int = BACKOFF_TOKENS[0]
+    wins: int = 0
+    losses: int = 0
+
+    def open(self, position: int) -> bool:
+        return position >= self.closed_until
+
+    def ar_run(self, seconds: float, steps: int) -> None:
+        if steps:
+            self.ar_s_per_token = seconds / steps
+
+    def branch_run(self, position: int, seconds: float, tokens: int) -> None:
+        """A branch iteration committed `tokens` from `position` on in `seconds`."""
+        if self.ar_s_per_token is None or seconds / tokens <= self.ar_s_per_token:
+            self.wins, self.backoff = self.wins + 1, BACKOFF_TOKENS[0]
+            return
+        self.losses += 1
+        self.closed_until = position + tokens + self.backoff
+        self.backoff = min(2 * self.backoff, BACKOFF_TOKENS[1])
