@@ -1,5 +1,6 @@
 """Tensor parallelism (model/tensor_parallel.py): the valid sizes from a model's heads, each rank's
-slices of the checkpoint, and two real gloo ranks decoding the single process's tokens."""
+slices of the checkpoint, and two real gloo ranks decoding the single process's tokens, the LM head
+replicated or split over the vocabulary."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from safetensors import safe_open
 
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.model.config import config_from_dict, load_config
+from tokenswift_trt.model.draft_layers import VocabHead
 from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, load_engine
 from tokenswift_trt.model.sampling import SamplingConfig
 from tokenswift_trt.model.tensor_parallel import (
+    HEAD_MODES,
     TensorParallel,
     TensorParallelError,
     check_size,
@@ -81,20 +84,80 @@ def test_split_of_names_column_row_and_replicated_tensors():
         "tokenswift_heads.0.mlp.down_proj.weight",
     ):
         assert split_of(replicated) is None
+    assert split_of("lm_head.weight", "vocab") == 0  # the head split over the vocabulary
+    assert split_of("model.embed_tokens.weight", "vocab") is None  # the embedding stays whole
 
 
-def test_ranks_read_slices_that_make_the_whole_checkpoint():
+@pytest.mark.parametrize("head", HEAD_MODES)
+def test_ranks_read_slices_that_make_the_whole_checkpoint(head):
     files = [SWIFT_TINY / "model.safetensors"]
-    shards = [read_shard(files, None, TensorParallel(rank, 2)) for rank in range(2)]
+    shards = [read_shard(files, None, TensorParallel(rank, 2, head=head)) for rank in range(2)]
     with safe_open(str(files[0]), framework="pt") as handle:
         for key in handle.keys():
             whole = handle.get_tensor(key)
-            dim = split_of(key)
+            dim = split_of(key, head)
             if dim is None:
                 assert all(torch.equal(shard[key], whole) for shard in shards), key
             else:
                 assert shards[0][key].shape[dim] * 2 == whole.shape[dim], key
                 assert torch.equal(torch.cat([shard[key] for shard in shards], dim), whole), key
+
+
+def test_a_vocabulary_that_does_not_divide_pads_the_last_ranks_slice():
+    files = [SWIFT_TINY / "model.safetensors"]
+    with safe_open(str(files[0]), framework="pt") as handle:
+        whole = handle.get_tensor("lm_head.weight")  # [8192, 256]
+    slices = [read_shard(files, {"lm_head.weight"}, TensorParallel(r, 3, head="vocab")) for r in range(3)]
+    rows = [part["lm_head.weight"] for part in slices]
+    assert [len(part) for part in rows] == [2731, 2731, 2731]  # ceil(8192 / 3) each: 1/3 of the head
+    assert torch.equal(torch.cat(rows)[:8192], whole)
+    assert torch.equal(rows[2][-1], torch.zeros(256))  # one zero row past the vocabulary
+
+
+def test_a_tied_head_split_over_the_vocabulary_is_a_slice_of_the_replicated_embedding(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(SWIFT_TINY / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = (SWIFT_TINY / "config.json").read_text()
+    (tmp_path / "config.json").write_text(
+        config.replace('"tie_word_embeddings": false', '"tie_word_embeddings": true')
+    )
+    for rank in range(2):  # loading runs no collective: no process group needed
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UntrainedDraftLayersWarning)
+            model = load_engine(tmp_path, tp=TensorParallel(rank, 2, head="vocab")).model.torch_model
+        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
+        assert tuple(embedding.shape) == (8192, 256) and tuple(head.shape) == (4096, 256)
+        assert torch.equal(head, embedding[rank * 4096 : (rank + 1) * 4096])
+        assert head.data_ptr() == embedding[rank * 4096 :].data_ptr()  # a view: no second copy
+        assert model.screened_head is None  # a slice cannot be screened: the head runs in full
+
+
+class _SideBySide:
+    """Stands in for the ranks of a split head: gather_last returns what every rank computed."""
+
+    def __init__(self, rank: int, size: int, parts: list) -> None:
+        self.rank, self.size, self.parts = rank, size, parts
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        self.parts[self.rank] = x
+        return torch.cat(self.parts, dim=-1)
+
+
+def test_a_draft_vocabulary_under_a_split_head_gives_the_whole_heads_logits():
+    torch.manual_seed(0)
+    weight = torch.randn(10, 8)  # V = 10 over 3 ranks: 4 rows each, the last 2 real
+    ids = torch.tensor([0, 2, 3, 5, 8, 9])  # ranks hold 3, 1 and 2 of them
+    states = torch.randn(2, 5, 8)
+    expected = VocabHead.of(ids, weight)(states)  # [2, 5, 10]
+    padded = torch.cat((weight, torch.zeros(2, 8)))
+    heads = [VocabHead.of(ids, padded[r * 4 : (r + 1) * 4], _SideBySide(r, 3, []), 10) for r in range(3)]
+    parts = [head.linear(states) for head in heads]  # [2, 5, 3] each: the widest rank's count
+    for head in heads:
+        head.tp.parts = list(parts)
+        torch.testing.assert_close(head(states), expected, rtol=0, atol=1e-6)
 
 
 def _load(tp: TensorParallel | None):
@@ -125,9 +188,9 @@ def _layer_bytes(engine) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if split_of(n) is not None)
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _rank(rank: int, port: int, head: str, results) -> None:
     torch.set_num_threads(1)
-    tp = init_group(rank, 2, "127.0.0.1", port, timeout_s=60)
+    tp = init_group(rank, 2, "127.0.0.1", port, timeout_s=60, head=head)
     engine = _load(tp)
     model = engine.model.torch_model
     hidden = model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), _cache(engine)).hidden
@@ -144,6 +207,7 @@ def _rank(rank: int, port: int, results) -> None:
                 "ranks_equal": torch.equal(every[0], every[1]),
                 "logits": logits.tolist(),  # not a tensor: its shared memory ends with the process
                 "kv_heads": engine.config.num_kv_heads,
+                "head_bytes": parameter_bytes(model.lm_head),
             },
         )
     )
@@ -163,7 +227,8 @@ def _port() -> int:
         return probe.getsockname()[1]
 
 
-def test_two_gloo_ranks_decode_the_single_process_tokens_with_half_the_layer_weights_each():
+@pytest.mark.parametrize("head", HEAD_MODES)
+def test_two_gloo_ranks_decode_the_single_process_tokens_with_half_the_layer_weights_each(head):
     torch.set_num_threads(1)
     single = _load(None)
     expected = _decode(single)
@@ -173,7 +238,7 @@ def test_two_gloo_ranks_decode_the_single_process_tokens_with_half_the_layer_wei
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _port()
-    ranks = [context.Process(target=_rank, args=(rank, port, results)) for rank in range(2)]
+    ranks = [context.Process(target=_rank, args=(rank, port, head, results)) for rank in range(2)]
     for process in ranks:
         process.start()
     try:
@@ -187,11 +252,14 @@ def test_two_gloo_ranks_decode_the_single_process_tokens_with_half_the_layer_wei
         assert got[rank]["tokens"] == expected, f"rank {rank}"
         assert got[rank]["ranks_equal"]  # every rank holds the same bits: each decides alike
         assert got[rank]["kv_heads"] == 1  # its KV cache holds its own heads only
-        # the layers' products split in two; norms, embedding and LM head are replicated
+        # the layers' products split in two; norms and embedding are replicated, the LM head too or
+        # split in two over the vocabulary
+        whole_head = parameter_bytes(model.lm_head)
+        assert got[rank]["head_bytes"] == (whole_head if head == "replicated" else whole_head // 2)
         assert got[rank]["layer_bytes"] * 2 == _layer_bytes(single)
-        replicated = parameter_bytes(model) - _layer_bytes(single)
-        assert got[rank]["bytes"] == replicated + _layer_bytes(single) // 2
+        replicated = parameter_bytes(model) - _layer_bytes(single) - whole_head
+        assert got[rank]["bytes"] == replicated + _layer_bytes(single) // 2 + got[rank]["head_bytes"]
         # what docs/deploy.md's table computes for larger models, here against the loaded ranks
-        assert sum(rank_bytes(single.config, 2, 0, 4)[:2]) == got[rank]["bytes"]
+        assert sum(rank_bytes(single.config, 2, 0, 4, head)[:2]) == got[rank]["bytes"]
     # the row-parallel sums round differently from one product: close, not the same bits
     torch.testing.assert_close(torch.tensor(got[0]["logits"]), reference, rtol=1e-4, atol=1e-4)

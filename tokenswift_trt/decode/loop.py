@@ -49,6 +49,7 @@ from tokenswift_trt.model.sampling import (
     TorchSampler,
     fused_sampler,
 )
+from tokenswift_trt.model.tensor_parallel import VocabParallelHead
 
 METHODS = ("tokenswift", "ar")
 AUTO = "auto"
@@ -477,6 +478,11 @@ def decode_steps(
 def new_adapter(engine: Engine, state: DecodeState, config: GenerationConfig) -> DraftAdapter:
     """A `DraftAdapter` over a copy of the engine's draft layers, reading the request's history."""
     model = engine.model.torch_model
+    if isinstance(model.lm_head, VocabParallelHead):  # the adapter's loss reads every row of the head
+        raise GenerationError(
+            "draft adaptation needs the whole LM head on every rank: drop --adapt-drafts, or run --tp "
+            "with the replicated head"
+        )
     return DraftAdapter(
         engine.draft_layers,
         engine.config,
@@ -877,7 +883,7 @@ def _device_loop(
             stats.iterations += 1
             stats.forwards += 1
             stats.count_drafting(
-                position, len(report.tokens), executor.slots.max_depth, report.accepted, report.ngram_accepted
+                position, len(report.tokens), report.offered, report.accepted, report.ngram_accepted
             )
             stats.new_tokens, stats.elapsed_s = new_tokens(), time.perf_counter() - started
             if on_tokens and report.tokens:

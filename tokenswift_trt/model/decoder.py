@@ -26,6 +26,7 @@ from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.rope import RotaryEmbedding
 from tokenswift_trt.model.sampling import SamplingConfig
 from tokenswift_trt.model.screened_head import ScreenedHead
+from tokenswift_trt.model.tensor_parallel import VocabParallelHead
 
 # How attention runs: "sdpa" (torch's scaled_dot_product_attention with a boolean mask; CPU and any
 # device) or "tree_attention" (torch.ops.tokenswift.tree_attention with a packed tree mask; the
@@ -550,11 +551,18 @@ class LlamaModel(nn.Module):
             layer.self_attn.pack(settings)
             layer.mlp.pack(settings)
         self.cpu_decoder = CpuDecoder.pack(self.model.layers, self.config, settings)
-        self.screened_head = ScreenedHead.of(self.lm_head, settings) if settings.screened_head else None
+        # a head split over the vocabulary (tensor_parallel.VocabParallelHead) holds a slice of the
+        # rows the screen would pick among: it is never screened
+        screens = settings.screened_head and not isinstance(self.lm_head, VocabParallelHead)
+        self.screened_head = ScreenedHead.of(self.lm_head, settings) if screens else None
         return count
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
+            return
+        if isinstance(self.lm_head, VocabParallelHead):
+            self.lm_head.tie(self.model.embed_tokens.weight)  # this rank's rows of the embedding
+        else:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()

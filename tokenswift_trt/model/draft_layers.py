@@ -148,23 +148,45 @@ class PathInput(nn.Module):
 @dataclass
 class VocabHead:
     """The LM head's rows of the draft vocabulary: states [..., hidden] -> logits [..., V], -inf
-    outside the vocabulary. Not a module: built from the model's head at load time, never saved."""
+    outside the vocabulary. Not a module: built from the model's head at load time, never saved.
+    Under a head split over the vocabulary (tensor_parallel.VocabParallelHead) each rank holds the
+    vocabulary's rows within its slice (zero rows up to the widest rank's count) and one all-gather
+    brings every rank's logits together (`columns`: where the vocabulary's ids sit in them)."""
 
     ids: torch.Tensor  # [K] int64, ascending
-    linear: Linear  # [K, hidden]: those rows of the LM head (packed for the CPU)
+    linear: Linear  # [K, hidden]: those rows of the LM head (packed for the CPU); [K', hidden] split
     vocab_size: int
+    tp: object | None = None  # tensor_parallel.TensorParallel of a split head
+    columns: torch.Tensor | None = None  # [K] int64: the ids' columns in the gathered [..., size * K']
 
     @classmethod
-    def of(cls, ids: torch.Tensor, head_weight: torch.Tensor) -> VocabHead:
+    def of(cls, ids: torch.Tensor, head_weight: torch.Tensor, tp=None, vocab_size: int = 0) -> VocabHead:
+        """`tp`, `vocab_size`: a head split over the vocabulary, head_weight [ceil(V / size), hidden]
+        this rank's rows of it."""
+        ids = ids.to(head_weight.device)
+        columns = None
         with torch.no_grad():
-            rows = head_weight.detach().index_select(0, ids.to(head_weight.device))
+            if tp is None:
+                rows = head_weight.detach().index_select(0, ids)
+            else:
+                width = head_weight.shape[0]  # the head's rows per rank
+                owner = torch.div(ids, width, rounding_mode="floor")  # [K]: the rank holding each id
+                counts = torch.bincount(owner, minlength=tp.size)
+                most = int(counts.max())
+                mine = ids[owner == tp.rank] - tp.rank * width
+                rows = head_weight.detach().new_zeros(most, head_weight.shape[1])
+                rows[: len(mine)] = head_weight.detach().index_select(0, mine)
+                starts = torch.cumsum(counts, 0) - counts  # [size]: each rank's first id
+                columns = owner * most + torch.arange(len(ids), device=ids.device) - starts[owner]
         linear = Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
         linear.weight = nn.Parameter(rows, requires_grad=False)
         linear.pack(half=True)  # float16 where the tiled kernel applies: it only drafts
-        return cls(ids.to(head_weight.device), linear, head_weight.shape[0])
+        return cls(ids, linear, vocab_size or head_weight.shape[0], tp, columns)
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
-        part = self.linear(states)  # [..., K]
+        part = self.linear(states)  # [..., K] ([..., K'] on each rank of a split head)
+        if self.tp is not None:
+            part = self.tp.gather_last(part).index_select(-1, self.columns)  # [..., K]
         full = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, part)
 
@@ -202,10 +224,14 @@ class DraftLayers(nn.Module):
         self.register_buffer(VOCAB_KEY, torch.arange(vocab_size) if vocab_size else None)
         self.vocab_head: VocabHead | None = None  # `use_vocab_head`, for inference
 
-    def use_vocab_head(self, head_weight: torch.Tensor) -> bool:
-        """Draft through the LM head's rows of the vocabulary (`VocabHead`); False where the layers
+    def use_vocab_head(self, head_weight: torch.Tensor, tp=None, vocab_size: int = 0) -> bool:
+        """Draft through the LM head's rows of the vocabulary (`VocabHead`; `tp`, `vocab_size`: a head
+        split over the vocabulary, of which head_weight holds this rank's rows); False where the layers
         have no vocabulary. Call again after the head's weight changes."""
-        self.vocab_head = None if self.vocab is None else VocabHead.of(self.vocab, head_weight)
+        if self.vocab is None:
+            self.vocab_head = None
+        else:
+            self.vocab_head = VocabHead.of(self.vocab, head_weight, tp, vocab_size)
         return self.vocab_head is not None
 
     def __len__(self) -> int:

@@ -34,6 +34,7 @@ from tokenswift_trt.model.draft_layers import (
 from tokenswift_trt.model.tensor_parallel import (
     TensorParallel,
     make_row_parallel,
+    make_vocab_parallel_head,
     read_rank_file,
     read_shard,
     shard_config,
@@ -186,6 +187,7 @@ def load_engine(
         model = LlamaModel(config, device="meta")
         if tp is not None:
             make_row_parallel(model, tp)  # o_proj and down_proj end in an all-reduce
+            make_vocab_parallel_head(model, tp)  # under head="vocab": this rank's rows, an all-gather
     if tp is not None and rank_file is not None:
         tensors = read_rank_file(rank_file, tp)
     else:
@@ -251,7 +253,9 @@ def load_engine(
             f"draft layers: the draft vocabulary holds ids outside 0..{config.vocab_size - 1}: "
             "rebuild it for this model with `tokenswift-trt draft-vocab`"
         )
-    draft_layers.use_vocab_head(model.lm_head.weight)  # only where the heads file has a draft vocabulary
+    # only where the heads file has a draft vocabulary; under a split head, this rank's rows of it
+    split = tp if tp is not None and tp.splits_vocab else None
+    draft_layers.use_vocab_head(model.lm_head.weight, split, config.vocab_size)
     return Engine(config, model, draft_layers, bool(draft), dtype, device, fingerprint, kernels)
 
 

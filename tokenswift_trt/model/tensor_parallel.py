@@ -4,9 +4,13 @@ Each rank holds a slice of every decoder layer: the Q/K/V and gate/up projection
 output rows (column-parallel: whole KV heads with their GQA groups of query heads, a slice of the
 MLP's inner width), o_proj and down_proj by input columns (row-parallel), so a layer's attention
 and MLP each end in one all-reduce of a [T, hidden] tensor (`RowParallelLinear`). The embedding,
-the final norm, the LM head and the draft layers are replicated: every rank then computes the same
-logits from the same all-reduced hidden states, and samples, accepts and commits the same tokens
-with no further communication (position-keyed noise, sampling.py).
+the final norm and the draft layers are replicated. The LM head is either replicated too
+(`head="replicated"`) or split over the vocabulary (`head="vocab"`, `VocabParallelHead`): rank r
+holds rows [r * V', (r + 1) * V') of its weight (V' = ceil(V / N), the last slice padded with zero
+rows; with tied embeddings a slice of the replicated embedding) and one all-gather assembles the
+[.., V] logits. Either way every rank holds the same logits bits from the same all-reduced hidden
+states, and samples, accepts and commits the same tokens with no further communication
+(position-keyed noise, sampling.py).
 
 A rank reads only its slices from the checkpoint (`read_shard`: safetensors slices, no full
 tensor in memory), or, from an engine built with `build --tp N`, its own rank file
@@ -37,6 +41,10 @@ from tokenswift_trt.model.config import ModelConfig
 # parameter name suffix -> the dimension it is split along (0: output rows, 1: input columns)
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+HEAD_KEY = "lm_head.weight"
+# "replicated": every rank the whole LM head; "vocab": its slice of the vocabulary and an all-gather
+HEAD_MODES = ("replicated", "vocab")
+DEFAULT_HEAD = "replicated"
 DEFAULT_TIMEOUT_S = 120.0  # a collective waiting longer for a rank fails (a rank died or hangs)
 
 
@@ -46,18 +54,40 @@ class TensorParallelError(ValueError):
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in a tensor-parallel group: its rank of `size`, and the group (None: the
-    default group of `torch.distributed.init_process_group`)."""
+    """This process's place in a tensor-parallel group: its rank of `size`, the group (None: the
+    default group of `torch.distributed.init_process_group`), and how the LM head is split
+    (`HEAD_MODES`)."""
 
     rank: int
     size: int
     group: Any = None  # torch.distributed.ProcessGroup
+    head: str = DEFAULT_HEAD
+
+    def __post_init__(self) -> None:
+        if self.head not in HEAD_MODES:
+            raise TensorParallelError(
+                f"the tensor-parallel LM head must be one of {', '.join(HEAD_MODES)}, got {self.head!r}"
+            )
+
+    @property
+    def splits_vocab(self) -> bool:
+        return self.head == "vocab" and self.size > 1
+
+    def head_rows(self, vocab_size: int) -> int:
+        """Rows of the LM head each rank holds under the vocabulary split: ceil(V / size)."""
+        return -(-vocab_size // self.size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (every rank receives the same bits: gloo and NCCL reduce
         each element once and send the result to all)."""
         dist.all_reduce(x, group=self.group)
         return x
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., W] on every rank -> [..., size * W]: the ranks' x side by side, in rank order."""
+        every = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(every, x.contiguous(), group=self.group)
+        return torch.cat(every, dim=-1)
 
     def gather(self, values: Sequence[int], device: torch.device | str = "cpu") -> list[list[int]]:
         """Every rank's `values` (the same count on each), in rank order."""
@@ -113,8 +143,11 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
     )
 
 
-def split_of(key: str) -> int | None:
-    """The dimension a checkpoint tensor is split along (0 or 1), or None: replicated."""
+def split_of(key: str, head: str = "replicated") -> int | None:
+    """The dimension a checkpoint tensor is split along (0 or 1), or None: replicated (`head`: how
+    the LM head is split, `HEAD_MODES`)."""
+    if key == HEAD_KEY and head == "vocab":
+        return 0
     parts = key.split(".")
     if not key.startswith("model.layers.") or len(parts) < 2:
         return None  # the embedding, final norm, LM head and draft layers
@@ -136,7 +169,10 @@ def read_shard(files: Sequence[Path], keys: set[str] | None, tp: TensorParallel)
                 for key in handle.keys():
                     if keys is not None and key not in keys:
                         continue
-                    dim = split_of(key)
+                    dim = split_of(key, tp.head if tp.size > 1 else "replicated")
+                    if key == HEAD_KEY and dim == 0:
+                        tensors[key] = _head_slice(handle.get_slice(key), tp)
+                        continue
                     if dim is None:
                         tensor = handle.get_tensor(key)
                         if tp.rank and key.endswith(tuple(f"{m}.bias" for m in ROW_PARALLEL)):
@@ -161,15 +197,27 @@ def read_shard(files: Sequence[Path], keys: set[str] | None, tp: TensorParallel)
     return tensors
 
 
-def write_rank_files(files: Sequence[Path], out_dir: Path, size: int) -> list[Path]:
+def _head_slice(part: Any, tp: TensorParallel) -> torch.Tensor:
+    """This rank's rows of the LM head (a safetensors slice of [V, hidden]), zero rows past V."""
+    vocab, hidden = part.get_shape()
+    rows = tp.head_rows(vocab)
+    start, stop = min(tp.rank * rows, vocab), min((tp.rank + 1) * rows, vocab)
+    mine = part[start:stop]
+    if stop - start == rows:
+        return mine
+    return torch.cat((mine, mine.new_zeros(rows - (stop - start), hidden)))
+
+
+def write_rank_files(files: Sequence[Path], out_dir: Path, size: int, head: str = DEFAULT_HEAD) -> list[Path]:
     """Write each rank's slices of the checkpoint `files` (what `read_shard` gives rank r of `size`) to
-    out_dir/rank-r.safetensors, its rank and size in the file's metadata; the paths, in rank order."""
+    out_dir/rank-r.safetensors, its rank, size and head split in the file's metadata; the paths, in
+    rank order."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for rank in range(size):
-        tensors = read_shard(files, None, TensorParallel(rank, size))
+        tensors = read_shard(files, None, TensorParallel(rank, size, head=head))
         path = out_dir / f"rank-{rank}.safetensors"
-        metadata = {"tp_rank": str(rank), "tp_size": str(size)}
+        metadata = {"tp_rank": str(rank), "tp_size": str(size), "tp_head": head}
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
         paths.append(path)
         del tensors  # one rank's slices in memory at a time
@@ -187,6 +235,12 @@ def read_rank_file(path: Path, tp: TensorParallel) -> dict[str, torch.Tensor]:
                 raise TensorParallelError(
                     f"{path} holds rank {written[0]} of --tp {written[1]}, not rank {tp.rank} of --tp "
                     f"{tp.size}: rebuild the engine with `build --tp {tp.size}`"
+                )
+            written_head = metadata.get("tp_head", "replicated")  # files written before the split
+            if written_head != tp.head:
+                raise TensorParallelError(
+                    f"{path} holds a {written_head} LM head, this run splits it {tp.head}: rebuild the "
+                    f"engine with `build --tp {tp.size}`"
                 )
             return {key: handle.get_tensor(key) for key in handle.keys()}
     except (SafetensorError, OSError) as error:
@@ -219,6 +273,36 @@ def make_row_parallel(model: nn.Module, tp: TensorParallel) -> None:
                 setattr(module, name, new)
 
 
+class VocabParallelHead(Linear):
+    """The LM head split over the vocabulary: this rank's rows [rank * rows, (rank + 1) * rows) of
+    [V, hidden] (zero rows past V), its logits, then one all-gather: logits [..., V] on every rank."""
+
+    def __init__(self, in_features: int, vocab_size: int, tp: TensorParallel, **kwargs) -> None:
+        super().__init__(in_features, tp.head_rows(vocab_size), bias=False, **kwargs)
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., V]
+        return self.tp.gather_last(super().forward(x))[..., : self.vocab_size]
+
+    def tie(self, embedding: torch.Tensor) -> None:
+        """Use this rank's rows of a tied embedding [V, hidden] (a view of it; a copy padded with zero
+        rows where the slice runs past V)."""
+        rows = self.out_features
+        start = min(self.tp.rank * rows, self.vocab_size)
+        mine = embedding[start : start + rows]
+        if len(mine) < rows:
+            mine = torch.cat((mine, mine.new_zeros(rows - len(mine), mine.shape[1])))
+        self.weight = nn.Parameter(mine, requires_grad=False)
+
+
+def make_vocab_parallel_head(model: nn.Module, tp: TensorParallel) -> None:
+    """Under `tp.head == "vocab"`, replace a (meta-initialised) model's `lm_head` by a
+    `VocabParallelHead` (same parameter name, this rank's rows); else leave it replicated."""
+    old = getattr(model, "lm_head", None)
+    if tp.splits_vocab and isinstance(old, Linear) and not isinstance(old, VocabParallelHead):
+        model.lm_head = VocabParallelHead(old.in_features, old.out_features, tp, device=old.weight.device)
+
+
 def config_digest(model_dir: Path) -> str:
     """A short hash of a model directory's config.json (ranks compare it before loading)."""
     path = Path(model_dir) / "config.json"
@@ -232,9 +316,10 @@ def init_group(
     port: int,
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    head: str = DEFAULT_HEAD,
 ) -> TensorParallel:
     """Join the default process group (TCP rendezvous at address:port); a collective that waits longer
-    than `timeout_s` for another rank fails instead of hanging."""
+    than `timeout_s` for another rank fails instead of hanging. `head`: how the LM head is split."""
     dist.init_process_group(
         backend,
         init_method=f"tcp://{address}:{port}",
@@ -242,7 +327,7 @@ def init_group(
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return TensorParallel(rank, size)
+    return TensorParallel(rank, size, head=head)
 
 
 def parameter_bytes(module: nn.Module) -> int:
@@ -253,18 +338,24 @@ def parameter_bytes(module: nn.Module) -> int:
     return sum(seen.values())
 
 
-def rank_bytes(config: ModelConfig, size: int, positions: int, element: int) -> tuple[int, int, int]:
+def rank_bytes(
+    config: ModelConfig, size: int, positions: int, element: int, head: str = DEFAULT_HEAD
+) -> tuple[int, int, int]:
     """What one rank of `size` holds for a model of `config`, `element` bytes per value (2: bf16):
-    (replicated weights: embedding, LM head unless tied, norms; its slice of the split weights; its
-    full KV cache for `positions` positions). The draft layers (replicated, a few hidden x hidden
-    products) are not counted."""
+    (replicated weights: embedding, LM head unless tied or split, norms; its slice of the split
+    weights, the LM head's rows under `head="vocab"` unless tied; its full KV cache for `positions`
+    positions). The draft layers (replicated, a few hidden x hidden products) are not counted."""
     check_size(config, size)
     hidden, inner, dim = config.hidden_size, config.intermediate_size, config.head_dim
     projections = dim * (config.num_heads + 2 * config.num_kv_heads)  # Q, K and V outputs
     attention = hidden * projections + config.num_heads * dim * hidden  # Q/K/V and O weights
     attention += projections if config.qkv_bias else 0
     split = config.num_layers * (attention + 3 * hidden * inner) // size
-    head = 0 if config.tie_word_embeddings else config.vocab_size * hidden
-    replicated = config.vocab_size * hidden + head + (2 * config.num_layers + 1) * hidden
+    head_weight = 0 if config.tie_word_embeddings else config.vocab_size * hidden
+    splits_head = head == "vocab" and size > 1
+    if splits_head:
+        split += TensorParallel(0, size).head_rows(config.vocab_size) * hidden * bool(head_weight)
+    replicated = config.vocab_size * hidden + (0 if splits_head else head_weight)
+    replicated += (2 * config.num_layers + 1) * hidden
     kv = 2 * config.num_layers * (config.num_kv_heads // size) * dim * positions
     return replicated * element, split * element, kv * element
