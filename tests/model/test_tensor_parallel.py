@@ -23,6 +23,7 @@ from tokenswift_trt.model.tensor_parallel import (
     TensorParallel,
     TensorParallelError,
     check_size,
+    default_head,
     init_group,
     parameter_bytes,
     rank_bytes,
@@ -30,6 +31,7 @@ from tokenswift_trt.model.tensor_parallel import (
     shard_config,
     split_of,
     valid_sizes,
+    write_rank_files,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,6 +135,19 @@ def test_a_tied_head_split_over_the_vocabulary_is_a_slice_of_the_replicated_embe
         assert torch.equal(head, embedding[rank * 4096 : (rank + 1) * 4096])
         assert head.data_ptr() == embedding[rank * 4096 :].data_ptr()  # a view: no second copy
         assert model.screened_head is None  # a slice cannot be screened: the head runs in full
+
+
+def test_the_head_splits_over_the_vocabulary_on_gpus_and_an_engines_rank_files_fix_the_split(tmp_path):
+    assert default_head("nccl") == "vocab" and default_head("gloo") == "replicated"
+    written = write_rank_files([SWIFT_TINY / "model.safetensors"], tmp_path, 2, head="vocab")
+    for rank, path in enumerate(written):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UntrainedDraftLayersWarning)
+            # asked for a replicated head, the files' split wins: they hold 1/2 of the head's rows
+            engine = load_engine(SWIFT_TINY, tp=TensorParallel(rank, 2, head="replicated"), rank_file=path)
+        assert tuple(engine.model.torch_model.lm_head.weight.shape) == (4096, 256)
+    with pytest.raises(TensorParallelError, match="must be one of replicated, vocab"):
+        TensorParallel(0, 2, head="rows")
 
 
 class _SideBySide:

@@ -11,6 +11,7 @@ The CLI's `bench-steps` is these calls plus printing. Every failure is a `StepBe
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import warnings
@@ -71,6 +72,8 @@ class StepBenchJob:
     kernels: dict[str, Any] = field(default_factory=dict)  # KernelConfig fields over the defaults
     out: Path = Path("runs/steps")
     command: str = "tokenswift-trt bench-steps"  # recorded in the report
+    # --tp: the LM head replicated or split over the vocabulary (HEAD_MODES; None: the backend's default)
+    tp_head: str | None = None
 
 
 @dataclass
@@ -235,6 +238,7 @@ class TpRankError(RuntimeError):
 class TpStepBenchResult:
     costs: list[TpStepCost]
     written: list[Path]  # empty on ranks other than 0 (rank 0 writes the report)
+    head: str = "replicated"  # how the LM head was split (tensor_parallel.HEAD_MODES)
 
 
 def tp_dtype(job: StepBenchJob) -> str:
@@ -244,7 +248,12 @@ def tp_dtype(job: StepBenchJob) -> str:
 
 def tp_rank_settings(job: StepBenchJob) -> dict[str, Any]:
     """What every `--tp` rank must agree on before timing (compared across ranks as they start)."""
-    return {"--model": job.model, "--dtype": tp_dtype(job), "--kernel": sorted(job.kernels.items())}
+    return {
+        "--model": job.model,
+        "--dtype": tp_dtype(job),
+        "--kernel": sorted(job.kernels.items()),
+        "--tp-head": job.tp_head,
+    }
 
 
 def run_tp_step_bench(
@@ -257,19 +266,21 @@ def run_tp_step_bench(
     dtype = tp_dtype(job)
     device_now = torch.device(device)
     settings = KernelConfig().updated(job.kernels)
+    tp = dataclasses.replace(tp, head=job.tp_head or tp.head)
     rank_model = random_rank_model(config, tp, getattr(torch, dtype), device_now, settings)
     try:
         costs = measure_tp_steps(rank_model, tp, job.contexts, job.tree_sizes, job.step_repeats)
     except RuntimeError as error:
         raise TpRankError(str(error) or type(error).__name__) from None
-    costs = measure_tp_steps(rank_model, tp, job.contexts, job.tree_sizes, job.step_repeats)
     if not leader:
-        return TpStepBenchResult(list(costs), [])
+        return TpStepBenchResult(list(costs), [], tp.head)
     meta = {
-        "command": f"tokenswift-trt bench-steps --model {job.model} --tp {size} (contexts {job.contexts}, "
-        f"tree sizes {job.tree_sizes}, {job.step_repeats} repeats)",
+        "command": f"tokenswift-trt bench-steps --model {job.model} --tp {size} --tp-head {tp.head} "
+        f"(contexts {job.contexts}, tree sizes {job.tree_sizes}, {job.step_repeats} repeats)",
         "model": job.model,
         "tp": size,
+        "tp_head": tp.head,
+        "screened_head": rank_model.screened_head is not None,
         "random_weights": True,
         "dtype": dtype,
         "device": device_description(device_now),
@@ -279,4 +290,4 @@ def run_tp_step_bench(
         "load_average": round(os.getloadavg()[0], 2),
         **machine_meta(),
     }
-    return TpStepBenchResult(list(costs), write_tp_report(costs, job.out, meta))
+    return TpStepBenchResult(list(costs), write_tp_report(costs, job.out, meta), tp.head)

@@ -4,6 +4,9 @@ Every rank builds its slice of a model's shape with random weights (model/tensor
 per-rank shape, row-parallel o_proj and down_proj) and times, per context L and new tokens T:
 - the whole step (T tokens after L cached positions, the rank's PyTorch layers and their all-reduces),
 - the step's collectives alone: 2 x layers all-reduces of [T, hidden] in the model's dtype,
+- the LM head on the step's T rows as decoding applies it to sample (`LlamaModel.target_logits`,
+  greedy): replicated, every rank's whole head (on a CPU the float16-screened one where it applies);
+  split over the vocabulary (`head="vocab"`), the rank's rows and the all-gather of [T, V] logits,
 each the median of `repeats` runs, every rank timing the same runs in step (a barrier before each).
 """
 
@@ -25,16 +28,23 @@ from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.config import ModelConfig
 from tokenswift_trt.model.decoder import LlamaModel
 from tokenswift_trt.model.kv_cache import KVCache
-from tokenswift_trt.model.tensor_parallel import TensorParallel, make_row_parallel, shard_config
+from tokenswift_trt.model.sampling import SamplingConfig
+from tokenswift_trt.model.tensor_parallel import (
+    TensorParallel,
+    make_row_parallel,
+    make_vocab_parallel_head,
+    shard_config,
+)
 
 
 @dataclass(frozen=True)
 class TpStepCost:
     context: int  # cached positions L
     tokens: int  # new tokens T
-    step_ms: float  # median of the whole step on rank 0
+    step_ms: float  # median of the whole step on rank 0 (the layers, without the LM head)
     all_reduce_ms: float  # median of the step's all-reduces alone
     all_reduces: int  # per step: 2 per layer
+    head_ms: float = 0.0  # median of the LM head on the T rows (its all-gather under head="vocab")
 
     @property
     def all_reduce_share(self) -> float:
@@ -54,6 +64,7 @@ def random_rank_model(
     with torch.device("meta"):
         model = LlamaModel(shard_config(config, tp.size), device="meta")
         make_row_parallel(model, tp)
+        make_vocab_parallel_head(model, tp)
     model.to_empty(device=device)
     model.to(dtype)
     model.tie_weights()
@@ -102,6 +113,8 @@ def measure_tp_steps(
             buffer = torch.zeros(size, c.hidden_size, dtype=dtype, device=device)
             step = functools.partial(_step, model, tokens, positions, cache, context)
             reduces = functools.partial(_reduces, tp, buffer, 2 * c.num_layers)
+            hidden = torch.randn(size, c.hidden_size, dtype=dtype, device=device)  # [T, hidden]
+            head = functools.partial(model.target_logits, hidden, SamplingConfig(temperature=0.0), tokens)
             costs.append(
                 TpStepCost(
                     context,
@@ -109,6 +122,7 @@ def measure_tp_steps(
                     round(_median_ms(step, repeats, tp.group), 4),
                     round(_median_ms(reduces, repeats, tp.group), 4),
                     2 * c.num_layers,
+                    round(_median_ms(head, repeats, tp.group), 4),
                 )
             )
     return costs

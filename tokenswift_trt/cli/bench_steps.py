@@ -68,6 +68,13 @@ if TYPE_CHECKING:
     "--compile-steps", is_flag=True, help="fixed-shape steps through torch.compile (as generate's flag)"
 )
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/steps"), show_default=True)
+@click.option(
+    "--tp-head",
+    type=click.Choice(["replicated", "vocab"]),
+    default=None,
+    help="with --tp: the LM head replicated on every rank, or split over the vocabulary with an "
+    "all-gather of the logits [vocab on GPUs, replicated on a CPU]",
+)
 @kernel_option
 @tp_options
 def bench_steps(
@@ -88,6 +95,7 @@ def bench_steps(
     compile_steps,
     out,
     kernels,
+    tp_head,
     tp,
     tp_timeout,
 ) -> None:
@@ -123,6 +131,7 @@ def bench_steps(
         kernels=kernels,
         out=out,
         command=_given_command("tokenswift-trt bench-steps"),
+        tp_head=tp_head,
     )
     if tp > 1:  # the all-reduces' share of a tensor-parallel step (bench/tp_steps.py)
         _tp_steps(job, tp, tp_timeout)
@@ -194,7 +203,8 @@ def _tp_steps(job: StepBenchJob, size: int, timeout_s: float) -> None:
     for cost in result.costs:
         click.echo(
             f"L={cost.context} T={cost.tokens}: step {cost.step_ms:.3f} ms, its {cost.all_reduces} "
-            f"all-reduces {cost.all_reduce_ms:.3f} ms ({cost.all_reduce_share:.0%})"
+            f"all-reduces {cost.all_reduce_ms:.3f} ms ({cost.all_reduce_share:.0%}); LM head "
+            f"({result.head}) {cost.head_ms:.3f} ms"
         )
 
 

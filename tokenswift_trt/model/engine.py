@@ -35,6 +35,7 @@ from tokenswift_trt.model.tensor_parallel import (
     TensorParallel,
     make_row_parallel,
     make_vocab_parallel_head,
+    rank_file_head,
     read_rank_file,
     read_shard,
     shard_config,
@@ -182,6 +183,8 @@ def load_engine(
     config = full_config = load_config(model_dir)
     if tp is not None:  # tensor parallel: this rank's shape (heads, KV heads, MLP width / size)
         config = shard_config(config, tp.size)
+        if rank_file is not None:  # an engine's rank files fix how its LM head is split
+            tp = dataclasses.replace(tp, head=rank_file_head(rank_file))
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaModel(config, device="meta")

@@ -45,6 +45,15 @@ HEAD_KEY = "lm_head.weight"
 # "replicated": every rank the whole LM head; "vocab": its slice of the vocabulary and an all-gather
 HEAD_MODES = ("replicated", "vocab")
 DEFAULT_HEAD = "replicated"
+
+
+def default_head(backend: str) -> str:
+    """The LM head's split where none is asked: over the vocabulary on GPUs (NCCL: modeled faster on
+    an H100 and 1/N of its memory), replicated on CPUs (gloo: measured faster, the float16-screened
+    head applies); docs/deploy.md, "Tensor parallelism"."""
+    return "vocab" if backend == "nccl" else "replicated"
+
+
 DEFAULT_TIMEOUT_S = 120.0  # a collective waiting longer for a rank fails (a rank died or hangs)
 
 
@@ -224,6 +233,16 @@ def write_rank_files(files: Sequence[Path], out_dir: Path, size: int, head: str 
     return paths
 
 
+def rank_file_head(path: Path) -> str:
+    """How the LM head is split in a rank file of `build --tp N` ("replicated" in files without the
+    record); "replicated" where the file cannot be read (`read_rank_file` then says why)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return (handle.metadata() or {}).get("tp_head", "replicated")
+    except (SafetensorError, OSError):
+        return "replicated"
+
+
 def read_rank_file(path: Path, tp: TensorParallel) -> dict[str, torch.Tensor]:
     """This rank's tensors from its file of an engine built with `build --tp N` (read whole: it holds
     this rank's slices only); a file of another rank or size is refused."""
@@ -316,10 +335,11 @@ def init_group(
     port: int,
     backend: str = "gloo",
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    head: str = DEFAULT_HEAD,
+    head: str | None = None,
 ) -> TensorParallel:
     """Join the default process group (TCP rendezvous at address:port); a collective that waits longer
-    than `timeout_s` for another rank fails instead of hanging. `head`: how the LM head is split."""
+    than `timeout_s` for another rank fails instead of hanging. `head`: how the LM head is split
+    (`HEAD_MODES`; None: `default_head` of the backend)."""
     dist.init_process_group(
         backend,
         init_method=f"tcp://{address}:{port}",
@@ -327,7 +347,7 @@ def init_group(
         world_size=size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return TensorParallel(rank, size, head=head)
+    return TensorParallel(rank, size, head=head or default_head(backend))
 
 
 def parameter_bytes(module: nn.Module) -> int:
