@@ -4,8 +4,9 @@
 
 writes tp_memory.json and tp_memory.md there: for Llama 3.1 8B, DeepSeek-R1-Distill-Qwen-32B (the
 Qwen2.5-32B shape) and Llama 3.1 70B at 102,400 positions in bfloat16, each valid --tp size up to 8:
-the replicated weights (embedding, LM head, norms), the rank's slice of the layers, its KV cache and
-the bytes each forward all-reduces per new token (2 per layer x hidden). `tensor_parallel.rank_bytes`
+the replicated weights (embedding, norms), the rank's slice of the layers and of the LM head (split
+over the vocabulary, GPUs' default: `tensor_parallel.default_head`), its KV cache and the bytes each
+forward all-reduces per new token (2 per layer x hidden). `tensor_parallel.rank_bytes`
 does the arithmetic (tests/model/test_tensor_parallel.py checks it against loaded ranks).
 """
 
@@ -18,10 +19,11 @@ from pathlib import Path
 
 from tokenswift_trt.builder.presets import PRESETS
 from tokenswift_trt.model.config import config_from_dict
-from tokenswift_trt.model.tensor_parallel import rank_bytes, valid_sizes
+from tokenswift_trt.model.tensor_parallel import default_head, rank_bytes, valid_sizes
 
 POSITIONS = 102_400
 ELEMENT = 2  # bfloat16
+HEAD = default_head("nccl")  # the LM head's split on GPUs
 GB = 1e9
 # the shape fields of each model's config.json on the Hugging Face Hub
 MODELS = {
@@ -56,7 +58,7 @@ def rows() -> list[dict]:
     for name, raw in MODELS.items():
         config = config_from_dict(raw)
         for size in (s for s in valid_sizes(config) if s <= 8):
-            replicated, split, kv = rank_bytes(config, size, POSITIONS, ELEMENT)
+            replicated, split, kv = rank_bytes(config, size, POSITIONS, ELEMENT, HEAD)
             reduced = 2 * config.num_layers * config.hidden_size * ELEMENT  # o_proj and down, every layer
             table.append(
                 {
@@ -80,13 +82,15 @@ def main(out: Path) -> None:
         "computed": str(date.today()),
         "positions": POSITIONS,
         "dtype": "bfloat16",
+        "lm_head": HEAD,
         "source": "computed from the model configs by scripts/tp_memory.py (not measured); draft layers, "
         "activations and the CUDA context are not counted",
     }
     (out / "tp_memory.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1) + "\n")
     lines = [
-        f"Computed from the model configs (not measured), bfloat16, {POSITIONS:,} positions; "
-        "draft layers, activations and the CUDA context not counted.",
+        f"Computed from the model configs (not measured), bfloat16, {POSITIONS:,} positions, the LM "
+        f"head split over the vocabulary at --tp 2 and up; draft layers, activations and the CUDA "
+        "context not counted.",
         "",
         "| model | --tp | weights per GPU (GB) | of which replicated | KV cache per GPU (GB) "
         "| total per GPU (GB) | all-reduced per token per step (KB) |",
