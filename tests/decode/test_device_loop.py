@@ -76,7 +76,7 @@ def test_device_loop_moves_to_the_cascade_once_the_context_makes_it_pay(llama_en
     monkeypatch.setattr(device_loop, "fixed_shape_forward", recorded)
     for name in ("attention_kernel", "cascade_min_work", "cascade_fallback"):
         monkeypatch.setattr(model, name, getattr(model, name))  # put back after the test
-    slots = 40 + 20 * 3  # tree 3,3,3 and 20 n-gram branches (no bucket on the CPU)
+    slots = 40 + 20 * 3 + 32  # tree 3,3,3, 20 n-gram branches, a long match's (no bucket on the CPU)
     model.use_flash_cascade(slots * (48 + 1 + 60 + slots), "sdpa")  # passed ~60 tokens in
     prompt = _prompt(llama_engine64.config.vocab_size)
     base = dict(max_new_tokens=140, sampling=PAPER_SAMPLING, seed=2, ignore_eos=True)

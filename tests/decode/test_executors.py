@@ -58,6 +58,23 @@ def test_host_and_device_loops_commit_the_same_tokens_each_iteration(
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
+def test_both_executors_offer_the_same_long_matches(llama_engine64, sampling):
+    """A repeating prompt: the device loop's long-match slots (`suffix.match_tensors`) hold the branch
+    the host loop adds (`SuffixIndex`): both offer the same depths and commit the same tokens."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 12  # greedy repeats itself after ~150 tokens
+    base = dict(max_new_tokens=240, sampling=sampling, seed=7, ignore_eos=True)
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    config = GenerationConfig(**base, tree="1,1,1", ngram_topk=2, draft_source="verify")
+    host, host_stats = _iterations(llama_engine64, prompt, replace(config, device_loop=False))
+    device, device_stats = _iterations(llama_engine64, prompt, replace(config, device_loop=True))
+    assert device == host and sum(host, []) == ar
+    assert device_stats.drafted_tokens == host_stats.drafted_tokens  # the same depths offered
+    assert device_stats.reached_by_depth == host_stats.reached_by_depth
+    if sampling is GREEDY:  # the tree offers 3 levels every iteration; more: a long match's branch
+        assert host_stats.drafted_tokens > 3 * host_stats.iterations
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
 def test_both_executors_stop_at_a_stop_token_and_at_the_limit_in_the_same_iteration(llama_engine64, sampling):
     prompt = _prompt(llama_engine64.config.vocab_size, 5)
     base = dict(max_new_tokens=100, sampling=sampling, seed=6, ignore_eos=True)
@@ -220,6 +237,35 @@ def test_both_trie_forms_hold_the_same_paths_with_the_same_tuner_features():
         }
         assert device == expected
         assert [features.tree_paths[s] for s in range(32) if not trie.live[s]] == [None] * (32 - len(host))
+
+
+def test_a_long_matchs_slots_hold_the_host_branch_with_its_tuner_features():
+    """A long match's slots beside the tree and the n-grams (sharing their paths by chance in a small
+    vocabulary): the same paths as the host trie with the branch added as rank 0, the same features."""
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(60):
+        tree, ranked, grams, valid = _random_trie_case(generator, vocab=3)
+        branch = torch.randint(0, 3, (6,), generator=generator)
+        depth = int(torch.randint(0, 7, (1,), generator=generator))
+        slots = TrieSlots(tree, ngram_topk=4, size=40, device=torch.device("cpu"), long_depth=6)
+        trie = slots.assemble(torch.tensor(0), ranked, grams, valid, branch, torch.arange(6) < depth)
+        host = _host_trie(tree, ranked, grams, valid)
+        if depth:
+            host.add_path(branch[:depth].tolist(), from_tree=False, ngram_rank=0)
+        features = slots.features(trie.ngram_ranks.tolist())
+        device = {
+            _device_path(trie, slot): (features.tree_paths[slot], features.ngram_ranks[slot])
+            for slot in range(40)
+            if trie.live[slot]
+        }
+        expected = {
+            tuple(host.tokens[a] for a in _host_path(host, node)): (
+                host.tree_paths[node],
+                host.ngram_ranks[node],
+            )
+            for node in range(len(host))
+        }
+        assert device == expected
 
 
 class _Samples:

@@ -138,3 +138,33 @@ def test_the_tuners_ar_steps_verify_long_matches_and_keep_ars_tokens(
     assert all(plan.tree == autotune.AR_PLAN for plan in stats.plans[1:])  # AR steps after the probe
     if temperature == 0.0:  # greedy continues the prompt's period: branches commit several tokens
         assert stats.branch_iterations > 0 and stats.iterations < len(swift)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_device_form_offers_the_host_forms_branch(seed):
+    """`match_tensors` over a history tensor (committed ids, then stale ones) gives the branch
+    `retrieve_suffix` gives from the index: the same tokens, as deep, for any remaining budget."""
+    import torch
+
+    from tokenswift_trt.decode.stages import SUFFIX_MIN_MATCH
+    from tokenswift_trt.decode.suffix import MAX_DEPTH, following, match_tensors
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab = [2, 3, 50][seed % 3]  # small vocabularies repeat by chance too
+    for _ in range(20):
+        count = int(torch.randint(1, 90, (1,), generator=generator))
+        tokens = torch.randint(0, vocab, (count,), generator=generator).tolist()
+        if seed % 2:  # a repeated stretch, then a few tokens of it again
+            start = int(torch.randint(0, count, (1,), generator=generator))
+            tokens += tokens[start : start + 40] + tokens[start : start + 9]
+            count = len(tokens)
+        remaining = int(torch.randint(1, 40, (1,), generator=generator))
+        index = SuffixIndex()
+        index.extend(tokens)
+        length, end = index.match()
+        expected = following(tokens, end, min(length, remaining - 1)) if length >= SUFFIX_MIN_MATCH else []
+        history = torch.cat((torch.tensor(tokens), torch.randint(0, vocab, (64,), generator=generator)))
+        ids, valid = match_tensors(history, torch.tensor(count), torch.tensor(remaining))
+        assert ids.shape == valid.shape == (MAX_DEPTH,)
+        depth = int(valid.sum())
+        assert valid[:depth].all() and ids[:depth].tolist() == expected

@@ -8,8 +8,9 @@ captured once per plan as a graph and replayed:
   propose   the draft layers' logits at the last accepted node (kept from the last commit), ranked
             with the target's noise and penalty window (`DecodeState.slot_windows`);
   trie      the static tree's slots filled from the candidates, then k n-gram branches from the
-            device table (`ngram.NgramTensors`, the host table's exact counts and order), duplicate
-            paths de-duplicated into their first slot (`tree.TrieSlots.assemble`);
+            device table (`ngram.NgramTensors`, the host table's exact counts and order) and a long
+            match's branch (`suffix.match_tensors`, over the history), duplicate paths
+            de-duplicated into their first slot (`tree.TrieSlots.assemble`);
   verify    one fixed-shape forward of every slot (static_step.fixed_shape_forward) and the LM head;
   accept    every slot's sample (position-keyed noise, per-slot penalty windows), then the acceptance
             walk as tensor algebra (`stages.accept_slots`);
@@ -40,8 +41,10 @@ import torch
 from torch.profiler import record_function
 
 from tokenswift_trt.decode.ngram import NGRAM_LENGTH, NgramTensors
-from tokenswift_trt.decode.stages import DecodeState, Walk, accept_slots, commit_chain
+from tokenswift_trt.decode.stages import SUFFIX_MIN_MATCH, DecodeState, Walk, accept_slots, commit_chain
 from tokenswift_trt.decode.static_step import bucket_for, compiled_forward, fixed_shape_forward
+from tokenswift_trt.decode.suffix import MAX_DEPTH as SUFFIX_MAX_DEPTH
+from tokenswift_trt.decode.suffix import match_tensors
 from tokenswift_trt.decode.tree import StaticTree, Trie, TrieSlots
 from tokenswift_trt.model.decoder import ALIGNED_MAX_LEVELS
 from tokenswift_trt.model.engine import Engine
@@ -56,6 +59,7 @@ class Report:
     accepted: int  # draft tokens accepted
     ngram_accepted: int  # of those, on slots only an n-gram branch proposed
     done: bool
+    offered: int  # the deepest live slot: the longest draft offered
     chain: list[int]  # the accepted slots by depth, root excluded
     ngram_ranks: list[int]  # per slot, `TrieTensors.ngram_ranks`
     drained: bool = False  # queued before the host stopped its plan: committed, not reported to the tuner
@@ -69,16 +73,18 @@ class DevicePlan:
     tree: StaticTree
     ngram_topk: int
     slots: TrieSlots
-    report: torch.Tensor  # [2 (Dmax + 1) + 4 + S] int64
+    report: torch.Tensor  # [2 (Dmax + 1) + 5 + S] int64
     levels: torch.Tensor  # [Dmax + 1]
     graphs: dict[bool | None, object] = field(default_factory=dict)
 
     def read(self, values: list[int], drained: bool = False) -> Report:
         width = self.slots.max_depth + 1
         emitted, chain = values[:width], values[width : 2 * width]
-        count, accepted, ngram_accepted, done = values[2 * width : 2 * width + 4]
-        ranks = values[2 * width + 4 :]
-        return Report(emitted[:count], accepted, ngram_accepted, bool(done), chain[1:count], ranks, drained)
+        count, accepted, ngram_accepted, done, offered = values[2 * width : 2 * width + 5]
+        ranks = values[2 * width + 5 :]
+        return Report(
+            emitted[:count], accepted, ngram_accepted, bool(done), offered, chain[1:count], ranks, drained
+        )
 
     def features(self, report: Report) -> Trie:
         """What the tuner reads of the iteration's trie (`TrieSlots.features`)."""
@@ -99,6 +105,8 @@ class DeviceLoop:
     ) -> None:
         device = engine.device
         self.engine, self.state, self.depth, self.ngram_topk = engine, state, depth, ngram_topk
+        # long matches (suffix.py) where the host loop would offer them: plans with n-gram branches
+        self.long_depth = SUFFIX_MAX_DEPTH if state.suffix is not None else 0
         self.columns = torch.arange(state.full.capacity, device=device)
         self.forward = compiled_forward() if compiled else fixed_shape_forward
         self.vocab = engine.config.vocab_size
@@ -161,10 +169,12 @@ class DeviceLoop:
         if key not in self.plans:
             if tree.depth > self.depth or ngram_topk > self.ngram_topk:
                 raise ValueError(f"tree {tree.branching} k={ngram_topk} is larger than the device loop's")
-            used = tree.num_nodes + ngram_topk * (NGRAM_LENGTH - 1)
+            long_depth = self.long_depth if ngram_topk > 0 else 0
+            used = tree.num_nodes + ngram_topk * (NGRAM_LENGTH - 1) + long_depth
             device = self.engine.device
-            slots = TrieSlots(tree, ngram_topk, bucket_for(used) if self.bucketed else used, device)
-            report = torch.zeros(2 * (slots.max_depth + 1) + 4 + slots.size, dtype=torch.long, device=device)
+            size = bucket_for(used) if self.bucketed else used
+            slots = TrieSlots(tree, ngram_topk, size, device, long_depth)
+            report = torch.zeros(2 * (slots.max_depth + 1) + 5 + slots.size, dtype=torch.long, device=device)
             levels = torch.arange(slots.max_depth + 1, device=device)
             self.plans[key] = DevicePlan(tree, ngram_topk, slots, report, levels)
         return self.plans[key]
@@ -202,7 +212,12 @@ class DeviceLoop:
             else:
                 grams = root.new_zeros(0, NGRAM_LENGTH - 1)
                 gram_valid = torch.zeros(0, dtype=torch.bool, device=root.device)
-            trie = slots.assemble(root, ranked, grams, gram_valid)
+            long_tokens = long_valid = None
+            if slots.long_depth:  # what followed the latest earlier occurrence of the text's end
+                long_tokens, long_valid = match_tensors(
+                    history, count, state.limit - count, min_match=SUFFIX_MIN_MATCH
+                )
+            trie = slots.assemble(root, ranked, grams, gram_valid, long_tokens, long_valid)
         length = count - 1  # the root is not cached yet
         # position-aligned attention where the model has it on and every slot is shallower than 64 levels
         aligned = engine.model.torch_model.aligned_attention and slots.max_depth < ALIGNED_MAX_LEVELS
@@ -228,7 +243,8 @@ class DeviceLoop:
             result = accept_slots(trie, samples, state.limit - count, self.stop_ids, slots.max_depth)
             committed = torch.where(self.done, 0, result.count)
         with record_function("device_loop.commit"):
-            self._commit(plan, out.hidden, samples, result, committed, trie.ngram_ranks)
+            offered = torch.where(trie.live, trie.depths, 0).max()
+            self._commit(plan, out.hidden, samples, result, committed, trie.ngram_ranks, offered)
 
     def _commit(
         self,
@@ -238,6 +254,7 @@ class DeviceLoop:
         result: Walk,
         committed: torch.Tensor,  # 0-d: tokens this iteration commits (0 once done)
         ngram_ranks: torch.Tensor,  # [S]
+        offered: torch.Tensor,  # 0-d: the deepest live slot's depth
     ) -> None:
         """The chain's K/V and tokens, draft logits, grams, report, flags."""
         engine, count = self.engine, self.count
@@ -257,7 +274,7 @@ class DeviceLoop:
             with record_function("device_loop.ngrams"):
                 self.table.add_committed(count, committed, self.exclusion, levels.numel())
         flags = torch.stack(
-            (committed, accepted.clamp(min=0), from_ngrams, (self.done | result.stopped).long())
+            (committed, accepted.clamp(min=0), from_ngrams, (self.done | result.stopped).long(), offered)
         )
         plan.report.copy_(torch.cat((result.emitted, result.chain, flags, ngram_ranks)))
         self.count.copy_(count + committed)

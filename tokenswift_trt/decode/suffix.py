@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 KEY_LENGTHS = (32, 16, 8)  # longest first: a longer match predicts its continuation better
 MAX_DEPTH = 32  # tokens proposed past the root at most
 
@@ -75,6 +77,40 @@ def following(history: Sequence[int], end: int, depth: int) -> list[int]:
     text repeating with period p = len(history) - end), the continuation repeats that period."""
     period = len(history) - end
     return [history[end + i % period] for i in range(max(depth, 0))]
+
+
+def match_tensors(
+    history: torch.Tensor,  # [C] committed ids (the root last), then anything
+    count: torch.Tensor,  # 0-d: committed ids
+    remaining: torch.Tensor,  # 0-d: tokens left before the limit
+    key_lengths: tuple[int, ...] = KEY_LENGTHS,
+    min_match: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The long match's branch on the device with no read back: `SuffixIndex.match` and `following`
+    over the history tensor, as `stages.retrieve_suffix` offers it (a match of at least `min_match`
+    tokens; as deep as it matched, at most `remaining` - 1). Returns tokens [MAX_DEPTH] and valid
+    [MAX_DEPTH] (a prefix: the branch's depth)."""
+    device = history.device
+    found = torch.zeros((), dtype=torch.bool, device=device)
+    end = torch.zeros((), dtype=torch.long, device=device)
+    length = torch.zeros((), dtype=torch.long, device=device)
+    for k in sorted(set(key_lengths), reverse=True):  # longest first: the first found wins
+        if k < min_match or history.numel() < k:
+            continue
+        key = history[(count - k + torch.arange(k, device=device)).clamp(min=0)]  # [k]
+        windows = history.unfold(0, k, 1)  # [C - k + 1, k]: window j covers j .. j + k - 1
+        ends = torch.arange(k, history.numel() + 1, device=device)  # [C - k + 1] exclusive ends
+        # indexed windows: their next id is committed (end <= count - 1); the latest one wins
+        hit = (windows == key).all(dim=1) & (ends <= count - 1) & (count >= k)
+        best = torch.where(hit, ends, -1).max()
+        take = ~found & (best > 0)
+        end, length = torch.where(take, best, end), torch.where(take, k, length)
+        found = found | take
+    depth = torch.minimum(length, remaining - 1)
+    steps = torch.arange(MAX_DEPTH, device=device)
+    period = (count - end).clamp(min=1)
+    tokens = history[(end + steps % period).clamp(max=history.numel() - 1)]  # [MAX_DEPTH]
+    return tokens, found & (steps < depth)
 
 
 # Between AR steps (`--tree auto` settled on them) the loop looks for a long match every

@@ -220,9 +220,12 @@ class TrieTensors:
 class TrieSlots:
     """The fixed slot layout of `build_trie(root, tree, candidates, grams, ngrams_from_root=True)`:
     slot 0 the root, then the static tree's nodes (breadth first), then k n-gram branches of 3 slots
-    each (root -> g1 -> g2 -> g3), then padding to `size`."""
+    each (root -> g1 -> g2 -> g3), then a long match's branch of `long_depth` slots (root -> l1 ->
+    ... ; n-gram rank 0, as the host loop adds it), then padding to `size`."""
 
-    def __init__(self, tree: StaticTree, ngram_topk: int, size: int, device: torch.device) -> None:
+    def __init__(
+        self, tree: StaticTree, ngram_topk: int, size: int, device: torch.device, long_depth: int = 0
+    ) -> None:
         tree_nodes = tree.num_nodes
         parents = tree.parents.tolist()
         depths = tree.depths.tolist()
@@ -232,13 +235,17 @@ class TrieSlots:
                 parents.append(0 if step == 0 else len(parents) - 1)
                 depths.append(step + 1)
                 ranks.append(rank)
+        for step in range(long_depth):
+            parents.append(0 if step == 0 else len(parents) - 1)
+            depths.append(step + 1)
+            ranks.append(0)
         used = len(parents)
         if size < used:
             raise ValueError(f"{used} trie slots do not fit in {size}")
         parents += [-1] * (size - used)
         depths += [0] * (size - used)
         ranks += [-1] * (size - used)
-        self.tree, self.ngram_topk = tree, ngram_topk
+        self.tree, self.ngram_topk, self.long_depth = tree, ngram_topk, long_depth
         self.size, self.tree_nodes, self.used = size, tree_nodes, used
         self.max_depth = max(depths)
         self.width = max(tree.branching)
@@ -265,15 +272,29 @@ class TrieSlots:
         self.arange = torch.arange(size, device=device)
 
     def assemble(
-        self, root: torch.Tensor, ranked: torch.Tensor, grams: torch.Tensor, gram_valid: torch.Tensor
+        self,
+        root: torch.Tensor,
+        ranked: torch.Tensor,
+        grams: torch.Tensor,
+        gram_valid: torch.Tensor,
+        long_tokens: torch.Tensor | None = None,
+        long_valid: torch.Tensor | None = None,
     ) -> TrieTensors:
-        """root 0-d, ranked [D, width] candidate ids, grams [k, 3], gram_valid [k] -> the trie."""
+        """root 0-d, ranked [D, width] candidate ids, grams [k, 3], gram_valid [k], and with a long
+        match's slots long_tokens / long_valid [>= long_depth] (valid: a prefix) -> the trie."""
         size, device = self.size, root.device
+        long = self.long_depth
+        if long:
+            assert long_tokens is not None and long_valid is not None, "this layout has long-match slots"
+            long_tokens, long_valid = long_tokens[:long], long_valid[:long]
+        else:
+            long_tokens, long_valid = root.new_zeros(0), torch.zeros(0, dtype=torch.bool, device=device)
         tokens = torch.cat(
             (
                 root[None],
                 ranked.reshape(-1)[self.candidate_index],
                 grams.reshape(-1),
+                long_tokens,
                 root.new_zeros(size - self.used),
             )
         )  # [S]
@@ -281,6 +302,7 @@ class TrieSlots:
             (
                 torch.ones(self.tree_nodes, dtype=torch.bool, device=device),
                 gram_valid.repeat_interleave(NGRAM_LENGTH - 1),
+                long_valid,
                 torch.zeros(size - self.used, dtype=torch.bool, device=device),
             )
         )  # [S]
