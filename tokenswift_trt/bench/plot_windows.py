@@ -64,6 +64,16 @@ def plot_windows(runs: Sequence[tuple[str, Path] | tuple[str, Path, str]], out: 
                     color=colors[depth % len(colors)],
                     label=f"depth {depth + 1}, {label}",
                 )
+        if any("beta" in window for window in windows):  # n-gram and long-match drafts accepted / drafted
+            alpha_axis.plot(
+                x,
+                [window.get("beta", 0.0) for window in windows],
+                style,
+                marker="s",
+                markersize=3,
+                color="gray",
+                label=f"β (n-gram branches), {label}",
+            )
         color = colors[index % len(colors)]
         tau_axis.plot(
             x, [w["tokens_per_iteration"] for w in windows], style, marker=".", color=color, label=label
@@ -89,7 +99,7 @@ def plot_windows(runs: Sequence[tuple[str, Path] | tuple[str, Path, str]], out: 
             )
     size = curves[0][1]["windows"][0]["end"] - curves[0][1]["windows"][0]["start"]
     alpha_axis.set(
-        ylabel="accepted / reached", ylim=(0, 1), title=f"By output position ({size}-token windows)"
+        ylabel="α: accepted / reached; β", ylim=(0, 1), title=f"By output position ({size}-token windows)"
     )
     tau_axis.set(ylabel="tokens per iteration", ylim=(0, None))
     speed_axis.set(xlabel="output position (tokens generated)", ylabel="tokens/s", ylim=(0, None))
