@@ -11,6 +11,7 @@ on to child processes:
 | `TORCH_EXTENSIONS_DIR` | where torch keeps compiled extensions; `serve` gives tritonserver its own |
 | `GPU_CHECK_COMMAND` | the command line a GPU check run records as its own (set by scripts/gpu_checks.sh) |
 | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` | set by torchrun per rank |
+| `TORCH_NCCL_ASYNC_ERROR_HANDLING` | PyTorch's; `serve --tp` on GPUs sets 2 (a failed collective raises) |
 
 Every other module reads the environment through the functions here.
 """
@@ -30,6 +31,7 @@ WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 VARIABLES = {
     HOME: "where `build` looks for a preset's checkpoint ($TOKENSWIFT_HOME/<preset>)",
     TRT_PLUGINS: "the TensorRT plugin library (default: `make plugins`' output in the checkout)",
@@ -40,6 +42,7 @@ VARIABLES = {
     LOCAL_RANK: "this process's rank on its node (its GPU)",
     MASTER_ADDR: "the rendezvous address of the ranks",
     MASTER_PORT: "the rendezvous port of the ranks",
+    NCCL_ERROR_HANDLING: "PyTorch's; `serve --tp` on GPUs sets 2 (unless given): a failed collective raises",
 }
 
 
@@ -83,3 +86,9 @@ def child_environment() -> dict[str, str]:
     """A copy of this process's environment, to start a child process with (tritonserver, a GPU check's
     stages)."""
     return dict(os.environ)
+
+
+def raise_on_failed_collectives() -> None:
+    """Have NCCL abort a failed or timed-out collective's communicator and raise, so that the process
+    (a Triton model instance) lives on; a value already given is kept."""
+    os.environ.setdefault(NCCL_ERROR_HANDLING, "2")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenswift_trt.backends.cpu_linear import Linear, tiled_kernels
+from tokenswift_trt.backends.cpu_linear import TILED_MAX_ROWS, Linear, tiled_kernels
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.sampling import (
@@ -129,7 +129,7 @@ def test_the_full_head_runs_where_screening_does_not_apply(monkeypatch):
         assert not screenable(config)
     assert screenable(paper)
     with torch.inference_mode():
-        assert screened.applies(4, paper) and not screened.applies(17, paper)
+        assert screened.applies(4, paper) and not screened.applies(TILED_MAX_ROWS + 1, paper)
     with torch.no_grad():
         head.weight.mul_(1.01)  # a changed weight: the float16 copy is stale
     with torch.inference_mode():

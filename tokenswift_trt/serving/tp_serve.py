@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenswift_trt.environment import raise_on_failed_collectives
+
 LOCALHOST = "127.0.0.1"
 WORKER_ENTRY = "from tokenswift_trt.serving.tp_serve import _worker_main; _worker_main()"
 IDLE = datetime.timedelta(days=365)  # the job group waits for the next request this long
@@ -78,8 +80,7 @@ def _join(place: Place) -> tuple[Any, Any]:
     if place.device.startswith("cuda"):
         backend = "nccl"
         torch.cuda.set_device(rank_device(place.device, place.rank))
-        # a failed or timed-out collective aborts its communicator and raises; the process lives on
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        raise_on_failed_collectives()  # a failed collective raises; the process lives on
     tp = init_group(place.rank, place.size, LOCALHOST, place.port, backend, place.timeout_s)
     jobs = dist.new_group(backend="gloo", timeout=IDLE)
     return tp, jobs
