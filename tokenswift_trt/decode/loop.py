@@ -672,7 +672,6 @@ def _branch_iteration(
     commit(state, acceptance, verified)
     stats.add_time("branch_step", time.perf_counter() - tick)
     _count_drafts(stats, trie, acceptance, 1, position)
-    stats.iterations += 1
     stats.branch_iterations += 1
     return acceptance, verified.hidden[acceptance.nodes[-1] if acceptance.nodes else 0]
 
@@ -750,23 +749,15 @@ def _tokenswift_loop(
                     plan, tree = next_plan, next_plan.static_tree()
                 branch = run.branch
             branch_before = bool(branch) and not done and bool(tuner.plain_ar_steps())
-            if branch_before:
-                # the text repeats: verify what followed its earlier occurrence, the branch alone
-                tick, position = time.perf_counter(), new_tokens()
-                acceptance, last_hidden = _branch_iteration(engine, state, branch, acceptor, stats, position)
-                seconds = time.perf_counter() - tick
-                gate.branch_run(position, seconds, len(acceptance.tokens))
-                last_draft_logits, drafting_state_stale = None, True
-                stats.new_tokens, stats.elapsed_s = new_tokens(), time.perf_counter() - started
-                if on_tokens:
-                    on_tokens(acceptance.tokens)
-                yield stats
-                done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
-                next_plan = tuner.observe(None, [], None, last_hidden, done, seconds, len(acceptance.tokens))
-                if next_plan is not plan:
-                    plan, tree = next_plan, next_plan.static_tree()
-            continue
-        if tree is None:  # a plain AR step, the same code as the AR baseline's
+            if not branch_before:
+                continue
+            # the text repeats: verify what followed its earlier occurrence, the branch alone; the
+            # tuner hears of it as of AR steps (no trie of its plans)
+            tick, position = time.perf_counter(), new_tokens()
+            acceptance, last_hidden = _branch_iteration(engine, state, branch, acceptor, stats, position)
+            gate.branch_run(position, time.perf_counter() - tick, len(acceptance.tokens))
+            last_draft_logits, drafting_state_stale = None, True
+        elif tree is None:  # a plain AR step, the same code as the AR baseline's
             out = ar_step(engine, state)
             assert out.queries is not None
             state.queries, last_hidden, last_draft_logits = [q[-1] for q in out.queries], out.hidden[0], None
