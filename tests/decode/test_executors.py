@@ -213,6 +213,23 @@ def _device_path(trie, slot: int) -> tuple[int, ...]:
     return tuple(trie.tokens[j].item() for j in sorted(ancestors, key=lambda j: trie.depths[j].item()))
 
 
+def _slot_features(trie, features) -> dict[tuple[int, ...], tuple]:
+    """Each live slot's path -> (static-tree rank path, best n-gram rank) as the tuner reads them."""
+    return {
+        _device_path(trie, slot): (features.tree_paths[slot], features.ngram_ranks[slot])
+        for slot in range(trie.live.numel())
+        if trie.live[slot]
+    }
+
+
+def _node_features(host) -> dict[tuple[int, ...], tuple]:
+    """`_slot_features` of a host trie."""
+    return {
+        tuple(host.tokens[a] for a in _host_path(host, node)): (host.tree_paths[node], host.ngram_ranks[node])
+        for node in range(len(host))
+    }
+
+
 def test_both_trie_forms_hold_the_same_paths_with_the_same_tuner_features():
     """Every path once in both; each live slot's static-tree rank path and best n-gram rank
     (what the tuner reads, `TrieSlots.features`) equal the host node's."""
@@ -223,19 +240,7 @@ def test_both_trie_forms_hold_the_same_paths_with_the_same_tuner_features():
         trie = slots.assemble(torch.tensor(0), ranked, grams, valid)
         host = _host_trie(tree, ranked, grams, valid)
         features = slots.features(trie.ngram_ranks.tolist())
-        device = {
-            _device_path(trie, slot): (features.tree_paths[slot], features.ngram_ranks[slot])
-            for slot in range(32)
-            if trie.live[slot]
-        }
-        expected = {
-            tuple(host.tokens[a] for a in _host_path(host, node)): (
-                host.tree_paths[node],
-                host.ngram_ranks[node],
-            )
-            for node in range(len(host))
-        }
-        assert device == expected
+        assert _slot_features(trie, features) == _node_features(host)
         assert [features.tree_paths[s] for s in range(32) if not trie.live[s]] == [None] * (32 - len(host))
 
 
@@ -252,20 +257,7 @@ def test_a_long_matchs_slots_hold_the_host_branch_with_its_tuner_features():
         host = _host_trie(tree, ranked, grams, valid)
         if depth:
             host.add_path(branch[:depth].tolist(), from_tree=False, ngram_rank=0)
-        features = slots.features(trie.ngram_ranks.tolist())
-        device = {
-            _device_path(trie, slot): (features.tree_paths[slot], features.ngram_ranks[slot])
-            for slot in range(40)
-            if trie.live[slot]
-        }
-        expected = {
-            tuple(host.tokens[a] for a in _host_path(host, node)): (
-                host.tree_paths[node],
-                host.ngram_ranks[node],
-            )
-            for node in range(len(host))
-        }
-        assert device == expected
+        assert _slot_features(trie, slots.features(trie.ngram_ranks.tolist())) == _node_features(host)
 
 
 class _Samples:
