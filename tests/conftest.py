@@ -56,6 +56,9 @@ def _random_heads_engine64(llama_dir, tmp_path_factory, **layout):
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, value in layers.state_dict().items():
+            if name == "vocab":  # a draft vocabulary: every third id of the model's
+                value.copy_(torch.arange(value.numel()) * 3)
+                continue
             value.copy_(
                 torch.randn(value.shape, generator=generator) * (0.3 if "linear" in name else 0.05)
                 + (1.0 if "norm" in name else 0.0)
@@ -69,6 +72,13 @@ def _random_heads_engine64(llama_dir, tmp_path_factory, **layout):
 def rooted_engine64(llama_dir, tmp_path_factory):
     """float64 engine whose random draft layers are root-conditioned (model/draft_layers.py)."""
     return _random_heads_engine64(llama_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def vocab_engine64(llama_dir, tmp_path_factory):
+    """float64 engine whose random root-conditioned draft layers have a draft vocabulary of 32 ids
+    (every third id of the model's 96; model/draft_layers.VocabHead)."""
+    return _random_heads_engine64(llama_dir, tmp_path_factory, vocab_size=32)
 
 
 @pytest.fixture(scope="session")

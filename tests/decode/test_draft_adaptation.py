@@ -1,6 +1,7 @@
 """Draft layers adapted online (model/draft_adaptation.py): output equals AR's, every request adapts
 its own copy (the engine's layers and other requests untouched), the step trains against the target's
-processed distribution, and the device loop refuses it."""
+processed distribution, layers with a draft vocabulary draft the request's own tokens too, and the
+device loop refuses it."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _state(layers) -> dict[str, torch.Tensor]:
     [dict(tree="3,3", draft_source="verify"), dict(tree="1,3,3", draft_source="partial"), dict(tree="auto")],
     ids=["verify", "partial", "auto"],
 )
-@pytest.mark.parametrize("engine_name", ["llama_engine64", "rooted_engine64"])
+@pytest.mark.parametrize("engine_name", ["llama_engine64", "rooted_engine64", "vocab_engine64"])
 def test_adapted_drafts_emit_ars_tokens(request, engine_name, plan, sampling):
     engine = request.getfixturevalue(engine_name)
     prompt = _prompt(engine.config.vocab_size)
@@ -155,6 +156,36 @@ def test_steps_on_a_block_bring_the_drafts_towards_the_target(rooted_engine64, s
     assert loss() < start - 1e-3
 
 
+@pytest.mark.parametrize("vocab", ["request", "draft"])
+def test_the_request_vocabulary_drafts_the_requests_own_tokens(vocab_engine64, vocab):
+    """With a draft vocabulary (every third id), the adapted copy drafts the prompt's tokens outside it
+    from the start and each committed one from the step after it; `draft` keeps the vocabulary."""
+    engine = vocab_engine64
+    config = GenerationConfig(
+        max_new_tokens=8, sampling=PAPER, adapt_drafts=True, adapt_block=8, adapt_vocab=vocab
+    )
+    state, hidden = _block(engine, config, length=48)
+    prompt = state.history[:24]
+    state.tokens[24:] = []  # the request's prompt: its first 24 tokens; the rest committed later
+    adapter = new_adapter(engine, state, config)
+    draftable = set(engine.draft_layers.vocab.tolist())
+
+    def drafted() -> set[int]:
+        with torch.inference_mode():
+            logits = engine.model.draft_logits(hidden[:4], adapter.layers, 1, state.history[1:5])[0]
+        return set(torch.isfinite(logits).all(0).nonzero()[:, 0].tolist())
+
+    outside = {token for token in prompt.tolist() if token not in draftable}
+    later = {token for token in state.history[25:41].tolist() if token not in draftable} - outside
+    assert outside and later  # the random prompt has tokens outside the vocabulary, before and after 24
+    assert drafted() == (draftable | outside if vocab == "request" else draftable)
+    for start in range(24, 40, 8):  # committed positions 24..39: their next tokens, 25..40, are committed
+        adapter.observe(start, hidden[start : start + 8])
+    assert adapter.updates == 2
+    assert drafted() == (draftable | outside | later if vocab == "request" else draftable)
+    assert torch.isfinite(adapter.rows).all() and adapter.rows.shape[0] == len(drafted())
+
+
 def test_the_device_loop_refuses_adaptation(llama_engine64):
     config = GenerationConfig(max_new_tokens=16, tree="3,3", device_loop=True, seed=1)
     with pytest.raises(GenerationError, match="drop --adapt-drafts"):
@@ -178,6 +209,7 @@ def test_off_by_default_and_never_for_ar(llama_engine64):
         (dict(adapt_scope="norms"), "scope"),
         (dict(adapt_optimizer="lion"), "optimiser"),
         (dict(adapt_lr=2.0), "learning rate"),
+        (dict(adapt_vocab="all"), "vocabulary"),
     ],
 )
 def test_bad_adaptation_settings_are_refused_in_one_line(bad, message):

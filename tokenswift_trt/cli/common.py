@@ -311,6 +311,13 @@ def sampling_options(function):
                 "--adapt-lr", type=float, default=None, help="adaptation step size [3e-4 Adam, 3e-2 SGD]"
             ),
             click.option(
+                "--adapt-vocab",
+                type=click.Choice(["request", "draft"]),
+                default=None,
+                help="what adapted layers with a draft vocabulary draft over: it plus the request's own "
+                "tokens, or it alone [request]",
+            ),
+            click.option(
                 "--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="default: random (reported)"
             ),
             click.option("--ignore-eos", is_flag=True, default=None, help="do not stop at EOS"),

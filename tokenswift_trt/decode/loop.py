@@ -119,6 +119,8 @@ class GenerationConfig:
     adapt_scope: str = "all"  # "all": every draft-layer parameter; "layer1": layer 1 and the root input
     adapt_optimizer: str = "adam"  # "adam" or "sgd"
     adapt_lr: float | None = None  # None: 3e-4 with Adam, 3e-2 with SGD
+    # layers with a draft vocabulary: "request" drafts over it plus the request's own tokens, "draft" over it
+    adapt_vocab: str = "request"
 
     @property
     def resolved_draft_source(self) -> str:
@@ -153,7 +155,9 @@ class GenerationConfig:
 
     @property
     def adaptation(self) -> AdaptationSettings:
-        return AdaptationSettings(self.adapt_block, self.adapt_scope, self.adapt_optimizer, self.adapt_lr)
+        return AdaptationSettings(
+            self.adapt_block, self.adapt_scope, self.adapt_optimizer, self.adapt_lr, self.adapt_vocab
+        )
 
     @property
     def adapts_drafts(self) -> bool:
@@ -483,7 +487,7 @@ def new_adapter(engine: Engine, state: DecodeState, config: GenerationConfig) ->
             "draft adaptation needs the whole LM head on every rank: drop --adapt-drafts, or run --tp "
             "with the replicated head"
         )
-    return DraftAdapter(
+    adapter = DraftAdapter(
         engine.draft_layers,
         engine.config,
         model.model.embed_tokens.weight,
@@ -494,6 +498,8 @@ def new_adapter(engine: Engine, state: DecodeState, config: GenerationConfig) ->
         config.adaptation,
         engine.kernels,
     )
+    adapter.admit(state.history[: len(state.tokens)])  # the prompt's tokens
+    return adapter
 
 
 def new_decode_state(

@@ -39,6 +39,7 @@ SPEED_ONLY = (
     "adapt_scope",
     "adapt_optimizer",
     "adapt_lr",
+    "adapt_vocab",
 )
 
 

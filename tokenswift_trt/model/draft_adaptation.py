@@ -19,6 +19,14 @@ Each request adapts its own copy (`DraftAdapter.layers`, what its drafting reads
 layers, shared by every request of a server, are never written. The LM head, the draft vocabulary's
 head and the embedding stay shared and frozen. A path input (`PathInput`) is not adapted.
 
+Layers with a draft vocabulary (the K tokens most frequent in their training text) cannot draft a
+token outside it, and a long generation leaves it: on SmolLM2-135M under the paper's sampling, from
+5% of the sampled tokens in the first 2K to 19% (one seed) and 64% (another) in the last 2K
+(docs/smollm2.md). With `vocab="request"` (the default) the adapted copy drafts over the draft
+vocabulary plus every token the request has used, its prompt and what it commits, through the LM
+head's own rows of them (`RequestVocabHead`): the step's loss covers them as well, and the set grows
+at each step, a fixed point of the loop, so drafts stay deterministic.
+
 On CUDA the step runs on a side stream: it is launched after an iteration's commit and trains a
 float32 master copy while the next iteration drafts and verifies with the layers as they were; the
 next `observe` makes the main stream wait for it and copies the master into the drafting copy
@@ -38,11 +46,12 @@ from torch import nn
 from tokenswift_trt.backends.cpu_linear import Linear, pack_linears
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.config import ModelConfig
-from tokenswift_trt.model.draft_layers import DraftLayers, draft_layout
+from tokenswift_trt.model.draft_layers import DraftLayers, VocabHead, draft_layout
 from tokenswift_trt.model.sampling import SamplingConfig, apply_penalty, process_logits
 
 SCOPES = ("all", "layer1")  # every draft-layer parameter / layer 1 and the root input only
 OPTIMIZERS = ("adam", "sgd")
+VOCABS = ("request", "draft")  # the draft vocabulary plus the request's own tokens / the draft vocabulary
 DEFAULT_LR = {"adam": 3e-4, "sgd": 3e-2}
 
 
@@ -54,6 +63,7 @@ class AdaptationSettings:
     scope: str = "all"  # SCOPES
     optimizer: str = "adam"  # OPTIMIZERS
     lr: float | None = None  # None: DEFAULT_LR of the optimiser
+    vocab: str = "request"  # VOCABS: what the adapted copy drafts over (layers with a draft vocabulary)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value."""
@@ -65,6 +75,8 @@ class AdaptationSettings:
             raise ValueError(
                 f"adaptation optimiser must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
+        if self.vocab not in VOCABS:
+            raise ValueError(f"adaptation vocabulary must be one of {', '.join(VOCABS)}, got {self.vocab!r}")
         if self.lr is not None and not 0 < self.lr < 1:
             raise ValueError(f"the adaptation learning rate must be in (0, 1), got {self.lr}")
 
@@ -91,6 +103,20 @@ def copy_draft_layers(layers: DraftLayers, config: ModelConfig, dtype: torch.dty
         copy.load_state_dict({key: value.clone() for key, value in state.items()})
     copy.vocab_head = layers.vocab_head
     return copy.eval()
+
+
+@dataclass(frozen=True)
+class RequestVocabHead:
+    """The draft vocabulary's head (`VocabHead`, shared by every request) and one request's own: the
+    LM head's rows of the tokens it has used outside that vocabulary. states [..., hidden] -> logits
+    [..., V], -inf outside both."""
+
+    shared: VocabHead
+    own: VocabHead
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        logits = self.shared(states)  # [..., V]
+        return logits.index_copy_(-1, self.own.ids, self.own.linear(states))
 
 
 class DraftAdapter:
@@ -143,11 +169,15 @@ class DraftAdapter:
         if device.type == "cpu":
             pack_linears(self.layers, half=True, kernels=kernels)
         vocab = layers.vocab
+        self.head = head
+        # the request's own tokens outside the draft vocabulary, in the order they were admitted
+        self.grows = settings.vocab == "request" and vocab is not None and layers.vocab_head is not None
+        self.own = torch.zeros(0, dtype=torch.long, device=device)  # [E] token ids
         with torch.inference_mode(False):
             self.rows = (head if vocab is None else head[vocab.to(device)]).detach().float()  # [K, hidden]
             self.embedding = embedding.detach()
             size = head.shape[0]
-            # token id -> column of `rows` (K: outside the draft vocabulary)
+            # token id -> column of `rows` (rows.shape[0]: outside them)
             self.column_of = torch.full((size + 1,), self.rows.shape[0], dtype=torch.long, device=device)
             known = torch.arange(self.rows.shape[0], device=device)
             self.column_of[known if vocab is None else vocab.to(device)] = known
@@ -171,6 +201,25 @@ class DraftAdapter:
             self._update()
         return time.perf_counter() - started
 
+    def admit(self, tokens: torch.Tensor) -> None:
+        """tokens [n] ids the request has used (its prompt, committed tokens): the adapted copy drafts
+        them too from now on (`vocab="request"`; nothing otherwise)."""
+        if not self.grows:
+            return
+        size = self.rows.shape[0]
+        tokens = tokens.to(self.column_of.device)
+        new = torch.unique(tokens[self.column_of[tokens] == size])  # [n'] ascending
+        if not new.numel():
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            self.rows = torch.cat((self.rows, self.head[new].float()))  # [K + E, hidden]
+            self.column_of[self.column_of == size] = self.rows.shape[0]
+            self.column_of[new] = torch.arange(size, self.rows.shape[0], device=new.device)
+        self.own = torch.cat((self.own, new))
+        shared = self.layers.vocab_head
+        shared = shared.shared if isinstance(shared, RequestVocabHead) else shared
+        self.layers.vocab_head = RequestVocabHead(shared, VocabHead.of(self.own, self.head))
+
     def finish(self) -> None:
         """Wait for a step still running on the side stream (before the request's memory goes)."""
         self._publish()
@@ -192,6 +241,7 @@ class DraftAdapter:
         hidden = torch.cat(self.hidden)[-keep:]  # [N, hidden]
         positions = torch.tensor(self.positions[-keep:], device=hidden.device)  # [N]
         roots = self.history[positions + 1]  # [N]: x[p + 1], what each row's root input reads
+        self.admit(roots)
         windows = self._windows(positions, self.positions[-1])  # [N, W] window columns, or None
         pending = self.pending
         self.hidden, self.positions, self.pending = [hidden[-self.count :]], self.positions[-self.count :], 0
