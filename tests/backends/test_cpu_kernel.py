@@ -83,6 +83,49 @@ def test_kernel_equals_reference(cpu_kernels, heads, kv_heads, head_dim, prefix,
         assert torch.equal(got[:, -1], torch.zeros_like(got[:, -1]))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,prefix",
+    [(9, 3, 64, 5268), (9, 3, 64, 1000), (8, 2, 32, 700), (2, 1, 128, 257), (8, 1, 16, 2000)],
+    ids=["smollm2-5k", "smollm2-1k", "swift-tiny", "head-dim-128", "head-dim-16"],
+)
+def test_a_tree_nodes_row_is_the_ar_steps_bits(cpu_kernels, heads, kv_heads, head_dim, prefix, threads):
+    """A node's attention in a verify is the same bits as the AR step at its position computes, for
+    every tree size (row-count paths, register tiles) and thread count (key ranges cut the same):
+    otherwise, at a near-tie of two tokens' scores, TokenSwift's token could differ from AR's."""
+    generator = torch.Generator().manual_seed(prefix)
+    count = 16
+    query = torch.randn(heads, count, head_dim, generator=generator)
+    keys = torch.randn(kv_heads, prefix + count, head_dim, generator=generator)
+    values = torch.randn(kv_heads, prefix + count, head_dim, generator=generator)
+    scale = 1 / math.sqrt(head_dim)
+    chain = torch.ones(count, count, dtype=torch.bool).tril()  # node t: the AR step at prefix + t
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for t in (0, 1, 5):
+            step = cpu_kernels.tree_attention(
+                query[:, t : t + 1].contiguous(),
+                keys[:, : prefix + t + 1],
+                values[:, : prefix + t + 1],
+                kernels.pack_tree_mask(torch.ones(1, 1, dtype=torch.bool)),
+                scale,
+            )  # [heads, 1, head_dim]
+            for size in (t + 1, t + 2, 4, 12, 16):
+                if size <= t:
+                    continue
+                tree = cpu_kernels.tree_attention(
+                    query[:, :size].contiguous(),
+                    keys[:, : prefix + size],
+                    values[:, : prefix + size],
+                    kernels.pack_tree_mask(chain[:size, :size]),
+                    scale,
+                )
+                assert torch.equal(tree[:, t], step[:, 0]), (t, size)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_rejects_what_it_does_not_cover(cpu_kernels):
     query = torch.randn(4, 2, 24)
     keys = torch.randn(2, 10, 24)

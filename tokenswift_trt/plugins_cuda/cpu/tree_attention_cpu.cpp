@@ -9,10 +9,10 @@
 // when they fit), so each key costs the same vector arithmetic (head_dim multiply-adds for the
 // scores, head_dim for P·V, one vector exp) whether one row or all lanes use it: up to 16 rows
 // (T = 4 with 4 query heads per KV head) a verify's attention costs what one token's does, and
-// reading K/V once is the rest. AVX2 builds (16 registers of 8 floats) take other paths: a row at a
-// time for an AR step, register tiles of up to 6 rows over transposed keys for a verify (run_rows,
-// below); AVX-512 builds take the row-at-a-time path for AR steps too (fewer multiply-adds per key)
-// and 16-key register tiles for most verify passes (attend_range_blocked512; the rule in run_lanes).
+// reading K/V once is the rest. AVX2 builds (16 registers of 8 floats) take register tiles of up to
+// 6 rows over transposed keys (run_rows, below); AVX-512 builds with head_dim a multiple of 32, 16-key
+// register tiles (attend_range_blocked512). Each path computes a row the same way whatever else is in
+// the call, so a verify's rows have the bits of the AR steps at their positions (run_lanes).
 //
 // Work items are (KV head, key range) pairs run in parallel (flash-decoding split over the keys),
 // balanced over the threads, each prefetching its next block of keys and values a line at a time;
@@ -57,8 +57,7 @@ struct Lanes<8> {
 constexpr int kBlock = 32;           // keys per online-softmax update
 constexpr int kChunk = 8;            // head dims held in registers at a time
 constexpr float kMasked = -1.0e30f;  // score of a key the row may not see
-constexpr int64_t kMinKeysPerItem = 256;
-constexpr int64_t kItemsPerThread = 2;  // key ranges per thread, at least (rounding to whole ranges)
+constexpr int64_t kSpan = 512;  // keys per work item (a multiple of kBlock)
 
 struct Item {
     int64_t kv_head;
@@ -66,22 +65,16 @@ struct Item {
     int64_t end;
 };
 
-// Work items: key ranges of each KV head, at least kItemsPerThread per thread and, where possible,
-// a multiple of the thread count (3 KV heads on 2 threads as 3 ranges would leave one thread idle a
-// third of the time), none shorter than kMinKeysPerItem keys; every head has the same number.
+// Work items: each KV head's keys in ranges of kSpan from the first, run in parallel (flash-decoding
+// split) and merged in order. The cuts sit at fixed positions, whatever the cache's length, the tree's
+// size or the thread count: a tree node's row meets its keys in the same ranges, blocks and merge as
+// the AR step at its position (a range past a row's last visible key adds exact zeros), which with the
+// per-row arithmetic below gives it the same bits, so TokenSwift's tokens are AR's.
 std::vector<Item> key_ranges(int64_t kv_heads, int64_t length) {
-    const int64_t threads = at::get_num_threads();
-    int64_t wanted = std::max<int64_t>(1, (kItemsPerThread * threads + kv_heads - 1) / kv_heads);
-    for (int64_t more = 0; more < threads; ++more)
-        if ((kv_heads * (wanted + more)) % threads == 0) {
-            wanted += more;
-            break;
-        }
-    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(wanted, length / kMinKeysPerItem));
-    const int64_t span = ((length + splits - 1) / splits + kBlock - 1) / kBlock * kBlock;
     std::vector<Item> items;
     for (int64_t h = 0; h < kv_heads; ++h)
-        for (int64_t begin = 0; begin < length; begin += span) items.push_back({h, begin, std::min(length, begin + span)});
+        for (int64_t begin = 0; begin < length; begin += kSpan)
+            items.push_back({h, begin, std::min(length, begin + kSpan)});
     return items;
 }
 
@@ -264,25 +257,13 @@ void run(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& valu
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// AVX2 (16 registers of 8 floats) does not take rows in lanes (above), and AVX-512 builds take its
-// row-at-a-time path for AR steps (run_lanes, below): a one-token step of a model
-// with 3 query heads per KV head fills 3 of 8 lanes, and every broadcast key or value element feeds
-// one multiply-add. It has two paths, both with every multiply-add using all 8 lanes:
-//
-// - One query row at a time (attend_range_rows, up to 4 rows per KV head: an AR step), keys and
-//   head dims in the lanes. K/V are read from memory once (the rows share out the next block's
-//   prefetches while they work on this one, which stays in L1 for all of them). Per row and block of 32
-//   keys: 4 x 8 scores, each 8 keys' dot products as 8 accumulators over the head dims reduced by
-//   horizontal adds; the online-softmax update; P·V with 8 output vectors (64 head dims) per pass
-//   over the block's values.
-// - Register tiles of up to 6 rows (attend_range_blocked, 5 rows and more: a verify pass). Each
-//   block's keys are transposed once (head dims first, keys in the lanes) for all rows; a tile's
-//   scores are R rows x 16 keys in 2R accumulators, each dim's key vectors loaded once for the R
-//   rows and each row's query value broadcast once for 16 keys; its P·V R rows x 16 head dims, each
-//   value vector loaded once for the R rows. A row at a time loads a vector per multiply-add, which
-//   with the softmax's bookkeeping held a 4-token verify (12 rows) to ~40% of the two cores'
-//   multiply-add rate on the AVX2 EPYC; SmolLM2's 30 layers at 4,096 keys, T = 4: 16.8 ms with
-//   8-lane row tiles, 12.3 ms with these (docs/runtime.md).
+// AVX2 (16 registers of 8 floats) does not take rows in lanes (above): a one-token step of a model
+// with 3 query heads per KV head would fill 3 of 8 lanes. Register tiles of up to 6 rows
+// (attend_range_blocked) use all 8 lanes: each block's keys are transposed once (head dims first,
+// keys in the lanes) for all rows; a tile's scores are R rows x 16 keys in 2R accumulators, each dim's
+// key vectors loaded once for the R rows and each row's query value broadcast once for 16 keys; its
+// P·V R rows x 16 head dims, each value vector loaded once for the R rows. SmolLM2's 30 layers at
+// 4,096 keys, T = 4: 16.8 ms with 8-lane row tiles, 12.3 ms with these (docs/runtime.md).
 #include <immintrin.h>
 
 #define TOKENSWIFT_ATTENTION_ROWS 1
@@ -356,69 +337,6 @@ inline float softmax_block(float* scores, int count, int64_t start, int64_t pref
     max = new_max;
     sum = sum * correction + horizontal_sum(total);
     return correction;
-}
-
-// Scores of one query row against 8 keys, lane i = q . key[i]; prefetches `ahead` lines (4 per
-// head-dim step: a block's keys in D / 2 steps) when given.
-template <int D>
-inline __m256 scores8(const float* q, const float* const* key, const float* ahead) {
-    __m256 a[8];
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += 8) {
-        if (ahead != nullptr)
-            for (int line = 0; line < 4; ++line) __builtin_prefetch(ahead + (d / 8 * 4 + line) * 16, 0, 2);
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(key[i] + d), a[i]);
-    }
-    // a[i] holds key i's 8 partial sums: pairwise adds leave keys 0-3 and 4-7 split over the halves
-    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
-}
-
-template <int D>
-void attend_range_rows(const float* query,  // [rows, D] of one KV head, scaled
-                       int64_t rows, int64_t tree_tokens, const uint32_t* mask, int64_t words,
-                       const float* keys, const float* values,  // [length, D] of one KV head
-                       int64_t begin, int64_t end, int64_t prefix, RowPartial& out) {
-    constexpr int kGroups = kBlock / 8;
-    constexpr int kOut = D < 64 ? D / 8 : 8;  // output vectors per pass over a block's values
-    out.max.assign(rows, kMasked);
-    out.sum.assign(rows, 0.0f);
-    out.output.assign(rows * D, 0.0f);
-    alignas(32) float scores[kBlock];
-    for (int64_t start = begin; start < end; start += kBlock) {
-        const int count = static_cast<int>(std::min<int64_t>(kBlock, end - start));
-        const float* key_block = keys + start * D;
-        const float* value_block = values + start * D;
-        const float* key[kBlock];  // past the range's end: its last key, scored but masked
-        for (int j = 0; j < kBlock; ++j) key[j] = key_block + std::min(j, count - 1) * D;
-        for (int64_t r = 0; r < rows; ++r) {
-            // the rows share out the next block's prefetches (group g's keys: row g % rows; key j's
-            // values: row j % rows), so that the memory stays busy through all of them
-            for (int g = 0; g < kGroups; ++g)
-                _mm256_store_ps(scores + 8 * g,
-                                scores8<D>(query + r * D, key + 8 * g,
-                                           g % rows == r ? key_block + kBlock * D + g * D * 8 : nullptr));
-            const float correction =
-                softmax_block(scores, count, start, prefix, mask + (r % tree_tokens) * words, out.max[r], out.sum[r]);
-            float* acc = out.output.data() + r * D;
-            const __m256 scale = _mm256_set1_ps(correction);
-            for (int dc = 0; dc < D; dc += 8 * kOut) {  // acc[d] += p_j * v_j[d]
-                __m256 a[kOut];
-                for (int v = 0; v < kOut; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + dc + 8 * v), scale);
-                for (int j = 0; j < count; ++j) {
-                    if (dc == 0 && j % rows == r)  // the next block's values, D / 16 lines per key
-                        for (int line = 0; line < D / 16; ++line)
-                            __builtin_prefetch(value_block + kBlock * D + (j * (D / 16) + line) * 16, 0, 2);
-                    const __m256 weight = _mm256_broadcast_ss(scores + j);
-                    const float* value = value_block + j * D + dc;
-                    for (int v = 0; v < kOut; ++v) a[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * v), a[v]);
-                }
-                for (int v = 0; v < kOut; ++v) _mm256_storeu_ps(acc + dc + 8 * v, a[v]);
-            }
-        }
-    }
 }
 
 // 8 x 8 transpose: r[i] = 8 dims of key i in, 8 keys of dim i out.
@@ -707,7 +625,7 @@ void attend_range_blocked512(const float* query,  // [rows, D] of one KV head, s
 #undef TOKENSWIFT_TILE_CASES
 #endif
 
-template <int D, bool Blocked>
+template <int D>
 void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
               double scale, at::Tensor& output) {
     const int64_t heads = query.size(0), tree_tokens = query.size(1);
@@ -722,15 +640,11 @@ void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor&
 
     const std::vector<Item> items = key_ranges(kv_heads, length);
     std::vector<RowPartial> partials(items.size());
-    const auto attend = [] {  // instantiates only the path taken
-        if constexpr (!Blocked)
-            return attend_range_rows<D>;
+    const auto attend = [] {
 #if defined(__AVX512F__)
-        else
-            return attend_range_blocked512<D>;
+        return attend_range_blocked512<D>;
 #else
-        else
-            return attend_range_blocked<D>;
+        return attend_range_blocked<D>;
 #endif
     }();
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
@@ -765,43 +679,23 @@ void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor&
 }
 #endif
 
-// AVX-512: a row at a time up to 4 rows per KV head, then 16-key register tiles or, where those need
-// more passes over a block (and for head_dim 16), row tiles of 8 or 16 lanes. AVX2: a row at a time,
-// or register tiles from 5 rows per KV head (run_rows). Other vector units: 8-lane row tiles.
+// Every row of a call takes the same path, whatever the row count, so that a verify's row is computed
+// with the arithmetic of the AR step at its position (per row: its scores, softmax and P·V, in the
+// same order): AVX-512 with head_dim a multiple of 32, 16-key register tiles (attend_range_blocked512);
+// other AVX-512 head dims, 16-lane row tiles; AVX2, register tiles of up to 6 rows
+// (attend_range_blocked); other vector units, 8-lane row tiles. A row-at-a-time path for AR steps
+// alone was faster there (on AVX2, 10.2 against 13.9 ms for SmolLM2's 30 layers at 4,096 keys) but
+// summed in another order than the tiles, so at a near-tie TokenSwift's token could differ from AR's.
 template <int D>
 void run_lanes(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tree_mask,
                double scale, at::Tensor& output) {
 #if defined(__AVX512F__)
-    // An AR step (up to 4 rows per KV head) a row at a time with keys in the lanes, as on AVX2: on the
-    // AVX-512 Xeon, 30 SmolLM2 layers for 1 token 8.1 ms at 4,096 keys against 11.8 with 8-lane row
-    // tiles (1.5 against 2.3 at 1,024). From 5 rows, 16-key register tiles of up to 12 rows, unless the
-    // 16-lane row tiles need fewer passes over a block (13-16 rows: one against two). Against the row
-    // tiles, at 1,024 / 2,048 / 4,096 keys (`scripts/cpu_kernels_ab.py --part attention`): T = 2
-    // 0.74 / 0.78 / 0.88 the time, T = 3 0.78 / 0.83 / 0.94, T = 4 0.86 / 0.95 / 1.01; T = 5 (15 rows, two
-    // register tiles) 1.11 / 1.22 / 1.25, hence the rule.
-    const int64_t rows = (query.size(0) / keys.size(0)) * query.size(1);
-    if (rows <= 4) {
-        run_rows<D, false>(query, keys, values, tree_mask, scale, output);
-        return;
-    }
-    if constexpr (D % 32 == 0) {
-        if ((rows + kTileMax512 - 1) / kTileMax512 <= (rows + 15) / 16) {
-            run_rows<D, true>(query, keys, values, tree_mask, scale, output);
-            return;
-        }
-    }
-    if (rows <= 8)
-        run<D, 8>(query, keys, values, tree_mask, scale, output);
+    if constexpr (D % 32 == 0)
+        run_rows<D>(query, keys, values, tree_mask, scale, output);
     else
         run<D, 16>(query, keys, values, tree_mask, scale, output);
 #elif defined(TOKENSWIFT_ATTENTION_ROWS)
-    // a row at a time up to 4 rows per KV head (the blocked path's transposes would cost more than
-    // they save: 13.9 against 10.2 ms for an AR step of SmolLM2 at 4,096 keys), register tiles above
-    const int64_t rows = (query.size(0) / keys.size(0)) * query.size(1);
-    if (rows >= 5)
-        run_rows<D, true>(query, keys, values, tree_mask, scale, output);
-    else
-        run_rows<D, false>(query, keys, values, tree_mask, scale, output);
+    run_rows<D>(query, keys, values, tree_mask, scale, output);
 #else
     run<D, 8>(query, keys, values, tree_mask, scale, output);
 #endif
