@@ -111,8 +111,9 @@ class GenerationConfig:
     # fixed-shape steps through torch.compile (static_step.compiled_forward; implies static steps)
     compile_steps: bool = False
     # each request adapts its own copy of the draft layers to what it commits (model/draft_adaptation.py):
-    # one optimiser step per `adapt_block` committed positions; off by default: on a CPU a step costs 3-18x
-    # what it gains, on a GPU it is not measured yet (docs/smollm2.md#draft-layers-that-keep-up);
+    # one optimiser step per `adapt_block` committed positions; off by default: on a CPU a step costs more
+    # than it gains (adapted runs 0.87-0.93x the static ones' speed at 8K), on a GPU it is not measured yet
+    # (docs/smollm2.md#draft-layers-that-keep-up);
     # the host loop only (the device loop keeps the engine's layers)
     adapt_drafts: bool = False
     adapt_block: int = 16

@@ -657,16 +657,19 @@ void run_rows(const at::Tensor& query, const at::Tensor& keys, const at::Tensor&
         }
     });
 
-    // merge the key ranges of each KV head; a row that sees nothing gives 0
+    // merge the key ranges of each KV head; a row that sees nothing gives 0. Only the ranges up to the
+    // row's own key, as many as the AR step at that key has (-ffast-math may reorder a merge's sums by
+    // its length)
     float* result = output.data_ptr<float>();
     const int64_t per_head = static_cast<int64_t>(items.size()) / kv_heads;
     for (int64_t h = 0; h < kv_heads; ++h)
         for (int64_t row = 0; row < rows; ++row) {
+            const int64_t seen = std::min<int64_t>(per_head, (prefix + row % tree_tokens) / kSpan + 1);
             float best = kMasked;
-            for (int64_t s = 0; s < per_head; ++s) best = std::max(best, partials[h * per_head + s].max[row]);
+            for (int64_t s = 0; s < seen; ++s) best = std::max(best, partials[h * per_head + s].max[row]);
             float total = 0.0f;
             float merged[D] = {};
-            for (int64_t s = 0; s < per_head; ++s) {
+            for (int64_t s = 0; s < seen; ++s) {
                 const RowPartial& part = partials[h * per_head + s];
                 const float weight = std::exp(part.max[row] - best);
                 total += part.sum[row] * weight;
