@@ -1,0 +1,172 @@
+"""Draft-layer acceptance along a long generation, static against adapted, replayed offline.
+
+`record` generates a continuation with AR under the paper's sampling (min-p 0.1, θ 1.2, W 256) and
+keeps its tokens and the target's hidden states (one chunked forward over the whole sequence).
+`replay` walks the recorded positions a block at a time: it drafts every position with the static
+layers or with a request's `DraftAdapter` (model/draft_adaptation.py), ranking drafts with the
+target's own sampling noise as decoding does, and then lets the adapter observe the block, so each
+draft reads only positions before it. Per window of output positions it writes layer 1's chance
+that its draft is the sampled token (the bench's alpha_d1 counts the same event at iteration roots),
+layers 2 and 3's given the depth before, and the share of sampled tokens inside the draft
+vocabulary. A replay takes a minute or two where `bench --compare-adaptation` takes half an hour, so
+it is the place to try adaptation settings; the bench measures the chosen one.
+
+    .venv/bin/python experiments/adaptation_replay.py record --model-dir models/smollm2-135m \\
+        --prompt-file ../shared/corpus/pride_and_prejudice.txt --seed 0 --out /tmp/book-0.pt
+    .venv/bin/python experiments/adaptation_replay.py replay /tmp/book-0.pt --model-dir models/smollm2-135m
+    .venv/bin/python experiments/adaptation_replay.py replay /tmp/book-0.pt --model-dir models/smollm2-135m \\
+        --adapt --vocab draft --lr 1e-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+import tokenswift_trt as ts
+from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
+from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.sampling import SamplingConfig, position_gumbel_rows, process_logits
+
+PAPER = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=256)
+
+
+def record(args: argparse.Namespace) -> None:
+    model = ts.load(model_dir=args.model_dir)
+    prompt = model.codec.encode(args.prompt_file.read_text()[:20000])[: args.prefix_len]
+    result = ts.generate(
+        model,
+        prompt,
+        args.tokens,
+        method="ar",
+        temperature=PAPER.temperature,
+        min_p=PAPER.min_p,
+        penalty=PAPER.penalty,
+        penalty_window=PAPER.penalty_window,
+        seed=args.seed,
+    )
+    ids = torch.tensor(prompt + list(result.token_ids))  # [N]
+    engine, config = model.engine, model.engine.config
+    cache = KVCache(
+        config.num_layers, config.num_kv_heads, config.head_dim, ids.numel(), engine.dtype, engine.device
+    )
+    hidden = []
+    with torch.inference_mode():
+        for start in range(0, ids.numel(), 512):
+            chunk = ids[start : start + 512]
+            positions = torch.arange(start, start + chunk.numel())
+            hidden.append(engine.model(chunk, positions, cache).hidden.float().clone())  # [n, hidden]
+            cache.commit()
+    torch.save(
+        {"ids": ids, "hidden": torch.cat(hidden), "prompt_len": len(prompt), "seed": args.seed}, args.out
+    )
+
+
+def replay(args: argparse.Namespace) -> None:
+    data = torch.load(args.recording)
+    ids, hidden, first, seed = (
+        data["ids"],
+        data["hidden"],
+        data["prompt_len"],
+        data["seed"],
+    )  # [N], [N, hidden]
+    model = ts.load(model_dir=args.model_dir)
+    engine = model.engine
+    torch_model = engine.model.torch_model
+    size = torch_model.lm_head.weight.shape[0]
+    index = torch.arange(size)
+    window = PAPER.penalty_window
+    settings = AdaptationSettings(block=args.block, vocab=args.vocab, lr=args.lr)
+    adapter = DraftAdapter(
+        engine.draft_layers,
+        engine.config,
+        torch_model.model.embed_tokens.weight,
+        torch_model.lm_head.weight,
+        torch_model.model.norm,
+        ids,
+        PAPER,
+        settings,
+        engine.kernels,
+    )
+    adapter.admit(ids[:first])
+    draftable = torch.zeros(size, dtype=torch.bool)
+    draftable[engine.draft_layers.vocab if engine.draft_layers.vocab is not None else index] = True
+
+    def windows(last: torch.Tensor) -> torch.Tensor:  # last [B] -> [B, W]: ids p - W + 1 .. p
+        offsets = torch.arange(window) - (window - 1)
+        return ids[torch.maximum(last[:, None] + offsets, (last - (window - 1)).clamp(min=0)[:, None])]
+
+    hits = []  # per block [B, 3]: layer d's draft at p is x[p + 1 + d]
+    end = ids.numel() - 4
+    for start in range(first - 1, end, args.block):
+        p = torch.arange(start, min(start + args.block, end))  # [B]
+        layers = adapter.layers if args.adapt else engine.draft_layers
+        with torch.inference_mode():
+            logits = engine.model.draft_logits(hidden[p].to(engine.dtype), layers, 3, ids[p + 1])  # [3, B, V]
+            block = []
+            for depth in range(1, 4):
+                target = p + 1 + depth
+                noise = position_gumbel_rows(seed, target.tolist(), index)  # [B, V]
+                scores = process_logits(logits[depth - 1], windows(target - 1), PAPER).double() + noise
+                block.append(scores.argmax(-1) == ids[target])
+            hits.append(torch.stack(block, 1).float())
+        if args.adapt:
+            adapter.observe(start, hidden[p].to(engine.dtype))
+    hits = torch.cat(hits)  # [n, 3]
+    inside = draftable[ids[first + 1 : first + 1 + hits.shape[0]]].float()  # x[p + 2] drafted by layer 1
+    rows = []
+    for low in range(0, hits.shape[0], args.window):
+        part = hits[low : low + args.window]
+        one, two = part[:, 0], part[:, 0] * part[:, 1]
+        rows.append(
+            {
+                "start": low,
+                "alpha_d1": round(one.mean().item(), 4),
+                "alpha_d2": round((two.sum() / one.sum().clamp(min=1)).item(), 4),
+                "alpha_d3": round(((two * part[:, 2]).sum() / two.sum().clamp(min=1)).item(), 4),
+                "in_draft_vocab": round(inside[low : low + args.window].mean().item(), 4),
+            }
+        )
+    report = {
+        "recording": str(args.recording),
+        "adapt": args.adapt,
+        "settings": vars(settings),
+        "windows": rows,
+    }
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    rec = commands.add_parser("record", help="generate with AR and keep tokens and hidden states")
+    rec.add_argument("--model-dir", type=Path, required=True)
+    rec.add_argument("--prompt-file", type=Path, required=True)
+    rec.add_argument("--prefix-len", type=int, default=192)
+    rec.add_argument("--tokens", type=int, default=8000)
+    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--out", type=Path, required=True)
+    rep = commands.add_parser("replay", help="draft the recording static or adapted, per window")
+    rep.add_argument("recording", type=Path)
+    rep.add_argument("--model-dir", type=Path, required=True)
+    rep.add_argument("--adapt", action="store_true", help="adapt the layers as decoding would")
+    rep.add_argument("--block", type=int, default=16)
+    rep.add_argument("--vocab", choices=["request", "draft"], default="request")
+    rep.add_argument("--lr", type=float, default=None)
+    rep.add_argument("--window", type=int, default=256, help="output positions per window")
+    rep.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    record(args) if args.command == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    main()
