@@ -446,7 +446,7 @@ def test_drafted_tokens_count_the_tries_depth_when_ngram_branches_pass_the_tree(
 
     config = GenerationConfig(max_new_tokens=60, sampling=GREEDY, ignore_eos=True, ngram_topk=5, tree="1")
     _, stats = generate(llama_engine64, [5, 6, 7, 8, 9] * 20, config, acceptor=accept_deepest)
-    assert max(depths) == 4 > 1  # a 4-gram branch under a one-level tree
+    assert max(depths) >= 4 > 1  # a 4-gram branch (or a long match's) under a one-level tree
     assert stats.drafted_tokens == sum(depths) and stats.accepted_tokens <= stats.drafted_tokens
     assert stats.acceptance_rate <= 1
     # α by depth: every iteration reaches depth 1, each accepted draft counted at its own depth

@@ -20,6 +20,19 @@ def _naive(tokens: list[int], history: list[int], keys: tuple[int, ...], depth: 
     return []
 
 
+def _naive_substituted(tokens: list[int], history: list[int], keys: tuple[int, ...]) -> tuple[int, int]:
+    """`substituted_match` by brute force: the history without its last token, matched at the most
+    recent earlier window whose next token comes before that last token."""
+    last = len(history) - 1
+    for k in sorted(keys, reverse=True):
+        if last < k:
+            continue
+        for end in range(min(len(tokens) - 1, last - 1), k - 1, -1):
+            if tokens[end - k : end] == history[last - k : last]:
+                return k, end
+    return 0, -1
+
+
 def test_a_repeated_passage_proposes_its_continuation():
     passage = list(range(100, 140))
     index = SuffixIndex(key_lengths=(8, 4))
@@ -73,6 +86,33 @@ def test_incremental_extends_match_brute_force(seed):
         root = rng.randrange(6)
         assert index.continuation(depth=7) == _naive(tokens, tokens, keys, 7)
         assert index.continuation(tokens + [root], depth=7) == _naive(tokens, tokens + [root], keys, 7)
+        assert index.substituted_match() == _naive_substituted(tokens, tokens, keys)
+        assert index.substituted_match(tokens + [root]) == _naive_substituted(tokens, tokens + [root], keys)
+
+
+def test_a_substituted_match_writes_the_new_token_for_the_one_it_replaced():
+    """A schedule whose hour changes on every line: after the new hour, the earlier line's
+    continuation is proposed with its hour written as the new one, where no exact key matches."""
+    index = SuffixIndex(key_lengths=(8,))
+    tail = list(range(5, 15))  # ":30pm: 1000000\n- "-like: no hour in the last 8 before the next one
+    schedule = [90, 2, 3, 90] + tail + [91, 2, 3, 91] + tail
+    index.extend(schedule + [92])  # the next line's hour
+    assert index.match() == (0, -1)
+    length, end = index.substituted_match()
+    assert length == 8 and schedule[end] == 91  # the latest earlier line stands in
+    assert index.propose(remaining=9, min_match=8) == [2, 3, 92] + tail[:5]
+    assert index.propose(remaining=3, min_match=8) == [2, 3]  # the bonus token is the last
+    assert index.propose(remaining=9, min_match=9) == []
+
+
+def test_a_substituted_match_never_points_at_the_last_token_itself():
+    index = SuffixIndex(key_lengths=(3,))
+    index.extend([1, 2, 3, 4, 1, 2, 3, 5])  # without its last token the text ends "1 2 3", seen at 0
+    assert index.substituted_match() == (3, 3)  # the window before "4", not the one before "5"
+    assert index.propose(remaining=9, min_match=3) == [1, 2, 3]  # what followed "4", as deep as the key
+    index = SuffixIndex(key_lengths=(3,))
+    index.extend([7, 1, 2, 3, 5])
+    assert index.substituted_match() == (0, -1)
 
 
 def test_key_lengths_must_be_positive():
@@ -117,6 +157,25 @@ def test_the_gate_closes_after_a_branch_slower_than_ar_steps_and_backs_off():
     assert gate.backoff == first and gate.open(510)
 
 
+def test_the_gate_banks_what_branches_saved_and_stays_open_through_a_miss():
+    from tokenswift_trt.decode.suffix import CREDIT_STEPS, MatchGate
+
+    gate = MatchGate()
+    gate.ar_run(1.0, 10)  # 0.1 s a token
+    gate.branch_run(0, 0.2, 12)  # saved 1.0 s
+    assert gate.credit == pytest.approx(1.0)
+    gate.branch_run(12, 0.12, 1)  # a miss at the first token: 0.02 s lost, carried by the bank
+    assert gate.open(13) and gate.losses == 1 and gate.credit == pytest.approx(0.98)
+    gate.branch_run(13, 0.1, 100)  # the bank is capped
+    assert gate.credit == pytest.approx(CREDIT_STEPS * 0.1)
+    for position in range(200, 200 + 2 * CREDIT_STEPS):  # misses until the bank runs dry
+        gate.branch_run(position, 0.25, 1)
+        if not gate.open(position + 1):
+            break
+    assert not gate.open(position + 1) and gate.credit == 0.0
+    assert position == 200 + int(CREDIT_STEPS * 0.1 / 0.15)  # 0.15 s lost each: the 11th closes
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_tuners_ar_steps_verify_long_matches_and_keep_ars_tokens(
     llama_engine64, monkeypatch, temperature
@@ -143,28 +202,35 @@ def test_the_tuners_ar_steps_verify_long_matches_and_keep_ars_tokens(
 @pytest.mark.parametrize("seed", range(6))
 def test_the_device_form_offers_the_host_forms_branch(seed):
     """`match_tensors` over a history tensor (committed ids, then stale ones) gives the branch
-    `retrieve_suffix` gives from the index: the same tokens, as deep, for any remaining budget."""
+    `retrieve_suffix` gives from the index: the same tokens, as deep, for any remaining budget,
+    from exact and from substituted matches."""
     import torch
 
     from tokenswift_trt.decode.stages import SUFFIX_MIN_MATCH
-    from tokenswift_trt.decode.suffix import MAX_DEPTH, following, match_tensors
+    from tokenswift_trt.decode.suffix import MAX_DEPTH, match_tensors
 
     generator = torch.Generator().manual_seed(seed)
     vocab = [2, 3, 50][seed % 3]  # small vocabularies repeat by chance too
+    offered_substituted = 0
     for _ in range(20):
         count = int(torch.randint(1, 90, (1,), generator=generator))
         tokens = torch.randint(0, vocab, (count,), generator=generator).tolist()
+        start = int(torch.randint(0, count, (1,), generator=generator))
+        stretch = tokens[start : start + 40]
         if seed % 2:  # a repeated stretch, then a few tokens of it again
-            start = int(torch.randint(0, count, (1,), generator=generator))
-            tokens += tokens[start : start + 40] + tokens[start : start + 9]
-            count = len(tokens)
+            tokens += stretch + stretch[:9]
+        elif len(stretch) > 9:  # the same, then a token standing in for the stretch's tenth
+            tokens += stretch + stretch[:9] + [stretch[9] + 1]
+        count = len(tokens)
         remaining = int(torch.randint(1, 40, (1,), generator=generator))
         index = SuffixIndex()
         index.extend(tokens)
-        length, end = index.match()
-        expected = following(tokens, end, min(length, remaining - 1)) if length >= SUFFIX_MIN_MATCH else []
+        expected = index.propose(remaining, SUFFIX_MIN_MATCH)
+        substituted_only = not index.match()[0] >= SUFFIX_MIN_MATCH and expected
+        offered_substituted += bool(substituted_only)
         history = torch.cat((torch.tensor(tokens), torch.randint(0, vocab, (64,), generator=generator)))
         ids, valid = match_tensors(history, torch.tensor(count), torch.tensor(remaining))
         assert ids.shape == valid.shape == (MAX_DEPTH,)
         depth = int(valid.sum())
         assert valid[:depth].all() and ids[:depth].tolist() == expected
+    assert offered_substituted > 0 or seed % 2  # even seeds build substituted matches

@@ -40,3 +40,37 @@ def test_greedy_tokenswift_equals_transformers_generate_for_256_tokens():
     ours, stats = generate(engine, prompt, config)
     assert ours == load_reference(directory)(prompt, 256)
     assert stats.accepted_tokens > 0 and stats.iterations < 256  # the draft layers were used
+
+
+@pytest.mark.slow
+def test_a_schedule_is_drafted_by_substituted_matches_and_keeps_ars_tokens(monkeypatch):
+    """SmolLM2 writes a schedule whose hour changes on every line: the line before, with its hour
+    written as the new one (`suffix.substituted`), is offered and accepted whole, and the tokens
+    stay AR's."""
+    from tokenswift_trt.decode import suffix
+
+    directory, heads = _prepared()
+    engine = load_engine(directory, heads_file=heads)
+    codec = TextCodec.from_dir(directory)
+    prompt = codec.encode(
+        "Write the town council's weekly notice for the residents of Millbrook. Each week the notice "
+        "lists the road works, the bin collection days and the library opening hours.\n\nNotice, week 1:\n"
+    )
+    offered: list[tuple[int, list[int]]] = []  # (committed length, branch)
+
+    def recording(history, end, depth):
+        branch = substituted(history, end, depth)
+        offered.append((len(history), branch))
+        return branch
+
+    substituted = suffix.substituted
+    monkeypatch.setattr(suffix, "substituted", recording)
+    settings = dict(max_new_tokens=240, sampling=SamplingConfig(temperature=0, penalty=1.0), ignore_eos=True)
+    config = GenerationConfig(tree="1,1,1", ngram_topk=1, draft_source="verify", **settings)
+    ours, stats = generate(engine, prompt, config)
+    ar, _ = generate(engine, prompt, GenerationConfig(method="ar", **settings))
+    assert ours == ar
+    text = prompt + ours
+    whole = [b for at, b in offered if len(b) >= 8 and text[at : at + len(b)] == b]
+    assert len(whole) >= 3, offered  # a line's worth at a time, several times
+    assert stats.iterations < len(ours) / 4

@@ -31,7 +31,7 @@ import torch
 
 from tokenswift_trt.decode.ngram import NgramTable
 from tokenswift_trt.decode.static_step import StaticForward
-from tokenswift_trt.decode.suffix import SuffixIndex, following
+from tokenswift_trt.decode.suffix import SuffixIndex
 from tokenswift_trt.decode.tree import Candidates, StaticTree, Trie, TrieTensors
 from tokenswift_trt.kernels.transfer import copy_from_host, to_device
 from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths, reads_root
@@ -467,16 +467,14 @@ def path_candidates(
 
 
 def retrieve_suffix(state: DecodeState, remaining: int) -> list[int]:
-    """What followed the longest earlier match of the committed text's end (root included), when that
-    match is at least `SUFFIX_MIN_MATCH` tokens long (shorter ones are the 4-grams' work): as many
-    tokens as matched, at most `remaining` - 1 (the bonus token is the last). [] when off or none."""
+    """What followed the longest earlier match of the committed text's end (root included), or of a
+    substituted match (`suffix.SuffixIndex.propose`), when that match is at least `SUFFIX_MIN_MATCH`
+    tokens long (shorter ones are the 4-grams' work): as many tokens as matched, at most `remaining` - 1
+    (the bonus token is the last). [] when off or none."""
     if state.suffix is None:
         return []
     state.suffix.extend(state.tokens[len(state.suffix.tokens) :])  # every path appends to `tokens`
-    length, end = state.suffix.match()
-    if length < SUFFIX_MIN_MATCH:
-        return []
-    return following(state.suffix.tokens, end, min(length, remaining - 1))
+    return state.suffix.propose(remaining, SUFFIX_MIN_MATCH)
 
 
 def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> list[tuple[int, ...]]:
