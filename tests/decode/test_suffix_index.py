@@ -157,6 +157,19 @@ def test_the_gate_closes_after_a_branch_slower_than_ar_steps_and_backs_off():
     assert gate.backoff == first and gate.open(510)
 
 
+def test_the_loop_looks_after_every_step_for_a_while_after_a_branch_that_paid():
+    from tokenswift_trt.decode.suffix import HOT_TOKENS, LOOKUP_EVERY, MatchGate
+
+    gate = MatchGate()
+    gate.ar_run(1.0, 10)  # 0.1 s a token
+    assert gate.every(0) == LOOKUP_EVERY > 1
+    gate.branch_run(100, 0.2, 12)  # paid
+    assert gate.every(112) == gate.every(112 + HOT_TOKENS - 1) == 1
+    assert gate.every(112 + HOT_TOKENS) == LOOKUP_EVERY
+    gate.branch_run(150, 0.3, 1)  # a miss keeps the window where it was
+    assert gate.every(112 + HOT_TOKENS) == LOOKUP_EVERY
+
+
 def test_the_gate_banks_what_branches_saved_and_stays_open_through_a_miss():
     from tokenswift_trt.decode.suffix import CREDIT_STEPS, MatchGate
 

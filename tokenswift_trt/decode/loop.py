@@ -636,10 +636,11 @@ def _ar_steps(
     steps: int,
     phase: str,
     look: Callable[[], list[int]] | None = None,
+    every: int = LOOKUP_EVERY,
 ) -> Generator[Stats, None, ArSteps]:
     """Up to `steps` plain AR steps (`--method ar`'s loop; `--tree auto` runs the same between its
-    decisions), ending early at a stop token or the limit, or where `look` (asked every LOOKUP_EVERY
-    steps) finds a long match's branch; returns what the tuner needs of them, and that branch."""
+    decisions), ending early at a stop token or the limit, or where `look` (asked every `every` steps)
+    finds a long match's branch; returns what the tuner needs of them, and that branch."""
     out, seconds, count, done, branch = None, 0.0, 0, False, []
     while not done and count < steps and not branch:
         tick = time.perf_counter()
@@ -659,7 +660,7 @@ def _ar_steps(
         yield stats
         seconds, count = seconds + step_s, count + 1
         done = token in state.stop_tokens or len(state.tokens) >= state.limit
-        if look is not None and count % LOOKUP_EVERY == 0 and not done:
+        if look is not None and count % every == 0 and not done:
             branch = look()
     assert out is not None
     return ArSteps(out, seconds, count, done, branch)
@@ -742,7 +743,10 @@ def _tokenswift_loop(
             branch = look() if branch_before else []
             if not branch:
                 watch = look if state.suffix is not None else None
-                run = yield from _ar_steps(engine, state, stats, started, on_tokens, steps, "ar_step", watch)
+                every = gate.every(new_tokens())
+                run = yield from _ar_steps(
+                    engine, state, stats, started, on_tokens, steps, "ar_step", watch, every
+                )
                 gate.ar_run(run.seconds, run.steps)
                 assert run.out.queries is not None
                 state.queries, last_hidden, last_draft_logits = (

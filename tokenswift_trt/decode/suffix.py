@@ -172,9 +172,10 @@ def match_tensors(
 
 
 # Between AR steps (`--tree auto` settled on them) the loop looks for a long match every
-# `LOOKUP_EVERY` steps (a few dict reads against a forward) and verifies its branch when one is found,
-# while that pays
-LOOKUP_EVERY = 1
+# `LOOKUP_EVERY` steps, after every step for `HOT_TOKENS` tokens after a branch that paid (the text is
+# repeating), and verifies a branch when one is found, while that pays
+LOOKUP_EVERY = 8
+HOT_TOKENS = 256
 BACKOFF_TOKENS = (32, 4096)  # a branch that did not pay: no lookups for this many tokens, doubling to the cap
 CREDIT_STEPS = 16  # the time branches saved is banked up to this many AR steps' worth
 
@@ -187,17 +188,22 @@ class MatchGate:
     the gate closes for `backoff` tokens, doubling after each closing in a row; an iteration that
     pays on its own resets the backoff. A text that repeats with a change (a schedule's next hour)
     has branches that miss at its first token between branches that commit a line: the bank carries
-    them."""
+    them, and after a branch that paid the loop looks after every AR step (`every`)."""
 
     ar_s_per_token: float | None = None  # the last AR run's
     closed_until: int = 0  # new-token count before which no lookup is made
     backoff: int = BACKOFF_TOKENS[0]
     credit: float = 0.0  # seconds branches saved, net, capped
+    hot_until: int = 0  # new-token count before which the loop looks after every step
     wins: int = 0
     losses: int = 0
 
     def open(self, position: int) -> bool:
         return position >= self.closed_until
+
+    def every(self, position: int) -> int:
+        """AR steps between lookups from `position` on."""
+        return 1 if position < self.hot_until else LOOKUP_EVERY
 
     def ar_run(self, seconds: float, steps: int) -> None:
         if steps:
@@ -212,6 +218,7 @@ class MatchGate:
         self.credit = min(self.credit + saved, CREDIT_STEPS * self.ar_s_per_token)
         if saved >= 0:
             self.wins, self.backoff = self.wins + 1, BACKOFF_TOKENS[0]
+            self.hot_until = position + tokens + HOT_TOKENS
             return
         self.losses += 1
         if self.credit < 0:
