@@ -80,7 +80,7 @@ def replay(args: argparse.Namespace) -> None:
     size = torch_model.lm_head.weight.shape[0]
     index = torch.arange(size)
     window = PAPER.penalty_window
-    settings = AdaptationSettings(block=args.block, vocab=args.vocab, lr=args.lr)
+    settings = AdaptationSettings(block=args.block, span=args.span, vocab=args.vocab, lr=args.lr)
     adapter = DraftAdapter(
         engine.draft_layers,
         engine.config,
@@ -158,6 +158,7 @@ def main() -> None:
     rep.add_argument("--model-dir", type=Path, required=True)
     rep.add_argument("--adapt", action="store_true", help="adapt the layers as decoding would")
     rep.add_argument("--block", type=int, default=16)
+    rep.add_argument("--span", type=int, default=AdaptationSettings.span)
     rep.add_argument("--vocab", choices=["request", "draft"], default="request")
     rep.add_argument("--lr", type=float, default=None)
     rep.add_argument("--window", type=int, default=256, help="output positions per window")

@@ -156,6 +156,35 @@ def test_steps_on_a_block_bring_the_drafts_towards_the_target(rooted_engine64, s
     assert loss() < start - 1e-3
 
 
+def test_each_step_trains_on_the_newest_span_positions(rooted_engine64, monkeypatch):
+    """A step every `adapt_block` positions reads the newest `adapt_span` of them (fewer while fewer
+    are committed), plus the `count` before them that deeper layers' targets reach back over."""
+    engine = rooted_engine64
+    config = GenerationConfig(
+        max_new_tokens=8, sampling=PAPER, adapt_drafts=True, adapt_block=8, adapt_span=24
+    )
+    state, hidden = _block(engine, config, length=64)
+    adapter = new_adapter(engine, state, config)
+    steps: list[tuple[int, int, torch.Tensor]] = []  # (rows, target rows, newest row)
+    monkeypatch.setattr(
+        adapter, "_step", lambda rows, roots, windows, pending: steps.append((len(rows), pending, rows[-1]))
+    )
+    for start in range(8, 56, 8):
+        adapter.observe(start, hidden[start : start + 8])
+    count = adapter.count
+    assert count > 1  # the rooted test engine's chain of layers
+    assert [(rows, targets) for rows, targets, _ in steps] == [
+        (8, 8),
+        (16, 16),
+        (24, 24),
+        (24 + count, 24),
+        (24 + count, 24),
+        (24 + count, 24),
+    ]
+    for (_, _, newest), start in zip(steps, range(8, 56, 8), strict=True):
+        assert torch.equal(newest, hidden[start + 7].float())
+
+
 @pytest.mark.parametrize("vocab", ["request", "draft"])
 def test_the_request_vocabulary_drafts_the_requests_own_tokens(vocab_engine64, vocab):
     """With a draft vocabulary (every third id), the adapted copy drafts the prompt's tokens outside it
@@ -206,6 +235,7 @@ def test_off_by_default_and_never_for_ar(llama_engine64):
     "bad, message",
     [
         (dict(adapt_block=0), "block"),
+        (dict(adapt_span=0), "span"),
         (dict(adapt_scope="norms"), "scope"),
         (dict(adapt_optimizer="lion"), "optimiser"),
         (dict(adapt_lr=2.0), "learning rate"),

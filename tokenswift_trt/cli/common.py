@@ -299,6 +299,12 @@ def sampling_options(function):
                 "--adapt-block", type=int, default=None, help="committed positions per adaptation step [16]"
             ),
             click.option(
+                "--adapt-span",
+                type=int,
+                default=None,
+                help="newest committed positions each adaptation step trains on [64]",
+            ),
+            click.option(
                 "--adapt-scope",
                 type=click.Choice(["all", "layer1"]),
                 default=None,

@@ -111,12 +111,14 @@ class GenerationConfig:
     # fixed-shape steps through torch.compile (static_step.compiled_forward; implies static steps)
     compile_steps: bool = False
     # each request adapts its own copy of the draft layers to what it commits (model/draft_adaptation.py):
-    # one optimiser step per `adapt_block` committed positions; off by default: on a CPU a step costs more
-    # than it gains (adapted runs 0.87-0.93x the static ones' speed at 8K), on a GPU it is not measured yet
+    # one optimiser step per `adapt_block` committed positions, over the newest `adapt_span`; off by
+    # default: on a CPU a step costs more than it gains (adapted runs 0.87-0.93x the static ones' speed
+    # at 8K), on a GPU it is not measured yet
     # (docs/smollm2.md#draft-layers-that-keep-up);
     # the host loop only (the device loop keeps the engine's layers)
     adapt_drafts: bool = False
     adapt_block: int = 16
+    adapt_span: int = 64  # each step trains on the newest this many committed positions
     adapt_scope: str = "all"  # "all": every draft-layer parameter; "layer1": layer 1 and the root input
     adapt_optimizer: str = "adam"  # "adam" or "sgd"
     adapt_lr: float | None = None  # None: 3e-4 with Adam, 3e-2 with SGD
@@ -157,7 +159,12 @@ class GenerationConfig:
     @property
     def adaptation(self) -> AdaptationSettings:
         return AdaptationSettings(
-            self.adapt_block, self.adapt_scope, self.adapt_optimizer, self.adapt_lr, self.adapt_vocab
+            block=self.adapt_block,
+            span=self.adapt_span,
+            scope=self.adapt_scope,
+            optimizer=self.adapt_optimizer,
+            lr=self.adapt_lr,
+            vocab=self.adapt_vocab,
         )
 
     @property

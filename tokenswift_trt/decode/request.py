@@ -36,6 +36,7 @@ SPEED_ONLY = (
     "memory_budget",
     "adapt_drafts",
     "adapt_block",
+    "adapt_span",
     "adapt_scope",
     "adapt_optimizer",
     "adapt_lr",

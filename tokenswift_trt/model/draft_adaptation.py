@@ -2,11 +2,11 @@
 
 Over a long generation the text drifts away from what the draft layers were trained on and their
 acceptance decays (on SmolLM2-135M from 0.41 in the first 1K tokens to 0.34 in the fourth,
-docs/smollm2.md). Verification already computes everything a training step needs at every
-committed position p: the target's final hidden state h_p (the verify pass's row of the root or
-of an accepted node) and the token x[p + 1] sampled there. A `DraftAdapter` keeps the newest
-committed positions and, every `block` of them, takes one optimiser step on its own copy of the
-draft layers with the "sampled" loss of `train-heads` (training/train_heads.py): layer i at
+docs/smollm2.md). Verification already computes everything a training step needs at every committed
+position p: the target's final hidden state h_p (the verify pass's row of the root or of an accepted
+node) and the token x[p + 1] sampled there. A `DraftAdapter` keeps the newest committed positions
+and, every `block` of them, takes one optimiser step over the newest `span` of them on its own copy
+of the draft layers with the "sampled" loss of `train-heads` (training/train_heads.py): layer i at
 position p, reading h_p and the root x[p + 1], is scored by cross-entropy against the target's
 processed distribution of x[p + 1 + i] (the contextual penalty over that position's window, then
 temperature, top-k/p, min-p, η, as sampling applies them; within the draft vocabulary when the
@@ -60,6 +60,7 @@ class AdaptationSettings:
     """How a request adapts its draft layers (the defaults are what the offline replay measured)."""
 
     block: int = 16  # committed positions per optimiser step (one step per block)
+    span: int = 64  # each step trains on the newest `span` committed positions (at least the block's)
     scope: str = "all"  # SCOPES
     optimizer: str = "adam"  # OPTIMIZERS
     lr: float | None = None  # None: DEFAULT_LR of the optimiser
@@ -69,6 +70,8 @@ class AdaptationSettings:
         """Raise ValueError naming the bad value."""
         if self.block < 1:
             raise ValueError(f"the adaptation block must be at least 1 position, got {self.block}")
+        if self.span < 1:
+            raise ValueError(f"the adaptation span must be at least 1 position, got {self.span}")
         if self.scope not in SCOPES:
             raise ValueError(f"adaptation scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -235,16 +238,18 @@ class DraftAdapter:
                 live.copy_(master)
 
     def _update(self) -> None:
-        """One optimiser step on the pending positions (and the `count` before them that deeper
-        layers' targets reach back over)."""
-        keep = self.pending + self.count
-        hidden = torch.cat(self.hidden)[-keep:]  # [N, hidden]
+        """One optimiser step on the newest `span` positions, at least the pending ones (and the
+        `count` before them that deeper layers' targets reach back over)."""
+        train = max(self.pending, self.settings.span)
+        hidden = torch.cat(self.hidden)[-(train + self.count) :]  # [N, hidden]
+        keep = hidden.shape[0]
         positions = torch.tensor(self.positions[-keep:], device=hidden.device)  # [N]
         roots = self.history[positions + 1]  # [N]: x[p + 1], what each row's root input reads
         self.admit(roots)
         windows = self._windows(positions, self.positions[-1])  # [N, W] window columns, or None
-        pending = self.pending
-        self.hidden, self.positions, self.pending = [hidden[-self.count :]], self.positions[-self.count :], 0
+        pending = min(train, keep)  # rows whose distributions are targets, the newest
+        hold = self.settings.span + self.count  # what the next step reads of these
+        self.hidden, self.positions, self.pending = [hidden[-hold:]], self.positions[-hold:], 0
         self.updates += 1
         if self.side_stream is None:
             self._step(hidden, roots, windows, pending)
