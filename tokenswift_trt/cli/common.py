@@ -302,7 +302,7 @@ def sampling_options(function):
                 "--adapt-span",
                 type=int,
                 default=None,
-                help="newest committed positions each adaptation step trains on [64]",
+                help="newest committed positions each adaptation step trains on [16]",
             ),
             click.option(
                 "--adapt-scope",

@@ -118,7 +118,7 @@ class GenerationConfig:
     # the host loop only (the device loop keeps the engine's layers)
     adapt_drafts: bool = False
     adapt_block: int = 16
-    adapt_span: int = 64  # each step trains on the newest this many committed positions
+    adapt_span: int = 16  # each step trains on the newest this many committed positions
     adapt_scope: str = "all"  # "all": every draft-layer parameter; "layer1": layer 1 and the root input
     adapt_optimizer: str = "adam"  # "adam" or "sgd"
     adapt_lr: float | None = None  # None: 3e-4 with Adam, 3e-2 with SGD

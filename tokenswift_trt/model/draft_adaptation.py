@@ -60,7 +60,7 @@ class AdaptationSettings:
     """How a request adapts its draft layers (the defaults are what the offline replay measured)."""
 
     block: int = 16  # committed positions per optimiser step (one step per block)
-    span: int = 64  # each step trains on the newest `span` committed positions (at least the block's)
+    span: int = 16  # each step trains on the newest `span` committed positions (at least the block's)
     scope: str = "all"  # SCOPES
     optimizer: str = "adam"  # OPTIMIZERS
     lr: float | None = None  # None: DEFAULT_LR of the optimiser
