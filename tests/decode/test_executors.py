@@ -75,6 +75,25 @@ def test_both_executors_offer_the_same_long_matches(llama_engine64, sampling):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
+def test_both_executors_offer_the_same_substituted_match(llama_engine64, sampling):
+    """A prompt that repeats a passage after a token that a different one now follows: the first
+    iteration's text matches only without its last token (the root), so both executors offer the
+    substituted match's branch, 8 deep (past the tree's 3 levels), and commit AR's tokens."""
+    passage, stand_in = list(range(5, 17)), 50
+    prompt = passage + [stand_in] + list(range(17, 31)) + passage
+    # 10 tokens: only the first iteration has room for a branch 8 deep (the bonus token is the last)
+    base = dict(max_new_tokens=10, sampling=sampling, seed=7, ignore_eos=True)
+    ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
+    assert ar[0] != stand_in  # the root stands in for it: no exact match
+    config = GenerationConfig(**base, tree="1,1,1", ngram_topk=2, draft_source="verify")
+    host, host_stats = _iterations(llama_engine64, prompt, replace(config, device_loop=False))
+    device, device_stats = _iterations(llama_engine64, prompt, replace(config, device_loop=True))
+    assert device == host and sum(host, []) == ar
+    assert device_stats.reached_by_depth == host_stats.reached_by_depth
+    assert len(host_stats.reached_by_depth) == 8  # the first iteration offered the 8-deep branch
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
 def test_both_executors_stop_at_a_stop_token_and_at_the_limit_in_the_same_iteration(llama_engine64, sampling):
     prompt = _prompt(llama_engine64.config.vocab_size, 5)
     base = dict(max_new_tokens=100, sampling=sampling, seed=6, ignore_eos=True)
