@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 import tokenswift_trt as ts
-from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
+from tokenswift_trt.decode.loop import engine_adapter
+from tokenswift_trt.model.draft_adaptation import AdaptationSettings
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig, position_gumbel_rows, process_logits
 
@@ -76,23 +77,11 @@ def replay(args: argparse.Namespace) -> None:
     )  # [N], [N, hidden]
     model = ts.load(model_dir=args.model_dir)
     engine = model.engine
-    torch_model = engine.model.torch_model
-    size = torch_model.lm_head.weight.shape[0]
+    size = engine.model.torch_model.lm_head.weight.shape[0]
     index = torch.arange(size)
     window = PAPER.penalty_window
     settings = AdaptationSettings(block=args.block, span=args.span, vocab=args.vocab, lr=args.lr)
-    adapter = DraftAdapter(
-        engine.draft_layers,
-        engine.config,
-        torch_model.model.embed_tokens.weight,
-        torch_model.lm_head.weight,
-        torch_model.model.norm,
-        ids,
-        PAPER,
-        settings,
-        engine.kernels,
-    )
-    adapter.admit(ids[:first])
+    adapter = engine_adapter(engine, ids, first, PAPER, settings)
     draftable = torch.zeros(size, dtype=torch.bool)
     draftable[engine.draft_layers.vocab if engine.draft_layers.vocab is not None else index] = True
 

@@ -489,6 +489,18 @@ def decode_steps(
 
 def new_adapter(engine: Engine, state: DecodeState, config: GenerationConfig) -> DraftAdapter:
     """A `DraftAdapter` over a copy of the engine's draft layers, reading the request's history."""
+    return engine_adapter(engine, state.history, len(state.tokens), config.sampling, config.adaptation)
+
+
+def engine_adapter(
+    engine: Engine,
+    history: torch.Tensor,  # [capacity] ids: the prompt, then what is committed
+    used: int,  # ids of `history` already there (the prompt's): drafted from the start
+    sampling: SamplingConfig,
+    settings: AdaptationSettings,
+) -> DraftAdapter:
+    """A `DraftAdapter` over a copy of the engine's draft layers and its frozen LM head, embedding and
+    final norm, reading `history`."""
     model = engine.model.torch_model
     if isinstance(model.lm_head, VocabParallelHead):  # the adapter's loss reads every row of the head
         raise GenerationError(
@@ -501,12 +513,12 @@ def new_adapter(engine: Engine, state: DecodeState, config: GenerationConfig) ->
         model.model.embed_tokens.weight,
         model.lm_head.weight,
         model.model.norm,
-        state.history,
-        config.sampling,
-        config.adaptation,
+        history,
+        sampling,
+        settings,
         engine.kernels,
     )
-    adapter.admit(state.history[: len(state.tokens)])  # the prompt's tokens
+    adapter.admit(history[:used])
     return adapter
 
 
