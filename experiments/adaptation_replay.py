@@ -7,9 +7,11 @@ layers or with a request's `DraftAdapter` (model/draft_adaptation.py), ranking d
 target's own sampling noise as decoding does, and then lets the adapter observe the block, so each
 draft reads only positions before it. Per window of output positions it writes layer 1's chance
 that its draft is the sampled token (the bench's alpha_d1 counts the same event at iteration roots),
-layers 2 and 3's given the depth before, and the share of sampled tokens inside the draft
-vocabulary. A replay takes a minute or two where `bench --compare-adaptation` takes half an hour, so
-it is the place to try adaptation settings; the bench measures the chosen one.
+layers 2 and 3's given the depth before, the share of sampled tokens inside the draft
+vocabulary, and the target's own top-1 probability at layer 1's position (how predictable the text
+is there: a drafter that always proposed the target's most likely token would be accepted that
+often). A replay takes a minute or two where `bench --compare-adaptation` takes half an hour, so it
+is the place to try adaptation settings; the bench measures the chosen one.
 
     .venv/bin/python experiments/adaptation_replay.py record --model-dir models/smollm2-135m \\
         --prompt-file ../shared/corpus/pride_and_prejudice.txt --seed 0 --out /tmp/book-0.pt
@@ -89,11 +91,18 @@ def replay(args: argparse.Namespace) -> None:
         offsets = torch.arange(window) - (window - 1)
         return ids[torch.maximum(last[:, None] + offsets, (last - (window - 1)).clamp(min=0)[:, None])]
 
-    hits = []  # per block [B, 3]: layer d's draft at p is x[p + 1 + d]
     end = ids.numel() - 4
+    for _ in range(args.hindsight):  # adapt over the whole text first; measure the result frozen
+        for start in range(first - 1, end, args.block):
+            if args.hold_out_odd and (start - first + 1) // args.window % 2:
+                continue
+            p = torch.arange(start, min(start + args.block, end))  # [B]
+            adapter.observe(start, hidden[p].to(engine.dtype))
+    hits = []  # per block [B, 3]: layer d's draft at p is x[p + 1 + d]
+    peaks = []  # per block [B]: the target's top-1 probability at p + 2
     for start in range(first - 1, end, args.block):
         p = torch.arange(start, min(start + args.block, end))  # [B]
-        layers = adapter.layers if args.adapt else engine.draft_layers
+        layers = adapter.layers if args.adapt or args.hindsight else engine.draft_layers
         with torch.inference_mode():
             logits = engine.model.draft_logits(hidden[p].to(engine.dtype), layers, 3, ids[p + 1])  # [3, B, V]
             block = []
@@ -103,9 +112,13 @@ def replay(args: argparse.Namespace) -> None:
                 scores = process_logits(logits[depth - 1], windows(target - 1), PAPER).double() + noise
                 block.append(scores.argmax(-1) == ids[target])
             hits.append(torch.stack(block, 1).float())
+            # the target's own distribution at p + 2 (what layer 1 drafts): its top-1 probability
+            logits = engine.model.logits(hidden[p + 1].to(engine.dtype))  # [B, V]
+            target = process_logits(logits, windows(p + 1), PAPER)
+            peaks.append(torch.softmax(target.double(), -1).amax(-1))  # [B]
         if args.adapt:
             adapter.observe(start, hidden[p].to(engine.dtype))
-    hits = torch.cat(hits)  # [n, 3]
+    hits, peaks = torch.cat(hits), torch.cat(peaks)  # [n, 3], [n]
     inside = draftable[ids[first + 1 : first + 1 + hits.shape[0]]].float()  # x[p + 2] drafted by layer 1
     rows = []
     for low in range(0, hits.shape[0], args.window):
@@ -118,11 +131,14 @@ def replay(args: argparse.Namespace) -> None:
                 "alpha_d2": round((two.sum() / one.sum().clamp(min=1)).item(), 4),
                 "alpha_d3": round(((two * part[:, 2]).sum() / two.sum().clamp(min=1)).item(), 4),
                 "in_draft_vocab": round(inside[low : low + args.window].mean().item(), 4),
+                "target_top1": round(peaks[low : low + args.window].mean().item(), 4),
             }
         )
     report = {
         "recording": str(args.recording),
         "adapt": args.adapt,
+        "hindsight": args.hindsight,
+        "hold_out_odd": args.hold_out_odd,
         "settings": vars(settings),
         "windows": rows,
     }
@@ -130,6 +146,28 @@ def replay(args: argparse.Namespace) -> None:
     if args.out:
         args.out.write_text(text)
     print(text)
+
+
+def summarize(args: argparse.Namespace) -> None:
+    """A markdown row per replay: layer 1 per 2K of output (8 windows of 256), the fall from the
+    first 2K to the last, the same over the odd windows only (those a --hold-out-odd replay never
+    adapted on), and the windows where it beats the first replay given (the committed layers)."""
+    reports = [json.loads(path.read_text()) for path in args.replays]
+    base = [row["alpha_d1"] for row in reports[0]["windows"]]
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    for path, report in zip(args.replays, reports):
+        alpha = [row["alpha_d1"] for row in report["windows"]]  # per window
+        quarters = [mean(alpha[low : low + 8]) for low in range(0, len(alpha), 8)]
+        odd = [a if i % 2 else None for i, a in enumerate(alpha)]
+        first = mean([a for a in odd[:8] if a is not None])
+        last = mean([a for a in odd[-8:] if a is not None])
+        won = sum(a > b for a, b in zip(alpha, base))
+        cells = [path.stem, *(f"{q:.3f}" for q in quarters), f"{mean(alpha):.3f}"]
+        cells += [f"{quarters[-1] - quarters[0]:+.3f}", f"{last - first:+.3f}", f"{won} of {len(alpha)}"]
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -146,16 +184,30 @@ def main() -> None:
     rep.add_argument("recording", type=Path)
     rep.add_argument("--model-dir", type=Path, required=True)
     rep.add_argument("--adapt", action="store_true", help="adapt the layers as decoding would")
+    rep.add_argument(
+        "--hindsight",
+        type=int,
+        default=0,
+        help="adapt over the whole recording this many times first, then measure those layers frozen "
+        "(not causal: how well the text can be drafted at each position by layers that saw all of it)",
+    )
+    rep.add_argument(
+        "--hold-out-odd",
+        action="store_true",
+        help="with --hindsight: adapt on the even windows only, so the odd ones are drafted unseen",
+    )
     rep.add_argument("--block", type=int, default=16)
     rep.add_argument("--span", type=int, default=AdaptationSettings.span)
     rep.add_argument("--vocab", choices=["request", "draft"], default="request")
     rep.add_argument("--lr", type=float, default=None)
     rep.add_argument("--window", type=int, default=256, help="output positions per window")
     rep.add_argument("--out", type=Path, default=None)
+    summary = commands.add_parser("summarize", help="markdown rows of replays (the first: the baseline)")
+    summary.add_argument("replays", type=Path, nargs="+")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    record(args) if args.command == "record" else replay(args)
+    {"record": record, "replay": replay, "summarize": summarize}[args.command](args)
 
 
 if __name__ == "__main__":
