@@ -10,9 +10,10 @@ models/smollm2-135m), SmolLM2-135M with its committed draft layers end to end (A
 taking turns through the device loop, tree 3,3,3 with 4 n-gram branches; paper sampling in bf16
 first), the 8B shape's AR step and iteration at 4K-98K prompt tokens (random weights), `model` (the
 ~94K-token generation modeled from those times at the trie's cap and at the τ measured on SmolLM2,
-never above the cap), swift-tiny end to end, SmolLM2's iteration phase by phase, the GPU tests, then
-greedy and float32 variants, the 100-slot trie, and `tp` (swift-tiny on one GPU and on two
-tensor-parallel ranks, compared; skipped with fewer than 2 GPUs).
+never above the cap), `adapt-cost` (SmolLM2's host-loop iteration with its draft layers adapting
+on a side stream against without, by turns), swift-tiny end to end, SmolLM2's iteration phase by
+phase, the GPU tests, then greedy and float32 variants, the 100-slot trie, and `tp` (swift-tiny on
+one GPU and on two tensor-parallel ranks, compared; skipped with fewer than 2 GPUs).
 
 Every stage runs in its own process group with its own time limit, inside the run's budget: a stage
 is not started with less time left than it needs, and says so. OUT gets four files, rewritten after
@@ -94,6 +95,7 @@ class Sizes:
     shape_interleave: int
     phase_context: str
     phase_iterations: int
+    adapt_gen: str  # new tokens of the adaptation-cost run
     shape_window: int = 1024  # the 8B preset's penalty window
 
 
@@ -113,6 +115,7 @@ GPU = Sizes(
     shape_interleave=160,
     phase_context="4096",
     phase_iterations=16,
+    adapt_gen="1024",
 )
 DRY = Sizes(
     device="cpu",
@@ -130,6 +133,7 @@ DRY = Sizes(
     shape_interleave=12,
     phase_context="128",
     phase_iterations=2,
+    adapt_gen="24",
 )
 
 
@@ -739,6 +743,74 @@ def phases_summary(check: Check) -> dict[str, Any] | None:
     return read_json(found[0]) if found else None
 
 
+def adaptation_plan(check: Check) -> Commands | Skip:
+    """SmolLM2 on the host loop with its committed layers and with layers adapting as it commits
+    (`bench --compare-adaptation`; on CUDA the step runs on a side stream): the iteration's time with
+    and without adaptation, by turns in one process. A dry run times swift-tiny."""
+    sizes = check.sizes
+    model = "smollm2-135m" if check.cuda else "swift-tiny"
+    if check.cuda and not smollm2_ready():
+        why = check.stage_record("smollm2-import").get("reason") or "not imported"
+        return Skip(f"{SMOLLM2_DIR} is missing: {why}")
+    return [
+        check.cli(
+            "bench",
+            "--model",
+            model,
+            "--prompt-file",
+            str(PROMPT),
+            "--device",
+            sizes.device,
+            "--dtype",
+            "bfloat16" if check.cuda else "float32",
+            "--host-loop",
+            "--compare-adaptation",
+            "--tree",
+            "1,1,1",
+            "--draft-source",
+            "verify",
+            "--ngram-topk",
+            "0",
+            "--gen-len",
+            sizes.adapt_gen,
+            "--prefix-len",
+            str(sizes.smollm2_prefix if check.cuda else sizes.tiny_prefix),
+            "--interleave",
+            str(sizes.interleave),
+            "--no-extras",
+            *EndToEnd(model, "paper", "bfloat16").sampling_flags(256),
+            "--seed",
+            "1",
+            "--ignore-eos",
+            "--out",
+            str(check.work / "adapt-cost"),
+        )
+    ]
+
+
+def adaptation_summary(check: Check) -> dict[str, Any] | None:
+    report = read_json(check.work / "adapt-cost" / "bench.json")
+    if report is None:
+        return None
+    rows = []
+    for row in report["rows"]:
+        static, adapted = row["tokenswift_decode_ms_per_iteration"], row["adapted_decode_ms_per_iteration"]
+        rows.append(
+            {
+                "prefix_len": row["prefix_len"],
+                "gen_len": row["gen_len"],
+                "static_ms_per_iteration": static,
+                "adapted_ms_per_iteration": adapted,
+                "iteration_cost": round(adapted / static - 1, 4) if static else None,
+                "adapted_vs_static": row["adapted_vs_static"],
+                "alpha_by_depth": row["alpha_by_depth"],
+                "adapted_alpha_by_depth": row["adapted_alpha_by_depth"],
+                "tokens_equal_ar": row["tokens_equal_ar"] and row["adapted_tokens_equal_ar"],
+            }
+        )
+    return {"command": report["meta"].get("command"), "adaptation": rows}
+
+
 def tests_plan(check: Check) -> Commands:
     args = [check.python, "-m", "pytest", "-p", "no:cacheprovider", "-rs", *TESTS]
     if not check.cuda:  # a dry run: the list resolves and collects
@@ -800,6 +872,14 @@ def stages(sizes: Sizes) -> list[Stage]:
             60,
             0,
             inline=model_stage,
+        ),
+        Stage(
+            "adapt-cost",
+            "SmolLM2's host-loop iteration with and without draft adaptation (a side stream on CUDA)",
+            150,
+            60,
+            plan=adaptation_plan,
+            summarize=adaptation_summary,
         ),
         EndToEnd(tiny, "paper", "bfloat16").stage(100, 30),
         Stage(
@@ -886,6 +966,39 @@ def summary_markdown(record: dict[str, Any]) -> str:
                     ]
                     for name, result in runs
                     for row in result["rows"]
+                ],
+            )
+        )
+    adaptation = [(name, r) for name, r in record["results"].items() if "adaptation" in r]
+    if adaptation:
+        parts.append("\n## Draft adaptation: the host loop's iteration with and without it\n\n")
+        parts.append(
+            table(
+                [
+                    "stage",
+                    "prompt",
+                    "new tokens",
+                    "static ms / iteration",
+                    "adapted ms / iteration",
+                    "iteration cost",
+                    "adapted vs static speed",
+                    "α by depth, static / adapted",
+                    "tokens equal AR's",
+                ],
+                [
+                    [
+                        name,
+                        row["prefix_len"],
+                        row["gen_len"],
+                        row["static_ms_per_iteration"],
+                        row["adapted_ms_per_iteration"],
+                        row["iteration_cost"],
+                        row["adapted_vs_static"],
+                        f"{row['alpha_by_depth']} / {row['adapted_alpha_by_depth']}",
+                        row["tokens_equal_ar"],
+                    ]
+                    for name, result in adaptation
+                    for row in result["adaptation"]
                 ],
             )
         )
