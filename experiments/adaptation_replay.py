@@ -82,7 +82,9 @@ def replay(args: argparse.Namespace) -> None:
     size = engine.model.torch_model.lm_head.weight.shape[0]
     index = torch.arange(size)
     window = PAPER.penalty_window
-    settings = AdaptationSettings(block=args.block, span=args.span, vocab=args.vocab, lr=args.lr)
+    settings = AdaptationSettings(
+        block=args.block, span=args.span, vocab=args.vocab, lr=args.lr, beta2=args.beta2
+    )
     adapter = engine_adapter(engine, ids, first, PAPER, settings)
     draftable = torch.zeros(size, dtype=torch.bool)
     draftable[engine.draft_layers.vocab if engine.draft_layers.vocab is not None else index] = True
@@ -200,6 +202,7 @@ def main() -> None:
     rep.add_argument("--span", type=int, default=AdaptationSettings.span)
     rep.add_argument("--vocab", choices=["request", "draft"], default="request")
     rep.add_argument("--lr", type=float, default=None)
+    rep.add_argument("--beta2", type=float, default=AdaptationSettings.beta2, help="Adam's beta2")
     rep.add_argument("--window", type=int, default=256, help="output positions per window")
     rep.add_argument("--out", type=Path, default=None)
     summary = commands.add_parser("summarize", help="markdown rows of replays (the first: the baseline)")

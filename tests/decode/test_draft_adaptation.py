@@ -13,6 +13,7 @@ import torch
 from tokenswift_trt.decode.loop import (
     GenerationConfig,
     GenerationError,
+    engine_adapter,
     generate,
     new_adapter,
     new_decode_state,
@@ -245,6 +246,17 @@ def test_off_by_default_and_never_for_ar(llama_engine64):
 def test_bad_adaptation_settings_are_refused_in_one_line(bad, message):
     with pytest.raises(GenerationError, match=message):
         GenerationConfig(max_new_tokens=8, **bad).validate()
+
+
+def test_adams_beta2_is_a_setting(rooted_engine64):
+    """The optimiser takes its second-moment decay from the settings; one outside (0, 1) is refused."""
+    engine = rooted_engine64
+    config = GenerationConfig(max_new_tokens=8, sampling=PAPER, adapt_drafts=True)
+    state, _ = _block(engine, config)
+    adapter = engine_adapter(engine, state.history, 8, PAPER, AdaptationSettings(beta2=0.95))
+    assert adapter.optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    with pytest.raises(ValueError, match="beta2"):
+        AdaptationSettings(beta2=1.0).validate()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs CUDA")

@@ -65,6 +65,7 @@ class AdaptationSettings:
     optimizer: str = "adam"  # OPTIMIZERS
     lr: float | None = None  # None: DEFAULT_LR of the optimiser
     vocab: str = "request"  # VOCABS: what the adapted copy drafts over (layers with a draft vocabulary)
+    beta2: float = 0.999  # Adam's second-moment decay (docs/bench/adapt-replay-smollm2-beta2)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value."""
@@ -80,6 +81,8 @@ class AdaptationSettings:
             )
         if self.vocab not in VOCABS:
             raise ValueError(f"adaptation vocabulary must be one of {', '.join(VOCABS)}, got {self.vocab!r}")
+        if not 0 < self.beta2 < 1:
+            raise ValueError(f"Adam's beta2 for adaptation must be in (0, 1), got {self.beta2}")
         if self.lr is not None and not 0 < self.lr < 1:
             raise ValueError(f"the adaptation learning rate must be in (0, 1), got {self.lr}")
 
@@ -159,8 +162,12 @@ class DraftAdapter:
             parameters = [p for module in trained for p in module.parameters()]
             for parameter in parameters:
                 parameter.requires_grad_(True)
-            kind = torch.optim.Adam if settings.optimizer == "adam" else torch.optim.SGD
-            self.optimizer = kind(parameters, lr=settings.learning_rate)
+            if settings.optimizer == "adam":
+                self.optimizer = torch.optim.Adam(
+                    parameters, lr=settings.learning_rate, betas=(0.9, settings.beta2)
+                )
+            else:
+                self.optimizer = torch.optim.SGD(parameters, lr=settings.learning_rate)
         # the products the step changes, re-packed for the CPU kernels after it
         self.repacked = [
             module
