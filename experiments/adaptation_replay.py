@@ -8,10 +8,12 @@ target's own sampling noise as decoding does, and then lets the adapter observe 
 draft reads only positions before it. Per window of output positions it writes layer 1's chance
 that its draft is the sampled token (the bench's alpha_d1 counts the same event at iteration roots),
 layers 2 and 3's given the depth before, the share of sampled tokens inside the draft
-vocabulary, and the target's own top-1 probability at layer 1's position (how predictable the text
-is there: a drafter that always proposed the target's most likely token would be accepted that
-often). A replay takes a minute or two where `bench --compare-adaptation` takes half an hour, so it
-is the place to try adaptation settings; the bench measures the chosen one.
+vocabulary, and the target's own top-1 probability at layer 1's position (how peaked the text's
+distribution is there: a drafter that always proposed the target's most likely token would be
+accepted that often; drafts ranked with the target's noise, as here, can be accepted more often).
+A replay takes a minute or two where `bench --compare-adaptation` takes half an hour, so it is the
+place to try adaptation settings; the bench measures the chosen one. `summarize` turns replays into
+markdown rows.
 
     .venv/bin/python experiments/adaptation_replay.py record --model-dir models/smollm2-135m \\
         --prompt-file ../shared/corpus/pride_and_prejudice.txt --seed 0 --out /tmp/book-0.pt
@@ -95,11 +97,17 @@ def replay(args: argparse.Namespace) -> None:
 
     end = ids.numel() - 4
     for _ in range(args.hindsight):  # adapt over the whole text first; measure the result frozen
+        gap = True
         for start in range(first - 1, end, args.block):
             if args.hold_out_odd and (start - first + 1) // args.window % 2:
+                gap = True
                 continue
+            if gap:  # the positions held end before a gap: no step pairs a row with one across it
+                adapter.positions, adapter.hidden, adapter.pending = [], [], 0
+                gap = False
             p = torch.arange(start, min(start + args.block, end))  # [B]
             adapter.observe(start, hidden[p].to(engine.dtype))
+    adapter.finish()  # CUDA: the last step's result drafts
     hits = []  # per block [B, 3]: layer d's draft at p is x[p + 1 + d]
     peaks = []  # per block [B]: the target's top-1 probability at p + 2
     for start in range(first - 1, end, args.block):
@@ -129,6 +137,7 @@ def replay(args: argparse.Namespace) -> None:
         rows.append(
             {
                 "start": low,
+                "positions": part.shape[0],
                 "alpha_d1": round(one.mean().item(), 4),
                 "alpha_d2": round((two.sum() / one.sum().clamp(min=1)).item(), 4),
                 "alpha_d3": round(((two * part[:, 2]).sum() / two.sum().clamp(min=1)).item(), 4),
@@ -151,23 +160,25 @@ def replay(args: argparse.Namespace) -> None:
 
 
 def summarize(args: argparse.Namespace) -> None:
-    """A markdown row per replay: layer 1 per 2K of output (8 windows of 256), the fall from the
-    first 2K to the last, the same over the odd windows only (those a --hold-out-odd replay never
-    adapted on), and the windows where it beats the first replay given (the committed layers)."""
+    """A markdown row per replay: layer 1 per 2K of output (8 windows of 256; means over positions,
+    so a short last window weighs what it holds), the fall from the first 2K to the last, the same
+    over the odd windows only (those a --hold-out-odd replay never adapted on), and the windows where
+    it beats the first replay given (the committed layers)."""
     reports = [json.loads(path.read_text()) for path in args.replays]
     base = [row["alpha_d1"] for row in reports[0]["windows"]]
 
-    def mean(values: list[float]) -> float:
-        return sum(values) / len(values)
+    def mean(rows: list[dict]) -> float:  # over the rows' positions (the last window can be short)
+        return sum(row["alpha_d1"] * row["positions"] for row in rows) / sum(row["positions"] for row in rows)
 
     for path, report in zip(args.replays, reports):
-        alpha = [row["alpha_d1"] for row in report["windows"]]  # per window
-        quarters = [mean(alpha[low : low + 8]) for low in range(0, len(alpha), 8)]
-        odd = [a if i % 2 else None for i, a in enumerate(alpha)]
-        first = mean([a for a in odd[:8] if a is not None])
-        last = mean([a for a in odd[-8:] if a is not None])
+        rows = report["windows"]
+        alpha = [row["alpha_d1"] for row in rows]  # per window
+        quarters = [mean(rows[low : low + 8]) for low in range(0, len(rows), 8)]
+        odd = [row if i % 2 else None for i, row in enumerate(rows)]
+        first = mean([row for row in odd[:8] if row is not None])
+        last = mean([row for row in odd[-8:] if row is not None])
         won = sum(a > b for a, b in zip(alpha, base))
-        cells = [path.stem, *(f"{q:.3f}" for q in quarters), f"{mean(alpha):.3f}"]
+        cells = [path.stem, *(f"{q:.3f}" for q in quarters), f"{mean(rows):.3f}"]
         cells += [f"{quarters[-1] - quarters[0]:+.3f}", f"{last - first:+.3f}", f"{won} of {len(alpha)}"]
         print("| " + " | ".join(cells) + " |")
 
@@ -208,6 +219,8 @@ def main() -> None:
     summary = commands.add_parser("summarize", help="markdown rows of replays (the first: the baseline)")
     summary.add_argument("replays", type=Path, nargs="+")
     args = parser.parse_args()
+    if args.command == "replay" and args.hold_out_odd and not args.hindsight:
+        parser.error("--hold-out-odd holds windows out of the --hindsight passes: give --hindsight N")
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     {"record": record, "replay": replay, "summarize": summarize}[args.command](args)

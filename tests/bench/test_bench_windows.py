@@ -86,6 +86,27 @@ def test_bench_rows_carry_windows_that_add_up_and_are_written_and_plotted(swift_
     assert (tmp_path / "windows.png").read_bytes()[:8] == PNG
 
 
+def test_compare_adaptation_rows_carry_the_adapted_run_beside_the_static_one(swift_tiny, tmp_path):
+    """`bench --compare-adaptation`: the adapted layers' run, its steps, its windows (variant "adapted"
+    in bench_windows.csv) and its tokens against AR's."""
+    engine, text_ids = swift_tiny
+    paper = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=64)
+    config = GenerationConfig(
+        max_new_tokens=48, tree="1,1,1", ngram_topk=0, draft_source="verify", sampling=paper, seed=0
+    )
+    spec = BenchSpec(
+        (48,), (32,), 1, 1, config, interleave=16, extras=False, window_tokens=16, compare_adaptation=True
+    )
+    (row,) = run_bench(engine, text_ids, spec, lambda label, total: lambda ids: None)
+    assert row["tokens_equal_ar"] and row["adapted_tokens_equal_ar"]
+    assert row["adapted_draft_updates"] == 47 // 16  # a step per 16 committed positions
+    assert row["adapted_decode_ms_per_iteration"] > 0 and row["adapted_tokens_per_iteration"] >= 1
+    assert [w["start"] for w in row["adapted_windows"]] == [0, 16, 32]
+    write_results([row], tmp_path, {"command": "test"})
+    variants = [line["variant"] for line in csv.DictReader(open(tmp_path / "bench_windows.csv"))]
+    assert variants == ["tokenswift"] * 3 + ["adapted"] * 3
+
+
 def _run_script(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, str(ROOT / "scripts" / "plot_benchmarks.py"), *args]
     return subprocess.run(command, capture_output=True, text=True)

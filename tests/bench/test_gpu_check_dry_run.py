@@ -192,9 +192,8 @@ def test_the_dry_run_goes_through_every_stage_and_models_at_most_the_trie_cap(tm
     # the adaptation cost: the host loop's iteration with and without adapting layers, same tokens
     (adapted,) = record["results"]["adapt-cost"]["adaptation"]
     assert adapted["gen_len"] == int(DRY.adapt_gen) and adapted["tokens_equal_ar"]
-    assert adapted["iteration_cost"] == round(
-        adapted["adapted_ms_per_iteration"] / adapted["static_ms_per_iteration"] - 1, 4
-    )
+    assert adapted["draft_updates"] >= 1  # the adapted run did adapt (a step every 16 positions)
+    assert adapted["static_ms_per_iteration"] > 0 and adapted["adapted_ms_per_iteration"] > 0
     assert "--compare-adaptation" in record["results"]["adapt-cost"]["command"]
     # the modeling: every 8B-shape run, τ at the cap and as measured (never above the cap)
     assert set(record["modeled"]) == {"8b-k4", "8b-k20"}
@@ -211,7 +210,10 @@ def test_the_dry_run_goes_through_every_stage_and_models_at_most_the_trie_cap(tm
     assert len(record["modeled"]["8b-k4"]["per_context"]) == 4
     summary = (out / "summary.md").read_text()
     assert "Modeled from those times" in summary and "| tests | ok |" in summary
-    assert "Draft adaptation: the host loop's iteration" in summary
+    adaptation_table = summary.split("Draft adaptation: the host loop's iteration")[1]
+    assert f"| adapt-cost | {DRY.tiny_prefix} | {DRY.adapt_gen} | {adapted['static_ms_per_iteration']} |" in (
+        adaptation_table
+    )
     with tarfile.open(out / "results.tar.gz") as archive:
         members = set(archive.getnames())
     assert {"results/8b-k4/group-2/bench.json", "results/env.json", "results/tests.log"} <= members

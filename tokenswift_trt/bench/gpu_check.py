@@ -803,6 +803,7 @@ def adaptation_summary(check: Check) -> dict[str, Any] | None:
                 "adapted_ms_per_iteration": adapted,
                 "iteration_cost": round(adapted / static - 1, 4) if static else None,
                 "adapted_vs_static": row["adapted_vs_static"],
+                "draft_updates": row["adapted_draft_updates"],
                 "alpha_by_depth": row["alpha_by_depth"],
                 "adapted_alpha_by_depth": row["adapted_alpha_by_depth"],
                 "tokens_equal_ar": row["tokens_equal_ar"] and row["adapted_tokens_equal_ar"],
@@ -982,6 +983,7 @@ def summary_markdown(record: dict[str, Any]) -> str:
                     "adapted ms / iteration",
                     "iteration cost",
                     "adapted vs static speed",
+                    "adaptation steps",
                     "α by depth, static / adapted",
                     "tokens equal AR's",
                 ],
@@ -994,6 +996,7 @@ def summary_markdown(record: dict[str, Any]) -> str:
                         row["adapted_ms_per_iteration"],
                         row["iteration_cost"],
                         row["adapted_vs_static"],
+                        row["draft_updates"],
                         f"{row['alpha_by_depth']} / {row['adapted_alpha_by_depth']}",
                         row["tokens_equal_ar"],
                     ]

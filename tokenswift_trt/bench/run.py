@@ -55,6 +55,7 @@ class Snapshot:
     accepted_by_depth: tuple[int, ...] = ()
     windows: tuple[Window, ...] = ()  # `Stats.windows` then
     window_ends_s: tuple[float, ...] = ()  # per window, the run's clock after its last iteration
+    draft_updates: int = 0  # `Stats.draft_updates` then: the adapted layers' optimiser steps
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +90,7 @@ class Snapshot:
             tuple(stats.accepted_by_depth),
             tuple(window.copy() for window in stats.windows),
             tuple(window_ends_s),
+            stats.draft_updates,
         )
 
 
@@ -414,6 +416,7 @@ def _adapted_figures(gen_len: int, runs: dict[str, list[Run]], ar: list[Snapshot
         "adapted_alpha_by_depth": "/".join(f"{alpha:.3f}" for alpha in alpha_by_depth(adapted)),
         "adapted_tokens_per_iteration": round(1 + accepted / max(1, sum(s.iterations for s in adapted)), 3),
         "adapted_decode_ms_per_iteration": round(spread([s.decode_ms_per_iteration for s in adapted])[0], 3),
+        "adapted_draft_updates": sum(s.draft_updates for s in adapted),
         "adapted_tokens_equal_ar": all(
             a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs["adapted"])
         ),

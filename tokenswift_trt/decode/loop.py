@@ -841,6 +841,7 @@ def _tokenswift_loop(
             if adapter is not None:  # the root's and the accepted nodes' states: committed positions
                 kept = verified.hidden[[0, *acceptance.nodes]]  # [1 + accepted, hidden]
                 stats.add_time("adapt", adapter.observe(root_position, kept))
+                stats.draft_updates = adapter.updates
             _count_drafts(stats, trie, acceptance, 1 if from_verify else 2, position)
         iteration_s = time.perf_counter() - tick
         stats.iterations += 1
