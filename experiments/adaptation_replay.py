@@ -221,6 +221,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "replay" and args.hold_out_odd and not args.hindsight:
         parser.error("--hold-out-odd holds windows out of the --hindsight passes: give --hindsight N")
+    if args.command == "replay" and args.hold_out_odd and args.window % args.block:
+        parser.error("--hold-out-odd needs --window to be a multiple of --block: no block straddles windows")
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     {"record": record, "replay": replay, "summarize": summarize}[args.command](args)
