@@ -174,9 +174,8 @@ def summarize(args: argparse.Namespace) -> None:
         rows = report["windows"]
         alpha = [row["alpha_d1"] for row in rows]  # per window
         quarters = [mean(rows[low : low + 8]) for low in range(0, len(rows), 8)]
-        odd = [row if i % 2 else None for i, row in enumerate(rows)]
-        first = mean([row for row in odd[:8] if row is not None])
-        last = mean([row for row in odd[-8:] if row is not None])
+        odd = rows[1::2]  # 4 in each 2K of an even number of windows
+        first, last = mean(odd[:4]), mean(odd[-4:])
         won = sum(a > b for a, b in zip(alpha, base))
         cells = [path.stem, *(f"{q:.3f}" for q in quarters), f"{mean(rows):.3f}"]
         cells += [f"{quarters[-1] - quarters[0]:+.3f}", f"{last - first:+.3f}", f"{won} of {len(alpha)}"]

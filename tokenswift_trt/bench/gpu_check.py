@@ -484,13 +484,19 @@ class EndToEnd:
 
     def plan(self, check: Check) -> Commands | Skip:
         sizes = check.sizes
-        smollm2 = self.model == "smollm2-135m"
-        if smollm2 and not smollm2_ready():
+        prefix, gen = (
+            (sizes.smollm2_prefix, sizes.smollm2_gen)
+            if self.model == "smollm2-135m"
+            else (sizes.tiny_prefix, sizes.tiny_gen)
+        )
+        return self.bench(check, prefix, gen, check.work / self.name, ["--device-loop"])
+
+    def bench(self, check: Check, prefix: int, gen: str, out: Path, flags: list[str]) -> Commands | Skip:
+        """One `bench` of this model, sampling and tree by turns with AR (`flags`: the loop and any
+        other options), or why not (SmolLM2 not imported)."""
+        if self.model == "smollm2-135m" and not smollm2_ready():
             why = check.stage_record("smollm2-import").get("reason") or "not imported"
             return Skip(f"{SMOLLM2_DIR} is missing: {why}")
-        prefix, gen = (
-            (sizes.smollm2_prefix, sizes.smollm2_gen) if smollm2 else (sizes.tiny_prefix, sizes.tiny_gen)
-        )
         return [
             check.cli(
                 "bench",
@@ -499,27 +505,27 @@ class EndToEnd:
                 "--prompt-file",
                 str(PROMPT),
                 "--device",
-                sizes.device,
+                check.sizes.device,
                 "--dtype",
                 self.dtype if check.cuda else "float32",  # a dry run: bf16 on a CPU is slow
                 "--tree",
                 self.tree,
                 "--ngram-topk",
                 str(self.ngram_topk),
-                "--device-loop",
+                *flags,
                 "--gen-len",
                 gen,
                 "--prefix-len",
                 str(prefix),
                 "--interleave",
-                str(sizes.interleave),
+                str(check.sizes.interleave),
                 "--no-extras",
                 *self.sampling_flags(256),
                 "--seed",
                 "1",
                 "--ignore-eos",
                 "--out",
-                str(check.work / self.name),
+                str(out),
             )
         ]
 
@@ -748,44 +754,11 @@ def adaptation_plan(check: Check) -> Commands | Skip:
     (`bench --compare-adaptation`; on CUDA the step runs on a side stream): the iteration's time with
     and without adaptation, by turns in one process. A dry run times swift-tiny."""
     sizes = check.sizes
-    model = "smollm2-135m" if check.cuda else "swift-tiny"
-    if check.cuda and not smollm2_ready():
-        why = check.stage_record("smollm2-import").get("reason") or "not imported"
-        return Skip(f"{SMOLLM2_DIR} is missing: {why}")
-    return [
-        check.cli(
-            "bench",
-            "--model",
-            model,
-            "--prompt-file",
-            str(PROMPT),
-            "--device",
-            sizes.device,
-            "--dtype",
-            "bfloat16" if check.cuda else "float32",
-            "--host-loop",
-            "--compare-adaptation",
-            "--tree",
-            "1,1,1",
-            "--draft-source",
-            "verify",
-            "--ngram-topk",
-            "0",
-            "--gen-len",
-            sizes.adapt_gen,
-            "--prefix-len",
-            str(sizes.smollm2_prefix if check.cuda else sizes.tiny_prefix),
-            "--interleave",
-            str(sizes.interleave),
-            "--no-extras",
-            *EndToEnd(model, "paper", "bfloat16").sampling_flags(256),
-            "--seed",
-            "1",
-            "--ignore-eos",
-            "--out",
-            str(check.work / "adapt-cost"),
-        )
-    ]
+    smollm2 = check.cuda  # a dry run times swift-tiny
+    model, prefix = ("smollm2-135m", sizes.smollm2_prefix) if smollm2 else ("swift-tiny", sizes.tiny_prefix)
+    flags = ["--host-loop", "--compare-adaptation", "--draft-source", "verify"]
+    run = EndToEnd(model, "paper", "bfloat16", tree="1,1,1", ngram_topk=0)
+    return run.bench(check, prefix, sizes.adapt_gen, check.work / "adapt-cost", flags)
 
 
 def adaptation_summary(check: Check) -> dict[str, Any] | None:

@@ -483,7 +483,6 @@ def decode_steps(
             )
     if adapter is not None:
         adapter.finish()
-        stats.draft_updates = adapter.updates
     return _finish(state, config, stats, started)
 
 
