@@ -42,7 +42,8 @@ def anchors(text: str) -> set[str]:
 
 
 def test_anchor_rules_follow_github():
-    text = "# Draft layers (model/draft_layers.py)\n```\n# not a heading\n```\n## Why `--tree auto`?\n## A\n## A\n"
+    text = "# Draft layers (model/draft_layers.py)\n```\n# not a heading\n```\n"
+    text += "## Why `--tree auto`?\n## A\n## A\n"
     assert anchors(text) == {"draft-layers-modeldraft_layerspy", "why---tree-auto", "a", "a-1"}
 
 
