@@ -133,3 +133,48 @@ def test_deploy_script_dry_run_prints_the_container_command():
     assert "build --model qwen2.5-7b --backend torch" in result.stdout
     assert "docker run -d --name tokenswift-qwen2.5-7b --gpus all" in result.stdout
     assert "tokenswift-trt serve --engine /engine --host 0.0.0.0 --device cuda" in result.stdout
+
+
+def _serve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "serve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "engine, extra, said",
+    [
+        ("missing", (), "does not exist"),
+        ("empty", (), "neither an engine (tokenswift.json) nor a Hugging Face model directory"),
+        ("model", ("--device", "cuda"), "no CUDA GPU is visible to PyTorch: serve with --device cpu"),
+    ],
+)
+def test_serve_refuses_what_cannot_load_before_starting_tritonserver(tmp_path, engine, extra, said):
+    import torch
+
+    if extra and torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: --device cuda loads")
+    (tmp_path / "empty").mkdir()
+    source = {"missing": tmp_path / "missing", "empty": tmp_path / "empty", "model": MODEL}[engine]
+    result = _serve("--engine", str(source), *extra, timeout=120)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and "starting tritonserver" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_model_that_fails_to_load_in_tritonserver_is_named_with_its_reason(tmp_path):
+    if _bundled() is None:
+        pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
+    from test_triton import _free_ports
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"}')  # no sizes: the stub's load fails
+    http, grpc, metrics, openai = _free_ports(4)
+    result = _serve(
+        "--engine",
+        str(broken),
+        *("--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)),
+        *("--openai-port", str(openai)),
+    )
+    error = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "the model failed to load:" in error, result.stderr
+    assert "NVML" not in error

@@ -10,6 +10,27 @@ from .common import CliError, PositiveGiB, check_engine_tp, fail, kernel_option,
 from .tp_launch import tp_options
 
 
+def check_source(engine_dir: Path, device: str) -> None:
+    """What would stop the model loading inside tritonserver, said in one line before it starts."""
+    from tokenswift_trt.model.engine_dir import MANIFEST
+
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--device cuda but no CUDA GPU is visible to PyTorch: serve with --device cpu")
+    if not engine_dir.is_dir():
+        raise CliError(
+            f"engine directory {engine_dir} does not exist: give an engine (`tokenswift-trt build`) or a "
+            "Hugging Face model directory"
+        )
+    if not (engine_dir / MANIFEST).is_file() and not (engine_dir / "config.json").is_file():
+        raise CliError(
+            f"{engine_dir} is neither an engine ({MANIFEST}) nor a Hugging Face model directory "
+            "(config.json): build an engine with `tokenswift-trt build`"
+        )
+
+
 def check_tp(engine_dir: Path, tp: int, instances: int, device: str) -> None:
     """`serve --tp N`: one instance, N GPUs under --device cuda (rank r on cuda:r), and a size the
     model's heads split into (one line otherwise, before anything loads)."""
@@ -113,6 +134,7 @@ def serve(
     from tokenswift_trt.serving.openai_api import FrontendError, OpenAIFrontend
     from tokenswift_trt.serving.server import MODEL_REPO, ServerConfig, ServerError, TritonServer, free_port
 
+    check_source(engine_dir, device)
     if tp > 1:
         check_tp(engine_dir, tp, instances, device)
     check_engine_tp(engine_dir, tp)
