@@ -259,8 +259,11 @@ class TritonServer:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        unavailable = [line.split("UNAVAILABLE:", 1)[1].strip(" |") for line in lines if "UNAVAILABLE:" in line]
-        if unavailable:  # the model status table: why each model that failed to load failed
+        # the model status table: why each model that failed to load failed
+        unavailable = [
+            line.split("UNAVAILABLE:", 1)[1].strip(" |") for line in lines if "UNAVAILABLE:" in line
+        ]
+        if unavailable:
             return "the model failed to load: " + " | ".join(unavailable)
         if any(line.startswith("Usage: tritonserver") for line in lines):
             # an argument refused: tritonserver prints its usage, then the reason on the last line
