@@ -255,3 +255,23 @@ def test_serve_refuses_a_port_out_of_range_before_starting_anything(option, port
     assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output
     assert "1<=x<=65535" in result.output and "Traceback" not in result.output
     assert time.monotonic() - started < 5  # refused by the option, before tritonserver starts
+
+
+@pytest.mark.parametrize("command", ["bench", "bench-steps", "bench-kernels", "bench-serve"])
+def test_a_report_directory_that_cannot_be_written_is_refused_before_the_run(tmp_path, command):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    started = time.perf_counter()
+    result = _run(command, "--out", str(blocker / "report"))
+    _one_line_error(result, "cannot write the report to", "give another --out")
+    assert time.perf_counter() - started < 2
+
+
+def test_bench_compare_adaptation_on_the_device_loop_is_refused_naming_both_options(tmp_path):
+    started = time.perf_counter()
+    result = _run(
+        "bench", "--model-dir", str(MODEL), "--prompt-file", str(MODEL / "prompt.txt"), "--gen-len", "32",
+        "--prefix-len", "64", "--no-extras", "--device-loop", "--compare-adaptation", "--out", str(tmp_path),
+    )  # fmt: skip
+    _one_line_error(result, "--compare-adaptation", "drop --device-loop")
+    assert time.perf_counter() - started < 10 and not list(tmp_path.iterdir())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,21 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 class CliError(click.ClickException):
     exit_code = 2
+
+
+def report_dir(ctx: click.Context, param: click.Parameter, path: Path) -> Path:
+    """A benchmark's --out, created as the command starts: a place it cannot write fails in one line
+    before the run, not after it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise CliError(
+            f"cannot write the report to {path}: {error.strerror or error}: give another --out"
+        ) from None
+    return path
 
 
 def unequal_tokens_note(device: str, dtype: str) -> str:
