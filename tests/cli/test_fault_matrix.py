@@ -164,7 +164,7 @@ def test_a_huge_tree_is_refused_at_once_naming_the_tree_and_its_size():
     line = _one_line_error(
         _generate("--max-new-tokens", "3", "--tree", "300,300"), "'300,300'", "90,301 nodes"
     )
-    assert "1,024" in line and "--tree auto" in line
+    assert "1,024" in line and "the tree auto" in line
     assert time.perf_counter() - started < 2
 
 
@@ -275,3 +275,20 @@ def test_bench_compare_adaptation_on_the_device_loop_is_refused_naming_both_opti
     )  # fmt: skip
     _one_line_error(result, "--compare-adaptation", "drop --device-loop")
     assert time.perf_counter() - started < 10 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("value", ["-1", "2000"])
+def test_kv_recent_is_judged_against_the_presets_budget_before_loading(value):
+    result = _run("generate", "--model", "swift-tiny", *PROMPT, "--max-new-tokens", "3", "--kv-recent", value)
+    _one_line_error(result, "recent region must be in [1, 1024)", f"got {value}")
+
+
+def test_tp_on_cuda_without_a_gpu_points_at_the_cpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    started = time.perf_counter()
+    result = _generate("--max-new-tokens", "3", "--tp", "2", "--device", "cuda")
+    _one_line_error(result, "--tp 2 needs 2 GPUs, this node has 0", "with --device cpu")
+    assert time.perf_counter() - started < 30

@@ -168,7 +168,7 @@ def test_bad_settings_are_refused_by_validate(change, match):
 
 def test_a_huge_tree_is_refused_before_anything_is_built():
     started = time.perf_counter()
-    with pytest.raises(GenerationError, match=r"tree '300,300' has 90,301 nodes.*--tree auto"):
+    with pytest.raises(GenerationError, match=r"tree '300,300' has 90,301 nodes.*or the tree auto"):
         GenerationConfig(max_new_tokens=4, tree="300,300").validate()
     with pytest.raises(GenerationError, match="nodes"):
         GenerationConfig(max_new_tokens=4, tree="1000,1000,1000,1000,1000,1000,1000,1000").validate()
@@ -179,5 +179,15 @@ def test_a_huge_tree_is_refused_before_anything_is_built():
 def test_an_admission_refusal_dominated_by_the_tree_names_the_tree():
     engine = load_engine(MODEL)
     config = GenerationConfig(max_new_tokens=4, tree="31,31", memory_budget=1 << 20, draft_source="verify")
-    with pytest.raises(GenerationError, match=r"not enough memory.*tree '31,31'.*smaller --tree"):
+    with pytest.raises(
+        GenerationError,
+        match=r"not enough memory.*tree '31,31'.*smaller tree or n-gram top-k, or the tree auto",
+    ):
+        generate(engine, [1, 2, 3], config)
+
+
+def test_an_admission_refusal_of_auto_asks_for_memory_not_for_auto():
+    engine = load_engine(MODEL)
+    config = GenerationConfig(max_new_tokens=4, memory_budget=1 << 20)
+    with pytest.raises(GenerationError, match=r"auto's probe tree.*give a larger memory budget$"):
         generate(engine, [1, 2, 3], config)

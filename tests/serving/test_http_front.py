@@ -26,7 +26,7 @@ def test_the_inputs_are_read_from_the_model_config():
         (b"\xff\xfe", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object, got list"),
         (json.dumps({**GOOD, "temprature": 0}).encode(), "unknown request field.*temprature"),
-        (json.dumps({**GOOD, "max_tokens": "ten"}).encode(), 'max_tokens must be an integer .* got "ten"'),
+        (json.dumps({**GOOD, "max_tokens": "ten"}).encode(), 'max_tokens must be an integer, got "ten"'),
         (json.dumps({**GOOD, "max_tokens": 3.5}).encode(), "max_tokens must be an integer"),
         (json.dumps({**GOOD, "max_tokens": True}).encode(), "max_tokens must be an integer"),
         (json.dumps({**GOOD, "seed": -1}).encode(), r"seed must be an integer in \[0, "),

@@ -11,6 +11,7 @@ import click
 
 from .common import (
     CliError,
+    early_defaults,
     fail,
     generation_config,
     int_list,
@@ -150,7 +151,9 @@ def bench(
             raise CliError(
                 "--accept-length models a speedup from measured times: give it with --random-weights"
             )
-        generation_config(max(gen_lens), "tokenswift", opts)
+        generation_config(
+            max(gen_lens), "tokenswift", opts, early_defaults(model, model_dir, engine_dir, heads)
+        )
         text = read_prompt(None, prompt_file)
         source = load_source(
             model,

@@ -364,6 +364,17 @@ def request_settings(opts: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in opts.items() if name in SETTINGS}
 
 
+def early_defaults(
+    model: str | None, model_dir: Path | None, engine_dir: Path | None, heads: Path | None
+) -> dict[str, Any] | None:
+    """The source's recorded settings (a preset's, a prepared model directory's) before anything
+    loads, so that a bad value is judged against them (None: loading will say what is wrong)."""
+    try:
+        return resolve_source(model, model_dir, engine_dir, heads)[3]
+    except CliError:
+        return None
+
+
 def generation_config(
     max_new_tokens: int, method: str, opts: dict[str, Any], defaults: dict[str, Any] | None = None
 ):

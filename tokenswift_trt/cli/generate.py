@@ -10,6 +10,7 @@ import click
 from .common import (
     CliError,
     PositiveGiB,
+    early_defaults,
     fail,
     generation_config,
     kernel_option,
@@ -118,7 +119,7 @@ def generate(
         if max_new_tokens is None:
             raise CliError("--max-new-tokens is required (unless --resume)")
         text = read_prompt(prompt, prompt_file)
-        generation_config(max_new_tokens, method, opts)  # bad values fail before any loading
+        generation_config(max_new_tokens, method, opts, early_defaults(model, model_dir, engine_dir, heads))
     source = load_source(
         model,
         model_dir,

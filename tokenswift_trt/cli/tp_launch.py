@@ -258,11 +258,10 @@ def start_ranks(size: int, timeout_s: float, config: Any, asked: dict[str, Any],
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     backend = "gloo"
     if device.startswith("cuda"):
-        if torch.cuda.device_count() < size:
-            raise TensorParallelError(
-                f"--tp {size} needs {size} GPUs, this node has {torch.cuda.device_count()}: give --tp "
-                f"{max(1, torch.cuda.device_count())} or fewer"
-            )
+        gpus = torch.cuda.device_count()
+        if gpus < size:
+            fix = f"give --tp {gpus} or fewer" if gpus else "run the ranks on the CPU with --device cpu"
+            raise TensorParallelError(f"--tp {size} needs {size} GPUs, this node has {gpus}: {fix}")
         backend, device = "nccl", f"cuda:{assignment.local_rank}"
         torch.cuda.set_device(device)
     tp = init_group(assignment.rank, assignment.size, assignment.address, assignment.port, backend, timeout_s)

@@ -74,7 +74,7 @@ def check_tree_size(spec: str) -> None:
     if nodes > MAX_TREE_NODES:
         raise GenerationError(
             f"tree {spec!r} has {nodes:,} nodes, more than the {MAX_TREE_NODES:,} one verify pass takes: "
-            "give a smaller tree (e.g. 1,3,3,3) or --tree auto"
+            "give a smaller tree (e.g. 1,3,3,3) or the tree auto"
         )
 
 
@@ -560,9 +560,10 @@ def new_decode_state(
     except AdmissionError as error:
         if plan.tree_bytes > plan.full_cache_bytes + plan.partial_cache_bytes:
             tree_name = "auto's probe tree" if auto else f"tree {config.tree!r}"
+            fix = "a larger memory budget" if auto else "a smaller tree or n-gram top-k, or the tree auto"
             raise GenerationError(
                 f"{error}; most of it is the tree buffers ({max_trie:,} nodes: {tree_name} and "
-                f"{ngram_topk} n-gram branches): give a smaller --tree or --ngram-topk, or --tree auto"
+                f"{ngram_topk} n-gram branches): give {fix}"
             ) from None
         raise GenerationError(str(error)) from None
     full = KVCache(

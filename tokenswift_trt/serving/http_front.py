@@ -62,8 +62,10 @@ def _check_value(name: str, value: Any, kind: str) -> None:
         ok, expected = isinstance(value, bool), "true or false"
     elif kind in INT_RANGES:
         low, high = INT_RANGES[kind]
-        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-        expected = f"an integer in [{low}, {high}]"
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        expected = "an integer"
+        if ok:  # the range only where the value is a number outside it
+            ok, expected = low <= value <= high, f"an integer in [{low}, {high}]"
     elif kind in ("TYPE_FP32", "TYPE_FP64"):
         ok, expected = isinstance(value, int | float) and not isinstance(value, bool), "a number"
     else:
