@@ -144,8 +144,14 @@ def load_resolved(
     """`load` for an origin already resolved (the CLI resolves first to start tensor-parallel ranks)."""
     from tokenswift_trt.decode.request import manifest_defaults
 
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise ApiError(
+            f"unknown device {device!r}: give --device cpu or --device cuda (cuda:N for one GPU)"
+        ) from None
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ApiError("--device cuda but no CUDA GPU is visible to PyTorch: use --device cpu")
+        raise ApiError(f"--device {device} but no CUDA GPU is visible to PyTorch: use --device cpu")
     if not origin.directory.is_dir():
         kind = "model" if origin.model_dir is not None else "engine"
         raise ApiError(f"{kind} directory {origin.directory} does not exist")

@@ -292,3 +292,15 @@ def test_tp_on_cuda_without_a_gpu_points_at_the_cpu():
     result = _generate("--max-new-tokens", "3", "--tp", "2", "--device", "cuda")
     _one_line_error(result, "--tp 2 needs 2 GPUs, this node has 0", "with --device cpu")
     assert time.perf_counter() - started < 30
+
+
+@pytest.mark.parametrize(
+    "option, value, said",
+    [
+        ("--device", "gpu", "unknown device 'gpu': give --device cpu or --device cuda"),
+        ("--tree", "AUTO", "e.g. 1,3,3,3, or auto"),
+        ("--tree", "1,1,1,1,1,1,1,1,1", "deeper than 8 levels: give at most 8 widths"),
+    ],
+)
+def test_a_bad_device_or_tree_names_what_to_give(option, value, said):
+    _one_line_error(_generate("--max-new-tokens", "3", option, value), said)

@@ -37,14 +37,14 @@ def parse_tree(spec: str | Sequence[int]) -> tuple[int, ...]:
             branching = tuple(int(p) for p in parts)
         except ValueError:
             raise TreeSpecError(
-                f"tree {spec!r} must be comma-separated positive integers, e.g. 1,3,3,3"
+                f"tree {spec!r} must be comma-separated positive integers, e.g. 1,3,3,3, or auto"
             ) from None
     else:
         branching = tuple(int(b) for b in spec)
     if not branching or any(b < 1 for b in branching):
-        raise TreeSpecError(f"tree {spec!r} must be comma-separated positive integers, e.g. 1,3,3,3")
+        raise TreeSpecError(f"tree {spec!r} must be comma-separated positive integers, e.g. 1,3,3,3, or auto")
     if len(branching) > 8:
-        raise TreeSpecError(f"tree {spec!r} is deeper than 8")
+        raise TreeSpecError(f"tree {spec!r} is deeper than 8 levels: give at most 8 widths (e.g. 1,3,3,3)")
     return branching
 
 
