@@ -134,9 +134,9 @@ def serve(
     from tokenswift_trt.serving.openai_api import FrontendError, OpenAIFrontend
     from tokenswift_trt.serving.server import MODEL_REPO, ServerConfig, ServerError, TritonServer, free_port
 
-    check_source(engine_dir, device)
-    if tp > 1:
+    if tp > 1:  # its GPU count first: rank r on cuda:r
         check_tp(engine_dir, tp, instances, device)
+    check_source(engine_dir, device)
     check_engine_tp(engine_dir, tp)
     # tritonserver's HTTP endpoint stays on loopback; the published HTTP port is the front that checks
     # generate requests before relaying them (a malformed body gets HTTP 400, not Triton's 500)
