@@ -33,7 +33,7 @@ import torch
 
 import tokenswift_trt as ts
 from tokenswift_trt.decode.loop import engine_adapter
-from tokenswift_trt.model.draft_adaptation import AdaptationSettings
+from tokenswift_trt.model.draft_adaptation import OPTIMIZERS, SCOPES, AdaptationSettings
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig, position_gumbel_rows, process_logits
 
@@ -85,7 +85,13 @@ def replay(args: argparse.Namespace) -> None:
     index = torch.arange(size)
     window = PAPER.penalty_window
     settings = AdaptationSettings(
-        block=args.block, span=args.span, vocab=args.vocab, lr=args.lr, beta2=args.beta2
+        block=args.block,
+        span=args.span,
+        scope=args.scope,
+        optimizer=args.optimizer,
+        vocab=args.vocab,
+        lr=args.lr,
+        beta2=args.beta2,
     )
     adapter = engine_adapter(engine, ids, first, PAPER, settings)
     draftable = torch.zeros(size, dtype=torch.bool)
@@ -210,6 +216,8 @@ def main() -> None:
     )
     rep.add_argument("--block", type=int, default=16)
     rep.add_argument("--span", type=int, default=AdaptationSettings.span)
+    rep.add_argument("--scope", choices=list(SCOPES), default=AdaptationSettings.scope)
+    rep.add_argument("--optimizer", choices=list(OPTIMIZERS), default=AdaptationSettings.optimizer)
     rep.add_argument("--vocab", choices=["request", "draft"], default="request")
     rep.add_argument("--lr", type=float, default=None)
     rep.add_argument("--beta2", type=float, default=AdaptationSettings.beta2, help="Adam's beta2")
