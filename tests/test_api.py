@@ -71,3 +71,16 @@ def test_bad_requests_are_one_line_api_errors(model, tmp_path):
         ts.load(model_dir=tmp_path / "missing")
     with pytest.raises(ts.ApiError, match="keeps the journal's own settings"):
         resume_run(tmp_path / "any.journal", model, {"temperature": 0.5})
+
+
+def test_load_takes_str_paths_as_well_as_paths(model):
+    from pathlib import Path
+
+    directory = model.origin.model_dir
+    loaded = ts.load(model_dir=str(directory))
+    assert loaded.origin.model_dir == Path(directory) and isinstance(loaded.origin.model_dir, Path)
+    prompt = loaded.codec.encode("It is a truth")
+    assert (
+        ts.generate(loaded, prompt, 4, method="ar", temperature=0, penalty=1.0).token_ids
+        == ts.generate(model, prompt, 4, method="ar", temperature=0, penalty=1.0).token_ids
+    )

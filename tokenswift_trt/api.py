@@ -61,6 +61,12 @@ class Origin:
     engine_dir: Path | None = None
     heads: Path | None = None
 
+    def __post_init__(self) -> None:  # the Python API takes str paths as well
+        for name in ("model_dir", "engine_dir", "heads"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
+
     def resolved(self) -> tuple[Origin, dict[str, Any]]:
         """(the directories on this machine, the settings the preset or the model directory records)."""
         from tokenswift_trt.builder.presets import PRESETS, PresetError, local_model_dir, read_model_defaults
@@ -118,9 +124,9 @@ class Model:
 def load(
     model: str | None = None,
     *,
-    model_dir: Path | None = None,
-    engine_dir: Path | None = None,
-    heads: Path | None = None,
+    model_dir: str | Path | None = None,
+    engine_dir: str | Path | None = None,
+    heads: str | Path | None = None,
     dtype: str | None = None,
     device: str = "cpu",
     kernels: Mapping[str, Any] | None = None,
