@@ -304,3 +304,11 @@ def test_tp_on_cuda_without_a_gpu_points_at_the_cpu():
 )
 def test_a_bad_device_or_tree_names_what_to_give(option, value, said):
     _one_line_error(_generate("--max-new-tokens", "3", option, value), said)
+
+
+def test_draft_layers_of_another_model_are_named_as_such():
+    other = MODEL.parents[0] / "heads" / "smollm2-135m.safetensors"  # SmolLM2's layers: hidden size 576
+    result = _generate("--max-new-tokens", "3", "--heads", str(other))
+    _one_line_error(
+        result, "has shape (576,), the config implies (256,)", "belong to another model", "train-heads"
+    )

@@ -139,7 +139,10 @@ def _check_and_assign(
     what: str,
     dtype: torch.dtype,
     device: torch.device,
+    mismatch: str = "",
 ) -> None:
+    """Load `tensors` into `module` after checking their names and shapes; `mismatch` is said after a
+    shape that differs (what such a file is and what to give instead)."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -152,7 +155,9 @@ def _check_and_assign(
     for key, tensor in tensors.items():
         want = tuple(expected[key].shape)
         if tuple(tensor.shape) != want:
-            raise WeightsError(f"{what}: {key} has shape {tuple(tensor.shape)}, the config implies {want}")
+            raise WeightsError(
+                f"{what}: {key} has shape {tuple(tensor.shape)}, the config implies {want}{mismatch}"
+            )
     module.load_state_dict({k: _placed(v, dtype, device) for k, v in tensors.items()}, assign=True)
 
 
@@ -230,7 +235,11 @@ def load_engine(
         layout.path_width,
     ).to(device=device, dtype=dtype)
     if draft:
-        _check_and_assign(draft_layers, draft, "draft layers", dtype, device)
+        mismatch = (
+            ": these draft layers belong to another model; give ones trained for this one "
+            "(`tokenswift-trt train-heads`) or none"
+        )
+        _check_and_assign(draft_layers, draft, "draft layers", dtype, device, mismatch)
     else:
         draft_layers.zero_()
         warnings.warn(
