@@ -312,3 +312,13 @@ def test_draft_layers_of_another_model_are_named_as_such():
     _one_line_error(
         result, "has shape (576,), the config implies (256,)", "belong to another model", "train-heads"
     )
+
+
+def test_ar_names_the_tokenswift_options_it_ignores():
+    given = _generate(
+        "--max-new-tokens", "3", "--method", "ar", "--tree", "1,3,3", "--adapt-drafts", "--seed", "1"
+    )
+    assert given.exit_code == 0, given.output
+    assert "note: --method ar ignores --tree, --adapt-drafts" in given.stderr
+    plain = _generate("--max-new-tokens", "3", "--method", "ar", "--seed", "1")
+    assert plain.exit_code == 0 and "ignores" not in plain.stderr and plain.stdout == given.stdout

@@ -26,6 +26,35 @@ from .tp_launch import tp_options
 DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
 
 
+# settings only TokenSwift reads: AR steps draft nothing
+TOKENSWIFT_ONLY = (
+    "tree",
+    "ngram_topk",
+    "kv_budget",
+    "kv_recent",
+    "draft_source",
+    "device_loop",
+    "adapt_drafts",
+    "adapt_block",
+    "adapt_span",
+    "adapt_scope",
+    "adapt_optimizer",
+    "adapt_lr",
+    "adapt_vocab",
+)
+
+
+def ignored_by_ar(ctx: click.Context) -> list[str]:
+    """The TokenSwift-only options given on the command line, as a user wrote them."""
+    from click.core import ParameterSource
+
+    return [
+        f"--{name.replace('_', '-')}"
+        for name in TOKENSWIFT_ONLY
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    ]
+
+
 @click.command()
 @source_options
 @click.option("--prompt", default=None, help="prompt text")
@@ -119,6 +148,12 @@ def generate(
         if max_new_tokens is None:
             raise CliError("--max-new-tokens is required (unless --resume)")
         text = read_prompt(prompt, prompt_file)
+        if method == "ar" and not as_json:
+            ignored = ignored_by_ar(click.get_current_context())
+            if ignored:
+                click.echo(
+                    f"note: --method ar ignores {', '.join(ignored)} (TokenSwift's settings)", err=True
+                )
         generation_config(max_new_tokens, method, opts, early_defaults(model, model_dir, engine_dir, heads))
     source = load_source(
         model,
