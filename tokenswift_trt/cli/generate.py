@@ -26,27 +26,11 @@ from .tp_launch import tp_options
 DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
 
 
-# settings only TokenSwift reads: AR steps draft nothing
-TOKENSWIFT_ONLY = (
-    "tree",
-    "ngram_topk",
-    "kv_budget",
-    "kv_recent",
-    "draft_source",
-    "device_loop",
-    "adapt_drafts",
-    "adapt_block",
-    "adapt_span",
-    "adapt_scope",
-    "adapt_optimizer",
-    "adapt_lr",
-    "adapt_vocab",
-)
-
-
 def ignored_by_ar(ctx: click.Context) -> list[str]:
     """The TokenSwift-only options given on the command line, as a user wrote them."""
     from click.core import ParameterSource
+
+    from tokenswift_trt.decode.request import TOKENSWIFT_ONLY
 
     return [
         f"--{name.replace('_', '-')}"

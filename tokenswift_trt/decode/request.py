@@ -23,17 +23,14 @@ GENERATION_SETTINGS = tuple(f.name for f in dataclasses.fields(GenerationConfig)
 SETTINGS = SAMPLING_SETTINGS + GENERATION_SETTINGS
 # settings that decide the generated tokens (a resumed journal keeps its own) / only their speed
 OUTPUT_DECIDING = SAMPLING_SETTINGS + ("seed", "ignore_eos", "max_length")
-SPEED_ONLY = (
+# the speed-only settings that only TokenSwift reads (AR steps draft nothing)
+TOKENSWIFT_ONLY = (
     "tree",
     "ngram_topk",
     "kv_budget",
     "kv_recent",
     "draft_source",
-    "prefill_chunk",
-    "static_steps",
     "device_loop",
-    "compile_steps",
-    "memory_budget",
     "adapt_drafts",
     "adapt_block",
     "adapt_span",
@@ -42,6 +39,7 @@ SPEED_ONLY = (
     "adapt_lr",
     "adapt_vocab",
 )
+SPEED_ONLY = TOKENSWIFT_ONLY + ("prefill_chunk", "static_steps", "compile_steps", "memory_budget")
 
 
 def config_from(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> GenerationConfig:
