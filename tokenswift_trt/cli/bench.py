@@ -18,7 +18,7 @@ from .common import (
     kernel_option,
     load_source,
     read_prompt,
-    report_dir,
+    report_out_option,
     sampling_options,
     source_options,
     unequal_tokens_note,
@@ -74,13 +74,7 @@ from .tp_launch import tp_options
     help="also TokenSwift with draft layers adapted online (--adapt-drafts) beside the engine's own: "
     "adapted_* columns, the variant column of bench_windows.csv, both in windows.png",
 )
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=Path("runs/bench"),
-    show_default=True,
-    callback=report_dir,
-)
+@report_out_option("runs/bench")
 @kernel_option
 @tp_options
 @sampling_options
@@ -296,13 +290,7 @@ def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max
 @click.option("--head-dim", type=click.Choice(["64", "128"]), default="128", show_default=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16"]), default="bfloat16", show_default=True)
 @click.option("--repeats", type=int, default=20, show_default=True)
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=Path("runs/kernels"),
-    show_default=True,
-    callback=report_dir,
-)
+@report_out_option("runs/kernels")
 def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype, repeats, out) -> None:
     """Tree attention vs masked SDPA and vs the memory-bandwidth time; CSV + JSON (docs/kernels.md)."""
     import torch
@@ -369,13 +357,7 @@ def bench_kernels(device, tree_sizes, contexts, heads, kv_heads, head_dim, dtype
 @click.option(
     "--repeats", type=int, default=2, show_default=True, help="runs each, alternating who goes first"
 )
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=Path("runs/bench-ar"),
-    show_default=True,
-    callback=report_dir,
-)
+@report_out_option("runs/bench-ar")
 def bench_ar(model, model_dir, engine_dir, heads, prompt_file, prefix_len, gen_len, repeats, out) -> None:
     """Our AR baseline vs transformers' greedy generate: same model, prompt and machine (float32, CPU)."""
     from tokenswift_trt.bench.reference import (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .common import CliError, fail, report_dir
+from .common import CliError, fail, report_out_option
 
 
 @click.command("bench-serve")
@@ -68,13 +68,7 @@ from .common import CliError, fail, report_dir
     help="seconds idle before memory is read",
 )
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=1, show_default=True)
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=Path("runs/serve-load"),
-    show_default=True,
-    callback=report_dir,
-)
+@report_out_option("runs/serve-load")
 @click.option(
     "--log-file",
     type=click.Path(dir_okay=False, path_type=Path),

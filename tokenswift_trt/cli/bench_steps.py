@@ -10,7 +10,7 @@ import click
 
 from tokenswift_trt.bench.metrics import PAPER_ACCEPT_LENGTH
 
-from .common import CliError, fail, int_list, kernel_option, report_dir
+from .common import CliError, fail, int_list, kernel_option, report_out_option
 from .tp_launch import tp_options
 
 if TYPE_CHECKING:
@@ -67,13 +67,7 @@ if TYPE_CHECKING:
 @click.option(
     "--compile-steps", is_flag=True, help="fixed-shape steps through torch.compile (as generate's flag)"
 )
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=Path("runs/steps"),
-    show_default=True,
-    callback=report_dir,
-)
+@report_out_option("runs/steps")
 @click.option(
     "--tp-head",
     type=click.Choice(["replicated", "vocab"]),

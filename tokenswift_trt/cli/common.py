@@ -32,6 +32,17 @@ def report_dir(ctx: click.Context, param: click.Parameter, path: Path) -> Path:
     return path
 
 
+def report_out_option(default: str):
+    """A benchmark's --out (`report_dir` creates it as the command starts)."""
+    return click.option(
+        "--out",
+        type=click.Path(path_type=Path),
+        default=Path(default),
+        show_default=True,
+        callback=report_dir,
+    )
+
+
 def unequal_tokens_note(device: str, dtype: str) -> str:
     """What a user should know when TokenSwift's tokens are not AR's (bench, demo)."""
     if device.startswith("cuda") and "float16" in dtype:  # bfloat16 or float16
