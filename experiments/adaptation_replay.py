@@ -92,6 +92,8 @@ def replay(args: argparse.Namespace) -> None:
         vocab=args.vocab,
         lr=args.lr,
         beta2=args.beta2,
+        warmup=args.warmup,
+        steps=args.steps,
     )
     adapter = engine_adapter(engine, ids, first, PAPER, settings)
     draftable = torch.zeros(size, dtype=torch.bool)
@@ -112,7 +114,7 @@ def replay(args: argparse.Namespace) -> None:
                 adapter.positions, adapter.hidden, adapter.pending = [], [], 0
                 gap = False
             p = torch.arange(start, min(start + args.block, end))  # [B]
-            adapter.observe(start, hidden[p].to(engine.dtype))
+            adapter.observe(start, hidden[p].to(engine.dtype), ids[p + 1].tolist())
     adapter.finish()  # CUDA: the last step's result drafts
     hits = []  # per block [B, 3]: layer d's draft at p is x[p + 1 + d]
     peaks = []  # per block [B]: the target's top-1 probability at p + 2
@@ -133,7 +135,7 @@ def replay(args: argparse.Namespace) -> None:
             target = process_logits(logits, windows(p + 1), PAPER)
             peaks.append(torch.softmax(target.double(), -1).amax(-1))  # [B]
         if args.adapt:
-            adapter.observe(start, hidden[p].to(engine.dtype))
+            adapter.observe(start, hidden[p].to(engine.dtype), ids[p + 1].tolist())
     hits, peaks = torch.cat(hits), torch.cat(peaks)  # [n, 3], [n]
     inside = draftable[ids[first + 1 : first + 1 + hits.shape[0]]].float()  # x[p + 2] drafted by layer 1
     rows = []
@@ -221,6 +223,8 @@ def main() -> None:
     rep.add_argument("--vocab", choices=["request", "draft"], default="request")
     rep.add_argument("--lr", type=float, default=None)
     rep.add_argument("--beta2", type=float, default=AdaptationSettings.beta2, help="Adam's beta2")
+    rep.add_argument("--steps", type=int, default=1, help="optimiser steps per block")
+    rep.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warmup")
     rep.add_argument("--window", type=int, default=256, help="output positions per window")
     rep.add_argument("--out", type=Path, default=None)
     summary = commands.add_parser("summarize", help="markdown rows of replays (the first: the baseline)")

@@ -72,7 +72,7 @@ def main() -> None:
         with torch.inference_mode():
             for start in range(0, args.positions - block + 1, block):
                 began = time.perf_counter()
-                adapter.observe(start, hidden[start : start + block])
+                adapter.observe(start, hidden[start : start + block], tokens[start + 1 : start + 1 + block])
                 steps.append(time.perf_counter() - began)
                 began = time.perf_counter()
                 for linear in adapter.repacked:

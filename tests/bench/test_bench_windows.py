@@ -86,13 +86,22 @@ def test_bench_rows_carry_windows_that_add_up_and_are_written_and_plotted(swift_
     assert (tmp_path / "windows.png").read_bytes()[:8] == PNG
 
 
-def test_compare_adaptation_rows_carry_the_adapted_run_beside_the_static_one(swift_tiny, tmp_path):
+@pytest.mark.parametrize("device_loop", [None, True], ids=["host-loop", "device-loop"])
+def test_compare_adaptation_rows_carry_the_adapted_run_beside_the_static_one(
+    swift_tiny, tmp_path, device_loop
+):
     """`bench --compare-adaptation`: the adapted layers' run, its steps, its windows (variant "adapted"
-    in bench_windows.csv) and its tokens against AR's."""
+    in bench_windows.csv) and its tokens against AR's, on either loop."""
     engine, text_ids = swift_tiny
     paper = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=64)
     config = GenerationConfig(
-        max_new_tokens=48, tree="1,1,1", ngram_topk=0, draft_source="verify", sampling=paper, seed=0
+        max_new_tokens=48,
+        tree="1,1,1",
+        ngram_topk=0,
+        draft_source="verify",
+        sampling=paper,
+        seed=0,
+        device_loop=device_loop,
     )
     spec = BenchSpec(
         (48,), (32,), 1, 1, config, interleave=16, extras=False, window_tokens=16, compare_adaptation=True

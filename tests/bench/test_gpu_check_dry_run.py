@@ -189,7 +189,7 @@ def test_the_dry_run_goes_through_every_stage_and_models_at_most_the_trie_cap(tm
             int(n) for n in (DRY.smollm2_gen if "smollm2" in name else DRY.tiny_gen).split(",")
         ]
         assert all(row["tokens_per_iteration"] >= 1 and row["alpha_by_depth"] for row in rows)
-    # the adaptation cost: the host loop's iteration with and without adapting layers, same tokens
+    # the adaptation cost: the device loop's iteration with and without adapting layers, same tokens
     (adapted,) = record["results"]["adapt-cost"]["adaptation"]
     assert adapted["gen_len"] == int(DRY.adapt_gen) and adapted["tokens_equal_ar"]
     assert adapted["draft_updates"] >= 1  # the adapted run did adapt (a step every 16 positions)
@@ -210,7 +210,7 @@ def test_the_dry_run_goes_through_every_stage_and_models_at_most_the_trie_cap(tm
     assert len(record["modeled"]["8b-k4"]["per_context"]) == 4
     summary = (out / "summary.md").read_text()
     assert "Modeled from those times" in summary and "| tests | ok |" in summary
-    adaptation_table = summary.split("Draft adaptation: the host loop's iteration")[1]
+    adaptation_table = summary.split("Draft adaptation: the device loop's iteration")[1]
     assert f"| adapt-cost | {DRY.tiny_prefix} | {DRY.adapt_gen} | {adapted['static_ms_per_iteration']} |" in (
         adaptation_table
     )

@@ -267,16 +267,6 @@ def test_a_report_directory_that_cannot_be_written_is_refused_before_the_run(tmp
     assert time.perf_counter() - started < 2
 
 
-def test_bench_compare_adaptation_on_the_device_loop_is_refused_naming_both_options(tmp_path):
-    started = time.perf_counter()
-    result = _run(
-        "bench", "--model-dir", str(MODEL), "--prompt-file", str(MODEL / "prompt.txt"), "--gen-len", "32",
-        "--prefix-len", "64", "--no-extras", "--device-loop", "--compare-adaptation", "--out", str(tmp_path),
-    )  # fmt: skip
-    _one_line_error(result, "--compare-adaptation", "drop --device-loop")
-    assert time.perf_counter() - started < 10 and not list(tmp_path.iterdir())
-
-
 @pytest.mark.parametrize("value", ["-1", "2000"])
 def test_kv_recent_is_judged_against_the_presets_budget_before_loading(value):
     result = _run("generate", "--model", "swift-tiny", *PROMPT, "--max-new-tokens", "3", "--kv-recent", value)

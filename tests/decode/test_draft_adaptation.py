@@ -1,7 +1,7 @@
 """Draft layers adapted online (model/draft_adaptation.py): output equals AR's, every request adapts
 its own copy (the engine's layers and other requests untouched), the step trains against the target's
 processed distribution, layers with a draft vocabulary draft the request's own tokens too, and the
-device loop refuses it."""
+device loop adapts as the host loop does, from the hidden states it keeps on the device."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from tokenswift_trt.decode.loop import (
     new_adapter,
     new_decode_state,
 )
-from tokenswift_trt.model.draft_adaptation import AdaptationSettings
+from tokenswift_trt.model import draft_adaptation
+from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
 from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig, process_logits
 
 GREEDY = SamplingConfig(temperature=0)
@@ -152,7 +153,7 @@ def test_steps_on_a_block_bring_the_drafts_towards_the_target(rooted_engine64, s
     start = loss()
     for _ in range(5):
         adapter.positions, adapter.hidden, adapter.pending = [], [], 0
-        adapter.observe(0, hidden[:40])
+        adapter.observe(0, hidden[:40], state.history[1:41].tolist())
     assert adapter.updates == 5
     assert loss() < start - 1e-3
 
@@ -171,7 +172,7 @@ def test_each_step_trains_on_the_newest_span_positions(rooted_engine64, monkeypa
         adapter, "_step", lambda rows, roots, windows, pending: steps.append((len(rows), pending, rows[-1]))
     )
     for start in range(8, 56, 8):
-        adapter.observe(start, hidden[start : start + 8])
+        adapter.observe(start, hidden[start : start + 8], state.history[start + 1 : start + 9].tolist())
     count = adapter.count
     assert count > 1  # the rooted test engine's chain of layers
     assert [(rows, targets) for rows, targets, _ in steps] == [
@@ -186,10 +187,12 @@ def test_each_step_trains_on_the_newest_span_positions(rooted_engine64, monkeypa
         assert torch.equal(newest, hidden[start + 7].float())
 
 
-@pytest.mark.parametrize("vocab", ["request", "draft"])
-def test_the_request_vocabulary_drafts_the_requests_own_tokens(vocab_engine64, vocab):
+@pytest.mark.parametrize("vocab, chunk", [("request", 512), ("request", 4), ("draft", 512)])
+def test_the_request_vocabulary_drafts_the_requests_own_tokens(vocab_engine64, vocab, chunk, monkeypatch):
     """With a draft vocabulary (every third id), the adapted copy drafts the prompt's tokens outside it
-    from the start and each committed one from the step after it; `draft` keeps the vocabulary."""
+    from the start and each committed one from the step after it; `draft` keeps the vocabulary. Its own
+    rows fill a buffer in place and move to a larger one when it is full (a chunk of 4 rows here)."""
+    monkeypatch.setattr(draft_adaptation, "OWN_CHUNK", chunk)
     engine = vocab_engine64
     config = GenerationConfig(
         max_new_tokens=8, sampling=PAPER, adapt_drafts=True, adapt_block=8, adapt_vocab=vocab
@@ -210,18 +213,65 @@ def test_the_request_vocabulary_drafts_the_requests_own_tokens(vocab_engine64, v
     assert outside and later  # the random prompt has tokens outside the vocabulary, before and after 24
     assert drafted() == (draftable | outside if vocab == "request" else draftable)
     for start in range(24, 40, 8):  # committed positions 24..39: their next tokens, 25..40, are committed
-        adapter.observe(start, hidden[start : start + 8])
+        adapter.observe(start, hidden[start : start + 8], state.history[start + 1 : start + 9].tolist())
     assert adapter.updates == 2
     assert drafted() == (draftable | outside | later if vocab == "request" else draftable)
     assert torch.isfinite(adapter.rows).all() and adapter.rows.shape[0] == len(drafted())
+    if vocab == "request":  # replaced at the first admission, then only when full
+        assert adapter.head_version == 1
+        adapter.admit(range(engine.config.vocab_size))  # every id: more than twice the first ones
+        assert drafted() == set(range(engine.config.vocab_size))
+        assert adapter.head_version == (1 if chunk == 512 else 2)
 
 
-def test_the_device_loop_refuses_adaptation(llama_engine64):
-    config = GenerationConfig(max_new_tokens=16, tree="3,3", device_loop=True, seed=1)
-    with pytest.raises(GenerationError, match="drop --adapt-drafts"):
-        replace(config, adapt_drafts=True).validate()
-    _, stats = generate(llama_engine64, _prompt(llama_engine64.config.vocab_size), config)
-    assert stats.draft_updates == 0
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("tree", ["3,3", "auto"])
+@pytest.mark.parametrize("engine_name", ["llama_engine64", "vocab_engine64"])
+def test_the_device_loop_adapts_and_emits_ars_tokens(request, engine_name, tree, sampling):
+    engine = request.getfixturevalue(engine_name)
+    prompt = _prompt(engine.config.vocab_size)
+    base = GenerationConfig(
+        max_new_tokens=160, sampling=sampling, seed=7, ignore_eos=True, tree=tree, device_loop=True
+    )
+    before = _state(engine.draft_layers)
+    adapted, stats = generate(engine, prompt, replace(base, adapt_drafts=True, adapt_block=8))
+    assert adapted == generate(engine, prompt, replace(base, method="ar"))[0]
+    assert adapted == generate(engine, prompt, base)[0]
+    if tree != "auto":  # the tuner may settle on AR steps, which adapt nothing
+        assert stats.draft_updates > 0 and stats.phase_s["adapt"] > 0
+    after = engine.draft_layers.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)  # the engine's layers unchanged
+
+
+def test_the_device_loop_hands_the_adapter_every_committed_positions_state(llama_engine64, monkeypatch):
+    """The device loop's kept rows: every committed position once, in order, with its next token and
+    the target's hidden state there (as a plain forward over the text computes it)."""
+    engine = llama_engine64
+    prompt = _prompt(engine.config.vocab_size)
+    seen: list[tuple[int, torch.Tensor, list[int]]] = []
+    observe = DraftAdapter.observe
+
+    def spy(adapter, first_position, hidden, tokens):
+        seen.append((first_position, hidden.clone(), list(tokens)))
+        return observe(adapter, first_position, hidden, tokens)
+
+    monkeypatch.setattr(DraftAdapter, "observe", spy)
+    config = GenerationConfig(
+        max_new_tokens=96, sampling=PAPER, seed=3, ignore_eos=True, tree="3,3", device_loop=True
+    )
+    tokens, stats = generate(engine, prompt, replace(config, adapt_drafts=True, adapt_block=8))
+    text = prompt + tokens
+    positions = [first + row for first, hidden, _ in seen for row in range(hidden.shape[0])]
+    assert positions == list(range(len(prompt), len(text) - 1))
+    assert [token for _, _, after in seen for token in after] == text[len(prompt) + 1 :]
+    state = new_decode_state(engine, text, config, PositionKeyedRandom(1))
+    with torch.inference_mode():
+        full = engine.model(
+            torch.tensor(text), torch.arange(len(text)), state.full, keep_queries=False
+        ).hidden  # [T, hidden]
+    kept = torch.cat([hidden for _, hidden, _ in seen])
+    torch.testing.assert_close(kept, full[len(prompt) : len(text) - 1], atol=1e-4, rtol=1e-4)
+    assert stats.draft_updates == (len(text) - 1 - len(prompt)) // 8
 
 
 def test_off_by_default_and_never_for_ar(llama_engine64):
@@ -260,12 +310,41 @@ def test_adams_beta2_is_a_setting(rooted_engine64):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs CUDA")
-def test_the_side_stream_update_keeps_ars_tokens_on_cuda(llama_dir):
+@pytest.mark.parametrize("device_loop", [False, True], ids=["host-loop", "device-loop-graphs"])
+def test_the_side_stream_update_keeps_ars_tokens_on_cuda(llama_dir, device_loop):
     from conftest import quiet_load
 
     engine = quiet_load(llama_dir[0], dtype=torch.float32, device="cuda")
     prompt = _prompt(engine.config.vocab_size)
-    base = GenerationConfig(max_new_tokens=128, sampling=PAPER, seed=2, ignore_eos=True, tree="3,3")
+    base = GenerationConfig(
+        max_new_tokens=128, sampling=PAPER, seed=2, ignore_eos=True, tree="3,3", device_loop=device_loop
+    )
+    if device_loop:
+        base = replace(base, draft_source="verify")
     adapted, stats = generate(engine, prompt, replace(base, adapt_drafts=True, adapt_block=8))
     assert adapted == generate(engine, prompt, replace(base, method="ar"))[0]
     assert stats.draft_updates > 0
+    assert (stats.graph_replays > 0) == device_loop
+
+
+def test_steps_per_block_and_the_warmup_are_settings(rooted_engine64):
+    """Each block takes `steps` optimiser steps; the learning rate rises over the first `warmup`
+    blocks to its full value; settings outside their range are refused."""
+    engine = rooted_engine64
+    config = GenerationConfig(max_new_tokens=8, sampling=PAPER, adapt_drafts=True)
+    state, hidden = _block(engine, config, length=48)
+    settings = AdaptationSettings(block=8, steps=3, warmup=4)
+    adapter = engine_adapter(engine, state.history, 8, PAPER, settings)
+    rates = []
+    for start in range(8, 40, 8):
+        adapter.observe(start, hidden[start : start + 8], state.history[start + 1 : start + 9].tolist())
+        rates.append(adapter.optimizer.param_groups[0]["lr"])
+    assert adapter.updates == 4
+    first = adapter.optimizer.param_groups[0]["params"][0]
+    assert adapter.optimizer.state[first]["step"] == 12  # 3 steps for each of 4 blocks
+    lr = settings.learning_rate
+    assert rates == pytest.approx([lr / 4, lr / 2, 3 * lr / 4, lr])
+    with pytest.raises(ValueError, match="at least 1 step"):
+        AdaptationSettings(steps=0).validate()
+    with pytest.raises(ValueError, match="warmup"):
+        AdaptationSettings(warmup=-1).validate()

@@ -165,8 +165,6 @@ def run_comparison(
 ) -> list[dict[str, Any]]:
     """The bench's rows on `engine`, prompts cut from `text_ids`: one per (prefix length, generation
     length). `progress(label, total)` returns the callback a run reports its new tokens to."""
-    if spec.compare_adaptation and spec.config.device_loop:
-        raise BenchError("--compare-adaptation runs the adapted layers on the host loop: drop --device-loop")
     longest = max(spec.prefix_lens) + max(spec.gen_lens)
     limit = spec.config.max_length or engine.config.max_position_embeddings
     if longest > limit:

@@ -10,7 +10,7 @@ models/smollm2-135m), SmolLM2-135M with its committed draft layers end to end (A
 taking turns through the device loop, tree 3,3,3 with 4 n-gram branches; paper sampling in bf16
 first), the 8B shape's AR step and iteration at 4K-98K prompt tokens (random weights), `model` (the
 ~94K-token generation modeled from those times at the trie's cap and at the τ measured on SmolLM2,
-never above the cap), `adapt-cost` (SmolLM2's host-loop iteration with its draft layers adapting
+never above the cap), `adapt-cost` (SmolLM2's device-loop iteration with its draft layers adapting
 on a side stream against without, by turns), swift-tiny end to end, SmolLM2's iteration phase by
 phase, the GPU tests, then greedy and float32 variants, the 100-slot trie, and `tp` (swift-tiny on
 one GPU and on two tensor-parallel ranks, compared; skipped with fewer than 2 GPUs).
@@ -750,13 +750,14 @@ def phases_summary(check: Check) -> dict[str, Any] | None:
 
 
 def adaptation_plan(check: Check) -> Commands | Skip:
-    """SmolLM2 on the host loop with its committed layers and with layers adapting as it commits
-    (`bench --compare-adaptation`; on CUDA the step runs on a side stream): the iteration's time with
-    and without adaptation, by turns in one process. A dry run times swift-tiny."""
+    """SmolLM2 on the device loop (CUDA's default, its iterations graph-captured) with its committed
+    layers and with layers adapting as it commits (`bench --compare-adaptation`; on CUDA the step runs
+    on a side stream): the iteration's time with and without adaptation, by turns in one process. A
+    dry run times swift-tiny."""
     sizes = check.sizes
     smollm2 = check.cuda  # a dry run times swift-tiny
     model, prefix = ("smollm2-135m", sizes.smollm2_prefix) if smollm2 else ("swift-tiny", sizes.tiny_prefix)
-    flags = ["--host-loop", "--compare-adaptation", "--draft-source", "verify"]
+    flags = ["--device-loop", "--compare-adaptation", "--draft-source", "verify"]
     run = EndToEnd(model, "paper", "bfloat16", tree="1,1,1", ngram_topk=0)
     return run.bench(check, prefix, sizes.adapt_gen, check.work / "adapt-cost", flags)
 
@@ -849,7 +850,7 @@ def stages(sizes: Sizes) -> list[Stage]:
         ),
         Stage(
             "adapt-cost",
-            "SmolLM2's host-loop iteration with and without draft adaptation (a side stream on CUDA)",
+            "SmolLM2's device-loop iteration with and without draft adaptation (a side stream on CUDA)",
             150,
             60,
             plan=adaptation_plan,
@@ -945,7 +946,7 @@ def summary_markdown(record: dict[str, Any]) -> str:
         )
     adaptation = [(name, r) for name, r in record["results"].items() if "adaptation" in r]
     if adaptation:
-        parts.append("\n## Draft adaptation: the host loop's iteration with and without it\n\n")
+        parts.append("\n## Draft adaptation: the device loop's iteration with and without it\n\n")
         parts.append(
             table(
                 [

@@ -320,7 +320,7 @@ def sampling_options(function):
                 "--adapt-drafts/--no-adapt-drafts",
                 default=None,
                 help="adapt the request's own copy of the draft layers to the text it commits (output "
-                "unchanged; the host loop only) [off]",
+                "unchanged) [off]",
             ),
             click.option(
                 "--adapt-block", type=int, default=None, help="committed positions per adaptation step [16]"

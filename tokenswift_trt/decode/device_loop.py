@@ -16,7 +16,9 @@ captured once per plan as a graph and replayed:
             walk as tensor algebra (`stages.accept_slots`);
   commit    the chain's K/V and tokens (`stages.commit_chain`), the draft layers' logits at the last
             accepted slot (the next propose's), the n-gram table's new grams, the committed count,
-            the EOS / limit flag.
+            the EOS / limit flag; with draft adaptation, the chain's hidden states into a ring of
+            rows by position (`committed_hidden`), which the host hands to the request's
+            `DraftAdapter` once it has read the iteration (its step runs on a side stream on CUDA).
 
 A `DeviceLoop` holds one sequence's device state (committed count, draft logits, n-gram table); a
 `DevicePlan` is one plan's iteration (tree, n-gram k: its slot layout, report, and captured graphs,
@@ -47,8 +49,11 @@ from tokenswift_trt.decode.suffix import MAX_DEPTH as SUFFIX_MAX_DEPTH
 from tokenswift_trt.decode.suffix import match_tensors
 from tokenswift_trt.decode.tree import StaticTree, Trie, TrieSlots
 from tokenswift_trt.model.decoder import ALIGNED_MAX_LEVELS
+from tokenswift_trt.model.draft_adaptation import DraftAdapter
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.sampling import PositionKeyedRandom, position_gumbel_tensor
+
+KEPT_ROWS = 256  # hidden-state rows kept for draft adaptation: two iterations of the deepest chain
 
 
 @dataclass
@@ -102,6 +107,7 @@ class DeviceLoop:
         ngram_topk: int,  # grams kept per start token: the largest plan's k
         capture: bool,
         compiled: bool = False,  # the verify forward through torch.compile (static_step.compiled_forward)
+        adapter: DraftAdapter | None = None,  # the request's adapted draft layers (engine.draft_layers)
     ) -> None:
         device = engine.device
         self.engine, self.state, self.depth, self.ngram_topk = engine, state, depth, ngram_topk
@@ -130,6 +136,14 @@ class DeviceLoop:
         # one memory pool for every graph: they never run at once and write only buffers made outside them
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.known_count = len(state.tokens)  # committed tokens the host has read
+        # draft adaptation: the committed positions' hidden states, row p % KEPT_ROWS for position p
+        # (an iteration writes its chain's rows; the host gathers them once it has read the report)
+        self.adapter = adapter
+        self.kept: torch.Tensor | None = None  # [KEPT_ROWS, hidden]
+        if adapter is not None:
+            hidden = engine.config.hidden_size
+            self.kept = torch.zeros(KEPT_ROWS, hidden, dtype=engine.dtype, device=device)
+        self.head_version = -1  # the adapter's head version the graphs were captured over
         self.replays = 0
         self.halted = False
 
@@ -174,6 +188,8 @@ class DeviceLoop:
             device = self.engine.device
             size = bucket_for(used) if self.bucketed else used
             slots = TrieSlots(tree, ngram_topk, size, device, long_depth)
+            # an iteration in flight writes rows up to max_depth + 1 past those the host gathers
+            assert 2 * (slots.max_depth + 1) <= KEPT_ROWS, "deeper chains than the kept rows hold"
             report = torch.zeros(2 * (slots.max_depth + 1) + 5 + slots.size, dtype=torch.long, device=device)
             levels = torch.arange(slots.max_depth + 1, device=device)
             self.plans[key] = DevicePlan(tree, ngram_topk, slots, report, levels)
@@ -269,6 +285,9 @@ class DeviceLoop:
             self.last_hidden.copy_(chosen[0])
         accepted = committed - 1
         levels = plan.levels
+        if self.kept is not None:  # the chain's hidden states (past `committed`: rows rewritten later)
+            rows = (count - 1 + levels).remainder(KEPT_ROWS)  # [Dmax + 1]
+            self.kept.index_copy_(0, rows, hidden.index_select(0, result.chain))
         from_ngrams = ((result.chain >= plan.slots.tree_nodes) & (levels >= 1) & (levels <= accepted)).sum()
         if self.table is not None:
             with record_function("device_loop.ngrams"):
@@ -282,12 +301,27 @@ class DeviceLoop:
 
     # ------------------------------------------------------------ the host side
 
+    def committed_hidden(self, first_position: int, count: int) -> torch.Tensor:
+        """The target's hidden states at committed positions first_position .. + count - 1 (an
+        iteration the host has read), [count, hidden]: gathered in stream order, no read back."""
+        assert self.kept is not None, "kept only for draft adaptation"
+        rows = torch.arange(first_position, first_position + count, device=self.kept.device)
+        return self.kept.index_select(0, rows.remainder(KEPT_ROWS))
+
+    def _follow_head(self) -> None:
+        """Graphs captured over a draft head the adapter has since replaced are captured again."""
+        if self.adapter is not None and self.adapter.head_version != self.head_version:
+            for plan in self.plans.values():
+                plan.graphs.clear()
+            self.head_version = self.adapter.head_version
+
     def route(self, plan: DevicePlan) -> bool | None:
         """The verify's attention route for the committed length the host knows."""
         return self.engine.model.torch_model.cascade_route(plan.slots.size, self.known_count)
 
     def prepare(self, plan: DevicePlan) -> None:
         """Capture the plan's graph for the current route now (on CUDA), if it has none yet."""
+        self._follow_head()
         route = self.route(plan)
         if self.capture and route not in plan.graphs:
             plan.graphs[route] = self._capture(plan, route)
@@ -295,6 +329,7 @@ class DeviceLoop:
     def launch(self, plan: DevicePlan) -> None:
         """Queue one iteration: a graph replay on CUDA (each plan's and route's captured at its first
         call), else eager."""
+        self._follow_head()
         route = self.route(plan)
         if not self.capture:
             self.step(plan, route)

@@ -114,8 +114,7 @@ class GenerationConfig:
     # one optimiser step per `adapt_block` committed positions, over the newest `adapt_span`; off by
     # default: on a CPU a step costs more than it gains (adapted runs 0.87-0.93x the static ones' speed
     # at 8K), on a GPU it is not measured yet
-    # (docs/smollm2.md#draft-layers-that-keep-up);
-    # the host loop only (the device loop keeps the engine's layers)
+    # (docs/smollm2.md#draft-layers-that-keep-up); both the host loop and the device loop adapt
     adapt_drafts: bool = False
     adapt_block: int = 16
     adapt_span: int = 16  # each step trains on the newest this many committed positions
@@ -134,8 +133,8 @@ class GenerationConfig:
     @property
     def prefers_device_loop(self) -> bool:
         """Whether the device loop runs where it can (`runs_device_loop`): asked for, or left to the
-        default while drafting from the verify pass with no draft adaptation asked for."""
-        if self.method != "tokenswift" or self.device_loop is False or self.adapt_drafts:
+        default while drafting from the verify pass."""
+        if self.method != "tokenswift" or self.device_loop is False:
             return False
         return self.device_loop is True or self.resolved_draft_source == "verify"
 
@@ -169,8 +168,7 @@ class GenerationConfig:
 
     @property
     def adapts_drafts(self) -> bool:
-        """Whether this request adapts its draft layers: as `adapt_drafts` says, for TokenSwift on the
-        host loop (`--device-loop --adapt-drafts` is refused; the device loop is not the default then)."""
+        """Whether this request adapts its draft layers: as `adapt_drafts` says, for TokenSwift."""
         return self.adapt_drafts and self.method == "tokenswift"
 
     def validate(self) -> None:
@@ -216,10 +214,6 @@ class GenerationConfig:
                 raise GenerationError(
                     "the device loop drafts from the verify pass: use --draft-source verify, or drop "
                     "--device-loop for partial-cache drafting (the host loop's)"
-                )
-            if self.adapt_drafts:
-                raise GenerationError(
-                    "the device loop drafts with the engine's draft layers: drop --adapt-drafts"
                 )
 
 
@@ -475,7 +469,7 @@ def decode_steps(
         if config.method == "ar":
             yield from _ar_loop(engine, state, stats, started, on_tokens)
         elif config.runs_device_loop(engine, state.random):
-            yield from _device_loop(engine, state, config, stats, started, hidden, on_tokens)
+            yield from _device_loop(engine, state, config, stats, started, hidden, on_tokens, adapter)
         else:
             _refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
             yield from _tokenswift_loop(
@@ -517,7 +511,7 @@ def engine_adapter(
         settings,
         engine.kernels,
     )
-    adapter.admit(history[:used])
+    adapter.admit(history[:used].tolist())
     return adapter
 
 
@@ -840,7 +834,8 @@ def _tokenswift_loop(
             costs = IterationCosts(t_draft - tick, t_trie - t_draft, t_commit - t_accept, len(trie))
             if adapter is not None:  # the root's and the accepted nodes' states: committed positions
                 kept = verified.hidden[[0, *acceptance.nodes]]  # [1 + accepted, hidden]
-                stats.add_time("adapt", adapter.observe(root_position, kept))
+                after = state.tokens[root_position + 1 : root_position + 1 + kept.shape[0]]
+                stats.add_time("adapt", adapter.observe(root_position, kept, after))
                 stats.draft_updates = adapter.updates
             _count_drafts(stats, trie, acceptance, 1 if from_verify else 2, position)
         iteration_s = time.perf_counter() - tick
@@ -866,11 +861,13 @@ def _device_loop(
     started: float,
     last_hidden: torch.Tensor,  # [hidden] of the last committed token
     on_tokens: Callable[[list[int]], None] | None,
+    adapter: DraftAdapter | None = None,
 ) -> Generator[Stats, None, None]:
     """Iterations run by device_loop.py under a fixed plan or the tuner's: its drafting plans on the
     device, each captured once as its own graph (the host reads each iteration's report, one
     iteration late), its AR steps as `--method ar` runs them. A plan the tuner leaves stops after the
-    iteration already queued, which commits but is not reported to the tuner."""
+    iteration already queued, which commits but is not reported to the tuner. `adapter` adapts the
+    draft layers (`engine.draft_layers`, its copy) from each iteration the host has read."""
     if not engine.model.fixed_shape_steps:
         raise GenerationError("the device loop runs PyTorch engines: drop --device-loop for this engine")
     capture = engine.device.type == "cuda" and config.sampling.eta == 0  # η reads its entropy back
@@ -881,7 +878,7 @@ def _device_loop(
     largest, topk = probe_plan("verify", engine.device) if auto else (config.tree, config.ngram_topk)
     try:
         depth = min(len(parse_tree(largest)), len(engine.draft_layers))  # the tuner's plans are no deeper
-        loop = DeviceLoop(engine, state, depth, topk, capture, config.compile_steps)
+        loop = DeviceLoop(engine, state, depth, topk, capture, config.compile_steps, adapter)
     except ValueError as error:
         raise GenerationError(str(error)) from None
     if tuner is not None:
@@ -901,7 +898,12 @@ def _device_loop(
         tick = time.perf_counter()
         for report in run_device_loop(loop, executor, stats.add_time):
             position = new_tokens()  # of this iteration's first committed token
+            root_position = len(state.tokens) - 1
             state.tokens.extend(report.tokens)
+            if adapter is not None and report.tokens:  # the root's and the accepted slots' states
+                kept = loop.committed_hidden(root_position, len(report.tokens))  # [committed, hidden]
+                stats.add_time("adapt", adapter.observe(root_position, kept, report.tokens))
+                stats.draft_updates = adapter.updates
             stats.iterations += 1
             stats.forwards += 1
             stats.count_drafting(

@@ -27,16 +27,22 @@ vocabulary plus every token the request has used, its prompt and what it commits
 head's own rows of them (`RequestVocabHead`): the step's loss covers them as well, and the set grows
 at each step, a fixed point of the loop, so drafts stay deterministic.
 
-On CUDA the step runs on a side stream: it is launched after an iteration's commit and trains a
-float32 master copy while the next iteration drafts and verifies with the layers as they were; the
-next `observe` makes the main stream wait for it and copies the master into the drafting copy
-(one iteration late, at a fixed point of the loop, so drafts stay deterministic). On a CPU the step
-runs in place and the changed products are re-packed for the CPU kernels (cpu_linear.py).
+Both loops adapt: the host loop hands each iteration's rows to `observe` as it commits; the device
+loop (decode/device_loop.py) keeps them on the device and hands them over once the host has read the
+iteration, and the request's own head rows fill buffers in place, so graphs captured over them stay
+valid until a full buffer is replaced. `observe` and `admit` read no device value back, so the
+device loop's queue keeps running. On CUDA the step runs on a side stream: it is launched after an
+iteration's commit and trains a float32 master copy while the next iteration drafts and verifies
+with the layers as they were; the next `observe` makes the main stream wait for it and copies the
+master into the drafting copy (one iteration late, at a fixed point of the loop, so drafts stay
+deterministic). On a CPU the step runs in place and the changed products are re-packed for the CPU
+kernels (cpu_linear.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -66,6 +72,8 @@ class AdaptationSettings:
     lr: float | None = None  # None: DEFAULT_LR of the optimiser
     vocab: str = "request"  # VOCABS: what the adapted copy drafts over (layers with a draft vocabulary)
     beta2: float = 0.999  # Adam's second-moment decay (docs/bench/adapt-replay-smollm2-beta2)
+    steps: int = 1  # optimiser steps per block, each over the same positions
+    warmup: int = 0  # steps over which the learning rate rises linearly to `lr` (0: from the first)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value."""
@@ -83,6 +91,10 @@ class AdaptationSettings:
             raise ValueError(f"adaptation vocabulary must be one of {', '.join(VOCABS)}, got {self.vocab!r}")
         if not 0 < self.beta2 < 1:
             raise ValueError(f"Adam's beta2 for adaptation must be in (0, 1), got {self.beta2}")
+        if self.steps < 1:
+            raise ValueError(f"the adaptation must take at least 1 step per block, got {self.steps}")
+        if self.warmup < 0:
+            raise ValueError(f"the adaptation warmup must be at least 0 steps, got {self.warmup}")
         if self.lr is not None and not 0 < self.lr < 1:
             raise ValueError(f"the adaptation learning rate must be in (0, 1), got {self.lr}")
 
@@ -111,18 +123,46 @@ def copy_draft_layers(layers: DraftLayers, config: ModelConfig, dtype: torch.dty
     return copy.eval()
 
 
+OWN_CHUNK = 512  # the request's own rows are held in buffers of a multiple of this many
+
+
 @dataclass(frozen=True)
 class RequestVocabHead:
     """The draft vocabulary's head (`VocabHead`, shared by every request) and one request's own: the
-    LM head's rows of the tokens it has used outside that vocabulary. states [..., hidden] -> logits
-    [..., V], -inf outside both."""
+    LM head's rows of the tokens it has used outside that vocabulary, in buffers of fixed capacity C
+    that fill in place (a drafting graph captured over them stays valid until they are replaced).
+    states [..., hidden] -> logits [..., V], -inf outside both."""
 
     shared: VocabHead
-    own: VocabHead
+    ids: torch.Tensor  # [C] the own tokens' ids (unused slots: 0)
+    linear: Linear  # [C, hidden] their rows of the LM head (unused slots: zero rows)
+    mask: torch.Tensor  # [C] 0 for a used slot, -inf for an unused one
+
+    @classmethod
+    def empty(cls, shared: VocabHead, capacity: int, head: torch.Tensor) -> RequestVocabHead:
+        """An own part with room for `capacity` tokens (a multiple of OWN_CHUNK) and none used."""
+        capacity = -(-max(capacity, 1) // OWN_CHUNK) * OWN_CHUNK
+        device, dtype = head.device, head.dtype
+        linear = Linear(head.shape[1], capacity, bias=False, device=device, dtype=dtype)
+        linear.weight = nn.Parameter(torch.zeros(capacity, head.shape[1], device=device, dtype=dtype), False)
+        ids = torch.zeros(capacity, dtype=torch.long, device=device)
+        return cls(shared, ids, linear, torch.full((capacity,), -torch.inf, device=device))
+
+    def fill(self, start: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Slots start .. start + n - 1 take ids [n] and their rows [n, hidden] (in place)."""
+        end = start + ids.shape[0]
+        with torch.no_grad():
+            self.ids[start:end] = ids
+            self.linear.weight[start:end] = rows
+            self.mask[start:end] = 0
+        self.linear.pack(half=True)  # float16 where the tiled kernel applies, as `VocabHead`'s rows
 
     def __call__(self, states: torch.Tensor) -> torch.Tensor:
         logits = self.shared(states)  # [..., V]
-        return logits.index_copy_(-1, self.own.ids, self.own.linear(states))
+        own = (self.linear(states).float() + self.mask).to(logits.dtype)  # [..., C]
+        # a used slot's column is -inf in `logits` (outside the draft vocabulary); an unused slot's
+        # -inf leaves its column as it is
+        return logits.scatter_reduce_(-1, self.ids.expand(own.shape), own, "amax")
 
 
 class DraftAdapter:
@@ -182,7 +222,9 @@ class DraftAdapter:
         self.head = head
         # the request's own tokens outside the draft vocabulary, in the order they were admitted
         self.grows = settings.vocab == "request" and vocab is not None and layers.vocab_head is not None
-        self.own = torch.zeros(0, dtype=torch.long, device=device)  # [E] token ids
+        self.own: list[int] = []
+        self.known: set[int] = set() if vocab is None else set(vocab.tolist())  # what drafts can propose
+        self.head_version = 0  # bumped whenever the drafting copy's head is replaced (not filled)
         with torch.inference_mode(False):
             self.rows = (head if vocab is None else head[vocab.to(device)]).detach().float()  # [K, hidden]
             self.embedding = embedding.detach()
@@ -192,43 +234,62 @@ class DraftAdapter:
             known = torch.arange(self.rows.shape[0], device=device)
             self.column_of[known if vocab is None else vocab.to(device)] = known
         self.positions: list[int] = []  # committed positions p held, ascending
+        self.tokens: list[int] = []  # committed tokens not admitted yet (`admit`, at the next step)
         self.hidden: list[torch.Tensor] = []  # their h_p rows, [n, hidden] float32 chunks
         self.pending = 0  # positions held that no step has trained on yet
         self.updates = 0
         self.in_flight: torch.cuda.Event | None = None
 
-    def observe(self, first_position: int, hidden: torch.Tensor) -> float:
-        """The committed positions first_position .. first_position + n - 1 and the target's hidden
-        states there, hidden [n, hidden] (pre-norm; their next tokens already in `history`); takes a
-        step when a block has filled. Returns the host seconds spent."""
+    def observe(self, first_position: int, hidden: torch.Tensor, tokens: Sequence[int]) -> float:
+        """The committed positions first_position .. first_position + n - 1, the target's hidden
+        states there, hidden [n, hidden] (pre-norm), and the tokens committed after them, tokens [n]
+        (x[p + 1], already in `history`); takes a step when a block has filled. Positions that do not
+        follow the last ones held (AR steps in between) start the held rows afresh: a step never pairs
+        rows across a gap. Returns the host seconds spent."""
         started = time.perf_counter()
         self._publish()
+        if self.positions and first_position != self.positions[-1] + 1:
+            self.positions, self.hidden, self.pending = [], [], 0
         with torch.inference_mode(False):
             self.hidden.append(hidden.detach().float().clone())  # [n, hidden]
         self.positions.extend(range(first_position, first_position + hidden.shape[0]))
+        self.tokens.extend(tokens)
         self.pending += hidden.shape[0]
         if self.pending >= self.settings.block:
             self._update()
         return time.perf_counter() - started
 
-    def admit(self, tokens: torch.Tensor) -> None:
-        """tokens [n] ids the request has used (its prompt, committed tokens): the adapted copy drafts
-        them too from now on (`vocab="request"`; nothing otherwise)."""
+    def admit(self, tokens: Sequence[int]) -> None:
+        """Token ids the request has used (its prompt, committed tokens): the adapted copy drafts them
+        too from now on (`vocab="request"`; nothing otherwise). Read on the host: no device sync."""
         if not self.grows:
             return
-        size = self.rows.shape[0]
-        tokens = tokens.to(self.column_of.device)
-        new = torch.unique(tokens[self.column_of[tokens] == size])  # [n'] ascending
-        if not new.numel():
+        new = sorted(set(tokens) - self.known)
+        if not new:
             return
+        self.known.update(new)
+        device = self.rows.device
+        ids = torch.tensor(new, dtype=torch.long)  # [m]
+        if device.type == "cuda":  # a pinned copy goes without waiting for the queued iterations
+            ids = ids.pin_memory()
+        ids = ids.to(device, non_blocking=True)
+        size = self.rows.shape[0]
         with torch.inference_mode(False), torch.no_grad():
-            self.rows = torch.cat((self.rows, self.head[new].float()))  # [K + E, hidden]
-            self.column_of[self.column_of == size] = self.rows.shape[0]
-            self.column_of[new] = torch.arange(size, self.rows.shape[0], device=new.device)
-        self.own = torch.cat((self.own, new))
-        shared = self.layers.vocab_head
-        shared = shared.shared if isinstance(shared, RequestVocabHead) else shared
-        self.layers.vocab_head = RequestVocabHead(shared, VocabHead.of(self.own, self.head))
+            self.rows = torch.cat((self.rows, self.head[ids].float()))  # [K + E, hidden]
+            self.column_of.masked_fill_(self.column_of == size, self.rows.shape[0])
+            self.column_of[ids] = torch.arange(size, self.rows.shape[0], device=device)
+        used = len(self.own)
+        self.own.extend(new)
+        head = self.layers.vocab_head
+        with torch.inference_mode(False), torch.no_grad():
+            if not isinstance(head, RequestVocabHead) or len(self.own) > head.ids.shape[0]:
+                shared = head.shared if isinstance(head, RequestVocabHead) else head
+                grown = RequestVocabHead.empty(shared, 2 * len(self.own), self.head)
+                if used:
+                    grown.fill(0, head.ids[:used], head.linear.weight[:used])
+                self.layers.vocab_head, head = grown, grown
+                self.head_version += 1
+            head.fill(used, ids, self.head[ids])
 
     def finish(self) -> None:
         """Wait for a step still running on the side stream (before the request's memory goes)."""
@@ -250,9 +311,11 @@ class DraftAdapter:
         train = max(self.pending, self.settings.span)
         hidden = torch.cat(self.hidden)[-(train + self.count) :]  # [N, hidden]
         keep = hidden.shape[0]
-        positions = torch.tensor(self.positions[-keep:], device=hidden.device)  # [N]
+        first = self.positions[-keep]  # held positions are consecutive (`observe`)
+        positions = torch.arange(first, first + keep, device=hidden.device)  # [N]
         roots = self.history[positions + 1]  # [N]: x[p + 1], what each row's root input reads
-        self.admit(roots)
+        self.admit(self.tokens)
+        self.tokens = []
         windows = self._windows(positions, self.positions[-1])  # [N, W] window columns, or None
         pending = min(train, keep)  # rows whose distributions are targets, the newest
         hold = self.settings.span + self.count  # what the next step reads of these
@@ -316,7 +379,7 @@ class DraftAdapter:
     def _step(
         self, hidden: torch.Tensor, roots: torch.Tensor, windows: torch.Tensor | None, pending: int
     ) -> None:
-        count, rows = self.count, hidden.shape[0]
+        rows = hidden.shape[0]
         with torch.inference_mode(False), torch.enable_grad():
             hidden, roots = hidden.clone(), roots.clone()
             windows = None if windows is None else windows.clone()
@@ -328,22 +391,39 @@ class DraftAdapter:
             embedding = None
             if self.master.root is not None:
                 embedding = self.embedding[roots].float()  # [N, hidden]
-            chain = self.master.chain(hidden, count, embedding)
-            losses = []
-            for depth, (_, normed) in enumerate(chain, start=1):
-                # layer `depth` at row j drafts x[j + 1 + depth]: row j + depth's distribution
-                start = max(0, first - depth)
-                student = F.linear(normed[start : rows - depth], self.rows)  # [R', K]
-                target = teacher[start + depth - first :]
-                if windows is not None:
-                    student = _penalised(student, windows[start + depth :], self.sampling.penalty)
-                if target.shape[0]:
-                    losses.append(-(target * F.log_softmax(student, dim=-1)).sum(-1).mean())
-            if not losses:
-                return
-            self.optimizer.zero_grad(set_to_none=True)
-            torch.stack(losses).mean().backward()
-            self.optimizer.step()
+            for _ in range(self.settings.steps):
+                self._descend(hidden, embedding, windows, teacher, first)
+
+    def _descend(
+        self,
+        hidden: torch.Tensor,  # [N, hidden]
+        embedding: torch.Tensor | None,  # [N, hidden] the roots' embeddings
+        windows: torch.Tensor | None,  # [N, W]
+        teacher: torch.Tensor,  # [R, K] the target's distributions of rows first + 1 ..
+        first: int,
+    ) -> None:
+        """One optimiser step of the layers' loss against `teacher` (within _step's grad mode)."""
+        rows = hidden.shape[0]
+        chain = self.master.chain(hidden, self.count, embedding)
+        losses = []
+        for depth, (_, normed) in enumerate(chain, start=1):
+            # layer `depth` at row j drafts x[j + 1 + depth]: row j + depth's distribution
+            start = max(0, first - depth)
+            student = F.linear(normed[start : rows - depth], self.rows)  # [R', K]
+            target = teacher[start + depth - first :]
+            if windows is not None:
+                student = _penalised(student, windows[start + depth :], self.sampling.penalty)
+            if target.shape[0]:
+                losses.append(-(target * F.log_softmax(student, dim=-1)).sum(-1).mean())
+        if not losses:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.stack(losses).mean().backward()
+        if self.settings.warmup:
+            scale = min(1.0, self.updates / self.settings.warmup)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.settings.learning_rate * scale
+        self.optimizer.step()
 
 
 def _penalised(logits: torch.Tensor, windows: torch.Tensor | None, theta: float) -> torch.Tensor:
