@@ -243,6 +243,28 @@ def test_the_device_loop_adapts_and_emits_ars_tokens(request, engine_name, tree,
     assert all(torch.equal(before[name], after[name]) for name in before)  # the engine's layers unchanged
 
 
+def test_the_device_loop_follows_the_request_heads_growth(vocab_engine64, monkeypatch):
+    """Own rows in chunks of 4: the adapted copy's head is replaced several times during the run (the
+    device loop captures its graphs again after each, on CUDA), and the output stays AR's."""
+    monkeypatch.setattr(draft_adaptation, "OWN_CHUNK", 4)
+    engine = vocab_engine64
+    heads = []
+    empty = draft_adaptation.RequestVocabHead.empty
+    monkeypatch.setattr(
+        draft_adaptation.RequestVocabHead,
+        "empty",
+        classmethod(lambda cls, *args: heads.append(empty(*args)) or heads[-1]),
+    )
+    prompt = _prompt(engine.config.vocab_size, length=8)
+    config = GenerationConfig(
+        max_new_tokens=160, sampling=PAPER, seed=5, ignore_eos=True, tree="3,3", device_loop=True
+    )
+    adapted, stats = generate(engine, prompt, replace(config, adapt_drafts=True, adapt_block=8))
+    assert adapted == generate(engine, prompt, replace(config, method="ar"))[0]
+    assert len(heads) >= 3 and stats.draft_updates > 0
+    assert heads[-1].ids.shape[0] > heads[0].ids.shape[0]
+
+
 def test_the_device_loop_hands_the_adapter_every_committed_positions_state(llama_engine64, monkeypatch):
     """The device loop's kept rows: every committed position once, in order, with its next token and
     the target's hidden state there (as a plain forward over the text computes it)."""

@@ -309,10 +309,13 @@ class DeviceLoop:
         return self.kept.index_select(0, rows.remainder(KEPT_ROWS))
 
     def _follow_head(self) -> None:
-        """Graphs captured over a draft head the adapter has since replaced are captured again."""
+        """Graphs captured over a draft head the adapter has since replaced are captured again, into
+        a new memory pool (the old one goes with the last graph that used it)."""
         if self.adapter is not None and self.adapter.head_version != self.head_version:
-            for plan in self.plans.values():
-                plan.graphs.clear()
+            if self.captures:
+                for plan in self.plans.values():
+                    plan.graphs.clear()
+                self.pool = torch.cuda.graph_pool_handle()
             self.head_version = self.adapter.head_version
 
     def route(self, plan: DevicePlan) -> bool | None:

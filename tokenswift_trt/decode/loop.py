@@ -459,24 +459,26 @@ def decode_steps(
         adapter = new_adapter(engine, state, config)
         engine = replace(engine, draft_layers=adapter.layers)
     started = time.perf_counter()
-    hidden = prefill(engine, state, prompt, config.prefill_chunk)
-    first = sample_next(engine, state, hidden)
-    state.append([first])
-    stats.prefill_s = time.perf_counter() - started
-    if on_tokens:
-        on_tokens([first])
-    if first not in state.stop_tokens and len(state.tokens) < state.limit:
-        if config.method == "ar":
-            yield from _ar_loop(engine, state, stats, started, on_tokens)
-        elif config.runs_device_loop(engine, state.random):
-            yield from _device_loop(engine, state, config, stats, started, hidden, on_tokens, adapter)
-        else:
-            _refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
-            yield from _tokenswift_loop(
-                engine, state, config, stats, started, hidden, on_tokens, acceptor, adapter
-            )
-    if adapter is not None:
-        adapter.finish()
+    try:
+        hidden = prefill(engine, state, prompt, config.prefill_chunk)
+        first = sample_next(engine, state, hidden)
+        state.append([first])
+        stats.prefill_s = time.perf_counter() - started
+        if on_tokens:
+            on_tokens([first])
+        if first not in state.stop_tokens and len(state.tokens) < state.limit:
+            if config.method == "ar":
+                yield from _ar_loop(engine, state, stats, started, on_tokens)
+            elif config.runs_device_loop(engine, state.random):
+                yield from _device_loop(engine, state, config, stats, started, hidden, on_tokens, adapter)
+            else:
+                _refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
+                yield from _tokenswift_loop(
+                    engine, state, config, stats, started, hidden, on_tokens, acceptor, adapter
+                )
+    finally:  # also when the caller stops early: no step may still run on memory about to go
+        if adapter is not None:
+            adapter.finish()
     return _finish(state, config, stats, started)
 
 

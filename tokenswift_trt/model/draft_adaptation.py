@@ -143,7 +143,7 @@ class RequestVocabHead:
         """An own part with room for `capacity` tokens (a multiple of OWN_CHUNK) and none used."""
         capacity = -(-max(capacity, 1) // OWN_CHUNK) * OWN_CHUNK
         device, dtype = head.device, head.dtype
-        linear = Linear(head.shape[1], capacity, bias=False, device=device, dtype=dtype)
+        linear = Linear(head.shape[1], capacity, bias=False, device="meta", dtype=dtype)  # no random init
         linear.weight = nn.Parameter(torch.zeros(capacity, head.shape[1], device=device, dtype=dtype), False)
         ids = torch.zeros(capacity, dtype=torch.long, device=device)
         return cls(shared, ids, linear, torch.full((capacity,), -torch.inf, device=device))
