@@ -243,6 +243,33 @@ def test_the_device_loop_adapts_and_emits_ars_tokens(request, engine_name, tree,
     assert all(torch.equal(before[name], after[name]) for name in before)  # the engine's layers unchanged
 
 
+def test_the_first_sampled_token_is_drafted_from_the_start(vocab_engine64, monkeypatch):
+    """The token the prefill samples is admitted before the first iteration, as the prompt's are
+    (the steps admit only the tokens after it)."""
+    engine = vocab_engine64
+    calls: list[tuple[str, list[int]]] = []
+    admit, observe = DraftAdapter.admit, DraftAdapter.observe
+
+    def spy_admit(adapter, tokens):
+        calls.append(("admit", list(tokens)))
+        return admit(adapter, tokens)
+
+    def spy_observe(adapter, first_position, hidden, tokens):
+        calls.append(("observe", list(tokens)))
+        return observe(adapter, first_position, hidden, tokens)
+
+    monkeypatch.setattr(DraftAdapter, "admit", spy_admit)
+    monkeypatch.setattr(DraftAdapter, "observe", spy_observe)
+    prompt = _prompt(engine.config.vocab_size, length=8)
+    config = GenerationConfig(max_new_tokens=24, sampling=PAPER, seed=5, ignore_eos=True, tree="3,3")
+    tokens, _ = generate(engine, prompt, replace(config, adapt_drafts=True, adapt_block=8))
+    first_observe = next(index for index, (kind, _) in enumerate(calls) if kind == "observe")
+    admitted = {token for kind, ids in calls[:first_observe] if kind == "admit" for token in ids}
+    assert tokens[0] not in prompt  # else the prompt's admission would cover it
+    assert set(prompt) | {tokens[0]} <= admitted
+    assert calls[first_observe][1][0] == tokens[1]  # the steps see the tokens after it
+
+
 def test_the_device_loop_follows_the_request_heads_growth(vocab_engine64, monkeypatch):
     """Own rows in chunks of 4: the adapted copy's head is replaced several times during the run (the
     device loop captures its graphs again after each, on CUDA), and the output stays AR's."""

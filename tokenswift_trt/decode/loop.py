@@ -463,6 +463,8 @@ def decode_steps(
         hidden = prefill(engine, state, prompt, config.prefill_chunk)
         first = sample_next(engine, state, hidden)
         state.append([first])
+        if adapter is not None:  # drafted from now on, as the prompt's tokens are
+            adapter.admit([first])
         stats.prefill_s = time.perf_counter() - started
         if on_tokens:
             on_tokens([first])
