@@ -13,6 +13,7 @@ import torch
 from tokenswift_trt.decode.loop import (
     GenerationConfig,
     GenerationError,
+    decode_steps,
     engine_adapter,
     generate,
     new_adapter,
@@ -241,6 +242,30 @@ def test_the_device_loop_adapts_and_emits_ars_tokens(request, engine_name, tree,
         assert stats.draft_updates > 0 and stats.phase_s["adapt"] > 0
     after = engine.draft_layers.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)  # the engine's layers unchanged
+
+
+@pytest.mark.parametrize("device_loop", [False, True], ids=["host-loop", "device-loop"])
+def test_a_generation_stopped_early_still_waits_for_its_step(llama_engine64, monkeypatch, device_loop):
+    """A caller that stops iterating (a client gone, a server stopping) closes the generator: the
+    adapter's last step is still awaited before the request's memory goes (`DraftAdapter.finish`)."""
+    finished = []
+    finish = DraftAdapter.finish
+    monkeypatch.setattr(DraftAdapter, "finish", lambda adapter: finished.append(adapter) or finish(adapter))
+    config = GenerationConfig(
+        max_new_tokens=64,
+        sampling=PAPER,
+        seed=1,
+        tree="3,3",
+        device_loop=device_loop,
+        draft_source="verify",
+        adapt_drafts=True,
+        adapt_block=4,
+    )
+    steps = decode_steps(llama_engine64, _prompt(llama_engine64.config.vocab_size), config)
+    stats = [next(steps) for _ in range(6)][-1]
+    assert stats.draft_updates > 0 and not finished
+    steps.close()
+    assert len(finished) == 1
 
 
 def test_the_first_sampled_token_is_drafted_from_the_start(vocab_engine64, monkeypatch):
