@@ -48,6 +48,12 @@ def llama_engine64(llama_dir):
 
 def _random_heads_engine64(llama_dir, tmp_path_factory, **layout):
     """float64 engine with random draft layers of that layout (`DraftLayers`' keyword arguments)."""
+    path = random_heads_file(llama_dir, tmp_path_factory, **layout)
+    return quiet_load(llama_dir[0], dtype=torch.float64, heads_file=path)
+
+
+def random_heads_file(llama_dir, tmp_path_factory, **layout):
+    """A heads file of random root-conditioned draft layers of that layout for the llama_dir model."""
     from tokenswift_trt.model.draft_layers import DraftLayers
     from tokenswift_trt.training.train_heads import save_heads
 
@@ -65,7 +71,7 @@ def _random_heads_engine64(llama_dir, tmp_path_factory, **layout):
             )
     path = tmp_path_factory.mktemp("heads") / "heads.safetensors"
     save_heads(layers, path)
-    return quiet_load(llama_dir[0], dtype=torch.float64, heads_file=path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -401,6 +401,27 @@ def test_the_side_stream_update_keeps_ars_tokens_on_cuda(llama_dir, device_loop)
     assert (stats.graph_replays > 0) == device_loop
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_graphs_are_captured_again_as_the_request_head_grows_on_cuda(
+    llama_dir, tmp_path_factory, monkeypatch
+):
+    """Draft layers with a draft vocabulary, own rows in chunks of 4: the device loop's graphs are
+    captured again over each larger head (into a fresh memory pool), and the output stays AR's."""
+    from conftest import quiet_load, random_heads_file
+
+    monkeypatch.setattr(draft_adaptation, "OWN_CHUNK", 4)
+    heads = random_heads_file(llama_dir, tmp_path_factory, vocab_size=32)
+    engine = quiet_load(llama_dir[0], dtype=torch.float32, device="cuda", heads_file=heads)
+    prompt = _prompt(engine.config.vocab_size, length=8)
+    base = GenerationConfig(
+        max_new_tokens=160, sampling=PAPER, seed=5, ignore_eos=True, tree="3,3", device_loop=True
+    )
+    adapted, stats = generate(engine, prompt, replace(base, adapt_drafts=True, adapt_block=8))
+    assert adapted == generate(engine, prompt, replace(base, method="ar"))[0]
+    static = generate(engine, prompt, base)[1]
+    assert stats.draft_updates > 0 and stats.graph_captures > static.graph_captures
+
+
 def test_steps_per_block_and_the_warmup_are_settings(rooted_engine64):
     """Each block takes `steps` optimiser steps; the learning rate rises over the first `warmup`
     blocks to its full value; settings outside their range are refused."""

@@ -145,6 +145,7 @@ class DeviceLoop:
             self.kept = torch.zeros(KEPT_ROWS, hidden, dtype=engine.dtype, device=device)
         self.head_version = -1  # the adapter's head version the graphs were captured over
         self.replays = 0
+        self.captured = 0
         self.halted = False
 
     # ------------------------------------------------------------ host <-> device state
@@ -197,7 +198,8 @@ class DeviceLoop:
 
     @property
     def captures(self) -> int:
-        return sum(len(plan.graphs) for plan in self.plans.values())
+        """Graphs captured so far (those captured again after a head replacement count again)."""
+        return self.captured
 
     # ------------------------------------------------------------ the iteration (no reads)
 
@@ -312,7 +314,7 @@ class DeviceLoop:
         """Graphs captured over a draft head the adapter has since replaced are captured again, into
         a new memory pool (the old one goes with the last graph that used it)."""
         if self.adapter is not None and self.adapter.head_version != self.head_version:
-            if self.captures:
+            if any(plan.graphs for plan in self.plans.values()):
                 for plan in self.plans.values():
                     plan.graphs.clear()
                 self.pool = torch.cuda.graph_pool_handle()
@@ -362,6 +364,7 @@ class DeviceLoop:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):  # records the iteration without running it
             self.step(plan, route)
+        self.captured += 1
         return graph
 
     def halt(self) -> None:
