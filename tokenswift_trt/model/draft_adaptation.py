@@ -220,9 +220,9 @@ class DraftAdapter:
             pack_linears(self.layers, half=True, kernels=kernels)
         vocab = layers.vocab
         self.head = head
-        # the request's own tokens outside the draft vocabulary, in the order they were admitted
+        # the request's own tokens outside the draft vocabulary: how many were admitted
         self.grows = settings.vocab == "request" and vocab is not None and layers.vocab_head is not None
-        self.own: list[int] = []
+        self.own = 0
         self.known: set[int] = set() if vocab is None else set(vocab.tolist())  # what drafts can propose
         self.head_version = 0  # bumped whenever the drafting copy's head is replaced (not filled)
         with torch.inference_mode(False):
@@ -274,17 +274,15 @@ class DraftAdapter:
             ids = ids.pin_memory()
         ids = ids.to(device, non_blocking=True)
         size = self.rows.shape[0]
+        used, self.own = self.own, self.own + len(new)
+        head = self.layers.vocab_head
         with torch.inference_mode(False), torch.no_grad():
             self.rows = torch.cat((self.rows, self.head[ids].float()))  # [K + E, hidden]
             self.column_of.masked_fill_(self.column_of == size, self.rows.shape[0])
             self.column_of[ids] = torch.arange(size, self.rows.shape[0], device=device)
-        used = len(self.own)
-        self.own.extend(new)
-        head = self.layers.vocab_head
-        with torch.inference_mode(False), torch.no_grad():
-            if not isinstance(head, RequestVocabHead) or len(self.own) > head.ids.shape[0]:
+            if not isinstance(head, RequestVocabHead) or self.own > head.ids.shape[0]:
                 shared = head.shared if isinstance(head, RequestVocabHead) else head
-                grown = RequestVocabHead.empty(shared, 2 * len(self.own), self.head)
+                grown = RequestVocabHead.empty(shared, 2 * self.own, self.head)
                 if used:
                     grown.fill(0, head.ids[:used], head.linear.weight[:used])
                 self.layers.vocab_head, head = grown, grown
