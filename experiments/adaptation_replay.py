@@ -171,16 +171,19 @@ def summarize(args: argparse.Namespace) -> None:
     """A markdown row per replay: layer 1 per 2K of output (8 windows of 256; means over positions,
     so a short last window weighs what it holds), the fall from the first 2K to the last, the same
     over the odd windows only (those a --hold-out-odd replay never adapted on), and the windows where
-    it beats the first replay given (the committed layers)."""
+    it beats the first replay given (the committed layers). `--field` summarises another per-window
+    value the same way (target_top1: how peaked the text's own distribution is, the same in every
+    replay of a recording)."""
     reports = [json.loads(path.read_text()) for path in args.replays]
-    base = [row["alpha_d1"] for row in reports[0]["windows"]]
+    field = args.field
+    base = [row[field] for row in reports[0]["windows"]]
 
     def mean(rows: list[dict]) -> float:  # over the rows' positions (the last window can be short)
-        return sum(row["alpha_d1"] * row["positions"] for row in rows) / sum(row["positions"] for row in rows)
+        return sum(row[field] * row["positions"] for row in rows) / sum(row["positions"] for row in rows)
 
     for path, report in zip(args.replays, reports):
         rows = report["windows"]
-        alpha = [row["alpha_d1"] for row in rows]  # per window
+        alpha = [row[field] for row in rows]  # per window
         quarters = [mean(rows[low : low + 8]) for low in range(0, len(rows), 8)]
         odd = rows[1::2]  # 4 in each 2K of an even number of windows
         first, last = mean(odd[:4]), mean(odd[-4:])
@@ -229,6 +232,12 @@ def main() -> None:
     rep.add_argument("--out", type=Path, default=None)
     summary = commands.add_parser("summarize", help="markdown rows of replays (the first: the baseline)")
     summary.add_argument("replays", type=Path, nargs="+")
+    summary.add_argument(
+        "--field",
+        choices=["alpha_d1", "alpha_d2", "alpha_d3", "in_draft_vocab", "target_top1"],
+        default="alpha_d1",
+        help="the per-window value to summarise",
+    )
     args = parser.parse_args()
     if args.command == "replay" and args.hold_out_odd and not args.hindsight:
         parser.error("--hold-out-odd holds windows out of the --hindsight passes: give --hindsight N")
