@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 import tokenswift_trt as ts
+from tokenswift_trt.backends.cpu_linear import pack_linears
 from tokenswift_trt.decode.loop import engine_adapter
-from tokenswift_trt.model.draft_adaptation import OPTIMIZERS, SCOPES, AdaptationSettings
+from tokenswift_trt.model.draft_adaptation import OPTIMIZERS, SCOPES, AdaptationSettings, copy_draft_layers
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig, position_gumbel_rows, process_logits
 
@@ -116,11 +117,21 @@ def replay(args: argparse.Namespace) -> None:
             p = torch.arange(start, min(start + args.block, end))  # [B]
             adapter.observe(start, hidden[p].to(engine.dtype), ids[p + 1].tolist())
     adapter.finish()  # CUDA: the last step's result drafts
+    snapshots = []
+    lagged = copy_draft_layers(engine.draft_layers, engine.config, engine.dtype) if args.lag else None
     hits = []  # per block [B, 3]: layer d's draft at p is x[p + 1 + d]
     peaks = []  # per block [B]: the target's top-1 probability at p + 2
     for start in range(first - 1, end, args.block):
         p = torch.arange(start, min(start + args.block, end))  # [B]
         layers = adapter.layers if args.adapt or args.hindsight else engine.draft_layers
+        if args.lag:  # the parameters one step older (the vocabulary head is current)
+            snapshots.append({k: v.detach().clone() for k, v in adapter.layers.state_dict().items()})
+            if len(snapshots) > 1:
+                with torch.inference_mode(False):
+                    lagged.load_state_dict(snapshots.pop(0))
+                pack_linears(lagged, half=True, kernels=engine.kernels)
+                lagged.vocab_head = adapter.layers.vocab_head
+                layers = lagged
         with torch.inference_mode():
             logits = engine.model.draft_logits(hidden[p].to(engine.dtype), layers, 3, ids[p + 1])  # [3, B, V]
             block = []
@@ -158,6 +169,7 @@ def replay(args: argparse.Namespace) -> None:
         "adapt": args.adapt,
         "hindsight": args.hindsight,
         "hold_out_odd": args.hold_out_odd,
+        "lag": args.lag,
         "settings": vars(settings),
         "windows": rows,
     }
@@ -218,6 +230,12 @@ def main() -> None:
         "--hold-out-odd",
         action="store_true",
         help="with --hindsight: adapt on the even windows only, so the odd ones are drafted unseen",
+    )
+    rep.add_argument(
+        "--lag",
+        action="store_true",
+        help="with --adapt: draft each block with the parameters of a block before, as CUDA's side "
+        "stream publishes them (the request's vocabulary stays current)",
     )
     rep.add_argument("--block", type=int, default=16)
     rep.add_argument("--span", type=int, default=AdaptationSettings.span)

@@ -223,3 +223,12 @@ def test_a_copy_without_git_records_the_commit_it_was_given(tmp_path, monkeypatc
     monkeypatch.setattr(gpu_check, "REPOSITORY", tmp_path)  # the device machine's copy has no .git
     assert gpu_check.git_commit("abc123") == {"commit": "abc123", "from": "--git-commit"}
     assert "--git-commit" in gpu_check.git_commit()["commit"]
+
+
+def test_every_gpu_test_the_check_runs_exists():
+    """A renamed or moved test would make the GPU check's test stage fail on the machine it is for."""
+    root = Path(__file__).resolve().parents[2]
+    for entry in gpu_check.TESTS:
+        path, _, name = entry.partition("::")
+        assert (root / path).is_file(), entry
+        assert not name or f"def {name}(" in (root / path).read_text(), entry

@@ -401,6 +401,35 @@ def test_the_side_stream_update_keeps_ars_tokens_on_cuda(llama_dir, device_loop)
     assert (stats.graph_replays > 0) == device_loop
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs CUDA")
+def test_a_step_is_drafted_with_from_the_next_steps_launch_on_cuda(llama_dir):
+    """On CUDA a step trains the master copy on the side stream; the drafting copy takes its result
+    only when the next step is launched, a block later (so the step overlaps a whole block of
+    iterations), or when the request finishes."""
+    from conftest import quiet_load
+
+    engine = quiet_load(llama_dir[0], dtype=torch.float32, device="cuda")
+    config = GenerationConfig(max_new_tokens=8, sampling=PAPER, adapt_drafts=True, adapt_block=8)
+    state, hidden = _block(engine, config, length=32)
+    adapter = new_adapter(engine, state, config)
+    assert adapter.master is not adapter.layers
+    tokens = lambda start: state.history[start + 1 : start + 9].tolist()  # noqa: E731
+    drafting = _state(adapter.layers)
+    adapter.observe(0, hidden[0:8], tokens(0))  # the first step, launched
+    torch.cuda.synchronize()
+    first = _state(adapter.master)
+    assert any(not torch.equal(first[name], drafting[name]) for name in first)
+    assert all(torch.equal(value, drafting[name]) for name, value in _state(adapter.layers).items())
+    adapter.observe(8, hidden[8:16], tokens(8))  # the second: the first is drafted with from now on
+    torch.cuda.synchronize()
+    assert all(torch.equal(value, first[name]) for name, value in _state(adapter.layers).items())
+    adapter.finish()  # the second's result
+    torch.cuda.synchronize()
+    second = _state(adapter.master)
+    assert any(not torch.equal(second[name], first[name]) for name in second)
+    assert all(torch.equal(value, second[name]) for name, value in _state(adapter.layers).items())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_graphs_are_captured_again_as_the_request_head_grows_on_cuda(
     llama_dir, tmp_path_factory, monkeypatch

@@ -68,6 +68,7 @@ TESTS = (
     "tests/decode/test_executors.py",
     "tests/decode/test_draft_adaptation.py::test_the_side_stream_update_keeps_ars_tokens_on_cuda",
     "tests/decode/test_draft_adaptation.py::test_graphs_are_captured_again_as_the_request_head_grows_on_cuda",
+    "tests/decode/test_draft_adaptation.py::test_a_step_is_drafted_with_from_the_next_steps_launch_on_cuda",
     "tests/kernels/test_fused_elementwise.py",
     "tests/kernels/test_cascade.py",
     "tests/kernels/test_triton_prefix.py",

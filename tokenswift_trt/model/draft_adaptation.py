@@ -32,11 +32,12 @@ loop (decode/device_loop.py) keeps them on the device and hands them over once t
 iteration, and the request's own head rows fill buffers in place, so graphs captured over them stay
 valid until a full buffer is replaced. `observe` and `admit` read no device value back, so the
 device loop's queue keeps running. On CUDA the step runs on a side stream: it is launched after an
-iteration's commit and trains a float32 master copy while the next iteration drafts and verifies
-with the layers as they were; the next `observe` makes the main stream wait for it and copies the
-master into the drafting copy (one iteration late, at a fixed point of the loop, so drafts stay
-deterministic). On a CPU the step runs in place and the changed products are re-packed for the CPU
-kernels (cpu_linear.py).
+iteration's commit and trains a float32 master copy while the iterations of the next block draft and
+verify with the layers as they were; the next step's launch makes the main stream wait for it and
+copies the master into the drafting copy (one block late, at a fixed point of the loop, so drafts
+stay deterministic; replayed on SmolLM2 the lag costs layer 1 at most 0.0015 of acceptance,
+docs/bench/adapt-replay-smollm2-lag). On a CPU the step runs in place and the changed products are
+re-packed for the CPU kernels (cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -247,7 +248,6 @@ class DraftAdapter:
         follow the last ones held (AR steps in between) start the held rows afresh: a step never pairs
         rows across a gap. Returns the host seconds spent."""
         started = time.perf_counter()
-        self._publish()
         if self.positions and first_position != self.positions[-1] + 1:
             self.positions, self.hidden, self.pending = [], [], 0
         with torch.inference_mode(False):
@@ -305,7 +305,9 @@ class DraftAdapter:
 
     def _update(self) -> None:
         """One optimiser step on the newest `span` positions, at least the pending ones (and the
-        `count` before them that deeper layers' targets reach back over)."""
+        `count` before them that deeper layers' targets reach back over). CUDA: the step before it,
+        launched a block ago, is published first, and nothing the side stream reads changes before."""
+        self._publish()
         train = max(self.pending, self.settings.span)
         hidden = torch.cat(self.hidden)[-(train + self.count) :]  # [N, hidden]
         keep = hidden.shape[0]
