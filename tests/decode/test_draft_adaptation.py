@@ -104,7 +104,10 @@ def _block(engine, config, length: int = 48):
     state = new_decode_state(engine, tokens, config, PositionKeyedRandom(1))
     with torch.inference_mode():
         hidden = engine.model(
-            torch.tensor(tokens), torch.arange(length), state.full, keep_queries=False
+            torch.tensor(tokens, device=engine.device),
+            torch.arange(length, device=engine.device),
+            state.full,
+            keep_queries=False,
         ).hidden  # [length, hidden]
     return state, hidden
 
@@ -420,8 +423,13 @@ def test_a_step_is_drafted_with_from_the_next_steps_launch_on_cuda(llama_dir):
     first = _state(adapter.master)
     assert any(not torch.equal(first[name], drafting[name]) for name in first)
     assert all(torch.equal(value, drafting[name]) for name, value in _state(adapter.layers).items())
-    adapter.observe(8, hidden[8:16], tokens(8))  # the second: the first is drafted with from now on
+    assert adapter.in_flight is not None
+    adapter.observe(8, hidden[8:12], tokens(8)[:4])  # half a block: no step, nothing published
     torch.cuda.synchronize()
+    assert all(torch.equal(value, drafting[name]) for name, value in _state(adapter.layers).items())
+    adapter.observe(12, hidden[12:16], tokens(12)[:4])  # the second step: the first drafts from now on
+    torch.cuda.synchronize()
+    assert adapter.in_flight is not None
     assert all(torch.equal(value, first[name]) for name, value in _state(adapter.layers).items())
     adapter.finish()  # the second's result
     torch.cuda.synchronize()

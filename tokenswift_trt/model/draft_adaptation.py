@@ -35,9 +35,11 @@ device loop's queue keeps running. On CUDA the step runs on a side stream: it is
 iteration's commit and trains a float32 master copy while the iterations of the next block draft and
 verify with the layers as they were; the next step's launch makes the main stream wait for it and
 copies the master into the drafting copy (one block late, at a fixed point of the loop, so drafts
-stay deterministic; replayed on SmolLM2 the lag costs layer 1 at most 0.0015 of acceptance,
-docs/bench/adapt-replay-smollm2-lag). On a CPU the step runs in place and the changed products are
-re-packed for the CPU kernels (cpu_linear.py).
+do not depend on timing; replayed on SmolLM2 the lag costs layer 1 at most 0.0015 of acceptance,
+docs/bench/adapt-replay-smollm2-lag). CUDA's backward of the penalty's gather adds with atomics, so
+steps may differ in their last bits from run to run: that moves acceptance, never the output. On a
+CPU the step runs in place and the changed products are re-packed for the CPU kernels
+(cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ class DraftAdapter:
             self.side_stream is None and self.layers.layers[0].linear.weight.dtype == torch.float32
         )
         # the parameters the optimiser changes: the drafting copy itself on a float32 CPU engine, else
-        # a float32 master copied into it after each step
+        # a float32 master copied into it after each step (CPU) or at the next step's launch (CUDA)
         self.master = self.layers if on_host_in_place else copy_draft_layers(layers, config, torch.float32)
         self.count = len(self.master) if settings.scope == "all" else 1
         trained: list[nn.Module] = list(self.master.layers[: self.count])
@@ -261,7 +263,9 @@ class DraftAdapter:
 
     def admit(self, tokens: Sequence[int]) -> None:
         """Token ids the request has used (its prompt, committed tokens): the adapted copy drafts them
-        too from now on (`vocab="request"`; nothing otherwise). Read on the host: no device sync."""
+        too from now on (`vocab="request"`; nothing otherwise). Read on the host: no device sync.
+        Never while a step is in flight: the step reads the rows and columns this changes."""
+        assert self.in_flight is None, "admit before a step's launch, after the step before is published"
         if not self.grows:
             return
         new = sorted(set(tokens) - self.known)
@@ -290,7 +294,8 @@ class DraftAdapter:
             head.fill(used, ids, self.head[ids])
 
     def finish(self) -> None:
-        """Wait for a step still running on the side stream (before the request's memory goes)."""
+        """Wait for a step still running on the side stream (before the request's memory goes) and
+        draft with its result from now on."""
         self._publish()
 
     def _publish(self) -> None:
