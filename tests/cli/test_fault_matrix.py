@@ -310,5 +310,37 @@ def test_ar_names_the_tokenswift_options_it_ignores():
     )
     assert given.exit_code == 0, given.output
     assert "note: --method ar ignores --tree, --adapt-drafts" in given.stderr
+
+
+def test_adaptation_settings_without_adapt_drafts_are_named():
+    given = _generate("--max-new-tokens", "3", "--adapt-block", "8", "--adapt-lr", "0.001", "--seed", "1")
+    assert given.exit_code == 0, given.output
+    assert "note: --adapt-block, --adapt-lr apply with --adapt-drafts" in given.stderr
+
+
+def test_a_bad_adaptation_setting_names_its_option():
+    _one_line_error(_generate("--max-new-tokens", "3", "--adapt-drafts", "--adapt-lr", "5"), "(--adapt-lr)")
+    _one_line_error(
+        _generate("--max-new-tokens", "3", "--adapt-drafts", "--adapt-block", "0"), "(--adapt-block)"
+    )
+
+
+def test_a_run_says_how_many_adaptation_steps_it_took():
+    drafting = ("--tree", "1,1,1", "--draft-source", "verify", "--ignore-eos", "--seed", "1")
+    adapted = _generate("--max-new-tokens", "48", *drafting, "--adapt-drafts", "--adapt-block", "4", "--json")
+    static = _generate("--max-new-tokens", "48", *drafting, "--json")
+    assert adapted.exit_code == 0 and static.exit_code == 0, adapted.output + static.output
+    assert json.loads(adapted.stdout)["draft_updates"] > 0
+    assert json.loads(static.stdout)["draft_updates"] == 0
+    none = _generate("--max-new-tokens", "6", *drafting, "--adapt-drafts", "--adapt-block", "64")
+    assert none.exit_code == 0, none.output
+    assert ", 0 adaptation steps," in none.stderr
+    assert "note: --adapt-drafts took no step" in none.stderr
+
+
+def test_the_device_loop_on_a_cpu_says_the_host_loop_is_faster():
+    given = _generate("--max-new-tokens", "3", "--device-loop", "--seed", "1")
+    assert given.exit_code == 0, given.output
+    assert "note: the device loop is CUDA's path" in given.stderr
     plain = _generate("--max-new-tokens", "3", "--method", "ar", "--seed", "1")
     assert plain.exit_code == 0 and "ignores" not in plain.stderr and plain.stdout == given.stdout

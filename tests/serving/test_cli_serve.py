@@ -86,6 +86,24 @@ def test_serve_client_and_sigterm(tmp_path):
             timeout=300,
         )
         assert over_http.returncode == 0 and over_http.stdout.strip() == streamed.stdout.strip()
+        drafting = ["--tree", "1,1,1", "--draft-source", "verify", "--max-tokens", "48", "--seed", "3"]
+        calls = {
+            adapt: subprocess.run(
+                [*CLI, "client", "--url", f"127.0.0.1:{grpc}", "--prompt", "It is a truth", "--ignore-eos"]
+                + drafting
+                + (["--adapt-drafts"] if adapt else []),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            for adapt in (False, True)
+        }
+        stats = {}
+        for adapt, call in calls.items():
+            assert call.returncode == 0, call.stderr
+            stats[adapt] = dict(pair.split("=") for pair in call.stderr.split())
+        assert float(stats[True]["draft_updates"]) > 0 and float(stats[False]["draft_updates"]) == 0
+        assert calls[True].stdout == calls[False].stdout  # the request adapted; its text is unchanged
         bad = subprocess.run(
             [*CLI, "client", "--url", f"127.0.0.1:{grpc}", "--prompt", "x", "--max-tokens", "40000"],
             capture_output=True,

@@ -14,7 +14,7 @@ Every failure is a `BenchError` (or another `ValueError`) whose first line names
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,8 @@ def write_comparison(engine: Engine, rows: list[dict[str, Any]], job: BenchJob) 
         "draft_source": config.resolved_draft_source,
         "sampling": vars(config.sampling),
         "kv_budget": config.kv_budget,
+        "adapt_drafts": config.adapts_drafts,  # the tokenswift runs' layers adapt (--adapt-drafts)
+        "adaptation": asdict(config.adaptation),  # their settings, and the adapted runs' of a comparison
         "device": job.device,
         "dtype": str(engine.dtype),
         "interleave": spec.interleave,

@@ -379,6 +379,8 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
         "ar_decode_ms_per_iteration": round(spread([a.decode_ms_per_iteration for a in ar])[0], 3),
         "tokenswift_decode_ms_per_iteration": round(spread([s.decode_ms_per_iteration for s in swift])[0], 3),
         "prefill_s": round(spread([a.prefill_s for a in ar + swift])[0], 3),
+        # the optimiser steps of the TokenSwift runs' adapted layers (--adapt-drafts; 0 without it)
+        "draft_updates": sum(s.draft_updates for s in swift),
     }
     if "default_tree" in runs:
         default = [r.snapshots[gen_len] for r in runs["default_tree"]]

@@ -300,8 +300,7 @@ def sampling_options(function):
                 type=click.Choice(["auto", "partial", "verify"]),
                 default=None,
                 help="partial: draft pass on the partial KV cache (paper); verify: draft layers read "
-                "the verify "
-                "pass; auto: verify with --tree auto, else partial [auto]",
+                "the verify pass; auto: verify with --tree auto or the device loop, else partial [auto]",
             ),
             click.option(
                 "--device-loop/--host-loop",

@@ -39,6 +39,44 @@ def ignored_by_ar(ctx: click.Context) -> list[str]:
     ]
 
 
+ADAPTATION_SETTINGS = (
+    "adapt_block",
+    "adapt_span",
+    "adapt_scope",
+    "adapt_optimizer",
+    "adapt_lr",
+    "adapt_vocab",
+)
+
+
+def given_without_adaptation(ctx: click.Context) -> list[str]:
+    """The --adapt-* settings given on the command line, as a user wrote them."""
+    from click.core import ParameterSource
+
+    return [
+        f"--{name.replace('_', '-')}"
+        for name in ADAPTATION_SETTINGS
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    ]
+
+
+def run_notes(config, stats, device: str) -> list[str]:
+    """What a user should know about how a finished TokenSwift run went."""
+    notes = []
+    if config.adapts_drafts and stats.draft_updates == 0:
+        notes.append(
+            f"--adapt-drafts took no step: drafting iterations committed fewer than --adapt-block "
+            f"({config.adapt_block}) positions in a row (AR steps, which --tree auto may choose, adapt "
+            "nothing)"
+        )
+    if config.device_loop and device == "cpu":
+        notes.append(
+            "the device loop is CUDA's path: on a CPU the host loop (its default there) is several times "
+            "faster; drop --device-loop"
+        )
+    return notes
+
+
 @click.command()
 @source_options
 @click.option("--prompt", default=None, help="prompt text")
@@ -138,7 +176,12 @@ def generate(
                 click.echo(
                     f"note: --method ar ignores {', '.join(ignored)} (TokenSwift's settings)", err=True
                 )
-        generation_config(max_new_tokens, method, opts, early_defaults(model, model_dir, engine_dir, heads))
+        config = generation_config(
+            max_new_tokens, method, opts, early_defaults(model, model_dir, engine_dir, heads)
+        )
+        ignored = given_without_adaptation(click.get_current_context())
+        if config.method == "tokenswift" and not config.adapt_drafts and ignored and not as_json:
+            click.echo(f"note: {', '.join(ignored)} apply with --adapt-drafts: add it or drop them", err=True)
     source = load_source(
         model,
         model_dir,
@@ -233,6 +276,7 @@ def generate(
                     "seed": stats.seed if stats else config.seed,
                     "stop_reason": stats.stop_reason if stats else "finished",
                     "plans": describe_plans(stats.plans) if stats else [],
+                    "draft_updates": stats.draft_updates if stats else 0,  # --adapt-drafts' steps
                     # per window of output positions (from where this run began): α by depth, tokens
                     # per iteration and their counts (docs/benchmarks.md)
                     "window_tokens": stats.window_tokens if stats else 0,
@@ -244,13 +288,17 @@ def generate(
     if not stream:
         click.echo(output)
     if stats is not None:
+        adapted = f", {stats.draft_updates} adaptation steps" if config.adapts_drafts else ""
         click.echo(
             f"[{stats.method}] {stats.new_tokens} tokens in {stats.elapsed_s:.2f}s "
             f"({stats.tokens_per_s:.1f} tok/s), "
-            f"α {stats.acceptance_rate:.3f}, β {stats.ngram_acceptance_rate:.3f}, seed {stats.seed}, "
-            f"stop: {stats.stop_reason}",
+            f"α {stats.acceptance_rate:.3f}, β {stats.ngram_acceptance_rate:.3f}{adapted}, "
+            f"seed {stats.seed}, stop: {stats.stop_reason}",
             err=True,
         )
+        if config.method == "tokenswift":
+            for note in run_notes(config, stats, source.model.engine.device.type):
+                click.echo(f"note: {note}", err=True)
 
 
 @click.command()

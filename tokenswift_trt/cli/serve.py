@@ -225,6 +225,11 @@ def serve(
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None)
 @click.option("--method", type=click.Choice(["tokenswift", "ar"]), default=None)
 @click.option("--ignore-eos", is_flag=True)
+@click.option(
+    "--adapt-drafts",
+    is_flag=True,
+    help="the request adapts its own copy of the draft layers as it generates (output unchanged)",
+)
 def client(
     url,
     protocol,
@@ -245,6 +250,7 @@ def client(
     seed,
     method,
     ignore_eos,
+    adapt_drafts,
 ) -> None:
     """Call a running server with Triton's clients; print text (as it arrives with --stream) and stats."""
     from tokenswift_trt.serving.client import ClientError, generate_endpoint, grpc_generate
@@ -265,6 +271,7 @@ def client(
         "seed": seed,
         "method": method,
         "ignore_eos": ignore_eos or None,
+        "adapt_drafts": adapt_drafts or None,
     }
     params.update({k: v for k, v in optional.items() if v is not None})
     on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None

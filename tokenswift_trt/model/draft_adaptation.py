@@ -81,17 +81,27 @@ class AdaptationSettings:
     def validate(self) -> None:
         """Raise ValueError naming the bad value."""
         if self.block < 1:
-            raise ValueError(f"the adaptation block must be at least 1 position, got {self.block}")
+            raise ValueError(
+                f"the adaptation block (--adapt-block) must be at least 1 position, got {self.block}"
+            )
         if self.span < 1:
-            raise ValueError(f"the adaptation span must be at least 1 position, got {self.span}")
+            raise ValueError(
+                f"the adaptation span (--adapt-span) must be at least 1 position, got {self.span}"
+            )
         if self.scope not in SCOPES:
-            raise ValueError(f"adaptation scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
+            raise ValueError(
+                f"the adaptation scope (--adapt-scope) must be one of {', '.join(SCOPES)}, got {self.scope!r}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
-                f"adaptation optimiser must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+                f"the adaptation optimiser (--adapt-optimizer) must be one of {', '.join(OPTIMIZERS)}, "
+                f"got {self.optimizer!r}"
             )
         if self.vocab not in VOCABS:
-            raise ValueError(f"adaptation vocabulary must be one of {', '.join(VOCABS)}, got {self.vocab!r}")
+            raise ValueError(
+                f"the adaptation vocabulary (--adapt-vocab) must be one of {', '.join(VOCABS)}, "
+                f"got {self.vocab!r}"
+            )
         if not 0 < self.beta2 < 1:
             raise ValueError(f"Adam's beta2 for adaptation must be in (0, 1), got {self.beta2}")
         if self.steps < 1:
@@ -99,7 +109,7 @@ class AdaptationSettings:
         if self.warmup < 0:
             raise ValueError(f"the adaptation warmup must be at least 0 steps, got {self.warmup}")
         if self.lr is not None and not 0 < self.lr < 1:
-            raise ValueError(f"the adaptation learning rate must be in (0, 1), got {self.lr}")
+            raise ValueError(f"the adaptation learning rate (--adapt-lr) must be in (0, 1), got {self.lr}")
 
     @property
     def learning_rate(self) -> float:

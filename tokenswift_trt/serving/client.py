@@ -39,6 +39,7 @@ STATS = (
     "total_accepted_draft_tokens",
     "total_draft_tokens",
     "tokens_per_second",
+    "draft_updates",
     "prompt_tokens",
     "completion_tokens",
 )

@@ -105,6 +105,7 @@ STATS = {  # Triton output -> field of the `tokenswift` block
     "total_accepted_draft_tokens": "accepted_draft_tokens",
     "total_draft_tokens": "draft_tokens",
     "tokens_per_second": "tokens_per_second",
+    "draft_updates": "draft_updates",
 }
 
 

@@ -113,6 +113,7 @@ class TritonPythonModel:
             pb_utils.Tensor("total_accepted_draft_tokens", np.array([stats.accepted_tokens], dtype=np.int32)),
             pb_utils.Tensor("total_draft_tokens", np.array([stats.drafted_tokens], dtype=np.int32)),
             pb_utils.Tensor("tokens_per_second", np.array([stats.tokens_per_s], dtype=np.float32)),
+            pb_utils.Tensor("draft_updates", np.array([stats.draft_updates], dtype=np.int32)),
             pb_utils.Tensor("prompt_tokens", np.array([len(parsed.prompt_ids)], dtype=np.int32)),
             pb_utils.Tensor("completion_tokens", np.array([len(all_ids)], dtype=np.int32)),
             pb_utils.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)),
