@@ -109,6 +109,7 @@ def test_compare_adaptation_rows_carry_the_adapted_run_beside_the_static_one(
     (row,) = run_bench(engine, text_ids, spec, lambda label, total: lambda ids: None)
     assert row["tokens_equal_ar"] and row["adapted_tokens_equal_ar"]
     assert row["adapted_draft_updates"] == 47 // 16  # a step per 16 committed positions
+    assert row["draft_updates"] == 0  # the static layers' run took none
     assert row["adapted_decode_ms_per_iteration"] > 0 and row["adapted_tokens_per_iteration"] >= 1
     assert [w["start"] for w in row["adapted_windows"]] == [0, 16, 32]
     write_results([row], tmp_path, {"command": "test"})
@@ -196,3 +197,17 @@ def test_bench_command_writes_windows_of_the_size_asked_and_refuses_an_empty_one
     assert (tmp_path / "windows.png").read_bytes()[:8] == PNG
     refused = CliRunner().invoke(main, [*args, "--window", "0"])
     assert refused.exit_code == 2 and "--window must be at least 1 token" in refused.stderr
+
+
+def test_bench_with_adapt_drafts_records_the_settings_and_the_steps(tmp_path):
+    """`bench --adapt-drafts`: the TokenSwift runs adapt; bench.json says so, with the settings, and
+    each row counts the steps."""
+    args = ["bench", "--model-dir", str(MODEL), "--prompt-file", str(MODEL / "prompt.txt")]
+    args += ["--prefix-len", "32", "--gen-len", "32", "--no-extras", "--tree", "1,1,1", "--ngram-topk", "0"]
+    args += ["--draft-source", "verify", "--adapt-drafts", "--adapt-block", "4", "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["meta"]["adapt_drafts"] and report["meta"]["adaptation"]["block"] == 4
+    (row,) = report["rows"]
+    assert row["draft_updates"] >= 31 // 4 - 1 and row["tokens_equal_ar"]
