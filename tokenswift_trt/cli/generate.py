@@ -71,8 +71,8 @@ def run_notes(config, stats, device: str) -> list[str]:
         )
     if config.device_loop and device == "cpu":
         notes.append(
-            "the device loop is CUDA's path: on a CPU the host loop (its default there) is several times "
-            "faster; drop --device-loop"
+            "the device loop is CUDA's path: on a CPU the host loop (its default there) is faster; drop "
+            "--device-loop"
         )
     return notes
 
