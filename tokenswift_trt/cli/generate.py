@@ -60,21 +60,9 @@ def given_without_adaptation(ctx: click.Context) -> list[str]:
     ]
 
 
-def run_notes(config, stats, device: str) -> list[str]:
-    """What a user should know about how a finished TokenSwift run went."""
-    notes = []
-    if config.adapts_drafts and stats.draft_updates == 0:
-        notes.append(
-            f"--adapt-drafts took no step: drafting iterations committed fewer than --adapt-block "
-            f"({config.adapt_block}) positions in a row (AR steps, which --tree auto may choose, adapt "
-            "nothing)"
-        )
-    if config.device_loop and device == "cpu":
-        notes.append(
-            "the device loop is CUDA's path: on a CPU the host loop (its default there) is faster; drop "
-            "--device-loop"
-        )
-    return notes
+DEVICE_LOOP_ON_CPU = (
+    "the device loop is CUDA's path: on a CPU the host loop (its default there) is faster; drop --device-loop"
+)
 
 
 @click.command()
@@ -211,6 +199,13 @@ def generate(
     if source.ranks is not None:  # tensor parallel: rank 0's seed and plan, the least memory any rank has
         run.with_remaining(lambda remaining: source.ranks.with_memory(source.ranks.agree(remaining)))
     config, done_ids = run.config, run.done_ids
+    if (
+        config.method == "tokenswift"
+        and config.device_loop
+        and source.engine.device.type == "cpu"
+        and not as_json
+    ):
+        click.echo(f"note: {DEVICE_LOOP_ON_CPU}", err=True)
 
     codec = source.codec
     stream_decoder = StreamDecoder(codec)
@@ -296,9 +291,13 @@ def generate(
             f"seed {stats.seed}, stop: {stats.stop_reason}",
             err=True,
         )
-        if config.method == "tokenswift":
-            for note in run_notes(config, stats, source.model.engine.device.type):
-                click.echo(f"note: {note}", err=True)
+        if config.adapts_drafts and stats.draft_updates == 0:
+            click.echo(
+                f"note: --adapt-drafts took no step: drafting iterations committed fewer than --adapt-block "
+                f"({config.adapt_block}) positions in a row (AR steps, which --tree auto may choose, adapt "
+                "nothing)",
+                err=True,
+            )
 
 
 @click.command()
