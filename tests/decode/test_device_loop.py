@@ -20,13 +20,16 @@ from conftest import quiet_load
 
 GREEDY = SamplingConfig(temperature=0)
 PAPER_SAMPLING = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=16)
+ETA_SAMPLING = SamplingConfig(temperature=1.0, eta=0.02, penalty=1.2, penalty_window=16)
 
 
 def _prompt(vocab: int, length: int = 48) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(11)).tolist()
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, PAPER_SAMPLING, ETA_SAMPLING], ids=["greedy", "sampling", "eta"]
+)
 @pytest.mark.parametrize("tree,ngram_topk", [("3,3,3", 20), ("1,1", 0)])
 def test_device_loop_tokens_equal_ar_and_the_host_loop(llama_engine64, sampling, tree, ngram_topk):
     prompt = _prompt(llama_engine64.config.vocab_size)
@@ -90,8 +93,9 @@ def test_device_loop_moves_to_the_cascade_once_the_context_makes_it_pay(llama_en
 
 class HostValueCopies(TorchDispatchMode):
     """Records operations that read a tensor made from Python data (`lift_fresh`: `x[i] = True`,
-    `torch.tensor(...)`). On a GPU each is a copy from ordinary host memory, which a CUDA graph
-    capture refuses; a fill with a Python value (`fill_.Scalar`) is a kernel argument instead."""
+    `torch.tensor(...)`), and reads of a tensor's value back to Python (`.item()`, `float(x)`). On a
+    GPU the first is a copy from ordinary host memory and the second a sync, both of which a CUDA
+    graph capture refuses; a fill with a Python value (`fill_.Scalar`) is a kernel argument instead."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -105,6 +109,8 @@ class HostValueCopies(TorchDispatchMode):
         self.ops += 1
         if func.overloadpacket.__name__ == "lift_fresh":
             self.fresh.append(out)
+        elif func.overloadpacket.__name__ == "_local_scalar_dense":
+            self.found.append(str(func))
         else:  # every tensor the op reads, nested in lists (cat, index_put_'s indices) or keywords too
             inputs = tree_flatten((args, kwargs))[0]
             if any(a is t for a in inputs for t in self.fresh):
@@ -112,11 +118,16 @@ class HostValueCopies(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("kernel", ["default", "flash_cascade"])
-def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch, kernel):
+@pytest.mark.parametrize(
+    "kernel, sampling",
+    [("default", PAPER_SAMPLING), ("flash_cascade", PAPER_SAMPLING), ("default", ETA_SAMPLING)],
+    ids=["default", "flash_cascade", "eta"],
+)
+def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch, kernel, sampling):
     """What CUDA graph capture needs, checked on the CPU: no operation of an iteration reads a
-    tensor made from host data (on a GPU such a read makes the walk see `matched[0] = True`); the
-    FlashAttention cascade's verify included (its key ranges come from the device-side length)."""
+    tensor made from host data (on a GPU such a read makes the walk see `matched[0] = True`) or reads
+    a value back; the FlashAttention cascade's verify included (its key ranges come from the
+    device-side length), and η sampling (its threshold from each row's entropy, on the device)."""
     if kernel != "default":  # the shared engine gets its kernel back after the test
         monkeypatch.setattr(llama_engine64.model, "attention_kernel", kernel)
     recorder = HostValueCopies()
@@ -130,7 +141,7 @@ def test_device_loop_iteration_copies_no_host_values(llama_engine64, monkeypatch
     prompt = _prompt(llama_engine64.config.vocab_size)
     config = GenerationConfig(
         max_new_tokens=24,
-        sampling=PAPER_SAMPLING,
+        sampling=sampling,
         seed=2,
         ignore_eos=True,
         tree="3,3,3",
@@ -220,7 +231,9 @@ def test_device_loop_with_the_compiled_cpu_sampler(llama_dir):
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU and a CUDA build of torch"
 )
-@pytest.mark.parametrize("sampling", [GREEDY, PAPER_SAMPLING], ids=["greedy", "sampling"])
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, PAPER_SAMPLING, ETA_SAMPLING], ids=["greedy", "sampling", "eta"]
+)
 def test_device_loop_is_one_graph_replayed_every_iteration_on_cuda(llama_dir, sampling):
     engine = quiet_load(llama_dir[0], dtype=torch.float64, device="cuda")  # float64: no near-ties
     prompt = _prompt(engine.config.vocab_size)

@@ -196,7 +196,7 @@ def test_the_default_runs_the_host_loop_on_a_cpu_and_the_device_loop_with_cuda(l
     assert not replace(config, device_loop=False).runs_device_loop(cuda, random)
     assert not replace(config, draft_source="partial").runs_device_loop(cuda, random)  # the host loop's
     assert replace(config, adapt_drafts=True).runs_device_loop(cuda, random)  # it adapts there too
-    assert not replace(config, sampling=SamplingConfig(eta=0.1)).runs_device_loop(cuda, random)
+    assert replace(config, sampling=SamplingConfig(eta=0.1)).runs_device_loop(cuda, random)  # no read back
     assert not replace(config, method="ar").runs_device_loop(cuda, random)
 
 

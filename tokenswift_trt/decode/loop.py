@@ -140,9 +140,9 @@ class GenerationConfig:
 
     def runs_device_loop(self, engine: Engine, random: RandomSource) -> bool:
         """Whether this request runs the device loop on `engine`: as `device_loop` says, and where it is
-        None on CUDA with a PyTorch engine whose iteration a graph can hold (no η sampling, which reads
-        its entropy back; position-keyed noise; draft layers without a path input, which draft level
-        by level on the host). On a CPU the host loop is the default (docs/architecture.md)."""
+        None on CUDA with a PyTorch engine whose iteration a graph can hold (position-keyed noise;
+        draft layers without a path input, which draft level by level on the host). On a CPU the host
+        loop is the default (docs/architecture.md)."""
         if not self.prefers_device_loop:
             return False
         if self.device_loop:
@@ -150,7 +150,6 @@ class GenerationConfig:
         return (
             engine.device.type == "cuda"
             and engine.model.fixed_shape_steps
-            and self.sampling.eta == 0
             and isinstance(random, PositionKeyedRandom)
             and not drafts_along_paths(engine.draft_layers)
         )
@@ -874,7 +873,7 @@ def _device_loop(
     draft layers (`engine.draft_layers`, its copy) from each iteration the host has read."""
     if not engine.model.fixed_shape_steps:
         raise GenerationError("the device loop runs PyTorch engines: drop --device-loop for this engine")
-    capture = engine.device.type == "cuda" and config.sampling.eta == 0  # η reads its entropy back
+    capture = engine.device.type == "cuda"
     new_tokens = lambda: len(state.tokens) - state.prompt_length  # noqa: E731
     auto = config.tree == AUTO
     tuner = Tuner(engine, state, True, state.full.capacity - state.limit, new_tokens) if auto else None

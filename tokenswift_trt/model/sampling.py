@@ -114,17 +114,16 @@ def min_p_filter(scores: torch.Tensor, min_p: float, keep: int = MIN_P_KEEP) -> 
 
 
 def eta_filter(scores: torch.Tensor, eta: float) -> torch.Tensor:
-    """η-sampling: drop tokens with p < min(η, sqrt(η)·exp(-entropy)), keeping the most probable."""
+    """η-sampling: drop tokens with p < min(η, sqrt(η)·exp(-entropy)), keeping the most probable;
+    scores [..., V], each row on its own entropy. Tensor operations only: nothing is read back, so a
+    CUDA graph can hold it."""
     if eta <= 0:
         return scores
-    if scores.dim() > 1:
-        return torch.stack([eta_filter(row, eta) for row in scores])
-    log_probs = scores.log_softmax(dim=-1)
+    log_probs = scores.log_softmax(dim=-1)  # [..., V]
     probs = log_probs.exp()
-    entropy = float(-(probs * log_probs.nan_to_num(neginf=0.0)).sum())
-    threshold = min(eta, eta**0.5 * math.exp(-entropy))
-    remove = probs < threshold
-    remove[probs.argmax()] = False
+    entropy = -(probs * log_probs.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)  # [..., 1]
+    threshold = (eta**0.5 * torch.exp(-entropy)).clamp(max=eta)  # [..., 1]
+    remove = (probs < threshold).scatter(-1, probs.argmax(-1, keepdim=True), False)
     return scores.masked_fill(remove, float("-inf"))
 
 
