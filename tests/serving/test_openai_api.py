@@ -446,6 +446,15 @@ def test_acceptance_figures_of_a_drafting_request(served):
     assert figures["acceptance_rate"] == pytest.approx(
         figures["accepted_draft_tokens"] / figures["draft_tokens"]
     )
+    adapted = client.completions.create(
+        model="swift-tiny",
+        prompt=PROMPT,
+        max_tokens=40,
+        seed=7,
+        extra_body={**EXTRAS, "tree": "2,1", "adapt_drafts": True},
+    )  # its own copy of the draft layers, adapted as it goes: the same text
+    assert adapted.choices[0].text == answer.choices[0].text
+    assert adapted.tokenswift["draft_updates"] > 0 and figures["draft_updates"] == 0
 
 
 BAD_OVER_THE_WIRE = [
