@@ -26,43 +26,15 @@ from .tp_launch import tp_options
 DEMO_TURN_TOKENS = 256  # `demo`: new tokens each method decodes per turn
 
 
-def ignored_by_ar(ctx: click.Context) -> list[str]:
-    """The TokenSwift-only options given on the command line, as a user wrote them."""
-    from click.core import ParameterSource
-
-    from tokenswift_trt.decode.request import TOKENSWIFT_ONLY
-
-    return [
-        f"--{name.replace('_', '-')}"
-        for name in TOKENSWIFT_ONLY
-        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
-    ]
-
-
-ADAPTATION_SETTINGS = (
-    "adapt_block",
-    "adapt_span",
-    "adapt_scope",
-    "adapt_optimizer",
-    "adapt_lr",
-    "adapt_vocab",
-)
-
-
-def given_without_adaptation(ctx: click.Context) -> list[str]:
-    """The --adapt-* settings given on the command line, as a user wrote them."""
+def given_on_command_line(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
+    """Those of the settings `names` given on the command line, as a user wrote them."""
     from click.core import ParameterSource
 
     return [
         f"--{name.replace('_', '-')}"
-        for name in ADAPTATION_SETTINGS
+        for name in names
         if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
     ]
-
-
-DEVICE_LOOP_ON_CPU = (
-    "the device loop is CUDA's path: on a CPU the host loop (its default there) is faster; drop --device-loop"
-)
 
 
 @click.command()
@@ -130,7 +102,12 @@ def generate(
     runs."""
     from tokenswift_trt.api import ApiError, journal_origin, resume_run, start_run, with_memory_budget
     from tokenswift_trt.decode.autotune import describe_plans
-    from tokenswift_trt.decode.request import OUTPUT_DECIDING, SPEED_ONLY
+    from tokenswift_trt.decode.request import (
+        ADAPTATION_SETTINGS,
+        OUTPUT_DECIDING,
+        SPEED_ONLY,
+        TOKENSWIFT_ONLY,
+    )
     from tokenswift_trt.decode.text import StreamDecoder
 
     from ..progress import progress_bar
@@ -159,7 +136,7 @@ def generate(
             raise CliError("--max-new-tokens is required (unless --resume)")
         text = read_prompt(prompt, prompt_file)
         if method == "ar" and not as_json:
-            ignored = ignored_by_ar(click.get_current_context())
+            ignored = given_on_command_line(click.get_current_context(), TOKENSWIFT_ONLY)
             if ignored:
                 click.echo(
                     f"note: --method ar ignores {', '.join(ignored)} (TokenSwift's settings)", err=True
@@ -167,7 +144,7 @@ def generate(
         config = generation_config(
             max_new_tokens, method, opts, early_defaults(model, model_dir, engine_dir, heads)
         )
-        ignored = given_without_adaptation(click.get_current_context())
+        ignored = given_on_command_line(click.get_current_context(), ADAPTATION_SETTINGS)
         if config.method == "tokenswift" and not config.adapt_drafts and ignored and not as_json:
             click.echo(f"note: {', '.join(ignored)} apply with --adapt-drafts: add it or drop them", err=True)
     source = load_source(
@@ -205,7 +182,11 @@ def generate(
         and source.engine.device.type == "cpu"
         and not as_json
     ):
-        click.echo(f"note: {DEVICE_LOOP_ON_CPU}", err=True)
+        click.echo(
+            "note: the device loop is CUDA's path: on a CPU the host loop (its default there) is faster; "
+            "drop --device-loop",
+            err=True,
+        )
 
     codec = source.codec
     stream_decoder = StreamDecoder(codec)

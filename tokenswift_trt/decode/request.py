@@ -23,6 +23,15 @@ GENERATION_SETTINGS = tuple(f.name for f in dataclasses.fields(GenerationConfig)
 SETTINGS = SAMPLING_SETTINGS + GENERATION_SETTINGS
 # settings that decide the generated tokens (a resumed journal keeps its own) / only their speed
 OUTPUT_DECIDING = SAMPLING_SETTINGS + ("seed", "ignore_eos", "max_length")
+# how a request adapts its draft layers, read only with adapt_drafts
+ADAPTATION_SETTINGS = (
+    "adapt_block",
+    "adapt_span",
+    "adapt_scope",
+    "adapt_optimizer",
+    "adapt_lr",
+    "adapt_vocab",
+)
 # the speed-only settings that only TokenSwift reads (AR steps draft nothing)
 TOKENSWIFT_ONLY = (
     "tree",
@@ -32,12 +41,7 @@ TOKENSWIFT_ONLY = (
     "draft_source",
     "device_loop",
     "adapt_drafts",
-    "adapt_block",
-    "adapt_span",
-    "adapt_scope",
-    "adapt_optimizer",
-    "adapt_lr",
-    "adapt_vocab",
+    *ADAPTATION_SETTINGS,
 )
 SPEED_ONLY = TOKENSWIFT_ONLY + ("prefill_chunk", "static_steps", "compile_steps", "memory_budget")
 

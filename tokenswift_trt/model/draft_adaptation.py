@@ -314,9 +314,7 @@ class DraftAdapter:
             return
         torch.cuda.current_stream().wait_event(self.in_flight)
         self.in_flight = None
-        with torch.no_grad():
-            for live, master in zip(self.layers.parameters(), self.master.parameters()):
-                live.copy_(master)
+        self._copy_master()
 
     def _update(self) -> None:
         """One optimiser step on the newest `span` positions, at least the pending ones (and the
