@@ -152,6 +152,42 @@ class CpuDecoder:
         )
         return hidden, list(queries.unbind(0)) if keep_queries else None
 
+    def run_batch(
+        self,
+        embeddings: torch.Tensor,  # [T, hidden]: the segments' rows one after another
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,
+        caches: Sequence[KVCache],  # one per segment
+        counts: Sequence[int],  # each segment's rows
+        attention: Sequence[torch.Tensor],  # per segment as `run`'s `attention`
+        modes: Sequence[int],  # per segment as `run`'s `mode`
+        scale: float,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`run` for several requests' segments in one call: -> (hidden [T, hidden], per layer the
+        rotated queries [T, heads, D]); segment s writes its new K/V into its own cache's pending slots."""
+        c, count = self.config, embeddings.shape[0]
+        starts = [cache.reserve(n) for cache, n in zip(caches, counts, strict=True)]
+        assert sum(counts) == count, "the segments' rows must add up to the embeddings' rows"
+        queries = embeddings.new_empty(c.num_layers, count, c.num_heads, c.head_dim)
+        hidden = self.kernels.decoder_batch(
+            embeddings.contiguous(),
+            cos.contiguous(),
+            sin.contiguous(),
+            self.weights,
+            [cache.keys for cache in caches],
+            [cache.values for cache in caches],
+            starts,
+            list(counts),
+            list(attention),
+            list(modes),
+            c.num_heads,
+            c.num_kv_heads,
+            c.rms_norm_eps,
+            scale,
+            queries,
+        )
+        return hidden, list(queries.unbind(0))
+
 
 def _tiled(product: Linear | FusedLinears | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(packed weight, bias or an empty tensor) of a product packed in the tiled layout, else None."""

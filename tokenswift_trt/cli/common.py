@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -137,6 +138,8 @@ def load_source(
     """`api.load` with the command's options; every failure is one line, and what loading noticed is
     said on stderr. `tp` > 1: this process's rank of a tensor-parallel run (tp_launch.py), started
     before anything loads."""
+    import torch
+
     from tokenswift_trt.api import ApiError, Origin, load_resolved
 
     from .tp_launch import launched_ranks
@@ -154,6 +157,8 @@ def load_source(
                 tp, tp_timeout, origin.model_dir, origin.engine_dir, dtype, device, kernels or {}
             )
             device = ranks.device
+            if device == "cpu" and "threads" not in (kernels or {}):  # the ranks' share, as launched
+                kernels = {**(kernels or {}), "threads": str(torch.get_num_threads())}
         tp_group = ranks.tp if ranks is not None else None
         loaded = load_resolved(origin, defaults, dtype, device, kernels, tp_group)
     except ApiError as error:
@@ -247,10 +252,32 @@ def _kernel_settings(ctx: click.Context, param: click.Parameter, values: tuple[s
         raise click.BadParameter(str(error), ctx, param) from None
 
 
+def _thread_count(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise click.BadParameter(f"give auto or a positive number of threads, got {value!r}", ctx, param)
+    return value
+
+
 def kernel_option(function):
-    """`--kernel NAME=VALUE`, repeatable: kernel and fusion settings (kernels/config.py)."""
+    """`--kernel NAME=VALUE`, repeatable: kernel and fusion settings (kernels/config.py); `--threads N`
+    is the `threads` setting's own option."""
     from tokenswift_trt.kernels.config import help_text
 
+    @functools.wraps(function)
+    def with_threads(*args, threads: str | None = None, **kwargs):
+        if threads is not None:
+            kwargs["kernels"] = {**(kwargs.get("kernels") or {}), "threads": threads}
+        return function(*args, **kwargs)
+
+    with_threads = click.option(
+        "--threads",
+        metavar="N|auto",
+        callback=_thread_count,
+        help="CPU threads (the kernel setting threads): auto follows the CPUs this process may use and "
+        "drops to fewer while a busy neighbour makes fewer faster [auto]",
+    )(with_threads)
     return click.option(
         "--kernel",
         "kernels",
@@ -259,7 +286,7 @@ def kernel_option(function):
         callback=_kernel_settings,
         help="a kernel setting, repeatable (default: the engine manifest's, else the default); names "
         f"[default]: {help_text()}",
-    )(function)
+    )(with_threads)
 
 
 def sampling_options(function):

@@ -253,6 +253,7 @@ def generate(
                     "stop_reason": stats.stop_reason if stats else "finished",
                     "plans": describe_plans(stats.plans) if stats else [],
                     "draft_updates": stats.draft_updates if stats else 0,  # --adapt-drafts' steps
+                    "thread_switches": stats.thread_switches if stats else 0,  # --threads auto's changes
                     # per window of output positions (from where this run began): α by depth, tokens
                     # per iteration and their counts (docs/benchmarks.md)
                     "window_tokens": stats.window_tokens if stats else 0,

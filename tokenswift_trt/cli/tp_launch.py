@@ -31,6 +31,8 @@ from typing import Any
 
 import click
 
+from tokenswift_trt.decode.threads import usable_cpus
+
 LOCALHOST = "127.0.0.1"
 ERROR_PREFIX = "tokenswift-trt: error: "
 JOIN_S = 30.0  # how long rank 0 waits for the ranks it started to exit once it is done
@@ -255,7 +257,7 @@ def start_ranks(size: int, timeout_s: float, config: Any, asked: dict[str, Any],
             started.append(process)
     if _from_torchrun() is None:
         # ranks started here share this machine's cores equally (torchrun sets OMP_NUM_THREADS itself)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(max(1, usable_cpus() // size))
     backend = "gloo"
     if device.startswith("cuda"):
         gpus = torch.cuda.device_count()

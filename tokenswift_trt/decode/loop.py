@@ -22,6 +22,7 @@ from tokenswift_trt.decode.stages import (
     Acceptance,
     Acceptor,
     DecodeState,
+    ForwardCall,
     NodeTargets,
     accept_trie,
     ar_step,
@@ -37,6 +38,7 @@ from tokenswift_trt.decode.stages import (
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
 from tokenswift_trt.decode.suffix import LOOKUP_EVERY, MatchGate, SuffixIndex
 from tokenswift_trt.decode.suffix import MAX_DEPTH as SUFFIX_MAX_DEPTH
+from tokenswift_trt.decode.threads import ThreadGovernor
 from tokenswift_trt.decode.tree import Trie, build_static_tree, build_trie, parse_tree
 from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths
 from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
@@ -62,6 +64,10 @@ MAX_TREE_NODES = 1024  # static tree nodes per verify pass (the paper's 1,3,3,3 
 
 class GenerationError(ValueError):
     """A request that cannot run as given (the message says what to change)."""
+
+
+class MemoryAdmissionError(GenerationError):
+    """A request whose caches do not fit the memory budget (a scheduler keeps it queued until they do)."""
 
 
 def check_tree_size(spec: str) -> None:
@@ -313,6 +319,7 @@ class Stats:
     phase_s: dict[str, float] = field(default_factory=dict)
     stop_reason: str = ""
     draft_updates: int = 0  # optimiser steps of the request's draft layers (adapt_drafts)
+    thread_switches: int = 0  # times the CPU thread count changed (decode/threads.py)
 
     @property
     def acceptance_rate(self) -> float:
@@ -435,6 +442,9 @@ def generate(
             observer(stats)
 
 
+RequestSteps = Generator[Stats | ForwardCall, None, tuple[list[int], Stats]]
+
+
 @torch.inference_mode()
 def decode_steps(
     engine: Engine,
@@ -447,7 +457,48 @@ def decode_steps(
 ) -> DecodeSteps:
     """`generate` one iteration at a time: yields the live Stats after every iteration and returns
     (new token ids, Stats) when done. Nothing runs between yields, so callers can interleave several
-    generations and time each on its own clock (the bench does, so that drift hits all alike)."""
+    generations and time each on its own clock (the bench does, so that drift hits all alike).
+    The request runs alone: each forward it asks for runs at once; on a CPU its thread count follows
+    what is fastest on the machine now (decode/threads.py)."""
+    steps = run_alone(
+        engine, request_steps(engine, prompt, config, on_tokens, random, acceptor, window_tokens)
+    )
+    governor = ThreadGovernor.for_setting(engine.kernels.threads) if engine.device.type == "cpu" else None
+    if governor is None:
+        return (yield from steps)
+    result = yield from governor.run(steps, lambda live: live.new_tokens)
+    result[1].thread_switches = governor.switches
+    return result
+
+
+def run_alone(engine: Engine, steps: RequestSteps) -> DecodeSteps:
+    """A request's steps with every forward it asks for run at once, alone: yields its Stats only."""
+    sent = None
+    while True:
+        try:
+            item = steps.send(sent)
+        except StopIteration as finished:
+            return finished.value
+        if isinstance(item, ForwardCall):
+            item.run_alone(engine)
+        else:
+            yield item
+
+
+@torch.inference_mode()
+def request_steps(
+    engine: Engine,
+    prompt: Sequence[int],
+    config: GenerationConfig,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    random: RandomSource | None = None,
+    acceptor: Acceptor = accept_trie,
+    window_tokens: int = WINDOW_TOKENS,
+) -> RequestSteps:
+    """One request's generation as a driver runs it: the prompt's prefill at the first resume, then
+    the iterations; yields a `ForwardCall` wherever an iteration needs a forward on the full cache
+    (the driver sets its output before resuming: `run_alone` at once, the scheduler batched with
+    other requests') and the live Stats after every iteration; returns (new ids, Stats)."""
     if window_tokens < 1:
         raise GenerationError(f"the statistics window must be at least 1 token, got {window_tokens}")
     seed = config.seed if config.seed is not None else random_module.SystemRandom().randrange(2**63)
@@ -558,11 +609,11 @@ def new_decode_state(
         if plan.tree_bytes > plan.full_cache_bytes + plan.partial_cache_bytes:
             tree_name = "auto's probe tree" if auto else f"tree {config.tree!r}"
             fix = "a larger memory budget" if auto else "a smaller tree or n-gram top-k, or the tree auto"
-            raise GenerationError(
+            raise MemoryAdmissionError(
                 f"{error}; most of it is the tree buffers ({max_trie:,} nodes: {tree_name} and "
                 f"{ngram_topk} n-gram branches): give {fix}"
             ) from None
-        raise GenerationError(str(error)) from None
+        raise MemoryAdmissionError(str(error)) from None
     full = KVCache(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limit + max_trie, dtype, device, engine.kernels
     )
@@ -609,6 +660,7 @@ def new_decode_state(
         )
         if static_full is not None and partial is not None
         else None,
+        needed_bytes=plan.needed_bytes,
     )
 
 
@@ -639,7 +691,7 @@ def _ar_loop(
     stats: Stats,
     started: float,
     on_tokens: Callable[[list[int]], None] | None,
-) -> Generator[Stats, None, None]:
+) -> RequestSteps:
     yield from _ar_steps(engine, state, stats, started, on_tokens, state.limit, "forward")
 
 
@@ -653,14 +705,14 @@ def _ar_steps(
     phase: str,
     look: Callable[[], list[int]] | None = None,
     every: int = LOOKUP_EVERY,
-) -> Generator[Stats, None, ArSteps]:
+) -> Generator[Stats | ForwardCall, None, ArSteps]:
     """Up to `steps` plain AR steps (`--method ar`'s loop; `--tree auto` runs the same between its
     decisions), ending early at a stop token or the limit, or where `look` (asked every `every` steps)
     finds a long match's branch; returns what the tuner needs of them, and that branch."""
     out, seconds, count, done, branch = None, 0.0, 0, False, []
     while not done and count < steps and not branch:
         tick = time.perf_counter()
-        out = ar_step(engine, state)
+        out = yield from ar_step(engine, state)
         token = state.tokens[-1]
         stats.iterations += 1
         stats.forwards += 1
@@ -684,13 +736,13 @@ def _ar_steps(
 
 def _branch_iteration(
     engine: Engine, state: DecodeState, branch: list[int], acceptor: Acceptor, stats: Stats, position: int
-) -> tuple[Acceptance, torch.Tensor]:
+) -> Generator[ForwardCall, None, tuple[Acceptance, torch.Tensor]]:
     """One iteration between AR steps whose trie is the root and a long match's branch alone (no
     drafts); returns its acceptance and the hidden state [hidden] of its last accepted node."""
     trie = Trie(state.tokens[-1])
     trie.add_path(branch, from_tree=False, ngram_rank=0)
     tick = time.perf_counter()
-    verified = verify(engine, state, trie)
+    verified = yield from verify(engine, state, trie)
     targets = NodeTargets(engine, state, trie, verified.hidden)
     acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
     commit(state, acceptance, verified)
@@ -722,7 +774,7 @@ def _tokenswift_loop(
     on_tokens: Callable[[list[int]], None] | None,
     acceptor: Acceptor,
     adapter: DraftAdapter | None = None,
-) -> Generator[Stats, None, None]:
+) -> Generator[Stats | ForwardCall, None, None]:
     """Iterations of propose -> build trie -> verify -> accept -> commit, under a fixed plan or the
     tuner's; `adapter` adapts the draft layers (`engine.draft_layers`, its copy) from every commit."""
     from_verify = config.resolved_draft_source == "verify"
@@ -781,11 +833,13 @@ def _tokenswift_loop(
             # the text repeats: verify what followed its earlier occurrence, the branch alone; the
             # tuner hears of it as of AR steps (no trie of its plans)
             tick, position = time.perf_counter(), new_tokens()
-            acceptance, last_hidden = _branch_iteration(engine, state, branch, acceptor, stats, position)
+            acceptance, last_hidden = yield from _branch_iteration(
+                engine, state, branch, acceptor, stats, position
+            )
             gate.branch_run(position, time.perf_counter() - tick, len(acceptance.tokens))
             last_draft_logits, drafting_state_stale = None, True
         elif tree is None:  # a plain AR step, the same code as the AR baseline's
-            out = ar_step(engine, state)
+            out = yield from ar_step(engine, state)
             assert out.queries is not None
             state.queries, last_hidden, last_draft_logits = [q[-1] for q in out.queries], out.hidden[0], None
             acceptance = Acceptance(nodes=[], tokens=state.tokens[-1:])
@@ -814,7 +868,7 @@ def _tokenswift_loop(
                 trie.add_path(long_match, from_tree=False, ngram_rank=0)
             t_trie = time.perf_counter()
             # verify
-            verified = verify(engine, state, trie)
+            verified = yield from verify(engine, state, trie)
             t_verify = time.perf_counter()
             # accept
             targets = NodeTargets(engine, state, trie, verified.hidden, tree.depth if from_verify else 0)
@@ -865,7 +919,7 @@ def _device_loop(
     last_hidden: torch.Tensor,  # [hidden] of the last committed token
     on_tokens: Callable[[list[int]], None] | None,
     adapter: DraftAdapter | None = None,
-) -> Generator[Stats, None, None]:
+) -> Generator[Stats | ForwardCall, None, None]:
     """Iterations run by device_loop.py under a fixed plan or the tuner's: its drafting plans on the
     device, each captured once as its own graph (the host reads each iteration's report, one
     iteration late), its AR steps as `--method ar` runs them. A plan the tuner leaves stops after the

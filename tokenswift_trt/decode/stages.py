@@ -24,7 +24,7 @@ shows they commit the same tokens, iteration by iteration.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +82,7 @@ class DecodeState:
     queries: list[torch.Tensor] = field(
         default_factory=list
     )  # per layer [heads, head_dim]: latest committed query
+    needed_bytes: int = 0  # what its admission counted: caches and tree buffers (decode/admission.py)
 
     def noise(self, positions: Sequence[int], size: int, device: torch.device) -> Noise:
         """[len(positions), size] Gumbel noise of those positions (or their keys, for a sampler that
@@ -328,6 +329,36 @@ def accept_slots(
 # ---------------------------------------------------------------- stages
 
 
+@dataclass
+class ForwardCall:
+    """A forward a request's loop asks for on its full cache: new tokens [T] at their positions with a
+    tree mask [T, T] (host, None = causal); `out` is set by whoever runs it: the request's own driver
+    alone (`run_alone`), or a scheduler batching it with other requests' calls (decode/scheduler.py).
+    The loops yield these so that the same code runs one request or many."""
+
+    state: DecodeState
+    tokens: torch.Tensor  # [T] int64 on the engine's device
+    positions: torch.Tensor  # [T] int64
+    tree_mask: torch.Tensor | None = None  # [T, T] bool on the host
+    out: ForwardOutput | None = None
+
+    def run_alone(self, engine: Engine) -> None:
+        self.out = forward_full(engine, self.state, self.tokens, self.positions, self.tree_mask)
+
+
+ForwardCalls = Generator[ForwardCall, None, ForwardOutput]  # yields one call, returns its output
+
+
+def call_forward(
+    state: DecodeState, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None = None
+) -> ForwardCalls:
+    """`yield from` it for a forward on the full cache: T slots left pending, as `forward_full`."""
+    call = ForwardCall(state, tokens, positions, tree_mask)
+    yield call
+    assert call.out is not None, "the driver runs every call before resuming its request"
+    return call.out
+
+
 def forward_full(
     engine: Engine,
     state: DecodeState,
@@ -369,13 +400,13 @@ def sample_next(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> int
     )[0]
 
 
-def ar_step(engine: Engine, state: DecodeState) -> ForwardOutput:
+def ar_step(engine: Engine, state: DecodeState) -> ForwardCalls:
     """One AR step: the root's forward on the full cache, committed; the next token is sampled and
     appended (it is the new root). Returns the forward (hidden and queries of the old root)."""
     device = engine.device
     root = to_device([state.tokens[-1]], torch.long, device)
     position = to_device([state.root_position], torch.long, device)
-    out = forward_full(engine, state, root, position)
+    out = yield from call_forward(state, root, position)
     state.full.commit()
     state.append([sample_next(engine, state, out.hidden[0])])
     return out
@@ -488,12 +519,12 @@ def retrieve_ngrams(state: DecodeState, first_tokens: Sequence[int], k: int) -> 
     return paths
 
 
-def verify(engine: Engine, state: DecodeState, trie: Trie) -> ForwardOutput:
+def verify(engine: Engine, state: DecodeState, trie: Trie) -> ForwardCalls:
     """One forward of every trie node on the full cache with the trie's ancestor mask."""
     device = engine.device
     tokens = to_device(trie.tokens, torch.long, device)
     positions = to_device([depth + state.root_position for depth in trie.depths], torch.long, device)
-    return forward_full(engine, state, tokens, positions, trie.mask())
+    return (yield from call_forward(state, tokens, positions, trie.mask()))
 
 
 def commit(state: DecodeState, acceptance: Acceptance, verified: ForwardOutput) -> None:

@@ -95,6 +95,12 @@ class KernelConfig:
         True,
         (0, 1, 2),
     )
+    threads: str = _setting(
+        "auto",
+        "CPU threads: `auto` the CPUs this process may use (affinity and cgroup quota), fewer while a busy "
+        "neighbour makes fewer faster (decode/threads.py); a number fixes the count",
+        False,
+    )
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
@@ -111,6 +117,10 @@ class KernelConfig:
             raise KernelConfigError(
                 "kernel setting cascade_min_work is a positive integer (T x keys), got "
                 f"{self.cascade_min_work}"
+            )
+        if self.threads != "auto" and not (self.threads.isdigit() and int(self.threads) >= 1):
+            raise KernelConfigError(
+                f"kernel setting threads is auto or a positive number of threads, got {self.threads!r}"
             )
         if self.cascade_prefix != "auto":
             from tokenswift_trt.kernels.prefix_config import (
@@ -202,6 +212,8 @@ _FALSE = ("0", "off", "false", "no")
 
 
 def _coerce(name: str, kind: type, value: Any) -> Any:
+    if kind is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # threads=2 from Python
     if not isinstance(value, str) or kind is str:
         return value
     text = value.strip().lower()

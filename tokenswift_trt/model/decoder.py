@@ -66,6 +66,27 @@ class ForwardOutput:
     queries: list[torch.Tensor] | None  # per layer [T, heads, head_dim] after rotary, when requested
 
 
+@dataclass
+class Segment:
+    """One request's new tokens in a batched forward (`forward_batch`): its own cache, positions and
+    tree mask; the requests' rows go through every product together and attend each to its own cache."""
+
+    tokens: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 absolute positions
+    cache: AttentionCache
+    tree_mask: torch.Tensor | None = None  # [T, T] bool on the model's device, None = causal
+
+
+def forward_batch(model: Decoder, segments: Sequence[Segment]) -> list[ForwardOutput]:
+    """Every segment's forward (hidden states and queries kept), in one pass where the model batches
+    requests (`LlamaModel.forward_batch`), else one forward per segment. Each segment's outputs are the
+    bits its own forward gives."""
+    batched = getattr(model, "forward_batch", None)
+    if batched is not None:
+        return batched(segments)
+    return [model(s.tokens, s.positions, s.cache, tree_mask=s.tree_mask, keep_queries=True) for s in segments]
+
+
 class Decoder(Protocol):
     """What decoding needs of a model. `LlamaModel` (torch) implements it, and so do the decoders
     that run exported graphs (onnxruntime, TensorRT; `GraphDecoder`) with the torch model's weights
@@ -575,6 +596,72 @@ class LlamaModel(nn.Module):
         keep_queries: bool = False,
     ) -> ForwardOutput:
         return self.decode(tokens, positions, cache, tree_mask, keep_queries)
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: Sequence[Segment]) -> list[ForwardOutput]:
+        """Several requests' forwards (`Segment`), queries kept. On a float32 CPU engine the segments
+        that the compiled decoder takes run as one call of it: every product over all their rows at
+        once, attention per segment; a row's bits are those of the segment's own forward (the products
+        and every per-row step are batch-invariant, attention sees the segment alone). Other segments,
+        and every segment on other engines, run one forward each."""
+        outputs: list[ForwardOutput | None] = [None] * len(segments)
+        joint: list[tuple[int, tuple[torch.Tensor, int]]] = []  # (segment, its attention input and mode)
+        for index, segment in enumerate(segments):
+            count = segment.tokens.shape[0]
+            takes = self.cpu_decoder is not None and self.cpu_decoder.usable(count, segment.cache)
+            attention = self._compiled_mask(count, segment) if takes else None
+            if attention is not None:
+                joint.append((index, attention))
+            else:
+                outputs[index] = self.decode(
+                    segment.tokens, segment.positions, segment.cache, segment.tree_mask, keep_queries=True
+                )
+        if joint:
+            chosen = [segments[index] for index, _ in joint]
+            for (index, _), output in zip(
+                joint, self._compiled_batch(chosen, [a for _, a in joint]), strict=True
+            ):
+                outputs[index] = output
+        return outputs  # type: ignore[return-value]
+
+    def _compiled_mask(self, count: int, segment: Segment) -> tuple[torch.Tensor, int] | None:
+        """(attention input, mode) of the compiled decoder for a segment, as `decode` passes them; None
+        where `decode` would not take the compiled decoder."""
+        mask = self._attention_mask(count, segment.cache, segment.tree_mask, None, segment.tokens.device)
+        c = self.config
+        if mask.kernel == "cpu_tree_attention":
+            return mask.mask, 2
+        if mask.kernel != "sdpa":
+            return None
+        bias = sdpa_bias(mask.mask, c.num_heads, c.num_kv_heads, self.model.embed_tokens.weight.dtype)
+        return bias, 0 if folds_groups(c.num_heads, c.num_kv_heads, count) else 1
+
+    def _compiled_batch(
+        self, segments: Sequence[Segment], attention: Sequence[tuple[torch.Tensor, int]]
+    ) -> list[ForwardOutput]:
+        """Segments the compiled decoder takes, in one call of it (`CpuDecoder.run_batch`)."""
+        assert self.cpu_decoder is not None
+        tokens = torch.cat([s.tokens for s in segments])
+        positions = torch.cat([s.positions for s in segments])
+        x = self.model.embed_tokens(tokens)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        counts = [s.tokens.shape[0] for s in segments]
+        hidden, queries = self.cpu_decoder.run_batch(
+            x,
+            cos,
+            sin,
+            [s.cache for s in segments],  # type: ignore[misc]
+            counts,
+            [mask for mask, _ in attention],
+            [mode for _, mode in attention],
+            kernels.default_scale(self.config.head_dim),
+        )
+        outputs, start = [], 0
+        for count in counts:
+            end = start + count
+            outputs.append(ForwardOutput(hidden=hidden[start:end], queries=[q[start:end] for q in queries]))
+            start = end
+        return outputs
 
     def decode(
         self,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenswift_trt.decode.threads import usable_cpus
 from tokenswift_trt.environment import child_environment
 
 MODEL_REPO = Path(__file__).resolve().parents[2] / "model_repo"
@@ -133,7 +134,10 @@ def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
     text = re.sub(r'(key: "journal_dir" value: \{ string_value: )"[^"]*"', rf'\1"{journal}"', text)
     budget = "" if config.memory_budget_gib is None else str(config.memory_budget_gib)
     text = re.sub(r'(key: "memory_budget_gib" value: \{ string_value: )"[^"]*"', rf'\1"{budget}"', text)
-    kernels = kernel_parameter(config.kernels)
+    settings = dict(config.kernels)
+    if config.instances > 1 and "threads" not in settings:  # instances split the CPUs, not share each
+        settings["threads"] = str(max(1, usable_cpus() // config.instances))
+    kernels = kernel_parameter(settings)
     text = re.sub(r'(key: "kernels" value: \{ string_value: )"[^"]*"', lambda m: f'{m[1]}"{kernels}"', text)
     for key, value in (("tp", config.tp), ("tp_timeout", config.tp_timeout), ("python", sys.executable)):
         text = re.sub(

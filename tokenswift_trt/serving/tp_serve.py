@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenswift_trt.decode.threads import usable_cpus
 from tokenswift_trt.environment import raise_on_failed_collectives
 
 LOCALHOST = "127.0.0.1"
@@ -57,12 +58,16 @@ def rank_device(device: str, rank: int) -> str:
 
 def load_model(source: str | Path, device: str, kernels: str, tp: Any) -> Any:
     """This rank's engine of an engine directory or a model directory (as `Session` loads it)."""
+    import torch
+
     from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
     from tokenswift_trt.model.engine import load_engine
     from tokenswift_trt.model.engine_dir import MANIFEST, load_engine_dir
 
     source = Path(source)
     settings = parse_kernel_settings(item for item in kernels.split(";") if item.strip())
+    if device == "cpu":  # the rank's share of the CPUs, as set when it started
+        settings.setdefault("threads", str(torch.get_num_threads()))
     if (source / MANIFEST).is_file():
         return load_engine_dir(source, device=device, kernels=settings, tp=tp)[0]
     return load_engine(source, device=device, kernels=KernelConfig().updated(settings), tp=tp)
@@ -132,7 +137,7 @@ def _worker_main() -> None:
     place: Place = pickle.load(sys.stdin.buffer)
     _exit_with_parent()
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.size))
+    torch.set_num_threads(max(1, usable_cpus() // place.size))
     tp, jobs = _join(place)
     device = rank_device(place.device, place.rank)
     engine = load_model(place.source, device, place.kernels, tp)
@@ -170,7 +175,7 @@ class RankGroup:
             process.stdin.write(pickle.dumps(place))
             process.stdin.flush()  # stdin stays open: the worker exits when it closes
             self.workers.append(process)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
+        torch.set_num_threads(max(1, usable_cpus() // self.size))
         place = Place(0, self.size, port, self.timeout_s, self.source, self.asked, self.kernels)
         self.tp, self.jobs = _join(place)
         self.broken = False

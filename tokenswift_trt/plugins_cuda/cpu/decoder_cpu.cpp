@@ -55,78 +55,97 @@ void rotate(float* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t d
 
 }  // namespace
 
-at::Tensor decoder_cpu(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
-                       const std::vector<at::Tensor>& weights, const at::Tensor& keys, const at::Tensor& values,
-                       int64_t prefix, const at::Tensor& attention, int64_t mode, int64_t heads, int64_t kv_heads,
-                       double eps, double scale, const at::Tensor& queries) {
+at::Tensor decoder_batch_cpu(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                             const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& keys,
+                             const std::vector<at::Tensor>& values, const std::vector<int64_t>& prefixes,
+                             const std::vector<int64_t>& counts, const std::vector<at::Tensor>& attention,
+                             const std::vector<int64_t>& modes, int64_t heads, int64_t kv_heads, double eps,
+                             double scale, const at::Tensor& queries) {
     TORCH_CHECK(embeddings.scalar_type() == at::kFloat && embeddings.dim() == 2 && embeddings.is_contiguous(),
                 "decoder: embeddings must be contiguous float32 [T, hidden]");
     const int64_t rows = embeddings.size(0), hidden = embeddings.size(1);
     TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "decoder: 10 tensors per layer");
     const int64_t layers = static_cast<int64_t>(weights.size()) / kTensorsPerLayer;
-    TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
-                    keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-                "decoder: keys/values must be contiguous float32 [layers, kv_heads, capacity, head_dim]");
-    TORCH_CHECK(keys.size(0) == layers && keys.size(1) == kv_heads && prefix + rows <= keys.size(2),
-                "decoder: the cache does not fit these layers, heads and tokens");
-    const int64_t dim = keys.size(3), group = heads / kv_heads;
+    const size_t segments = counts.size();
+    TORCH_CHECK(segments > 0 && keys.size() == segments && values.size() == segments && prefixes.size() == segments &&
+                    attention.size() == segments && modes.size() == segments,
+                "decoder: one cache, prefix, row count, attention input and mode per segment");
+    std::vector<int64_t> first(segments + 1, 0);  // each segment's first row
+    for (size_t s = 0; s < segments; ++s) {
+        const at::Tensor &k = keys[s], &v = values[s];
+        TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.sizes() == k.sizes() && v.is_contiguous() &&
+                        k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+                    "decoder: keys/values must be contiguous float32 [layers, kv_heads, capacity, head_dim]");
+        TORCH_CHECK(counts[s] >= 1 && k.size(0) == layers && k.size(1) == kv_heads &&
+                        prefixes[s] + counts[s] <= k.size(2) && k.size(3) == keys[0].size(3),
+                    "decoder: a cache does not fit these layers, heads and tokens");
+        TORCH_CHECK(modes[s] >= 0 && modes[s] <= 2,
+                    "decoder: mode 0 (SDPA, query heads folded), 1 (SDPA) or 2 (tree kernel)");
+        first[s + 1] = first[s] + counts[s];
+    }
+    TORCH_CHECK(first[segments] == rows, "decoder: the segments' rows must add up to the embeddings' rows");
+    const int64_t dim = keys[0].size(3), group = heads / kv_heads;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == rows && cos.size(1) == dim,
                 "decoder: cos/sin must be contiguous [T, head_dim]");
-    TORCH_CHECK(mode >= 0 && mode <= 2, "decoder: mode 0 (SDPA, query heads folded), 1 (SDPA) or 2 (tree kernel)");
     const bool keep_queries = queries.defined() && queries.numel() > 0;
     TORCH_CHECK(!keep_queries || (queries.is_contiguous() && queries.numel() == layers * rows * q_width),
                 "decoder: queries must be contiguous [layers, T, heads, head_dim]");
 
     at::Tensor x = embeddings.clone();  // [T, hidden] the residual stream
     at::Tensor normed = at::empty({rows, hidden}, x.options());
+    at::Tensor merged = at::empty({rows, q_width}, x.options());  // [T, heads · D] every segment's attention
     float* x_data = x.data_ptr<float>();
-    const int64_t slot_stride = dim, head_stride = keys.size(2) * dim, layer_stride = kv_heads * head_stride;
     for (int64_t layer = 0; layer < layers; ++layer) {
         const at::Tensor* w = weights.data() + layer * kTensorsPerLayer;
-        // attention block
+        // attention block: products over every segment's rows at once (batch-invariant), attention per segment
         rms_norm(x_data, w[0].data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, eps);
         at::Tensor qkv = linear_cpu(normed, w[1], w[2], qkv_width);  // [T, q + k + v]
         float* qkv_data = qkv.data_ptr<float>();
         rotate(qkv_data, rows, heads, qkv_width, dim, cos.data_ptr<float>(), sin.data_ptr<float>());
         rotate(qkv_data + q_width, rows, kv_heads, qkv_width, dim, cos.data_ptr<float>(), sin.data_ptr<float>());
-        float* key_cache = keys.data_ptr<float>() + layer * layer_stride;
-        float* value_cache = values.data_ptr<float>() + layer * layer_stride;
-        at::Tensor query = at::empty({heads, rows, dim}, x.options());  // [heads, T, D]
-        float* q_data = query.data_ptr<float>();
-        for (int64_t t = 0; t < rows; ++t) {
-            const float* row = qkv_data + t * qkv_width;
-            for (int64_t h = 0; h < heads; ++h)
-                for (int64_t d = 0; d < dim; ++d) q_data[(h * rows + t) * dim + d] = row[h * dim + d];
-            for (int64_t h = 0; h < kv_heads; ++h) {
-                float* k_slot = key_cache + h * head_stride + (prefix + t) * slot_stride;
-                float* v_slot = value_cache + h * head_stride + (prefix + t) * slot_stride;
-                for (int64_t d = 0; d < dim; ++d) {
-                    k_slot[d] = row[q_width + h * dim + d];
-                    v_slot[d] = row[q_width + kv_width + h * dim + d];
+        for (size_t s = 0; s < segments; ++s) {
+            const int64_t count = counts[s], prefix = prefixes[s], row0 = first[s];
+            const int64_t slot_stride = dim, head_stride = keys[s].size(2) * dim, layer_stride = kv_heads * head_stride;
+            float* key_cache = keys[s].data_ptr<float>() + layer * layer_stride;
+            float* value_cache = values[s].data_ptr<float>() + layer * layer_stride;
+            at::Tensor query = at::empty({heads, count, dim}, x.options());  // [heads, T_s, D]
+            float* q_data = query.data_ptr<float>();
+            for (int64_t t = 0; t < count; ++t) {
+                const float* row = qkv_data + (row0 + t) * qkv_width;
+                for (int64_t h = 0; h < heads; ++h)
+                    for (int64_t d = 0; d < dim; ++d) q_data[(h * count + t) * dim + d] = row[h * dim + d];
+                for (int64_t h = 0; h < kv_heads; ++h) {
+                    float* k_slot = key_cache + h * head_stride + (prefix + t) * slot_stride;
+                    float* v_slot = value_cache + h * head_stride + (prefix + t) * slot_stride;
+                    for (int64_t d = 0; d < dim; ++d) {
+                        k_slot[d] = row[q_width + h * dim + d];
+                        v_slot[d] = row[q_width + kv_width + h * dim + d];
+                    }
+                }
+                if (keep_queries) {
+                    float* kept = queries.data_ptr<float>() + (layer * rows + row0 + t) * q_width;
+                    for (int64_t i = 0; i < q_width; ++i) kept[i] = row[i];
                 }
             }
-            if (keep_queries) {
-                float* kept = queries.data_ptr<float>() + (layer * rows + t) * q_width;
-                for (int64_t i = 0; i < q_width; ++i) kept[i] = row[i];
+            const at::Tensor layer_keys = keys[s].select(0, layer).narrow(1, 0, prefix + count);  // [kv_heads, S, D]
+            const at::Tensor layer_values = values[s].select(0, layer).narrow(1, 0, prefix + count);
+            at::Tensor attended;  // [heads, T_s, D]
+            if (modes[s] == 2) {
+                attended = tree_attention_cpu(query, layer_keys, layer_values, attention[s], scale);
+            } else if (modes[s] == 0) {  // row g·T + t of KV head h: query t of head h·group + g
+                attended = at::scaled_dot_product_attention(query.view({1, kv_heads, group * count, dim}),
+                                                            layer_keys.unsqueeze(0), layer_values.unsqueeze(0),
+                                                            attention[s])
+                               .view({heads, count, dim});
+            } else {
+                attended = at::scaled_dot_product_attention(query.unsqueeze(0), layer_keys.unsqueeze(0),
+                                                            layer_values.unsqueeze(0), attention[s], 0.0, false,
+                                                            std::nullopt, heads > kv_heads)
+                               .squeeze(0);
             }
+            merged.narrow(0, row0, count).copy_(attended.transpose(0, 1).reshape({count, q_width}));
         }
-        const at::Tensor layer_keys = keys.select(0, layer).narrow(1, 0, prefix + rows);  // [kv_heads, S, D]
-        const at::Tensor layer_values = values.select(0, layer).narrow(1, 0, prefix + rows);
-        at::Tensor attended;  // [heads, T, D]
-        if (mode == 2) {
-            attended = tree_attention_cpu(query, layer_keys, layer_values, attention, scale);
-        } else if (mode == 0) {  // row g·T + t of KV head h: query t of head h·group + g
-            attended = at::scaled_dot_product_attention(query.view({1, kv_heads, group * rows, dim}),
-                                                        layer_keys.unsqueeze(0), layer_values.unsqueeze(0), attention)
-                           .view({heads, rows, dim});
-        } else {
-            attended = at::scaled_dot_product_attention(query.unsqueeze(0), layer_keys.unsqueeze(0),
-                                                        layer_values.unsqueeze(0), attention, 0.0, false,
-                                                        std::nullopt, heads > kv_heads)
-                           .squeeze(0);
-        }
-        at::Tensor merged = attended.transpose(0, 1).reshape({rows, q_width});  // [T, heads · D]
         at::Tensor projected = linear_cpu(merged, w[3], w[4], hidden);
         const float* p = projected.data_ptr<float>();
         for (int64_t i = 0; i < rows * hidden; ++i) x_data[i] += p[i];
@@ -151,6 +170,14 @@ at::Tensor decoder_cpu(const at::Tensor& embeddings, const at::Tensor& cos, cons
         for (int64_t i = 0; i < rows * hidden; ++i) x_data[i] += dn[i];
     }
     return x;
+}
+
+at::Tensor decoder_cpu(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                       const std::vector<at::Tensor>& weights, const at::Tensor& keys, const at::Tensor& values,
+                       int64_t prefix, const at::Tensor& attention, int64_t mode, int64_t heads, int64_t kv_heads,
+                       double eps, double scale, const at::Tensor& queries) {
+    return decoder_batch_cpu(embeddings, cos, sin, weights, {keys}, {values}, {prefix}, {embeddings.size(0)},
+                             {attention}, {mode}, heads, kv_heads, eps, scale, queries);
 }
 
 at::Tensor draft_chain_cpu(const at::Tensor& hidden, const at::Tensor& root_embedding, const std::vector<at::Tensor>& root,

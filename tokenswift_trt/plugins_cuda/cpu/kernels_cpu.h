@@ -52,6 +52,17 @@ at::Tensor decoder_cpu(const at::Tensor& embeddings, const at::Tensor& cos, cons
                        int64_t prefix, const at::Tensor& attention, int64_t mode, int64_t heads, int64_t kv_heads,
                        double eps, double scale, const at::Tensor& queries);
 
+// decoder_cpu.cpp: `decoder_cpu` for several requests' steps at once. The rows of embeddings/cos/sin are
+// segments of counts[s] rows, segment s on its own cache keys[s]/values[s] (new K/V at prefixes[s] ..),
+// attending with attention[s] in modes[s]; products run over all rows together (a row's bits do not
+// depend on the other segments), attention per segment. queries [layers, T, heads, head_dim] or empty.
+at::Tensor decoder_batch_cpu(const at::Tensor& embeddings, const at::Tensor& cos, const at::Tensor& sin,
+                             const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& keys,
+                             const std::vector<at::Tensor>& values, const std::vector<int64_t>& prefixes,
+                             const std::vector<int64_t>& counts, const std::vector<at::Tensor>& attention,
+                             const std::vector<int64_t>& modes, int64_t heads, int64_t kv_heads, double eps,
+                             double scale, const at::Tensor& queries);
+
 // decoder_cpu.cpp: the draft layers' chain for a few rows in one call. hidden [R, hidden] (pre-norm),
 // root_embedding [R, hidden] (or empty without a root input); root: none, (norm, packed U) or (hidden
 // norm, norm, packed U, packed D) of a root MLP; layers: per layer input norm, packed W, post norm

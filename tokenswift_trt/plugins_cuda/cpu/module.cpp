@@ -20,4 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                "an LM head exact where sampling can look, screened in float16 elsewhere (CPU, float32)");
     module.def("draft_chain", &draft_chain_cpu, "the draft layers' chain for a few rows in one call (CPU, float32)");
     module.def("decoder", &decoder_cpu, "the decoder stack for a few new tokens in one call (CPU, float32)");
+    module.def("decoder_batch", &decoder_batch_cpu,
+               "the decoder stack for several requests' new tokens, each on its own cache (CPU, float32)");
 }

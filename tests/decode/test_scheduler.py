@@ -1,0 +1,196 @@
+"""Continuous batching: requests decoded together give the tokens of their runs alone, whatever else
+is in the batch, whenever they join, and whoever is cancelled or fails; memory is admitted against one
+budget and released."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import tokenswift_trt as ts
+from tokenswift_trt.backends.cpu_decoder import CpuDecoder
+from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.scheduler import CANCELLED, FAILED, FINISHED, QUEUED, Scheduler
+from tokenswift_trt.model.decoder import Segment, forward_batch
+from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.sampling import SamplingConfig
+
+from conftest import quiet_load
+
+GREEDY = SamplingConfig(temperature=0)
+PAPER = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=64)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """swift-tiny: a float32 CPU engine, so the compiled decoder batches the requests' rows."""
+    return ts.load("swift-tiny")
+
+
+def _prompts(model, count: int) -> list[list[int]]:
+    texts = [
+        "Once upon a time there was a little fox",
+        "The river ran past the mill and down to the sea, where",
+        "She opened the letter slowly.",
+        "In the morning the king called his three sons and said",
+        "It was the best of times, it was the worst of times",
+        "The old man and the sea",
+    ]
+    return [model.codec.encode(texts[i % len(texts)]) for i in range(count)]
+
+
+def _configs() -> list[GenerationConfig]:
+    return [
+        GenerationConfig(max_new_tokens=60, sampling=GREEDY, ignore_eos=True, method="ar"),
+        GenerationConfig(max_new_tokens=70, sampling=PAPER, seed=3, ignore_eos=True, tree="3,3"),
+        GenerationConfig(max_new_tokens=50, sampling=PAPER, seed=4, ignore_eos=True, method="ar"),
+        GenerationConfig(
+            max_new_tokens=80, sampling=GREEDY, ignore_eos=True, tree="1,3,3", draft_source="verify"
+        ),
+        GenerationConfig(max_new_tokens=65, sampling=PAPER, seed=9, ignore_eos=True),  # tree auto
+        GenerationConfig(
+            max_new_tokens=40, sampling=PAPER, seed=5, ignore_eos=True, tree="2,2", ngram_topk=4
+        ),
+    ]
+
+
+def _alone(engine, prompt, config) -> list[int]:
+    return generate(engine, prompt, config)[0]
+
+
+def test_batched_requests_commit_their_own_runs_tokens(tiny):
+    engine = tiny.engine
+    prompts, configs = _prompts(tiny, 6), _configs()
+    scheduler = Scheduler(engine, max_batch=4)
+    streamed: dict[int, list[int]] = {}
+    requests = []
+    for index in range(4):
+        requests.append(
+            scheduler.submit(prompts[index], configs[index], streamed.setdefault(index, []).extend)
+        )
+    for _ in range(7):  # the first four mid-generation, then two more join
+        scheduler.step()
+    assert all(request.status != QUEUED for request in requests)
+    for index in (4, 5):
+        requests.append(
+            scheduler.submit(prompts[index], configs[index], streamed.setdefault(index, []).extend)
+        )
+    scheduler.run()
+    for index, request in enumerate(requests):
+        assert request.status == FINISHED, request.error
+        alone = _alone(engine, prompts[index], configs[index])
+        assert request.tokens == alone == streamed[index], index
+    assert max(scheduler.stats.batch_sizes) == 4  # the forwards were batched
+    assert scheduler.reserved_bytes == 0 and not scheduler.active
+
+
+def test_cancelled_and_failing_requests_leave_the_others_tokens_unchanged(tiny):
+    engine = tiny.engine
+    prompts, configs = _prompts(tiny, 4), _configs()
+
+    def failing(tokens: list[int], seen: list[int] = []) -> None:  # noqa: B006 (the request's own list)
+        seen.extend(tokens)
+        if len(seen) > 20:
+            raise RuntimeError("the client went away")
+
+    scheduler = Scheduler(engine, max_batch=4)
+    kept = scheduler.submit(prompts[0], configs[1])
+    cancelled = scheduler.submit(prompts[1], configs[3])
+    failed = scheduler.submit(prompts[2], configs[0], failing)
+    other = scheduler.submit(prompts[3], configs[4])
+    for _ in range(5):
+        scheduler.step()
+    scheduler.cancel(cancelled)
+    scheduler.run()
+    assert cancelled.status == CANCELLED and failed.status == FAILED
+    assert "client went away" in failed.error
+    assert kept.status == other.status == FINISHED
+    assert kept.tokens == _alone(engine, prompts[0], configs[1])
+    assert other.tokens == _alone(engine, prompts[3], configs[4])
+    assert scheduler.reserved_bytes == 0
+
+
+def test_a_request_that_does_not_fit_waits_for_memory(tiny):
+    engine = tiny.engine
+    prompts, configs = _prompts(tiny, 2), _configs()
+    probe = Scheduler(engine, max_batch=1)
+    probe.submit(prompts[0], configs[0])
+    probe.step()
+    one = probe.active[0].reserved_bytes
+    assert one > 0
+    scheduler = Scheduler(engine, max_batch=4, memory_budget=int(one * 1.5))  # room for one at a time
+    first = scheduler.submit(prompts[0], configs[0])
+    second = scheduler.submit(prompts[1], configs[2])
+    scheduler.step()
+    assert first.status == "running" and second.status == QUEUED
+    assert second.waiting_reason.startswith("memory")
+    scheduler.run()
+    assert first.status == second.status == FINISHED
+    assert second.tokens == _alone(engine, prompts[1], configs[2])
+    assert max(scheduler.stats.batch_sizes) == 1 and scheduler.reserved_bytes == 0
+
+
+def test_a_request_that_can_never_fit_fails_with_the_reason(tiny):
+    scheduler = Scheduler(tiny.engine, max_batch=2, memory_budget=1024)
+    request = scheduler.submit(_prompts(tiny, 1)[0], _configs()[0])
+    scheduler.run()
+    assert request.status == FAILED and "memory" in request.error.lower()
+
+
+def test_forward_batch_rows_are_the_bits_of_each_forward_alone(llama_dir):
+    """Two requests at different cache lengths, one verifying a tree, one an AR step: the compiled
+    decoder's batched call gives each the bits of its own forward."""
+    engine = quiet_load(llama_dir[0], dtype=torch.float32)
+    model = engine.model
+    if model.cpu_decoder is None:
+        pytest.skip("the compiled CPU decoder does not build on this machine")
+    config = engine.config
+    generator = torch.Generator().manual_seed(0)
+
+    prefixes = {
+        length: torch.randint(0, config.vocab_size, (length,), generator=generator) for length in (17, 40)
+    }
+
+    def cache_with(length: int) -> KVCache:
+        cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 256, torch.float32, "cpu")
+        model(prefixes[length], torch.arange(length), cache)
+        cache.commit()
+        return cache
+
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    first = (torch.tensor([5, 9, 11, 3]), torch.tensor([17, 18, 18, 19]), tree)
+    second = (torch.tensor([7]), torch.tensor([40]), None)
+    alone = []
+    for (tokens, positions, mask), length in ((first, 17), (second, 40)):
+        cache = cache_with(length)
+        alone.append(model(tokens, positions, cache, tree_mask=mask, keep_queries=True))
+    caches = [cache_with(17), cache_with(40)]
+    calls = []
+    original = CpuDecoder.run_batch
+
+    def counted(self, *args, **kwargs):
+        calls.append(len(args[3]))
+        return original(self, *args, **kwargs)
+
+    CpuDecoder.run_batch = counted
+    try:
+        together = forward_batch(
+            model, [Segment(*first[:2], caches[0], first[2]), Segment(*second[:2], caches[1], second[2])]
+        )
+    finally:
+        CpuDecoder.run_batch = original
+    assert calls == [2]  # one call of the compiled decoder for both
+    for one, both in zip(alone, together, strict=True):
+        assert torch.equal(one.hidden, both.hidden)
+        assert all(torch.equal(a, b) for a, b in zip(one.queries, both.queries, strict=True))
+    assert caches[0].pending == 4 and caches[1].pending == 1
+
+
+def test_submit_refuses_what_cannot_run(tiny):
+    scheduler = Scheduler(tiny.engine)
+    with pytest.raises(ts.GenerationError if hasattr(ts, "GenerationError") else ValueError):
+        scheduler.submit([1, 2], replace(_configs()[0], max_new_tokens=0))
+    with pytest.raises(ValueError, match="at least 1 request"):
+        Scheduler(tiny.engine, max_batch=0)

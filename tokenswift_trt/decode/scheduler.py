@@ -1,0 +1,266 @@
+"""Continuous batching: many requests decoded together by one model instance.
+
+A `Scheduler` keeps up to `max_batch` requests active. Each step it resumes every active request's
+steps (`loop.request_steps`: the same loop code a request runs alone) until each asks for its next
+forward (`stages.ForwardCall`), runs all those forwards as one batched pass
+(`decoder.forward_batch`: every product over all requests' rows at once, attention per request on
+its own cache and tree mask), and hands each request its rows. Acceptance and commit stay per
+request. Requests join between steps (their prefill runs then, alone) and leave when they finish,
+are cancelled or fail; none waits for another to finish.
+
+Memory: the requests' caches come out of one budget (`memory_budget` bytes, default the memory free
+when the scheduler starts). A request is admitted when its caches fit what the active ones leave; one
+that does not fit waits in the queue (`Request.waiting_reason` says why) and is admitted when enough
+is released. A request's caches are released when it ends however it ends.
+
+Still the model's own output: a request's tokens are those of its run alone, whatever else is in
+the batch and whenever it joined. Its rows in a batched forward are the same bits as in its own
+(the CPU products and every per-row step are batch-invariant; attention sees its own cache only),
+and sampling is keyed by (seed, position).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from tokenswift_trt.decode.admission import available_bytes
+from tokenswift_trt.decode.loop import (
+    GenerationConfig,
+    GenerationError,
+    MemoryAdmissionError,
+    RequestSteps,
+    Stats,
+    request_steps,
+)
+from tokenswift_trt.decode.stages import ForwardCall
+from tokenswift_trt.decode.threads import ThreadGovernor
+from tokenswift_trt.model.decoder import Segment, forward_batch
+from tokenswift_trt.model.engine import Engine
+
+QUEUED, RUNNING, FINISHED, CANCELLED, FAILED = "queued", "running", "finished", "cancelled", "failed"
+
+
+@dataclass
+class Request:
+    """One request in the scheduler: what was asked, where it stands, and what it produced."""
+
+    id: int
+    prompt: list[int]
+    config: GenerationConfig
+    on_tokens: Callable[[list[int]], None] | None = None
+    status: str = QUEUED
+    tokens: list[int] = field(default_factory=list)  # committed so far (streamed through on_tokens too)
+    stats: Stats | None = None  # live while running, final once finished
+    error: str = ""  # why it failed
+    waiting_reason: str = ""  # why it is still queued (memory), "" when admitted
+    reserved_bytes: int = 0  # its caches' share of the memory budget while it runs
+    submitted_s: float = 0.0
+    first_token_s: float | None = None  # seconds from submission to its first token
+    finished_s: float | None = None
+    _steps: RequestSteps | None = None
+    _call: ForwardCall | None = None  # the forward it waits for
+
+    @property
+    def done(self) -> bool:
+        return self.status in (FINISHED, CANCELLED, FAILED)
+
+
+@dataclass
+class BatchStats:
+    """What the scheduler did: steps run, the batch size of each, and the forwards they batched."""
+
+    steps: int = 0
+    batched_rows: int = 0  # tokens verified over all steps
+    batch_sizes: list[int] = field(default_factory=list)  # requests in each step's forward
+    tokens: int = 0  # committed over all requests
+    thread_switches: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
+
+
+class Scheduler:
+    """Decodes many requests at once on one engine (see the module doc).
+
+    `max_batch`: requests active at once. `memory_budget`: bytes all requests' caches may take
+    together (None: what is free now). Drive it with `step()` (one batched iteration) or `run()`
+    (until every request has ended); `submit` and `cancel` between steps."""
+
+    def __init__(self, engine: Engine, max_batch: int = 8, memory_budget: int | None = None) -> None:
+        if max_batch < 1:
+            raise GenerationError(f"the batch must hold at least 1 request, got --max-batch {max_batch}")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.memory_budget = memory_budget if memory_budget is not None else available_bytes(engine.device)
+        self.queue: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.stats = BatchStats()
+        self._ids = itertools.count()
+        self.governor = (
+            ThreadGovernor.for_setting(engine.kernels.threads) if engine.device.type == "cpu" else None
+        )
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(request.reserved_bytes for request in self.active)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue or self.active)
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        config: GenerationConfig,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Request:
+        """Queue a request; it joins the batch at the next step with room for it. Its settings are
+        checked now (GenerationError naming the bad value)."""
+        config.validate()
+        if config.device_loop:
+            raise GenerationError("batched requests run the host loop: drop --device-loop")
+        request = Request(next(self._ids), list(prompt), replace(config, device_loop=False), on_tokens)
+        request.submitted_s = time.perf_counter()
+        self.queue.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End a request now; its caches are released, the others go on."""
+        if request.done:
+            return
+        if request in self.queue:
+            self.queue.remove(request)
+        self._end(request, CANCELLED)
+
+    def run(self) -> None:
+        """Step until every submitted request has ended."""
+        while self.pending:
+            self.step()
+
+    def step(self) -> None:
+        """Admit what fits, then one iteration of every active request with their forwards batched."""
+        tick, committed = time.perf_counter(), self.stats.tokens
+        if self.governor is not None:
+            self.governor.apply()
+        self._admit()
+        waiting = [request for request in self.active if request._call is not None]
+        if waiting:
+            self._forward(waiting)
+            for request in waiting:
+                if request._call is not None and request._call.out is not None:
+                    self._advance(request)
+        if self.governor is not None and waiting:  # the thread count follows the batch's own speed
+            self.governor.observe(time.perf_counter() - tick, max(1, self.stats.tokens - committed))
+            self.stats.thread_switches = self.governor.switches
+
+    # ------------------------------------------------------------ internals
+
+    def _admit(self) -> None:
+        """Start queued requests while the batch and the memory budget have room: each runs its prefill
+        and stops at its first forward."""
+        while self.queue and len(self.active) < self.max_batch:
+            request = self.queue[0]
+            left = self.memory_budget - self.reserved_bytes
+            config = replace(request.config, memory_budget=max(1, left))
+
+            def tokens(new: list[int], request: Request = request) -> None:
+                if request.first_token_s is None:
+                    request.first_token_s = time.perf_counter() - request.submitted_s
+                request.tokens.extend(new)
+                self.stats.tokens += len(new)
+                if request.on_tokens is not None:
+                    request.on_tokens(new)
+
+            request._steps = request_steps(self.engine, request.prompt, config, tokens)
+            self.queue.popleft()
+            request.status = RUNNING
+            self.active.append(request)
+            try:
+                self._advance(request)
+            except MemoryAdmissionError as error:
+                self.active.remove(request)
+                request._steps, request.status = None, QUEUED
+                if not self.active:  # nothing running will release memory: it can never fit
+                    request.error = str(error)
+                    request.status = FAILED
+                    request.finished_s = time.perf_counter() - request.submitted_s
+                    continue
+                request.waiting_reason = f"memory: {error}"
+                self.queue.appendleft(request)
+                return
+            request.waiting_reason = ""
+
+    def _advance(self, request: Request) -> None:
+        """Resume a request until it asks for a forward (kept in `_call`) or ends."""
+        assert request._steps is not None
+        request._call = None
+        try:
+            while True:
+                item = request._steps.send(None)
+                if isinstance(item, ForwardCall):
+                    if request.reserved_bytes == 0:
+                        request.reserved_bytes = item.state.needed_bytes
+                    request._call = item
+                    return
+                request.stats = item
+        except StopIteration as finished:
+            _, request.stats = finished.value
+            self._end(request, FINISHED)
+        except MemoryAdmissionError:
+            if request.reserved_bytes == 0:
+                raise  # not admitted yet: the caller queues it again
+            self._end(request, FAILED, "out of memory")
+        except (GenerationError, RuntimeError, ValueError) as error:
+            self._end(request, FAILED, str(error).splitlines()[0] if str(error) else type(error).__name__)
+
+    def _forward(self, requests: list[Request]) -> None:
+        """Every waiting forward in one batched pass; a pass that fails is retried one request at a
+        time, so that only the request at fault fails."""
+        calls = [request._call for request in requests]
+        segments = [
+            Segment(
+                call.tokens,
+                call.positions,
+                call.state.full,
+                None if call.tree_mask is None else call.tree_mask.to(self.engine.device),
+            )
+            for call in calls  # type: ignore[union-attr]
+        ]
+        self.stats.steps += 1
+        self.stats.batch_sizes.append(len(calls))
+        self.stats.batched_rows += sum(int(call.tokens.shape[0]) for call in calls)  # type: ignore[union-attr]
+        try:
+            with torch.inference_mode():
+                outputs = forward_batch(self.engine.model, segments)
+        except (RuntimeError, ValueError):
+            for request in requests:
+                call = request._call
+                assert call is not None
+                try:
+                    with torch.inference_mode():
+                        call.run_alone(self.engine)
+                except (RuntimeError, ValueError) as error:
+                    call.state.full.pending = 0
+                    self._end(request, FAILED, str(error).splitlines()[0])
+                    request._call = None
+            return
+        for call, output in zip(calls, outputs, strict=True):
+            call.out = output  # type: ignore[union-attr]
+
+    def _end(self, request: Request, status: str, error: str = "") -> None:
+        """Close the request's steps (its adapter's work is awaited there) and release its caches."""
+        steps, request._steps, request._call = request._steps, None, None
+        if steps is not None and status != FINISHED:
+            steps.close()
+        request.status, request.error = status, error
+        request.reserved_bytes = 0
+        request.finished_s = time.perf_counter() - request.submitted_s
+        if request in self.active:
+            self.active.remove(request)
