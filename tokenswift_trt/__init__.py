@@ -1,7 +1,9 @@
 """tokenswift-trt: lossless TokenSwift decoding for ultra-long generation.
 
 The library's entry points (tokenswift_trt/api.py): `load(...)` a model, `generate(model, prompt,
-max_new_tokens, **settings)`, and `start_run` / `resume_run` for journaled runs.
+max_new_tokens, **settings)`, `start_run` / `resume_run` for journaled runs, and
+`generate_batch(model, prompts, max_new_tokens, **settings)` for many prompts decoded together
+(tokenswift_trt/batch.py).
 
 Subpackages, imports running one way (decode -> model -> kernels):
 `decode/` (the algorithm), `model/` (the target model and its draft layers), `backends/` (the model
@@ -20,4 +22,8 @@ def __getattr__(name: str):
         from tokenswift_trt import api
 
         return getattr(api, name)
+    if name == "generate_batch":
+        from tokenswift_trt.batch import generate_batch
+
+        return generate_batch
     raise AttributeError(f"module 'tokenswift_trt' has no attribute {name!r}")

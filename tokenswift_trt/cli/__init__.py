@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from .batch import batch
 from .bench import bench, bench_ar, bench_host, bench_kernels
 from .bench_serve import bench_serve
 from .bench_steps import bench_steps
@@ -43,6 +44,7 @@ def main() -> None:
 
 for command in (
     generate,
+    batch,
     demo,
     build,
     presets,

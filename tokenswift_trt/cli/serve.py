@@ -74,7 +74,14 @@ def check_tp(engine_dir: Path, tp: int, instances: int, device: str) -> None:
     type=click.IntRange(1, 64),
     default=1,
     show_default=True,
-    help="model instances (each holds the weights)",
+    help="model instances (each holds the weights, each runs its own batch on its share of the CPUs)",
+)
+@click.option(
+    "--max-batch",
+    type=click.IntRange(0, 256),
+    default=8,
+    show_default=True,
+    help="requests an instance decodes together (continuous batching); 0 = one at a time",
 )
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
@@ -87,7 +94,8 @@ def check_tp(engine_dir: Path, tp: int, instances: int, device: str) -> None:
     "--memory-budget",
     type=PositiveGiB(),
     default=None,
-    help="GiB one request's caches may use (default: free memory)",
+    help="GiB the caches of an instance's requests may use together (with --max-batch 0: one "
+    "request's; default: free memory)",
 )
 @click.option(
     "--openai-port",
@@ -116,6 +124,7 @@ def serve(
     grpc_port,
     metrics_port,
     instances,
+    max_batch,
     device,
     journal_dir,
     memory_budget,
@@ -147,6 +156,7 @@ def serve(
         grpc_port=grpc_port,
         metrics_port=metrics_port,
         instances=instances,
+        max_batch=max_batch,
         device=device,
         journal_dir=journal_dir,
         memory_budget_gib=memory_budget,

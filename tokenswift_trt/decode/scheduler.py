@@ -54,10 +54,12 @@ class Request:
     prompt: list[int]
     config: GenerationConfig
     on_tokens: Callable[[list[int]], None] | None = None
+    cancelled: Callable[[], bool] | None = None  # polled before every step: True cancels the request
     status: str = QUEUED
     tokens: list[int] = field(default_factory=list)  # committed so far (streamed through on_tokens too)
     stats: Stats | None = None  # live while running, final once finished
     error: str = ""  # why it failed
+    failure: BaseException | None = None  # what it failed with (an exception its own steps raised)
     waiting_reason: str = ""  # why it is still queued (memory), "" when admitted
     reserved_bytes: int = 0  # its caches' share of the memory budget while it runs
     submitted_s: float = 0.0
@@ -101,6 +103,7 @@ class Scheduler:
         self.memory_budget = memory_budget if memory_budget is not None else available_bytes(engine.device)
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []
+        self.requests: dict[int, Request] = {}  # every submitted request by id, ended ones too
         self.stats = BatchStats()
         self._ids = itertools.count()
         self.governor = (
@@ -120,14 +123,18 @@ class Scheduler:
         prompt: Sequence[int],
         config: GenerationConfig,
         on_tokens: Callable[[list[int]], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Request:
         """Queue a request; it joins the batch at the next step with room for it. Its settings are
-        checked now (GenerationError naming the bad value)."""
+        checked now (GenerationError naming the bad value). `on_tokens` gets its tokens as they commit;
+        `cancelled`, polled before every step, ends it when it returns True."""
         config.validate()
         if config.device_loop:
             raise GenerationError("batched requests run the host loop: drop --device-loop")
-        request = Request(next(self._ids), list(prompt), replace(config, device_loop=False), on_tokens)
+        config = replace(config, device_loop=False)
+        request = Request(next(self._ids), list(prompt), config, on_tokens, cancelled)
         request.submitted_s = time.perf_counter()
+        self.requests[request.id] = request
         self.queue.append(request)
         return request
 
@@ -149,6 +156,9 @@ class Scheduler:
         tick, committed = time.perf_counter(), self.stats.tokens
         if self.governor is not None:
             self.governor.apply()
+        for request in [*self.queue, *self.active]:
+            if request.cancelled is not None and request.cancelled():
+                self.cancel(request)
         self._admit()
         waiting = [request for request in self.active if request._call is not None]
         if waiting:
@@ -159,6 +169,18 @@ class Scheduler:
         if self.governor is not None and waiting:  # the thread count follows the batch's own speed
             self.governor.observe(time.perf_counter() - tick, max(1, self.stats.tokens - committed))
             self.stats.thread_switches = self.governor.switches
+
+    def fail_all(self, message: str) -> None:
+        """End every queued and active request as failed (the scheduler itself cannot go on)."""
+        for request in [*self.queue, *self.active]:
+            if request in self.queue:
+                self.queue.remove(request)
+            self._end(request, FAILED, message)
+
+    def forget(self, request: Request) -> None:
+        """Drop an ended request from `requests` (a long-running server keeps only what is live)."""
+        if request.done:
+            self.requests.pop(request.id, None)
 
     # ------------------------------------------------------------ internals
 
@@ -217,7 +239,8 @@ class Scheduler:
             if request.reserved_bytes == 0:
                 raise  # not admitted yet: the caller queues it again
             self._end(request, FAILED, "out of memory")
-        except (GenerationError, RuntimeError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 (a request's failure never ends the others)
+            request.failure = error
             self._end(request, FAILED, str(error).splitlines()[0] if str(error) else type(error).__name__)
 
     def _forward(self, requests: list[Request]) -> None:

@@ -67,8 +67,11 @@ class NeighbourLoad:
     minus this process's own CPU time, as CPUs busy (0.0 = none, 1.0 = one whole CPU) over the time since
     the last reading. None where /proc/stat cannot be read (not Linux)."""
 
-    def __init__(self, stat: Path = Path("/proc/stat")) -> None:
-        self.stat = stat
+    def __init__(
+        self, stat: Path = Path("/proc/stat"), span_s: float = 0.25, first_span_s: float = 0.05
+    ) -> None:
+        self.stat, self.span_s, self.first_span_s = stat, span_s, first_span_s
+        self._readings = 0
         try:
             self.cpus = {f"cpu{index}" for index in os.sched_getaffinity(0)}
         except (AttributeError, OSError):
@@ -91,10 +94,18 @@ class NeighbourLoad:
         return time.perf_counter(), busy / self.ticks_per_s, time.process_time()
 
     def others(self) -> float | None:
-        """CPUs busy with other processes since the last call."""
+        """CPUs busy with other processes since the last reading, or None where that was less than
+        `span_s` ago (`first_span_s` for the first reading; /proc/stat counts in ticks of 10 ms, so
+        shorter spans are mostly rounding) or where nothing can be read."""
+        if self._last is None or not self.cpus:
+            return None
+        span = self.span_s if self._readings else self.first_span_s  # decide early, then steadily
+        if time.perf_counter() - self._last[0] < span:
+            return None
+        self._readings += 1
         now, last = self._read(), self._last
         self._last = now
-        if now is None or last is None or now[0] <= last[0] or not self.cpus:
+        if now is None:
             return None
         return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
 
@@ -132,7 +143,7 @@ class ThreadGovernor:
     slower than the best seen at its count; a larger one at once when they stop."""
 
     counts: tuple[int, ...]
-    window: int = 16
+    window: int = 4
     window_s: float = 0.05  # and at least this long: a few scheduler time slices
     explore: int = 1
     max_explore: int = 128
@@ -154,6 +165,7 @@ class ThreadGovernor:
     _recent: dict[int, float] = field(default_factory=dict)  # index -> seconds/token, last window
     _best: dict[int, float] = field(default_factory=dict)  # index -> best seconds/token seen
     _tried_up: bool = False  # the last trial went to a larger count
+    _busy: bool | None = None  # other processes use our CPUs (None: not known here)
 
     @classmethod
     def for_setting(cls, value: str, cpus: int | None = None) -> ThreadGovernor:
@@ -165,6 +177,8 @@ class ThreadGovernor:
 
     def __post_init__(self) -> None:
         self._interval = self.explore
+        if self.load is not None:
+            self._busy = False  # until a reading says otherwise
 
     @property
     def threads(self) -> int:
@@ -201,8 +215,11 @@ class ThreadGovernor:
         best = self._best.get(index)
         self._best[index] = rate if best is None else min(best, rate)
         self._since_trial += 1
-        others = self.load.others() if self.load is not None else None
-        busy = None if others is None else others >= self.neighbour_cpus  # None: not known here
+        if self.load is not None:  # the last reading holds until the next (every `span_s` or so)
+            others = self.load.others()
+            if others is not None:
+                self._busy = others >= self.neighbour_cpus
+        busy = self._busy
         up = index - 1 if index > 0 else None
         down = index + 1 if index + 1 < len(self.counts) and busy is not False else None
         if best is not None and rate > self.slowdown * best and down is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from tokenswift_trt.decode.journal import (
 )
 from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, Stats, generate
 from tokenswift_trt.decode.request import config_from, manifest_defaults, with_fixed_seed
+from tokenswift_trt.decode.scheduler import CANCELLED, FAILED, FINISHED, Scheduler
+from tokenswift_trt.decode.scheduler import Request as ScheduledRequest
 from tokenswift_trt.decode.text import StreamDecoder, TextCodec
 from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.model.engine import Engine, load_engine
@@ -101,11 +104,13 @@ class Session:
         tp: int = 1,
         tp_timeout: float = 120.0,
         python: str = "",
+        max_batch: int = 0,
     ) -> None:
         """`kernels`: kernel settings as NAME=VALUE items joined by `;` (the model's `kernels`
         parameter), over the engine manifest's, else over the defaults. `tp` > 1: this process is rank
         0 of that many tensor-parallel ranks; it starts the others with the interpreter `python`
-        (serving/tp_serve.py)."""
+        (serving/tp_serve.py). `max_batch` >= 1: requests are batched (`start`), `memory_budget` then
+        the bytes all their caches share."""
         source = Path(source)
         self.ranks: RankGroup | None = None
         rank = None
@@ -133,6 +138,13 @@ class Session:
             # a model directory prepared from a preset (`make models`) records its sampling settings
             self.defaults: dict[str, Any] = read_model_defaults(source)
             self.max_length = self.engine.config.max_position_embeddings
+        # continuous batching (`start`): requests decoded together, up to `max_batch` at once, their
+        # caches from one budget; 0, or tensor parallel: one request at a time (`run`)
+        self.batch = (
+            BatchRunner(self.engine, max_batch, memory_budget)
+            if max_batch >= 1 and self.ranks is None
+            else None
+        )
 
     def _journal_path(self, inputs: dict[str, np.ndarray]) -> Path | None:
         request_id = _scalar(inputs, "request_id", str, None)
@@ -193,6 +205,86 @@ class Session:
             config = with_fixed_seed(config)
         return Request(prompt_ids, config, _scalar(inputs, "stream", bool, False), journal)
 
+    def start(
+        self,
+        request: Request,
+        on_text: Callable[[str], None],
+        cancelled: Callable[[], bool],
+        on_done: Callable[[str, Stats | None, BaseException | None], None],
+        on_ids: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """`run` batched with the other requests in flight (continuous batching, `BatchRunner`): returns
+        at once; `on_text` / `on_ids` are called from the scheduler's thread as tokens commit, and
+        `on_done(text, stats, failure)` once the request has ended (failure: None, `Cancelled()`,
+        `RequestError` for a request that cannot run as given, or what generation failed with)."""
+        assert self.batch is not None, "start() needs a session with batching (max_batch >= 1, no --tp)"
+        decoder = StreamDecoder(self.codec)
+        writer = self._writer(request)
+        generated: list[int] = []
+
+        def on_tokens(ids: list[int]) -> None:
+            if cancelled():
+                raise Cancelled()
+            if writer is not None:
+                writer.add(ids)
+            generated.extend(ids)
+            if on_ids is not None:
+                on_ids(ids)
+            piece = decoder.push(ids)
+            if piece:
+                on_text(piece)
+
+        def ended(done: ScheduledRequest) -> None:
+            if writer is not None:
+                writer.close(finished=done.status == FINISHED)
+            failure = done.failure
+            if done.status == CANCELLED:
+                failure = Cancelled()
+            elif done.status == FAILED and failure is None:
+                failure = RuntimeError(done.error or "generation failed")
+            if isinstance(failure, GenerationError):
+                failure = RequestError(str(failure))
+            if failure is None:
+                rest = decoder.flush()
+                if rest:
+                    on_text(rest)
+            on_done(self.codec.decode(request.done_ids + generated), done.stats, failure)
+
+        if request.done_ids:
+            piece = decoder.push(request.done_ids)
+            if piece:
+                on_text(piece)
+        if request.finished:
+            if writer is not None:
+                writer.close(finished=True)
+            on_done(self.codec.decode(request.done_ids), Stats(method=request.config.method, seed=0), None)
+            return
+        remaining = request.config.max_new_tokens - len(request.done_ids)
+        config = dataclasses.replace(request.config, max_new_tokens=max(1, remaining))
+        try:
+            self.batch.submit(request.prompt_ids + request.done_ids, config, on_tokens, cancelled, ended)
+        except GenerationError as error:
+            if writer is not None:
+                writer.close(finished=False)
+            raise RequestError(str(error)) from None
+
+    def _writer(self, request: Request) -> JournalWriter | None:
+        """The request's journal writer (a new journal, or the resumed one), None without a journal."""
+        if request.journal is None:
+            return None
+        header = (
+            None
+            if request.done_ids or request.finished
+            else journal_header(
+                request.prompt_ids, request.config, model=model_identity(self.engine, self.model_name)
+            )
+        )
+        return JournalWriter(request.journal, header, every=16)
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.batch.close()
+
     def run(
         self,
         request: Request,
@@ -201,21 +293,13 @@ class Session:
         on_ids: Callable[[list[int]], None] | None = None,
     ) -> tuple[str, Stats]:
         """Generate; `on_text` gets text increments (streaming), `cancelled` is polled every iteration,
-        `on_ids` gets each batch of newly generated token ids (before the text they make).
+        `on_ids` gets each batch of newly generated token ids (before the text they make). One request
+        at a time (tensor parallel; `start` batches).
 
         A resumed request first streams the text generated before the interruption.
         """
         decoder = StreamDecoder(self.codec)
-        writer = None
-        if request.journal is not None:
-            header = (
-                None
-                if request.done_ids or request.finished
-                else journal_header(
-                    request.prompt_ids, request.config, model=model_identity(self.engine, self.model_name)
-                )
-            )
-            writer = JournalWriter(request.journal, header, every=16)
+        writer = self._writer(request)
 
         def on_tokens(ids: list[int]) -> None:
             if cancelled():
@@ -256,3 +340,60 @@ class Session:
         if rest:
             on_text(rest)
         return self.codec.decode(request.done_ids + ids), stats
+
+
+class BatchRunner:
+    """A `Scheduler` stepped by a thread of its own while it holds requests: `submit` queues a request
+    (it joins at the next step), and each request's `on_end` is called from that thread once it ends.
+    Submissions wait for the step in progress, so requests join between iterations."""
+
+    def __init__(self, engine: Engine, max_batch: int, memory_budget: int | None) -> None:
+        self.scheduler = Scheduler(engine, max_batch, memory_budget)
+        self.ends: dict[int, Callable[[ScheduledRequest], None]] = {}
+        self.condition = threading.Condition()
+        self.closed = False
+        self.thread = threading.Thread(target=self._loop, name="tokenswift-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(
+        self,
+        prompt: list[int],
+        config: GenerationConfig,
+        on_tokens: Callable[[list[int]], None],
+        cancelled: Callable[[], bool],
+        on_end: Callable[[ScheduledRequest], None],
+    ) -> None:
+        with self.condition:
+            request = self.scheduler.submit(prompt, config, on_tokens, cancelled)
+            self.ends[request.id] = on_end
+            self.condition.notify()
+
+    def close(self) -> None:
+        with self.condition:
+            self.closed = True
+            self.scheduler.fail_all("the server is shutting down")
+            self.condition.notify()
+        self._report()
+
+    def _loop(self) -> None:
+        while True:
+            with self.condition:
+                while not self.scheduler.pending and not self.closed:
+                    self.condition.wait()
+                if self.closed:
+                    return
+                try:
+                    self.scheduler.step()
+                except Exception as error:  # noqa: BLE001 (report it to every request; keep serving)
+                    self.scheduler.fail_all(f"generation failed: {error}")
+            self._report()
+
+    def _report(self) -> None:
+        """Call the ended requests' `on_end` (outside the lock: it sends responses)."""
+        with self.condition:
+            ended = [r for r in self.scheduler.requests.values() if r.done and r.id in self.ends]
+            calls = [(self.ends.pop(r.id), r) for r in ended]
+            for request in ended:
+                self.scheduler.forget(request)
+        for on_end, request in calls:
+            on_end(request)

@@ -45,6 +45,7 @@ class ServerConfig:
     grpc_port: int = 8001
     metrics_port: int = 8002
     instances: int = 1
+    max_batch: int = 8  # requests an instance decodes together; 0 = one at a time
     device: str = "cpu"
     journal_dir: Path | None = None  # request journals (request_id / resume); None = no journals
     memory_budget_gib: float | None = None  # per-request cache memory cap; None = the free memory
@@ -139,7 +140,13 @@ def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
         settings["threads"] = str(max(1, usable_cpus() // config.instances))
     kernels = kernel_parameter(settings)
     text = re.sub(r'(key: "kernels" value: \{ string_value: )"[^"]*"', lambda m: f'{m[1]}"{kernels}"', text)
-    for key, value in (("tp", config.tp), ("tp_timeout", config.tp_timeout), ("python", sys.executable)):
+    parameters = (
+        ("tp", config.tp),
+        ("tp_timeout", config.tp_timeout),
+        ("python", sys.executable),
+        ("max_batch", config.max_batch),
+    )
+    for key, value in parameters:
         text = re.sub(
             rf'(key: "{key}" value: \{{ string_value: )"[^"]*"', lambda m, v=value: f'{m[1]}"{v}"', text
         )

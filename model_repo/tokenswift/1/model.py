@@ -54,22 +54,88 @@ class TritonPythonModel:
             tp=int(parameters.get("tp") or 1),
             tp_timeout=float(parameters.get("tp_timeout") or 120.0),
             python=parameters.get("python", ""),
+            max_batch=int(parameters.get("max_batch") or 0),
         )
         self.metrics = ServingMetrics(pb_utils.MetricFamily)
         self.eos = set(self.session.engine.config.eos_token_ids)
 
     def finalize(self):
+        self.session.close()  # requests still in the batch end with an error response
         if self.session.ranks is not None:
             self.session.ranks.stop()  # the tensor-parallel worker ranks end with the instance
 
     def execute(self, requests):
-        failed = [message for request in requests if (message := self._serve(request))]
+        if self.session.batch is not None:  # continuous batching: answered from the scheduler's thread
+            failed = [message for request in requests if (message := self._start(request))]
+        else:
+            failed = [message for request in requests if (message := self._serve(request))]
         if failed:
             # Every request already has its own error response; raising tells Triton that the requests
             # of this call failed, so that they count in nv_inference_request_failure (a decoupled
             # model's responses alone do not).
             raise pb_utils.TritonModelException("; ".join(failed))
         return None
+
+    def _start(self, request) -> str | None:
+        """Hand one request to the batch; its responses are sent as its tokens commit. The error
+        message when it was refused at once."""
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        meter = self.metrics.meter()
+        generated: list[int] = []
+        try:
+            parsed = self.session.parse(_inputs(request))
+            stream = parsed.stream
+            meter.prompt(len(parsed.prompt_ids))
+
+            def on_ids(ids: list[int]) -> None:
+                generated.extend(ids)
+                meter.generated(len(ids))
+
+            def on_text(piece: str) -> None:
+                if stream:
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[_text(piece)]))
+
+            def on_done(text: str, stats, failure) -> None:
+                if isinstance(failure, Cancelled):
+                    meter.end("cancelled")
+                    sender.send(flags=final)
+                elif isinstance(failure, RequestError):
+                    meter.end("error")
+                    sender.send(_error(str(failure), pb_utils.TritonError.INVALID_ARG), flags=final)
+                elif failure is not None:
+                    meter.end("error")
+                    sender.send(
+                        _error(f"generation failed: {failure}", pb_utils.TritonError.INTERNAL), flags=final
+                    )
+                else:
+                    meter.drafts(stats)
+                    meter.end("ok")
+                    sender.send(self._final(parsed, generated, stats, text), flags=final)
+
+            self.session.start(parsed, on_text, request.is_cancelled, on_done, on_ids)
+        except RequestError as error:  # the client's mistake: HTTP 400 / gRPC INVALID_ARGUMENT
+            meter.end("error")
+            sender.send(_error(str(error), pb_utils.TritonError.INVALID_ARG), flags=final)
+            return str(error)
+        return None
+
+    def _final(self, parsed, generated: list[int], stats, text: str):
+        """The last response of a request: the text unless it streamed, its figures and finish reason."""
+        all_ids = parsed.done_ids + generated
+        finish = "stop" if all_ids and all_ids[-1] in self.eos and not parsed.config.ignore_eos else "length"
+        outputs = [
+            _text("" if parsed.stream else text),
+            pb_utils.Tensor("acceptance_rate", np.array([stats.acceptance_rate], dtype=np.float32)),
+            pb_utils.Tensor("total_accepted_draft_tokens", np.array([stats.accepted_tokens], dtype=np.int32)),
+            pb_utils.Tensor("total_draft_tokens", np.array([stats.drafted_tokens], dtype=np.int32)),
+            pb_utils.Tensor("tokens_per_second", np.array([stats.tokens_per_s], dtype=np.float32)),
+            pb_utils.Tensor("draft_updates", np.array([stats.draft_updates], dtype=np.int32)),
+            pb_utils.Tensor("prompt_tokens", np.array([len(parsed.prompt_ids)], dtype=np.int32)),
+            pb_utils.Tensor("completion_tokens", np.array([len(all_ids)], dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)),
+        ]
+        return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def _serve(self, request) -> str | None:
         """Answer one request; the error message when it failed."""
@@ -105,18 +171,5 @@ class TritonPythonModel:
             return f"generation failed: {error}"
         meter.drafts(stats)
         meter.end("ok")
-        all_ids = parsed.done_ids + generated
-        finish = "stop" if all_ids and all_ids[-1] in self.eos and not parsed.config.ignore_eos else "length"
-        outputs = [
-            _text("" if stream else text),
-            pb_utils.Tensor("acceptance_rate", np.array([stats.acceptance_rate], dtype=np.float32)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.array([stats.accepted_tokens], dtype=np.int32)),
-            pb_utils.Tensor("total_draft_tokens", np.array([stats.drafted_tokens], dtype=np.int32)),
-            pb_utils.Tensor("tokens_per_second", np.array([stats.tokens_per_s], dtype=np.float32)),
-            pb_utils.Tensor("draft_updates", np.array([stats.draft_updates], dtype=np.int32)),
-            pb_utils.Tensor("prompt_tokens", np.array([len(parsed.prompt_ids)], dtype=np.int32)),
-            pb_utils.Tensor("completion_tokens", np.array([len(all_ids)], dtype=np.int32)),
-            pb_utils.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)),
-        ]
-        sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=final)
+        sender.send(self._final(parsed, generated, stats, text), flags=final)
         return None
