@@ -20,7 +20,13 @@ from tokenswift_trt.cli import main
 MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"
 REQUESTS = [
     {"id": "fox", "prompt": "Once upon a time there was a little fox", "max_new_tokens": 90, "seed": 3},
-    {"id": "mill", "prompt": "The river ran past the mill", "max_new_tokens": 60, "temperature": 0, "method": "ar"},
+    {
+        "id": "mill",
+        "prompt": "The river ran past the mill",
+        "max_new_tokens": 60,
+        "temperature": 0,
+        "method": "ar",
+    },
     {"id": "king", "prompt": "In the morning the king said", "max_new_tokens": 120, "seed": 5, "tree": "3,3"},
 ]
 
@@ -48,7 +54,18 @@ def test_batch_writes_each_requests_own_text(tiny, tmp_path):
     requests = _write(tmp_path / "requests.jsonl", REQUESTS)
     out = tmp_path / "results.jsonl"
     result = CliRunner().invoke(
-        main, ["batch", "--model-dir", str(MODEL), "--input", str(requests), "--output", str(out), "--max-batch", "3"]
+        main,
+        [
+            "batch",
+            "--model-dir",
+            str(MODEL),
+            "--input",
+            str(requests),
+            "--output",
+            str(out),
+            "--max-batch",
+            "3",
+        ],
     )
     assert result.exit_code == 0, result.output
     results = _results(out)
