@@ -46,13 +46,15 @@ def _generate(model: str, tokens: int, threads: str, prompt: str) -> subprocess.
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-def _result(process: subprocess.Popen) -> dict:
+def _result(process: subprocess.Popen, launched: float) -> dict:
     out, _ = process.communicate()
+    wall = time.perf_counter() - launched
     if process.returncode != 0:
         raise SystemExit(f"generate failed ({process.returncode}): {out[-500:]}")
     record = json.loads(out[out.index("{") :])
     return {
         "elapsed_s": record["elapsed_s"],
+        "startup_s": wall - record["elapsed_s"],  # interpreter, imports and loading before generation
         "tokens_per_s": record["tokens_per_s"],
         "thread_switches": record["thread_switches"],
         "token_ids_head": record["token_ids"][:8],
@@ -71,9 +73,10 @@ def run_case(case: str, model: str, tokens: int, threads: str, prompt: str, leav
         time.sleep(0.5)  # the neighbour is running before the generation starts
     try:
         if case == "two-processes":
+            launched = time.perf_counter()
             first = _generate(model, tokens, threads, prompt)
             second = _generate(model, tokens, threads, prompt)
-            results = [_result(first), _result(second)]
+            results = [_result(first, launched), _result(second, launched)]
             return {
                 "elapsed_s": max(r["elapsed_s"] for r in results),
                 "tokens_per_s": sum(r["tokens_per_s"] for r in results),
@@ -81,7 +84,8 @@ def run_case(case: str, model: str, tokens: int, threads: str, prompt: str, leav
                 "token_ids": results[0]["token_ids"],
                 "same_tokens_both": results[0]["token_ids"] == results[1]["token_ids"],
             }
-        return _result(_generate(model, tokens, threads, prompt))
+        launched = time.perf_counter()
+        return _result(_generate(model, tokens, threads, prompt), launched)
     finally:
         if neighbour is not None:
             neighbour.kill()
@@ -92,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", default="swift-tiny:1024,smollm2-135m:256", help="preset:tokens,...")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cases", default="idle,busy,neighbour-leaves,two-processes")
     parser.add_argument("--prompt", default="It is a truth universally acknowledged, that a single man")
     args = parser.parse_args()
@@ -109,7 +113,10 @@ def main() -> None:
                 idle_one = [
                     r for r in rows if r["model"] == model and r["case"] == "idle" and r["threads"] == "1"
                 ]
-                leave_after = 0.5 + (idle_one[0]["elapsed_s"] / 3 if idle_one else 2.0)
+                # a third of the way into the generation: the idle run's start-up, then its speed
+                leave_after = 0.5 + (
+                    idle_one[0]["startup_s"] + idle_one[0]["elapsed_s"] / 3 if idle_one else 5.0
+                )
             for repeat in range(args.repeats):
                 for threads in settings:
                     result = run_case(case, model, int(tokens), threads, args.prompt, leave_after)

@@ -62,6 +62,9 @@ class FakeLoad:
     def others(self) -> float:
         return self.busy
 
+    def steady(self) -> float:
+        return self.busy
+
 
 def _simulate(governor: ThreadGovernor, load: FakeLoad, phases: list[tuple[float, int]]) -> list[int]:
     """Iterations on a 2-core machine: 1 ms a token with 2 threads idle, 1.3 ms with 1 thread; beside a
@@ -144,3 +147,23 @@ def test_threads_option_names_the_fix():
     assert result.exit_code == 2
     assert "auto or a positive number of threads" in result.output
     assert "Traceback" not in result.output
+
+
+def test_neighbour_load_sees_a_busy_process():
+    """The real /proc: a busy loop beside us is at least one running thread of another process."""
+    import subprocess
+    import sys
+    import time
+
+    from tokenswift_trt.decode.threads import NeighbourLoad
+
+    load = NeighbourLoad()
+    if load.steady() is None:
+        pytest.skip("no /proc here")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert load.steady() >= 1
+    finally:
+        busy.kill()
+        busy.wait()

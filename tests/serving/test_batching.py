@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -67,13 +68,33 @@ def test_concurrent_streams_are_decoded_together_with_their_own_tokens(tmp_path)
             except BaseException as error:  # reported below
                 failures.append(error)
 
+        running: list[float] = []
+        polling = threading.Event()
+
+        def poll() -> None:  # the batch gauge while the streams run
+            while not polling.is_set():
+                with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+                    for line in response.read().decode().splitlines():
+                        if line.startswith("tokenswift:num_requests_running{"):
+                            running.append(float(line.rsplit(" ", 1)[1]))
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
         threads = [threading.Thread(target=run, args=(index,)) for index in range(4)]
         for thread in threads:
             thread.start()
             time.sleep(0.2)  # they join one after another, while the others are generating
         for thread in threads:
             thread.join(timeout=600)
+        polling.set()
+        poller.join()
+        time.sleep(0.5)
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+            after = response.read().decode()
     assert not failures
     assert [texts[index] for index in range(4)] == expected
     # continuous batching: every stream started before any of them finished
     assert max(first.values()) < min(ended.values())
+    assert max(running) >= 3  # the gauge saw the batch
+    assert 'tokenswift:num_requests_running{model="tokenswift"} 0' in after

@@ -18,9 +18,32 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
     return path
 
 
-def machine_meta() -> dict[str, str]:
-    """The machine and Python a figure was measured with (a report's meta carries them)."""
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what `platform` knows elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_meta() -> dict[str, Any]:
+    """The machine, Python and PyTorch a figure was measured with, and the date (a report's meta)."""
+    import datetime
+
+    import torch
+
+    from tokenswift_trt.decode.threads import usable_cpus
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "machine": f"{platform.machine()} {platform.processor() or ''} {platform.node()}".strip(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu": cpu_model(),
+        "cpus": usable_cpus(),
+        "gpu": gpu,
         "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
     }

@@ -9,7 +9,7 @@ import click
 
 from .batch import batch
 from .bench import bench, bench_ar, bench_host, bench_kernels
-from .bench_serve import bench_serve
+from .bench_serve import bench_batching, bench_serve
 from .bench_steps import bench_steps
 from .build import build, presets, random_model
 from .generate import demo, generate
@@ -57,6 +57,7 @@ for command in (
     bench_kernels,
     bench_host,
     bench_serve,
+    bench_batching,
     train_heads,
     draft_vocab,
     pack,

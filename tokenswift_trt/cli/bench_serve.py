@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .common import CliError, fail, report_out_option
+from .common import CliError, fail, kernel_option, report_out_option
 
 
 @click.command("bench-serve")
@@ -191,3 +191,49 @@ def _command(context: click.Context, running: bool) -> str:
             continue
         words += [parameter.opts[0], str(value)]
     return shlex.join(words)
+
+
+@click.command("bench-batching")
+@click.option(
+    "--engine",
+    "engine_dir",
+    type=click.Path(path_type=Path),
+    default=Path("models/smollm2-135m"),
+    show_default=True,
+    help="engine (or Hugging Face model) directory the servers load",
+)
+@click.option(
+    "--tokens", type=click.IntRange(1), default=1024, show_default=True, help="new tokens per request"
+)
+@click.option(
+    "--concurrency",
+    default="1,2,4,8",
+    show_default=True,
+    help="concurrent requests at each level, comma-separated (at most 8)",
+)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/batching"), show_default=True)
+@kernel_option
+def bench_batching(engine_dir, tokens, concurrency, out, kernels) -> None:
+    """Many users at once: aggregate tokens/s, time to first token and per-request speed of one instance
+    without batching, two instances, batched AR and batched TokenSwift, side by side in one run; every
+    request's text checked against its single run. Writes batching.json and batching.md to --out."""
+    import json
+
+    from tokenswift_trt.bench.batching import markdown, run_batching_bench
+    from tokenswift_trt.serving.server import ServerError
+
+    try:
+        levels = [int(level) for level in concurrency.split(",")]
+    except ValueError:
+        raise CliError(f"--concurrency takes numbers separated by commas, got {concurrency!r}") from None
+    if not engine_dir.is_dir():
+        raise CliError(f"engine directory {engine_dir} does not exist (run `make models` for smollm2-135m)")
+    try:
+        report = run_batching_bench(engine_dir, tokens, levels, kernels)
+    except (ValueError, ServerError, OSError) as error:
+        raise fail(error) from None
+    report["meta"]["command"] = shlex.join(["tokenswift-trt", "bench-batching", *sys.argv[2:]])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batching.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "batching.md").write_text(markdown(report))
+    click.echo(markdown(report))

@@ -289,13 +289,35 @@ def generate(
 )
 @click.option("--prompt-file", type=click.Path(path_type=Path), default=None)
 @click.option("--max-new-tokens", type=int, default=2048, show_default=True)
+@click.option(
+    "--users",
+    type=click.IntRange(0, 64),
+    default=4,
+    show_default=True,
+    help="then this many requests (the prompt, a seed each) one at a time and batched; 0 = skip",
+)
+@click.option(
+    "--user-tokens", type=click.IntRange(1), default=256, show_default=True, help="tokens per user request"
+)
 @tp_options
 @sampling_options
 def demo(
-    model, model_dir, engine_dir, heads, prompt, prompt_file, max_new_tokens, tp, tp_timeout, **opts
+    model,
+    model_dir,
+    engine_dir,
+    heads,
+    prompt,
+    prompt_file,
+    max_new_tokens,
+    users,
+    user_tokens,
+    tp,
+    tp_timeout,
+    **opts,
 ) -> None:
     """Generate with AR and with TokenSwift on the same engine, taking turns; print speedup, α, β,
-    Distinct-n and agreement. With --tp N both run split over N tensor-parallel ranks; rank 0 prints."""
+    Distinct-n and agreement; then a few users' requests one at a time and decoded together. With
+    --tp N the first part runs split over N tensor-parallel ranks; rank 0 prints."""
     from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.bench.run import take_turns
     from tokenswift_trt.decode.autotune import describe_plans
@@ -389,3 +411,31 @@ def demo(
     click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
     if ts.plans:
         click.echo("plans (--tree auto): " + " | ".join(describe_plans(ts.plans)))
+    if users and ranks is None:
+        _users(loaded.engine, prompt_ids, configs["tokenswift"], users, user_tokens)
+
+
+def _users(engine, prompt_ids: list[int], config, users: int, tokens: int) -> None:
+    """`users` requests of the prompt (a seed each), one after another and then decoded together;
+    prints each way's aggregate speed and whether every request wrote the same tokens both ways."""
+    import dataclasses
+    import time
+
+    from tokenswift_trt.decode.loop import generate as run_generate
+    from tokenswift_trt.decode.scheduler import FINISHED, Scheduler
+
+    configs = [dataclasses.replace(config, max_new_tokens=tokens, seed=1 + user) for user in range(users)]
+    tick = time.perf_counter()
+    alone = [run_generate(engine, prompt_ids, each)[0] for each in configs]
+    one_at_a_time = time.perf_counter() - tick
+    scheduler = Scheduler(engine, max_batch=users)
+    requests = [scheduler.submit(prompt_ids, each) for each in configs]
+    tick = time.perf_counter()
+    scheduler.run()
+    together = time.perf_counter() - tick
+    same = all(r.status == FINISHED and r.tokens == ids for r, ids in zip(requests, alone, strict=True))
+    total = sum(len(ids) for ids in alone)
+    click.echo(
+        f"{users} users x {tokens} tokens: one at a time {total / one_at_a_time:.1f} tok/s, batched "
+        f"{total / together:.1f} tok/s ({one_at_a_time / together:.2f}x), same tokens: {same}"
+    )

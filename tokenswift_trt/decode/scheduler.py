@@ -246,6 +246,14 @@ class Scheduler:
     def _forward(self, requests: list[Request]) -> None:
         """Every waiting forward in one batched pass; a pass that fails is retried one request at a
         time, so that only the request at fault fails."""
+        alone = [r for r in requests if r._call is not None and r._call.state.static_full is not None]
+        for request in alone:  # fixed-shape (CUDA-graph) steps run as captured, one request each
+            assert request._call is not None
+            with torch.inference_mode():
+                request._call.run_alone(self.engine)
+        requests = [request for request in requests if request not in alone]
+        if not requests:
+            return
         calls = [request._call for request in requests]
         segments = [
             Segment(

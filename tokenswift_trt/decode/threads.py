@@ -8,10 +8,10 @@ Two parts:
   each ending at a barrier that waits for its slowest thread. When another process takes one of the
   cores, the thread that shares it is descheduled for a time slice at a time and every region waits for
   it: on 2 cores with one busy neighbour, 2 threads ran a small model's AR steps 3-4x slower than 1
-  thread. The governor times the generation's own iterations in windows and now and then runs one
-  window at a neighbouring thread count; it keeps whichever runs more tokens per second, reacts at once
-  when the current count slows down sharply, and keeps trying larger counts with a growing interval,
-  so that a run that started beside a busy neighbour speeds up again once the neighbour is gone.
+  thread. The governor times the generation's own iterations in windows and watches how many threads
+  other processes run (`NeighbourLoad`); while they run, it tries fewer threads and keeps them if they
+  are faster; once they stop, it tries more again, so that a run that started beside a busy neighbour
+  speeds up when the neighbour is gone.
 
 The thread count never changes tokens: the CPU kernels cut their work at fixed places whatever the
 thread count (plugins_cuda/cpu), so the governor decides speed only.
@@ -63,51 +63,63 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
 
 
 class NeighbourLoad:
-    """CPU time that other processes took on this process's CPUs: per-CPU busy time from /proc/stat
-    minus this process's own CPU time, as CPUs busy (0.0 = none, 1.0 = one whole CPU) over the time since
-    the last reading. None where /proc/stat cannot be read (not Linux)."""
+    """How many threads of other processes are running now: the kernel's count of runnable threads
+    (/proc/stat `procs_running`) less this process's own running threads (/proc/self/task), averaged
+    over the readings (the newest weighs `weight`: a daemon seen once is not a neighbour). None where
+    /proc cannot be read (not Linux)."""
 
-    def __init__(
-        self, stat: Path = Path("/proc/stat"), span_s: float = 0.25, first_span_s: float = 0.05
-    ) -> None:
-        self.stat, self.span_s, self.first_span_s = stat, span_s, first_span_s
-        self._readings = 0
-        try:
-            self.cpus = {f"cpu{index}" for index in os.sched_getaffinity(0)}
-        except (AttributeError, OSError):
-            self.cpus = set()
-        self.ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self._last = self._read()
+    def __init__(self, proc: Path = Path("/proc"), weight: float = 0.3) -> None:
+        self.proc, self.weight = proc, weight  # weight: of each new reading in the running average
+        self._mean: float | None = None
 
-    def _read(self) -> tuple[float, float, float] | None:
-        """(wall seconds, busy seconds of our CPUs, this process's CPU seconds), or None."""
+    def _running_tasks(self) -> set[str]:
+        """This process's threads that are running or runnable now."""
+        running = set()
+        for task in (self.proc / "self" / "task").iterdir():
+            try:
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # a thread that ended meanwhile
+            if state == "R":
+                running.add(task.name)
+        return running
+
+    def _sample(self) -> int | None:
         try:
-            lines = self.stat.read_text().splitlines()
-        except OSError:
+            before = self._running_tasks()
+            running = next(
+                int(line.split()[1])
+                for line in (self.proc / "stat").read_text().splitlines()
+                if line.startswith("procs_running ")
+            )
+            after = self._running_tasks()
+        except (OSError, StopIteration, ValueError, IndexError):
             return None
-        busy = 0
-        for line in lines:
-            name, _, rest = line.partition(" ")
-            if name in self.cpus:
-                ticks = [int(value) for value in rest.split()]
-                busy += sum(ticks[:8]) - ticks[3] - ticks[4]  # all but idle and iowait (guest is in user)
-        return time.perf_counter(), busy / self.ticks_per_s, time.process_time()
+        # our threads read as running just before or after the count (a worker thread that stops
+        # spinning between two reads is ours, not a neighbour)
+        return max(0, running - len(before | after))
+
+    def steady(self, samples: int = 3, gap_s: float = 0.002) -> int | None:
+        """Other processes' running threads now, as the least of a few readings `gap_s` apart (a kernel
+        worker or a daemon that runs for a moment is not a neighbour); it starts the average."""
+        readings = []
+        for index in range(samples):
+            if index:
+                time.sleep(gap_s)
+            reading = self._sample()
+            if reading is None:
+                return None
+            readings.append(reading)
+        self._mean = min(readings)
+        return self._mean
 
     def others(self) -> float | None:
-        """CPUs busy with other processes since the last reading, or None where that was less than
-        `span_s` ago (`first_span_s` for the first reading; /proc/stat counts in ticks of 10 ms, so
-        shorter spans are mostly rounding) or where nothing can be read."""
-        if self._last is None or not self.cpus:
-            return None
-        span = self.span_s if self._readings else self.first_span_s  # decide early, then steadily
-        if time.perf_counter() - self._last[0] < span:
-            return None
-        self._readings += 1
-        now, last = self._read(), self._last
-        self._last = now
-        if now is None:
-            return None
-        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
+        """Other processes' running threads, averaged over the readings so far (None: unknown)."""
+        sample = self._sample()
+        if sample is None:
+            return self._mean
+        self._mean = sample if self._mean is None else (1 - self.weight) * self._mean + self.weight * sample
+        return self._mean
 
 
 def thread_setting(value: str) -> int | None:
@@ -136,11 +148,14 @@ class ThreadGovernor:
     """Chooses the thread count of a generation from its own measured speed (see the module doc).
 
     `counts`: the candidate counts, largest first (one count: fixed). Time is counted in windows of
-    `window` iterations and `window_s` seconds; after `explore` windows at the chosen count one window
-    tries a neighbouring count (the interval doubles, up to `max_explore`, each time the trial loses; a
-    trial `abandon` times slower than the chosen count stops after two iterations). A smaller count is
-    tried only while other processes use our CPUs (`load`), at once where a window runs `slowdown` times
-    slower than the best seen at its count; a larger one at once when they stop."""
+    `window` iterations and `window_s` seconds. Where `load` tells whether other processes run: while
+    they do, a smaller count is tried (at once the first time, and where a window runs `slowdown` times
+    slower than the best seen at its count) and a larger one only every `max_explore` windows; while
+    they do not, never a smaller count and a larger one soon. Elsewhere both ways in turn. A trial takes
+    a window; a trial of more threads running `abandon` times slower than the chosen count stops after
+    two iterations. The
+    interval between trials starts at `explore` windows and doubles, up to `max_explore`, each time a
+    trial loses (it starts again when the machine changes)."""
 
     counts: tuple[int, ...]
     window: int = 4
@@ -150,8 +165,8 @@ class ThreadGovernor:
     slowdown: float = 1.5
     margin: float = 0.9  # a trial count is kept when its seconds per token are below this share
     abandon: float = 2.0  # a trial running this many times slower than the chosen count stops early
-    # fewer threads are tried only while other processes keep this many of our CPUs busy (where
-    # `load` can tell; everywhere otherwise), more threads as soon as they do not
+    # fewer threads are tried only while other processes run this many threads (where `load` can
+    # tell; everywhere otherwise), more threads as soon as they do not
     neighbour_cpus: float = 0.5
     load: NeighbourLoad | None = None
     chosen: int = 0  # index into counts
@@ -166,6 +181,7 @@ class ThreadGovernor:
     _best: dict[int, float] = field(default_factory=dict)  # index -> best seconds/token seen
     _tried_up: bool = False  # the last trial went to a larger count
     _busy: bool | None = None  # other processes use our CPUs (None: not known here)
+    _tried: set[int] = field(default_factory=set)  # counts a trial has started from
 
     @classmethod
     def for_setting(cls, value: str, cpus: int | None = None) -> ThreadGovernor:
@@ -177,8 +193,11 @@ class ThreadGovernor:
 
     def __post_init__(self) -> None:
         self._interval = self.explore
-        if self.load is not None:
-            self._busy = False  # until a reading says otherwise
+        if self.load is not None:  # other processes running now: start with fewer threads
+            others = self.load.steady()
+            self._busy = others is not None and others >= self.neighbour_cpus
+            if self._busy and len(self.counts) > 1:
+                self.chosen = 1
 
     @property
     def threads(self) -> int:
@@ -199,7 +218,12 @@ class ThreadGovernor:
         self._iterations += 1
         self._seconds += seconds
         self._tokens += tokens
-        if self.trial is not None and self._iterations >= 2 and self.chosen in self._recent:
+        if (
+            self._tried_up
+            and self.trial is not None
+            and self._iterations >= 2
+            and self.chosen in self._recent
+        ):
             if self._seconds > self.abandon * self._recent[self.chosen] * self._tokens:
                 self._end_trial(self.trial, None)  # clearly slower already: no need to finish the window
                 return
@@ -215,18 +239,27 @@ class ThreadGovernor:
         best = self._best.get(index)
         self._best[index] = rate if best is None else min(best, rate)
         self._since_trial += 1
-        if self.load is not None:  # the last reading holds until the next (every `span_s` or so)
+        if self.load is not None:
             others = self.load.others()
             if others is not None:
-                self._busy = others >= self.neighbour_cpus
+                busy = others >= self.neighbour_cpus
+                if busy != self._busy:  # the machine changed: try the other way soon
+                    self._interval = self.explore
+                self._busy = busy
         busy = self._busy
         up = index - 1 if index > 0 else None
-        down = index + 1 if index + 1 < len(self.counts) and busy is not False else None
-        if best is not None and rate > self.slowdown * best and down is not None:
-            self._start_trial(down, up=False)  # the machine got busier: fewer threads at once
-        elif up is not None and busy is False:
-            self._start_trial(up, up=True)  # the neighbour is gone: more threads may pay again
-        elif self._since_trial >= self._interval and (up is not None or down is not None):
+        down = index + 1 if index + 1 < len(self.counts) else None
+        due = self._since_trial >= self._interval
+        if busy is False:  # nothing else runs: never fewer threads; more where we have fewer
+            if up is not None and due:
+                self._start_trial(up, up=True)
+        elif busy:  # another process runs on our CPUs: fewer threads are worth a try, more rarely are
+            slower = best is not None and rate > self.slowdown * best
+            if down is not None and (due or slower or index not in self._tried):
+                self._start_trial(down, up=False)
+            elif up is not None and self._since_trial >= self.max_explore:
+                self._start_trial(up, up=True)
+        elif due and (up is not None or down is not None):  # no reading here: try both ways in turn
             if up is not None and (down is None or not self._tried_up):
                 self._start_trial(up, up=True)
             else:
@@ -234,6 +267,7 @@ class ThreadGovernor:
                 self._start_trial(down, up=False)
 
     def _start_trial(self, index: int, up: bool) -> None:
+        self._tried.add(self.chosen)
         self.trial, self._tried_up, self._since_trial = index, up, 0
 
     def _end_trial(self, index: int, rate: float | None) -> None:

@@ -349,6 +349,7 @@ class BatchRunner:
 
     def __init__(self, engine: Engine, max_batch: int, memory_budget: int | None) -> None:
         self.scheduler = Scheduler(engine, max_batch, memory_budget)
+        self.on_step: Callable[[Scheduler], None] | None = None  # sees the scheduler after each step
         self.ends: dict[int, Callable[[ScheduledRequest], None]] = {}
         self.condition = threading.Condition()
         self.closed = False
@@ -386,6 +387,8 @@ class BatchRunner:
                     self.scheduler.step()
                 except Exception as error:  # noqa: BLE001 (report it to every request; keep serving)
                     self.scheduler.fail_all(f"generation failed: {error}")
+                if self.on_step is not None:
+                    self.on_step(self.scheduler)
             self._report()
 
     def _report(self) -> None:

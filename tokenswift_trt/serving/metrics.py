@@ -8,7 +8,8 @@ histograms when it ends, and one outcome per request.
 Terms: a *draft* is one iteration that offered draft tokens; *draft tokens* are the tokens it offered
 along the trie's deepest path (one per depth); *accepted tokens* are the draft tokens the target kept;
 `accepted_tokens_per_pos` counts, for each draft depth (position 0 = the first draft token after the
-root), the iterations that accepted a token there.
+root), the iterations that accepted a token there. The batch gauges (`num_requests_running`,
+`num_requests_waiting`) are set after every step of the instance's scheduler.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "time_to_first_token_seconds": ("histogram", "Seconds from a request's arrival to its first token"),
     "time_per_output_token_seconds": ("histogram", "Seconds per generated token after the first"),
     "e2e_request_latency_seconds": ("histogram", "Seconds from a request's arrival to its end"),
+    "num_requests_running": ("gauge", "Requests in the instance's batch (decoded together)"),
+    "num_requests_waiting": ("gauge", "Requests waiting for room in the batch or for cache memory"),
+    "num_requests_waiting_for_memory": ("gauge", "Waiting requests whose caches do not fit yet"),
 }
 BUCKETS = {
     "time_to_first_token_seconds": TTFT_BUCKETS,
@@ -60,6 +64,7 @@ class ServingMetrics:
     def __init__(self, family_type: Any, model: str = "tokenswift") -> None:
         kinds = {
             "counter": family_type.COUNTER,
+            "gauge": family_type.GAUGE,
             "histogram": family_type.HISTOGRAM,
         }
         # the families must outlive their series, so both are kept
@@ -86,6 +91,12 @@ class ServingMetrics:
             outcome: self.families["request_success_total"].Metric(labels={**labels, "outcome": outcome})
             for outcome in OUTCOMES
         }
+
+    def batch(self, running: int, waiting: int, waiting_for_memory: int) -> None:
+        """The batch as the scheduler left it after a step."""
+        self.series["num_requests_running"].set(running)
+        self.series["num_requests_waiting"].set(waiting)
+        self.series["num_requests_waiting_for_memory"].set(waiting_for_memory)
 
     def meter(self) -> RequestMeter:
         """A meter for one request, started now."""

@@ -57,6 +57,12 @@ class TritonPythonModel:
             max_batch=int(parameters.get("max_batch") or 0),
         )
         self.metrics = ServingMetrics(pb_utils.MetricFamily)
+        if self.session.batch is not None:
+            self.session.batch.on_step = lambda scheduler: self.metrics.batch(
+                len(scheduler.active),
+                len(scheduler.queue),
+                sum(1 for waiting in scheduler.queue if waiting.waiting_reason),
+            )
         self.eos = set(self.session.engine.config.eos_token_ids)
 
     def finalize(self):
