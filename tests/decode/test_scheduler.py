@@ -194,3 +194,35 @@ def test_submit_refuses_what_cannot_run(tiny):
         scheduler.submit([1, 2], replace(_configs()[0], max_new_tokens=0))
     with pytest.raises(ValueError, match="at least 1 request"):
         Scheduler(tiny.engine, max_batch=0)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, PAPER], ids=["greedy", "paper"])
+def test_ar_steps_sharing_their_settings_share_one_head_pass_and_keep_their_tokens(tiny, sampling):
+    """AR steps of requests with one sampling setting take their logits from one LM-head pass; their
+    penalty windows differ in length (prompts shorter than the window) and are padded, which must not
+    change a token."""
+    engine = tiny.engine
+    prompts = _prompts(tiny, 4)
+    configs = [
+        GenerationConfig(
+            max_new_tokens=48 + 8 * i, sampling=sampling, seed=20 + i, ignore_eos=True, method="ar"
+        )
+        for i in range(4)
+    ]
+    passes = []
+    original = type(engine.model).target_logits
+
+    def counted(self, hidden, *args, **kwargs):
+        passes.append(hidden.shape[0])
+        return original(self, hidden, *args, **kwargs)
+
+    scheduler = Scheduler(engine, max_batch=4)
+    requests = [scheduler.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
+    type(engine.model).target_logits = counted
+    try:
+        scheduler.run()
+    finally:
+        type(engine.model).target_logits = original
+    assert max(passes) == 4  # one pass for the four requests' rows
+    for request, prompt, config in zip(requests, prompts, configs, strict=True):
+        assert request.tokens == _alone(engine, prompt, config)

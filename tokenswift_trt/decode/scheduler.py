@@ -284,6 +284,31 @@ class Scheduler:
             return
         for call, output in zip(calls, outputs, strict=True):
             call.out = output  # type: ignore[union-attr]
+        self._ar_logits([call for call in calls if call is not None and call.wants_logits])
+
+    def _ar_logits(self, calls: list[ForwardCall]) -> None:
+        """The AR steps' target logits, one LM-head pass per sampling setting shared: on a small model
+        the head is a large part of a step, and each request reading it alone would read it once per
+        request. A row's logits are the bits of its own pass (the head's products are batch-invariant,
+        and a penalty window padded with its own first id penalises the same tokens)."""
+        groups: dict[object, list[ForwardCall]] = {}
+        for call in calls:
+            groups.setdefault(call.state.sampling, []).append(call)
+        for sampling, group in groups.items():
+            if len(group) < 2:
+                continue
+            hidden = torch.cat([call.out.hidden[-1:] for call in group])  # type: ignore[union-attr]
+            windows = [call.state.window() for call in group]
+            width = max(window.numel() for window in windows)
+            if width and any(window.numel() == 0 for window in windows):
+                continue  # a row without a window cannot be padded with its own id
+            rows = torch.stack(  # [R, W]
+                [torch.cat((window[:1].expand(width - window.numel()), window)) for window in windows]
+            )
+            with torch.inference_mode():
+                logits = self.engine.model.target_logits(hidden, sampling, rows)
+            for index, call in enumerate(group):
+                call.logits = logits[index : index + 1]
 
     def _end(self, request: Request, status: str, error: str = "") -> None:
         """Close the request's steps (its adapter's work is awaited there) and release its caches."""

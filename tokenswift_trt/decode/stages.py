@@ -341,6 +341,10 @@ class ForwardCall:
     positions: torch.Tensor  # [T] int64
     tree_mask: torch.Tensor | None = None  # [T, T] bool on the host
     out: ForwardOutput | None = None
+    # an AR step's: the target's logits [1, V] at its row for sampling (`sample_next`), which a
+    # scheduler may compute for several requests in one LM-head pass; None: the step computes them
+    wants_logits: bool = False
+    logits: torch.Tensor | None = None
 
     def run_alone(self, engine: Engine) -> None:
         self.out = forward_full(engine, self.state, self.tokens, self.positions, self.tree_mask)
@@ -391,10 +395,14 @@ def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: in
     return out.hidden[-1]
 
 
-def sample_next(engine: Engine, state: DecodeState, hidden: torch.Tensor) -> int:
-    """AR step's choice for position len(tokens), from hidden [hidden] of the last committed token."""
+def sample_next(
+    engine: Engine, state: DecodeState, hidden: torch.Tensor, logits: torch.Tensor | None = None
+) -> int:
+    """AR step's choice for position len(tokens), from hidden [hidden] of the last committed token;
+    `logits` [1, V]: its target logits where the caller has them (`ForwardCall.logits`)."""
     window = state.window()
-    logits = engine.model.target_logits(hidden[None], state.sampling, window)  # [1, V]
+    if logits is None:
+        logits = engine.model.target_logits(hidden[None], state.sampling, window)  # [1, V]
     return state.sampler.samples(
         logits, window, state.noise([len(state.tokens)], logits.shape[-1], logits.device)
     )[0]
@@ -406,9 +414,12 @@ def ar_step(engine: Engine, state: DecodeState) -> ForwardCalls:
     device = engine.device
     root = to_device([state.tokens[-1]], torch.long, device)
     position = to_device([state.root_position], torch.long, device)
-    out = yield from call_forward(state, root, position)
+    call = ForwardCall(state, root, position, wants_logits=True)
+    yield call
+    out = call.out
+    assert out is not None, "the driver runs every call before resuming its request"
     state.full.commit()
-    state.append([sample_next(engine, state, out.hidden[0])])
+    state.append([sample_next(engine, state, out.hidden[0], call.logits)])
     return out
 
 
