@@ -152,10 +152,10 @@ class ThreadGovernor:
     they do, a smaller count is tried (at once the first time, and where a window runs `slowdown` times
     slower than the best seen at its count) and a larger one only every `max_explore` windows; while
     they do not, never a smaller count and a larger one soon. Elsewhere both ways in turn. A trial takes
-    a window; a trial of more threads running `abandon` times slower than the chosen count stops after
-    two iterations. The
-    interval between trials starts at `explore` windows and doubles, up to `max_explore`, each time a
-    trial loses (it starts again when the machine changes)."""
+    a window; a trial of more threads while others run stops after two iterations where it runs
+    `abandon` times slower than the chosen count. The interval between trials starts at `explore`
+    windows and doubles, up to `max_explore`, each time a trial loses (it starts again when the machine
+    changes)."""
 
     counts: tuple[int, ...]
     window: int = 4
@@ -220,6 +220,7 @@ class ThreadGovernor:
         self._tokens += tokens
         if (
             self._tried_up
+            and self._busy is not False  # a costly trial: more threads while others run
             and self.trial is not None
             and self._iterations >= 2
             and self.chosen in self._recent
