@@ -13,6 +13,7 @@ image=${TRITON_IMAGE:-nvcr.io/nvidia/tritonserver:24.10-py3}
 name=${DEPLOY_NAME:-tokenswift-$preset}
 http=${HTTP_PORT:-8000}; grpc=${GRPC_PORT:-8001}; metrics=${METRICS_PORT:-8002}
 instances=${INSTANCES:-1}
+max_batch=${MAX_BATCH:-8}
 run() { if [ -n "${DRY_RUN:-}" ]; then echo "+ $*"; else "$@"; fi; }
 
 if [ -z "${DRY_RUN:-}" ]; then
@@ -36,7 +37,7 @@ run docker rm -f "$name" >/dev/null 2>&1 || true
 run docker run -d --name "$name" --gpus all --shm-size 4g --restart unless-stopped \
   -p "$http:8000" -p "$grpc:8001" -p "$metrics:8002" \
   -v "$PWD:/opt/tokenswift-trt:ro" -v "$engine:/engine" ${TOKENSWIFT_HOME:+-v "$TOKENSWIFT_HOME:/models:ro" -e TOKENSWIFT_HOME=/models} \
-  "$image" bash -c "$setup && tokenswift-trt serve --engine /engine --host 0.0.0.0 --device cuda --instances $instances"
+  "$image" bash -c "$setup && tokenswift-trt serve --engine /engine --host 0.0.0.0 --device cuda --instances $instances --max-batch $max_batch"
 
 # 3. health check (bounded)
 if [ -z "${DRY_RUN:-}" ]; then

@@ -151,6 +151,7 @@ def test_deploy_script_dry_run_prints_the_container_command():
     assert "build --model qwen2.5-7b --backend torch" in result.stdout
     assert "docker run -d --name tokenswift-qwen2.5-7b --gpus all" in result.stdout
     assert "tokenswift-trt serve --engine /engine --host 0.0.0.0 --device cuda" in result.stdout
+    assert "--instances 1 --max-batch 8" in result.stdout
 
 
 def _serve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
