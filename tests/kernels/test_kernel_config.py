@@ -54,9 +54,11 @@ def test_defaults_and_which_settings_decide_the_tokens():
         "cascade_tail": "kernel",
         "cascade_prefix": "auto",
         "tree_row_tiles": 0,
+        "threads": "auto",
     }
-    # screening and huge pages give the same bits; every other choice may round differently
-    assert set(config.output_deciding()) == set(config.to_dict()) - {"screened_head", "huge_pages"}
+    # screening, huge pages and the thread count give the same bits; every other choice may round
+    # differently
+    assert set(config.output_deciding()) == set(config.to_dict()) - {"screened_head", "huge_pages", "threads"}
     for item in dataclasses.fields(KernelConfig):
         assert item.metadata["doc"] and item.name in help_text()
     assert "batch_invariant [off; output-deciding]" in help_text() and "huge_pages [on]" in help_text()

@@ -210,7 +210,7 @@ class Scheduler:
                 self.active.remove(request)
                 request._steps, request.status = None, QUEUED
                 if not self.active:  # nothing running will release memory: it can never fit
-                    request.error = str(error)
+                    request.error, request.failure = str(error), error
                     request.status = FAILED
                     request.finished_s = time.perf_counter() - request.submitted_s
                     continue
