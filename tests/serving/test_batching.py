@@ -37,7 +37,7 @@ def test_concurrent_streams_are_decoded_together_with_their_own_tokens(tmp_path)
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
     model = ts.load(model_dir=MODEL)
-    tokens = [160, 120, 200, 140]
+    tokens = [480, 400, 520, 440]  # long enough that the last joins before the first ends
     expected = [
         ts.generate(model, prompt, count, ignore_eos=True, **settings).text
         for prompt, count, settings in zip(PROMPTS, tokens, SETTINGS, strict=True)
