@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -22,18 +21,12 @@ from pathlib import Path
 
 import torch
 
+from tokenswift_trt.bench.report import cpu_model
 from tokenswift_trt.decode.threads import usable_cpus
 
 BUSY_LOOP = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "tokenswift_trt"]
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _neighbour(seconds: float) -> subprocess.Popen:
@@ -168,7 +161,7 @@ def main() -> None:
     record = {
         "command": "python scripts/thread_contention.py " + " ".join(sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
-        "machine": {"cpu": _cpu_model(), "usable_cpus": cpus, "torch": torch.__version__, "gpu": None},
+        "machine": {"cpu": cpu_model(), "usable_cpus": cpus, "torch": torch.__version__, "gpu": None},
         "load_average_before": load_before,
         "neighbour": "one single-threaded Python busy loop",
         "summary": summary,

@@ -153,24 +153,26 @@ def run_batch(
             on_error(item.id, _first_line(error))
             continue
         runs[request.id] = (item, run)
-    ended: set[int] = set()
     while scheduler.pending:
         scheduler.step()
-        for request in _ended(scheduler, runs, ended):
-            item, run = runs[request.id]
-            _finish(model, item, run, request, on_result, on_error)
+        _report(model, runs, scheduler, on_result, on_error)
         if on_step is not None:
             on_step(scheduler)
-    for request_id in set(runs) - ended:  # ended at submission or admission (never fitted)
-        item, run = runs[request_id]
-        _finish(model, item, run, scheduler.requests[request_id], on_result, on_error)
+    _report(model, runs, scheduler, on_result, on_error)  # ended at submission or admission
     return scheduler
 
 
-def _ended(scheduler: Scheduler, runs: Mapping[int, Any], ended: set[int]) -> list[Request]:
-    done = [r for r in scheduler.requests.values() if r.done and r.id in runs and r.id not in ended]
-    ended.update(r.id for r in done)
-    return done
+def _report(
+    model: Model,
+    runs: Mapping[int, tuple[BatchItem, Run]],
+    scheduler: Scheduler,
+    on_result: Callable[[str, Result], None],
+    on_error: Callable[[str, str], None],
+) -> None:
+    """Each request that ended since the last report, to `on_result` or `on_error`."""
+    for request in scheduler.take_ended():
+        item, run = runs[request.id]
+        _finish(model, item, run, request, on_result, on_error)
 
 
 def _prepare(model: Model, item: BatchItem, journal_dir: Path | None) -> Run:

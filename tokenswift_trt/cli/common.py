@@ -253,10 +253,13 @@ def _kernel_settings(ctx: click.Context, param: click.Parameter, values: tuple[s
 
 
 def _thread_count(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is None:
-        return None
-    if value != "auto" and not (value.isdigit() and int(value) >= 1):
-        raise click.BadParameter(f"give auto or a positive number of threads, got {value!r}", ctx, param)
+    from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
+
+    if value is not None:
+        try:
+            KernelConfig().updated({"threads": value})
+        except KernelConfigError as error:
+            raise click.BadParameter(str(error), ctx, param) from None
     return value
 
 

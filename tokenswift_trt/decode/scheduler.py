@@ -62,9 +62,6 @@ class Request:
     failure: BaseException | None = None  # what it failed with (an exception its own steps raised)
     waiting_reason: str = ""  # why it is still queued (memory), "" when admitted
     reserved_bytes: int = 0  # its caches' share of the memory budget while it runs
-    submitted_s: float = 0.0
-    first_token_s: float | None = None  # seconds from submission to its first token
-    finished_s: float | None = None
     _steps: RequestSteps | None = None
     _call: ForwardCall | None = None  # the forward it waits for
 
@@ -75,13 +72,10 @@ class Request:
 
 @dataclass
 class BatchStats:
-    """What the scheduler did: steps run, the batch size of each, and the forwards they batched."""
+    """What the scheduler did: the batch size of each step's forward, and the tokens committed."""
 
-    steps: int = 0
-    batched_rows: int = 0  # tokens verified over all steps
     batch_sizes: list[int] = field(default_factory=list)  # requests in each step's forward
     tokens: int = 0  # committed over all requests
-    thread_switches: int = 0
 
     @property
     def mean_batch(self) -> float:
@@ -103,7 +97,7 @@ class Scheduler:
         self.memory_budget = memory_budget if memory_budget is not None else available_bytes(engine.device)
         self.queue: deque[Request] = deque()
         self.active: list[Request] = []
-        self.requests: dict[int, Request] = {}  # every submitted request by id, ended ones too
+        self._ended: list[Request] = []  # ended since the last `take_ended`
         self.stats = BatchStats()
         self._ids = itertools.count()
         self.governor = (
@@ -133,8 +127,6 @@ class Scheduler:
             raise GenerationError("batched requests run the host loop: drop --device-loop")
         config = replace(config, device_loop=False)
         request = Request(next(self._ids), list(prompt), config, on_tokens, cancelled)
-        request.submitted_s = time.perf_counter()
-        self.requests[request.id] = request
         self.queue.append(request)
         return request
 
@@ -168,7 +160,6 @@ class Scheduler:
                     self._advance(request)
         if self.governor is not None and waiting:  # the thread count follows the batch's own speed
             self.governor.observe(time.perf_counter() - tick, max(1, self.stats.tokens - committed))
-            self.stats.thread_switches = self.governor.switches
 
     def fail_all(self, message: str) -> None:
         """End every queued and active request as failed (the scheduler itself cannot go on)."""
@@ -177,10 +168,10 @@ class Scheduler:
                 self.queue.remove(request)
             self._end(request, FAILED, message)
 
-    def forget(self, request: Request) -> None:
-        """Drop an ended request from `requests` (a long-running server keeps only what is live)."""
-        if request.done:
-            self.requests.pop(request.id, None)
+    def take_ended(self) -> list[Request]:
+        """The requests that ended (finished, cancelled or failed) since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
 
     # ------------------------------------------------------------ internals
 
@@ -193,8 +184,6 @@ class Scheduler:
             config = replace(request.config, memory_budget=max(1, left))
 
             def tokens(new: list[int], request: Request = request) -> None:
-                if request.first_token_s is None:
-                    request.first_token_s = time.perf_counter() - request.submitted_s
                 request.tokens.extend(new)
                 self.stats.tokens += len(new)
                 if request.on_tokens is not None:
@@ -210,9 +199,8 @@ class Scheduler:
                 self.active.remove(request)
                 request._steps, request.status = None, QUEUED
                 if not self.active:  # nothing running will release memory: it can never fit
-                    request.error, request.failure = str(error), error
-                    request.status = FAILED
-                    request.finished_s = time.perf_counter() - request.submitted_s
+                    request.failure = error
+                    self._end(request, FAILED, str(error))
                     continue
                 request.waiting_reason = f"memory: {error}"
                 self.queue.appendleft(request)
@@ -264,9 +252,7 @@ class Scheduler:
             )
             for call in calls  # type: ignore[union-attr]
         ]
-        self.stats.steps += 1
         self.stats.batch_sizes.append(len(calls))
-        self.stats.batched_rows += sum(int(call.tokens.shape[0]) for call in calls)  # type: ignore[union-attr]
         try:
             with torch.inference_mode():
                 outputs = forward_batch(self.engine.model, segments)
@@ -278,9 +264,7 @@ class Scheduler:
                     with torch.inference_mode():
                         call.run_alone(self.engine)
                 except (RuntimeError, ValueError) as error:
-                    call.state.full.pending = 0
                     self._end(request, FAILED, str(error).splitlines()[0])
-                    request._call = None
             return
         for call, output in zip(calls, outputs, strict=True):
             call.out = output  # type: ignore[union-attr]
@@ -299,9 +283,7 @@ class Scheduler:
                 continue
             hidden = torch.cat([call.out.hidden[-1:] for call in group])  # type: ignore[union-attr]
             windows = [call.state.window() for call in group]
-            width = max(window.numel() for window in windows)
-            if width and any(window.numel() == 0 for window in windows):
-                continue  # a row without a window cannot be padded with its own id
+            width = max(window.numel() for window in windows)  # all 0 without a penalty
             rows = torch.stack(  # [R, W]
                 [torch.cat((window[:1].expand(width - window.numel()), window)) for window in windows]
             )
@@ -317,6 +299,6 @@ class Scheduler:
             steps.close()
         request.status, request.error = status, error
         request.reserved_bytes = 0
-        request.finished_s = time.perf_counter() - request.submitted_s
         if request in self.active:
             self.active.remove(request)
+        self._ended.append(request)

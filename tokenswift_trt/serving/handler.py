@@ -218,21 +218,15 @@ class Session:
         `on_done(text, stats, failure)` once the request has ended (failure: None, `Cancelled()`,
         `RequestError` for a request that cannot run as given, or what generation failed with)."""
         assert self.batch is not None, "start() needs a session with batching (max_batch >= 1, no --tp)"
-        decoder = StreamDecoder(self.codec)
-        writer = self._writer(request)
         generated: list[int] = []
 
-        def on_tokens(ids: list[int]) -> None:
-            if cancelled():
-                raise Cancelled()
-            if writer is not None:
-                writer.add(ids)
+        def collect(ids: list[int]) -> None:
             generated.extend(ids)
             if on_ids is not None:
                 on_ids(ids)
-            piece = decoder.push(ids)
-            if piece:
-                on_text(piece)
+
+        # the scheduler polls `cancelled` before every step: no poll per commit here
+        on_tokens, decoder, writer = self._output(request, on_text, collect, None)
 
         def ended(done: ScheduledRequest) -> None:
             if writer is not None:
@@ -250,23 +244,54 @@ class Session:
                     on_text(rest)
             on_done(self.codec.decode(request.done_ids + generated), done.stats, failure)
 
-        if request.done_ids:
-            piece = decoder.push(request.done_ids)
-            if piece:
-                on_text(piece)
         if request.finished:
             if writer is not None:
                 writer.close(finished=True)
             on_done(self.codec.decode(request.done_ids), Stats(method=request.config.method, seed=0), None)
             return
-        remaining = request.config.max_new_tokens - len(request.done_ids)
-        config = dataclasses.replace(request.config, max_new_tokens=max(1, remaining))
         try:
-            self.batch.submit(request.prompt_ids + request.done_ids, config, on_tokens, cancelled, ended)
+            prompt = request.prompt_ids + request.done_ids
+            self.batch.submit(prompt, self._remaining(request), on_tokens, cancelled, ended)
         except GenerationError as error:
             if writer is not None:
                 writer.close(finished=False)
             raise RequestError(str(error)) from None
+
+    def _output(
+        self,
+        request: Request,
+        on_text: Callable[[str], None],
+        on_ids: Callable[[list[int]], None] | None,
+        cancelled: Callable[[], bool] | None,
+    ) -> tuple[Callable[[list[int]], None], StreamDecoder, JournalWriter | None]:
+        """(the callback that takes the request's committed tokens to its journal, to `on_ids` and, as
+        text increments, to `on_text`; its text decoder; its journal writer). The text generated before
+        a resume is streamed first. `cancelled`, where given, is asked at every commit."""
+        decoder = StreamDecoder(self.codec)
+        writer = self._writer(request)
+
+        def on_tokens(ids: list[int]) -> None:
+            if cancelled is not None and cancelled():
+                raise Cancelled()
+            if writer is not None:
+                writer.add(ids)
+            if on_ids is not None:
+                on_ids(ids)
+            piece = decoder.push(ids)
+            if piece:
+                on_text(piece)
+
+        if request.done_ids:
+            piece = decoder.push(request.done_ids)
+            if piece:
+                on_text(piece)
+        return on_tokens, decoder, writer
+
+    @staticmethod
+    def _remaining(request: Request, **changes: Any) -> GenerationConfig:
+        """The request's config for what is left to generate (all of it unless resumed)."""
+        remaining = request.config.max_new_tokens - len(request.done_ids)
+        return dataclasses.replace(request.config, max_new_tokens=max(1, remaining), **changes)
 
     def _writer(self, request: Request) -> JournalWriter | None:
         """The request's journal writer (a new journal, or the resumed one), None without a journal."""
@@ -298,33 +323,13 @@ class Session:
 
         A resumed request first streams the text generated before the interruption.
         """
-        decoder = StreamDecoder(self.codec)
-        writer = self._writer(request)
-
-        def on_tokens(ids: list[int]) -> None:
-            if cancelled():
-                raise Cancelled()
-            if writer is not None:
-                writer.add(ids)
-            if on_ids is not None:
-                on_ids(ids)
-            piece = decoder.push(ids)
-            if piece:
-                on_text(piece)
-
-        if request.done_ids:
-            piece = decoder.push(request.done_ids)
-            if piece:
-                on_text(piece)
+        on_tokens, decoder, writer = self._output(request, on_text, on_ids, cancelled)
         stats = Stats(method=request.config.method, seed=request.config.seed or 0)
         completed = False
         try:
             ids: list[int] = []
             if not request.finished:
-                remaining = request.config.max_new_tokens - len(request.done_ids)
-                config = dataclasses.replace(
-                    request.config, max_new_tokens=max(1, remaining), memory_budget=self.memory_budget
-                )
+                config = self._remaining(request, memory_budget=self.memory_budget)
                 prompt = request.prompt_ids + request.done_ids
                 if self.ranks is not None:  # every rank runs it in step; rank 0 streams and journals
                     ids, stats = self.ranks.run(generate, self.engine, prompt, config, on_tokens)
@@ -394,9 +399,6 @@ class BatchRunner:
     def _report(self) -> None:
         """Call the ended requests' `on_end` (outside the lock: it sends responses)."""
         with self.condition:
-            ended = [r for r in self.scheduler.requests.values() if r.done and r.id in self.ends]
-            calls = [(self.ends.pop(r.id), r) for r in ended]
-            for request in ended:
-                self.scheduler.forget(request)
+            calls = [(self.ends.pop(r.id), r) for r in self.scheduler.take_ended() if r.id in self.ends]
         for on_end, request in calls:
             on_end(request)

@@ -71,10 +71,7 @@ class TritonPythonModel:
             self.session.ranks.stop()  # the tensor-parallel worker ranks end with the instance
 
     def execute(self, requests):
-        if self.session.batch is not None:  # continuous batching: answered from the scheduler's thread
-            failed = [message for request in requests if (message := self._start(request))]
-        else:
-            failed = [message for request in requests if (message := self._serve(request))]
+        failed = [message for request in requests if (message := self._serve(request))]
         if failed:
             # Every request already has its own error response; raising tells Triton that the requests
             # of this call failed, so that they count in nv_inference_request_failure (a decoupled
@@ -82,48 +79,59 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("; ".join(failed))
         return None
 
-    def _start(self, request) -> str | None:
-        """Hand one request to the batch; its responses are sent as its tokens commit. The error
-        message when it was refused at once."""
+    def _serve(self, request) -> str | None:
+        """Answer one request: batched (continuous batching: answered from the scheduler's thread as
+        its tokens commit) or alone. The error message when it failed here and now."""
         sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         meter = self.metrics.meter()
         generated: list[int] = []
         try:
             parsed = self.session.parse(_inputs(request))
-            stream = parsed.stream
-            meter.prompt(len(parsed.prompt_ids))
+        except RequestError as error:
+            return self._answer(sender, meter, None, generated, "", None, error)
+        meter.prompt(len(parsed.prompt_ids))
 
-            def on_ids(ids: list[int]) -> None:
-                generated.extend(ids)
-                meter.generated(len(ids))
+        def on_ids(ids: list[int]) -> None:
+            generated.extend(ids)
+            meter.generated(len(ids))
 
-            def on_text(piece: str) -> None:
-                if stream:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[_text(piece)]))
+        def on_text(piece: str) -> None:
+            if parsed.stream:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[_text(piece)]))
 
-            def on_done(text: str, stats, failure) -> None:
-                if isinstance(failure, Cancelled):
-                    meter.end("cancelled")
-                    sender.send(flags=final)
-                elif isinstance(failure, RequestError):
-                    meter.end("error")
-                    sender.send(_error(str(failure), pb_utils.TritonError.INVALID_ARG), flags=final)
-                elif failure is not None:
-                    meter.end("error")
-                    sender.send(
-                        _error(f"generation failed: {failure}", pb_utils.TritonError.INTERNAL), flags=final
-                    )
-                else:
-                    meter.drafts(stats)
-                    meter.end("ok")
-                    sender.send(self._final(parsed, generated, stats, text), flags=final)
+        def on_done(text: str, stats, failure) -> str | None:
+            return self._answer(sender, meter, parsed, generated, text, stats, failure)
 
-            self.session.start(parsed, on_text, request.is_cancelled, on_done, on_ids)
-        except RequestError as error:  # the client's mistake: HTTP 400 / gRPC INVALID_ARGUMENT
+        try:
+            if self.session.batch is not None:
+                self.session.start(parsed, on_text, request.is_cancelled, on_done, on_ids)
+                return None
+            text, stats = self.session.run(parsed, on_text, cancelled=request.is_cancelled, on_ids=on_ids)
+        except Exception as error:  # keep serving: report the failure to this client only
+            return on_done("", None, error)
+        return on_done(text, stats, None)
+
+    def _answer(self, sender, meter, parsed, generated: list[int], text: str, stats, failure) -> str | None:
+        """A request's last response, by how it ended: cancelled (no error), the client's mistake
+        (HTTP 400 / gRPC INVALID_ARGUMENT), a failure inside generation (HTTP 500), or its result. The
+        error message when it failed."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if isinstance(failure, Cancelled):
+            meter.end("cancelled")
+            sender.send(flags=final)
+            return None
+        if isinstance(failure, RequestError):
             meter.end("error")
-            sender.send(_error(str(error), pb_utils.TritonError.INVALID_ARG), flags=final)
-            return str(error)
+            sender.send(_error(str(failure), pb_utils.TritonError.INVALID_ARG), flags=final)
+            return str(failure)
+        if failure is not None:
+            meter.end("error")
+            message = f"generation failed: {failure}"
+            sender.send(_error(message, pb_utils.TritonError.INTERNAL), flags=final)
+            return message
+        meter.drafts(stats)
+        meter.end("ok")
+        sender.send(self._final(parsed, generated, stats, text), flags=final)
         return None
 
     def _final(self, parsed, generated: list[int], stats, text: str):
@@ -142,40 +150,3 @@ class TritonPythonModel:
             pb_utils.Tensor("finish_reason", np.array([finish.encode()], dtype=np.object_)),
         ]
         return pb_utils.InferenceResponse(output_tensors=outputs)
-
-    def _serve(self, request) -> str | None:
-        """Answer one request; the error message when it failed."""
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        meter = self.metrics.meter()
-        generated: list[int] = []
-        try:
-            parsed = self.session.parse(_inputs(request))
-            stream = parsed.stream
-            meter.prompt(len(parsed.prompt_ids))
-
-            def on_ids(ids: list[int]) -> None:
-                generated.extend(ids)
-                meter.generated(len(ids))
-
-            def on_text(piece: str) -> None:
-                if stream:
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[_text(piece)]))
-
-            text, stats = self.session.run(parsed, on_text, cancelled=request.is_cancelled, on_ids=on_ids)
-        except RequestError as error:  # the client's mistake: HTTP 400 / gRPC INVALID_ARGUMENT
-            meter.end("error")
-            sender.send(_error(str(error), pb_utils.TritonError.INVALID_ARG), flags=final)
-            return str(error)
-        except Cancelled:
-            meter.end("cancelled")
-            sender.send(flags=final)
-            return None
-        except Exception as error:  # keep serving: report the failure to this client only (HTTP 500)
-            meter.end("error")
-            sender.send(_error(f"generation failed: {error}", pb_utils.TritonError.INTERNAL), flags=final)
-            return f"generation failed: {error}"
-        meter.drafts(stats)
-        meter.end("ok")
-        sender.send(self._final(parsed, generated, stats, text), flags=final)
-        return None
