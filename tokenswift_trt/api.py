@@ -24,6 +24,7 @@ import torch
 from tokenswift_trt.decode.journal import (
     JournalError,
     JournalWriter,
+    check_journal_room,
     check_new_journal,
     journal_header,
     model_identity,
@@ -250,6 +251,7 @@ class Run:
             if on_tokens is not None:
                 on_tokens(ids)
 
+        ended = False
         try:
             if not self.finished:
                 try:
@@ -259,12 +261,17 @@ class Run:
                         self.remaining,
                         on_tokens=committed,
                     )
-                except GenerationError as error:
+                except (GenerationError, JournalError) as error:  # a journal write fails: disk full
                     raise ApiError(_first_line(error)) from None
                 self.done_ids = self.done_ids + new_ids
+            ended = True
         finally:
             if self.writer is not None:
-                self.writer.close(finished=stats is not None or self.finished)
+                try:
+                    self.writer.close(finished=stats is not None or self.finished)
+                except JournalError as error:
+                    if ended:  # else the error in flight says it already
+                        raise ApiError(_first_line(error)) from None
         return Result(self.done_ids, self.model.codec.decode(self.done_ids), stats)
 
 
@@ -281,6 +288,7 @@ def start_run(
     if journal is not None and writes:
         try:
             check_new_journal(journal, f"--resume {journal}", "delete it (or choose another --journal path)")
+            check_journal_room(journal, config.max_new_tokens)
         except JournalError as error:
             raise ApiError(_first_line(error)) from None
     prompt_ids = model.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -35,6 +35,7 @@ def test_the_inputs_are_read_from_the_model_config():
         (json.dumps({**GOOD, "temperature": "hot"}).encode(), "temperature must be a number"),
         (json.dumps({**GOOD, "text_input": 5}).encode(), "text_input must be a string"),
         (json.dumps({**GOOD, "max_tokens": [1, 2]}).encode(), "exactly one value"),
+        (b'{"text_input": "ab\\ud800", "max_tokens": 4}', "text_input is not valid Unicode .* character 2"),
     ],
 )
 def test_malformed_generate_bodies_are_named(raw, match):

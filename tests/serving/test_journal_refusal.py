@@ -50,7 +50,11 @@ def test_a_new_request_with_the_id_of_an_unfinished_journal_is_refused(session):
     ):
         session.parse(_inputs(request_id="job-1"))
     assert path.read_bytes() == written
-    assert session.parse(_inputs(request_id="job-1", resume=True)).done_ids == [5, 6, 7]
+    resumed = session.parse(
+        {"request_id": np.array([b"job-1"], dtype=np.object_), "resume": np.array([True])}
+    )
+    assert resumed.done_ids == [5, 6, 7]
+    resumed.release()
 
     _journal(path, finished=True)
     request = session.parse(_inputs(request_id="job-1"))  # a finished journal may be replaced

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -231,6 +232,12 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tool calls are not supported"),
     ({"messages": MESSAGES, "prompt": PROMPT}, "unknown field 'prompt'"),
+    (
+        {"messages": [{"role": "robot", "content": "hi"}]},
+        r"messages\[0\].role must be one of system, .* 'robot'",
+    ),
+    ({"messages": [{"role": "user"}]}, r"messages\[0\].content is required"),
+    ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\].content is required"),
 ]
 
 
@@ -239,6 +246,19 @@ def test_bad_chat_requests_are_refused(tmp_path, body, message):
     model = ServedModel.from_dir(_chat_model_dir(tmp_path))
     with pytest.raises(ApiError, match=message):
         translate_chat(body, model)
+
+
+def test_a_lone_surrogate_is_a_client_error_naming_the_field():
+    """JSON's "\\ud800" parses to a str no tokenizer can encode: 400 naming where it is, not a 500."""
+    with OpenAIFrontend(f"127.0.0.1:{_closed_port()}", MODEL, port=0) as front:
+        raw = b'{"messages": [{"role": "user", "content": "hi \\udc80"}], "max_tokens": 4}'
+        status, error = _post_raw(front.url + "/chat/completions", raw)
+        assert status == 400 and error["param"] == "messages", error
+        assert (
+            "messages[0].content is not valid Unicode (a lone surrogate at character 3)" in error["message"]
+        )
+        status, error = _post_raw(front.url + "/completions", b'{"prompt": "\\ud800", "max_tokens": 4}')
+        assert status == 400 and error["param"] == "prompt"
 
 
 def test_a_model_without_chat_template_points_to_completions(model):
@@ -255,7 +275,11 @@ def test_triton_errors_are_relayed_as_client_or_server_errors():
         "top-p must be in (0, 1], got 1.5",
     )
     fault = _relayed(400, b'{"error":"generation failed: CUDA error"}')
-    assert (fault.status, fault.kind) == (500, "server_error")
+    assert (fault.status, fault.kind, fault.code) == (500, "server_error", "generation_failed")
+    busy = _relayed(400, b'{"error":"server busy: 8 requests are generating and 256 wait"}')
+    assert (busy.status, busy.code, busy.retry_after_s) == (503, "server_busy", 5)
+    held = _relayed(400, b'data: {"error":"request running elsewhere: request_id a is being generated"}\n\n')
+    assert (held.status, held.code) == (503, "request_running_elsewhere")
 
 
 def _post_raw(url: str, raw: bytes) -> tuple[int, dict]:
@@ -290,30 +314,59 @@ def test_front_without_tritonserver_lists_its_model_and_answers_503():
         assert status == 404 and "POST /v1/completions" in error["message"]
 
 
-def test_a_server_dying_mid_stream_ends_the_stream_with_an_error_event():
-    """The generate_stream connection torn after one piece (tritonserver killed): the client gets the
-    piece, then OpenAI's error event, never a hang or a traceback."""
+@pytest.mark.parametrize(
+    ("draining", "torn", "said"),
+    [
+        (False, True, "generation failed: the inference server stopped answering"),
+        (False, False, "generation failed: the inference server stopped answering"),
+        (True, True, "server shutting down: the generation was stopped before it finished"),
+    ],
+)
+def test_a_stream_the_server_cuts_ends_with_finish_reason_abort_and_an_error_event(draining, torn, said):
+    """The generate_stream connection torn after one piece (tritonserver killed), or ended without the
+    last response: the client gets the piece, a chunk with finish_reason "abort", then OpenAI's error
+    event naming the cause (shutting down while `serve` drains), never a finished-looking answer."""
     import http.client
 
     closed = []
+    proceed = threading.Event()
 
-    class TornStream:
+    class CutStream:
         def stream(self, params):
             def events():
                 yield {"text_output": " Once"}
-                raise http.client.IncompleteRead(b"")
+                proceed.wait(30)
+                if torn:
+                    raise http.client.IncompleteRead(b"")
 
             return events(), lambda: closed.append(True)
 
     with OpenAIFrontend(f"127.0.0.1:{_closed_port()}", MODEL, port=0) as front:
-        front.api.triton = TornStream()
+        front.api.triton = CutStream()
         client = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0)
         stream = client.completions.create(model="swift-tiny", prompt=PROMPT, max_tokens=8, stream=True)
-        texts = []
-        with pytest.raises(openai.APIError, match="the inference server stopped answering"):
+        front.api.draining = draining  # as `serve` does on SIGTERM, with this stream in flight
+        proceed.set()
+        chunks = []
+        with pytest.raises(openai.APIError, match=said):
             for chunk in stream:
-                texts.append(chunk.choices[0].text)
-    assert texts == [" Once"] and closed
+                chunks.append(chunk.choices[0])
+    assert [c.text for c in chunks] == [" Once", ""] and closed
+    assert [c.finish_reason for c in chunks] == [None, "abort"]
+
+
+def test_a_draining_front_refuses_new_requests_with_503_and_retry_after():
+    with OpenAIFrontend(f"127.0.0.1:{_closed_port()}", MODEL, port=0) as front:
+        front.drain()
+        request = urllib.request.Request(
+            front.url + "/completions",
+            data=json.dumps({"prompt": PROMPT, "max_tokens": 4}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=30)
+        assert caught.value.code == 503 and caught.value.headers["Retry-After"] == "10"
+        assert json.loads(caught.value.read())["error"]["code"] == "server_shutdown"
 
 
 # --- against a real tritonserver --------------------------------------------------------------

@@ -31,6 +31,28 @@ def check_source(engine_dir: Path, device: str) -> None:
         )
 
 
+def check_ports(host: str, ports: dict[str, int]) -> None:
+    """Every port `serve` publishes is free on `host`, said in one line before tritonserver starts
+    (`ports`: option -> port)."""
+    import socket
+
+    seen: dict[int, str] = {}
+    for option, port in ports.items():
+        if port in seen:
+            raise CliError(f"{option} and {seen[port]} are both {port}: give each endpoint its own port")
+        seen[port] = option
+        probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: past TIME_WAIT
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise CliError(
+                f"cannot listen on {host}:{port} ({error.strerror or error}): choose another {option}"
+            ) from None
+        finally:
+            probe.close()
+
+
 def check_tp(engine_dir: Path, tp: int, instances: int, device: str) -> None:
     """`serve --tp N`: one instance, N GPUs under --device cuda (rank r on cuda:r), and a size the
     model's heads split into (one line otherwise, before anything loads)."""
@@ -83,6 +105,14 @@ def check_tp(engine_dir: Path, tp: int, instances: int, device: str) -> None:
     show_default=True,
     help="requests an instance decodes together (continuous batching); 0 = one at a time",
 )
+@click.option(
+    "--max-queue",
+    type=click.IntRange(0, 100000),
+    default=256,
+    show_default=True,
+    help="requests an instance keeps waiting for room in its batch; one more is refused at once "
+    "(HTTP 503 with Retry-After, gRPC UNAVAILABLE)",
+)
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
     "--journal-dir",
@@ -125,6 +155,7 @@ def serve(
     metrics_port,
     instances,
     max_batch,
+    max_queue,
     device,
     journal_dir,
     memory_budget,
@@ -147,6 +178,10 @@ def serve(
         check_tp(engine_dir, tp, instances, device)
     check_source(engine_dir, device)
     check_engine_tp(engine_dir, tp)
+    ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
+    if openai_port:
+        ports["--openai-port"] = openai_port
+    check_ports(host, ports)
     # tritonserver's HTTP endpoint stays on loopback; the published HTTP port is the front that checks
     # generate requests before relaying them (a malformed body gets HTTP 400, not Triton's 500)
     config = ServerConfig(
@@ -157,6 +192,7 @@ def serve(
         metrics_port=metrics_port,
         instances=instances,
         max_batch=max_batch,
+        max_queue=max_queue,
         device=device,
         journal_dir=journal_dir,
         memory_budget_gib=memory_budget,
@@ -170,9 +206,11 @@ def serve(
     fronts: list = []
 
     def shut_down() -> None:
-        for front in fronts:
-            front.stop()
+        for front in fronts:  # new requests are refused; streams the server cuts end with an error event
+            front.drain()
         server.stop()  # ends the stubs too and frees their shared memory, whatever state they are in
+        for front in fronts:
+            front.stop(grace_s=2.0)  # time for the cut streams' last events
 
     try:
         server.start()

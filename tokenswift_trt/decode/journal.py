@@ -12,9 +12,14 @@ everything before it intact.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
+import resource
+import shutil
+import socket
 import tempfile
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +31,7 @@ from tokenswift_trt.decode.request import SPEED_ONLY, config_from
 from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
 from tokenswift_trt.model.engine import Engine
 
+BYTES_PER_TOKEN = 8  # a token id as the journal writes it (digits, a comma), with its record's share
 FORMAT = "tokenswift-journal/2"  # 2: Gumbel-max sampling with position-keyed noise
 EARLIER_SAMPLER_FORMATS = ("tokenswift-journal/1",)  # inverse-CDF sampling: readable, resumable
 
@@ -174,9 +180,16 @@ class JournalWriter:
             raise _unwritable(self.path, error) from None
 
     def _append(self, record: dict[str, Any]) -> None:
-        self.handle.write(_line(record))
-        self.handle.flush()
-        os.fsync(self.handle.fileno())
+        try:
+            self.handle.write(_line(record))
+            self.handle.flush()
+            os.fsync(self.handle.fileno())
+        except OSError as error:  # a full disk or a file size limit: what was written before stays valid
+            reason = error.strerror or type(error).__name__
+            raise JournalError(
+                f"cannot write the journal {self.path} ({reason}): it keeps the tokens committed before "
+                "this; free space on its disk and resume it"
+            ) from None
 
     def add(self, tokens: list[int]) -> None:
         self.pending.extend(tokens)
@@ -189,10 +202,15 @@ class JournalWriter:
             self.pending = []
 
     def close(self, finished: bool) -> None:
-        self.flush()
-        if finished:
-            self._append({"finished": True})
-        self.handle.close()
+        try:
+            self.flush()
+            if finished:
+                self._append({"finished": True})
+        finally:
+            try:
+                self.handle.close()
+            except OSError:  # the failed write above already says why
+                pass
 
 
 def _temporary(path: Path) -> Path:
@@ -245,6 +263,86 @@ def check_new_journal(path: Path, resume_with: str, start_over: str, label: str 
             pass
     except OSError as error:
         raise _unwritable(path, error) from None
+
+
+def check_journal_room(path: Path, max_new_tokens: int, prompt_tokens: int = 0) -> None:
+    """Refuse, before generation starts, a journal that the disk (free space) or the process's file
+    size limit (`ulimit -f`) cannot hold to the end."""
+    need = (max_new_tokens + prompt_tokens) * BYTES_PER_TOKEN + 4096
+    existing = next(parent for parent in Path(path).parents if parent.exists())
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if free < need:
+        raise JournalError(
+            f"the disk of {existing} has {_size(free)} free and the journal {path} needs about {_size(need)} "
+            f"for {max_new_tokens} tokens: free space there or journal elsewhere"
+        )
+    if limit != resource.RLIM_INFINITY and limit < need:
+        raise JournalError(
+            f"this process may write files of at most {_size(limit)} (ulimit -f) and the journal {path} "
+            f"needs about {_size(need)} for {max_new_tokens} tokens: raise the limit or ask for fewer tokens"
+        )
+
+
+def _size(count: int) -> str:
+    return f"{count / (1 << 20):.1f} MiB" if count >= 1 << 20 else f"{count} bytes"
+
+
+class JournalLock:
+    """Who runs a journal's request now: an exclusive `flock` on `<journal>.lock`, which names its
+    holder (process, host, since when). The lock ends with its holder, even one killed with SIGKILL;
+    the small lock file stays beside the journal."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        self.path = Path(str(path) + ".lock")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle: Any = open(self.path, "a+")
+        except OSError as error:
+            raise _unwritable(Path(path), error) from None
+        try:
+            fcntl.flock(self.handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.handle.seek(0)
+            recorded = self.handle.read().strip()
+            self.handle.close()
+            self.handle = None
+            raise JournalHeld(Path(path), _holder_text(recorded)) from None
+        identity = {"holder": holder, "pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.write(json.dumps(identity))
+        self.handle.flush()
+
+    def release(self) -> None:
+        """Let others take the journal (idempotent)."""
+        if self.handle is not None:
+            self.handle.close()  # closing the descriptor drops the flock
+            self.handle = None
+
+
+class JournalHeld(JournalError):
+    """Another live process runs the request of this journal."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path.name} is being generated by {holder}")
+        self.holder = holder
+
+
+def _holder_text(recorded: str) -> str:
+    try:
+        identity = json.loads(recorded)
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(identity["since"])))
+        here = identity["host"] == socket.gethostname() and identity["pid"] == os.getpid()
+        where = (
+            "this server" if here else f"{identity['holder']} (pid {identity['pid']} on {identity['host']})"
+        )
+        return f"{where} since {since}"
+    except (ValueError, KeyError, TypeError):
+        return "another process"
 
 
 def _is_journal(path: Path) -> bool:

@@ -161,11 +161,13 @@ class Scheduler:
         if self.governor is not None and waiting:  # the thread count follows the batch's own speed
             self.governor.observe(time.perf_counter() - tick, max(1, self.stats.tokens - committed))
 
-    def fail_all(self, message: str) -> None:
-        """End every queued and active request as failed (the scheduler itself cannot go on)."""
+    def fail_all(self, message: str, failure: BaseException | None = None) -> None:
+        """End every queued and active request as failed (the scheduler itself cannot go on), with
+        `failure` as what each failed with."""
         for request in [*self.queue, *self.active]:
             if request in self.queue:
                 self.queue.remove(request)
+            request.failure = request.failure or failure
             self._end(request, FAILED, message)
 
     def take_ended(self) -> list[Request]:

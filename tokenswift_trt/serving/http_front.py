@@ -7,17 +7,26 @@ if the server had failed. This front checks every generate body against the mode
 message; a valid body, and every other request (health, metadata, statistics, the infer API), is
 relayed to tritonserver unchanged, streamed responses (`generate_stream`'s server-sent events) as they
 come. A client that disconnects mid-stream closes the relayed connection, so Triton cancels the request.
+
+Triton answers every error of the model with 400; a server fault's message names its cause
+(serving/errors.py), and this front answers it with the cause's status (503 with Retry-After for "server
+busy", 500 for "generation failed"). A stream that tritonserver cuts (it stopped) ends with an error
+event, never as if the generation had finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from tokenswift_trt.serving.errors import SHUTTING_DOWN, cause_of
 
 GENERATE_PATH = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/generate(?:_stream)?/?$")
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "upgrade"}
@@ -58,6 +67,14 @@ def _check_value(name: str, value: Any, kind: str) -> None:
         value = value[0]
     if kind == "TYPE_STRING":
         ok, expected = isinstance(value, str), "a string"
+        if ok:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise BadRequest(
+                    f"{name} is not valid Unicode (a lone surrogate at character {error.start}): "
+                    "send UTF-8 text"
+                ) from None
     elif kind == "TYPE_BOOL":
         ok, expected = isinstance(value, bool), "true or false"
     elif kind in INT_RANGES:
@@ -97,18 +114,23 @@ class _Handler(BaseHTTPRequestHandler):
         self._handle()
 
     def _handle(self) -> None:
-        try:
-            body = self._read_body()
-        except BadRequest as error:
-            self._send_error(400, str(error))
-            return
-        if self.command == "POST" and GENERATE_PATH.match(self.path.split("?")[0]):
+        with self.server.tracked():
             try:
-                check_generate_body(body, self.server.inputs)
+                body = self._read_body()
             except BadRequest as error:
                 self._send_error(400, str(error))
                 return
-        self._relay(body)
+            if self.command == "POST" and GENERATE_PATH.match(self.path.split("?")[0]):
+                if self.server.draining:
+                    message = f"{SHUTTING_DOWN.words}: send the request again once it is back"
+                    self._send_error(SHUTTING_DOWN.status, message, SHUTTING_DOWN.retry_after_s)
+                    return
+                try:
+                    check_generate_body(body, self.server.inputs)
+                except BadRequest as error:
+                    self._send_error(400, str(error))
+                    return
+            self._relay(body)
 
     def _read_body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
@@ -127,7 +149,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
         return self.rfile.read(length) if length else b""
 
-    def _send_error(self, status: int, message: str) -> None:
+    def _send_error(self, status: int, message: str, retry_after_s: int | None = None) -> None:
         """An error as Triton words it: JSON, or one server-sent event for `generate_stream`."""
         data = json.dumps({"error": message}).encode()
         content_type = "application/json"
@@ -136,8 +158,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        if retry_after_s is not None:
+            self.send_header("Retry-After", str(retry_after_s))
         self.end_headers()
         self.wfile.write(data)
+
+    def _cut_event(self) -> bytes:
+        """The error event that ends a stream tritonserver stopped sending."""
+        if self.server.draining:
+            message = f"{SHUTTING_DOWN.words}: the generation was stopped before it finished"
+        else:
+            message = "generation failed: tritonserver stopped answering before the generation finished"
+        return b"data: " + json.dumps({"error": message}).encode() + b"\n\n"
 
     def _relay(self, body: bytes) -> None:
         upstream = http.client.HTTPConnection(self.server.upstream, timeout=None)
@@ -148,6 +180,21 @@ class _Handler(BaseHTTPRequestHandler):
                 response = upstream.getresponse()
             except OSError as error:
                 self._send_error(503, f"tritonserver is not reachable: {error}")
+                return
+            if response.status == 400:  # a model error: the server's own where its message names a cause
+                data = response.read()
+                message = _error_message(data)
+                cause = cause_of(message) if message else None
+                if cause is not None:
+                    self._send_error(cause.status, message, cause.retry_after_s)
+                    return
+                self.send_response(response.status, response.reason)
+                for key, value in response.getheaders():
+                    if key.lower() not in HOP_BY_HOP:
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
                 return
             self.send_response(response.status, response.reason)
             for key, value in response.getheaders():
@@ -163,7 +210,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             try:
-                while piece := response.read1(65536):
+                while True:
+                    try:
+                        piece = response.read1(65536)
+                    except (OSError, http.client.HTTPException):  # tritonserver cut the stream
+                        piece = self._cut_event()
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                        break
+                    if not piece:
+                        break
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     self.wfile.flush()
                 self.wfile.write(b"0\r\n\r\n")
@@ -173,13 +228,38 @@ class _Handler(BaseHTTPRequestHandler):
             upstream.close()
 
 
+def _error_message(data: bytes) -> str | None:
+    """The "error" of Triton's error body (JSON, or one server-sent event)."""
+    text = data.decode("utf-8", errors="replace").strip().removeprefix("data:").strip()
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return str(body["error"]) if isinstance(body, dict) and "error" in body else None
+
+
 class _FrontServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: a burst of clients waits instead of being reset
 
     def __init__(self, address: tuple[str, int], upstream: str, inputs: dict[str, str]) -> None:
         super().__init__(address, _Handler)
         self.upstream = upstream
         self.inputs = inputs
+        self.draining = False  # shutting down: generate requests are refused
+        self.active = 0  # requests being answered
+        self.idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def tracked(self) -> Iterator[None]:
+        with self.idle:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.idle:
+                self.active -= 1
+                self.idle.notify_all()
 
 
 class HttpFront:
@@ -202,7 +282,15 @@ class HttpFront:
         self.thread.start()
         return self
 
-    def stop(self) -> None:
+    def drain(self) -> None:
+        """Refuse new generate requests ("server shutting down", 503); streams cut from now on say so."""
+        self.server.draining = True
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop serving, after up to `grace_s` seconds for the requests being answered to end."""
+        if grace_s > 0:
+            with self.server.idle:
+                self.server.idle.wait_for(lambda: self.server.active == 0, timeout=grace_s)
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)

@@ -41,6 +41,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "Iterations that accepted the draft token at this depth (position 0 = first draft token)",
     ),
     "request_success_total": ("counter", "Requests by outcome (ok, error, cancelled)"),
+    "request_failure_total": (
+        "counter",
+        "Failed requests by reason (invalid_request, server_busy, server_shutdown, out_of_memory, ...)",
+    ),
     "time_to_first_token_seconds": ("histogram", "Seconds from a request's arrival to its first token"),
     "time_per_output_token_seconds": ("histogram", "Seconds per generated token after the first"),
     "e2e_request_latency_seconds": ("histogram", "Seconds from a request's arrival to its end"),
@@ -75,7 +79,11 @@ class ServingMetrics:
         labels = {"model": model}
         self.series: dict[str, Any] = {}
         for name, (kind, _) in FAMILIES.items():
-            if name in ("spec_decode_num_accepted_tokens_per_pos_total", "request_success_total"):
+            if name in (
+                "spec_decode_num_accepted_tokens_per_pos_total",
+                "request_success_total",
+                "request_failure_total",
+            ):
                 continue
             if kind == "histogram":
                 self.series[name] = self.families[name].Metric(labels=labels, buckets=BUCKETS[name])
@@ -91,6 +99,16 @@ class ServingMetrics:
             outcome: self.families["request_success_total"].Metric(labels={**labels, "outcome": outcome})
             for outcome in OUTCOMES
         }
+
+        self.labels = labels
+        self.failures: dict[str, Any] = {}  # reason -> series, made when a reason first occurs
+
+    def failure(self, reason: str) -> None:
+        if reason not in self.failures:
+            self.failures[reason] = self.families["request_failure_total"].Metric(
+                labels={**self.labels, "reason": reason}
+            )
+        self.failures[reason].increment(1)
 
     def batch(self, running: int, waiting: int, waiting_for_memory: int) -> None:
         """The batch as the scheduler left it after a step."""
@@ -142,13 +160,16 @@ class RequestMeter:
             if accepted:
                 self.metrics.per_position[position].increment(accepted)
 
-    def end(self, outcome: str) -> None:
-        """Record the outcome and latencies once (later calls do nothing)."""
+    def end(self, outcome: str, reason: str = "") -> None:
+        """Record the outcome (with the failure's `reason`, errors.py) and latencies once (later calls
+        do nothing)."""
         if self.finished:
             return
         self.finished = True
         now = self.clock()
         self.metrics.outcomes[outcome].increment(1)
+        if reason:
+            self.metrics.failure(reason)
         self.metrics.series["e2e_request_latency_seconds"].observe(now - self.start)
         if self.first_token_at is not None and self.tokens > 1:
             per_token = (now - self.first_token_at) / (self.tokens - 1)

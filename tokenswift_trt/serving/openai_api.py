@@ -12,6 +12,7 @@ OpenAI fields this server cannot honour are refused unless they hold their neutr
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -30,6 +31,7 @@ from typing import Any
 
 from tokenswift_trt.decode.text import TextCodec, TokenizerError
 from tokenswift_trt.model.engine_dir import MANIFEST, EngineDirError, read_manifest
+from tokenswift_trt.serving.errors import FAILED, SHUTTING_DOWN, Cause, cause_of
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOPS = 4  # stop sequences per request, as OpenAI allows
+ROLES = ("system", "developer", "user", "assistant")  # tool messages need tool calls, not supported
+ABORT = "abort"  # finish_reason of a stream the server cut before its generation finished
 
 # Fields sent on to Triton under the same name: field -> type. temperature, top_p and seed are
 # OpenAI's own; the rest are TokenSwift's extras (the openai client's `extra_body`).
@@ -119,6 +123,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -126,6 +131,14 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.kind = kind
+        self.retry_after_s = retry_after_s  # the Retry-After header, where waiting may help
+
+    @classmethod
+    def server(cls, cause: Cause, message: str) -> ApiError:
+        """A server fault (errors.py), answered with its status and Retry-After."""
+        return cls(
+            message, cause.status, code=cause.reason, kind="server_error", retry_after_s=cause.retry_after_s
+        )
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -395,10 +408,36 @@ def translate_completion(body: dict[str, Any], model: ServedModel) -> Translated
     return Translated(params, stream, include_usage, model.prompt_tokens(prompt), _stops(body))
 
 
+def _check_unicode(value: Any, where: str) -> None:
+    """Refuse a string holding a lone surrogate (JSON's "\\ud800" parses, but is no text to encode)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ApiError(
+                f"{where} is not valid Unicode (a lone surrogate at character {error.start}): "
+                "send UTF-8 text",
+                param=where.split(".")[0].split("[")[0],
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, where)
+            _check_unicode(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_unicode(item, f"{where}[{index}]")
+
+
 def _message(index: int, message: Any) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ApiError(f'{where} must be an object with a "role" string', param="messages")
+    if message["role"] not in ROLES:
+        raise ApiError(
+            f"{where}.role must be one of {', '.join(ROLES)}, got {message['role']!r}", param="messages"
+        )
+    if message.get("content") is None:
+        raise ApiError(f"{where}.content is required (a string or a list of text parts)", param="messages")
     content = message.get("content")
     if isinstance(content, list):
         texts = []
@@ -413,7 +452,7 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         content = "".join(texts)
     elif content is not None and not isinstance(content, str):
         raise ApiError(f"{where}.content must be a string or a list of text parts", param="messages")
-    return {**message, "content": content if content is not None else ""}
+    return {**message, "content": content}
 
 
 def translate_chat(body: dict[str, Any], model: ServedModel) -> Translated:
@@ -584,8 +623,9 @@ def _stopped_answering(error: Exception) -> ApiError:
 
 
 def _relayed(status: int, raw: bytes) -> ApiError:
-    """Triton's error for a request as an OpenAI error: its 4xx are the client's (bad values, named by
-    the request handler), a model failure ("generation failed") and its 5xx are the server's."""
+    """Triton's error for a request as an OpenAI error: a server fault's message names its cause and
+    so its status (errors.py: Triton's generate endpoints answer every model error with 400), the other
+    4xx are the client's (bad values, named by the request handler), its 5xx the server's."""
     message = raw.decode("utf-8", errors="replace").strip()
     for line in message.splitlines():
         line = line.removeprefix("data: ").strip()
@@ -596,8 +636,11 @@ def _relayed(status: int, raw: bytes) -> ApiError:
         if isinstance(data, dict) and "error" in data:
             message = str(data["error"])
             break
-    if status >= 500 or message.startswith("generation failed"):
-        return ApiError(message, status=500, kind="server_error")
+    cause = cause_of(message)
+    if cause is not None:
+        return ApiError.server(cause, message)
+    if status >= 500:
+        return ApiError(message, status=status, kind="server_error")
     return ApiError(message)
 
 
@@ -608,6 +651,7 @@ class OpenAIApi:
         self.model = model
         self.triton = triton
         self.created = int(time.time())
+        self.draining = False  # the server is shutting down: new requests are refused, cut streams say so
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.model_card()]}
@@ -711,12 +755,35 @@ class OpenAIApi:
                 ]
             )
         outcome = Outcome()
-        for text in _scan(request, events, close, outcome):
-            yield chunk([piece(text)])
+        try:
+            for text in _scan(request, events, close, outcome):
+                yield chunk([piece(text)])
+        except UPSTREAM_FAULTS as error:
+            yield chunk([piece("", ABORT)])
+            raise self._cut(f"{type(error).__name__}: {error}") from None
+        except ApiError as error:
+            if error.status >= 500:  # the server ended it: a finish reason that says so, then the error
+                yield chunk([piece("", ABORT)])
+            raise
+        if not outcome.final and outcome.stop is None:  # the stream ended without its last response
+            yield chunk([piece("", ABORT)])
+            raise self._cut("the stream ended before the last response")
         usage, reason, stats = _usage(self.model, request, outcome)
         yield chunk([piece("", reason)], tokenswift=stats)
         if request.include_usage:
             yield chunk([], usage=usage, tokenswift=stats)
+
+    def _cut(self, how: str) -> ApiError:
+        """The error of a stream the inference server stopped before its generation finished."""
+        if self.draining:
+            return ApiError.server(
+                SHUTTING_DOWN,
+                f"{SHUTTING_DOWN.words}: the generation was stopped before it finished ({how}); send the "
+                "request again once the server is back",
+            )
+        return ApiError.server(
+            FAILED, f"{FAILED.words}: the inference server stopped answering ({how}): see its log"
+        )
 
 
 def _chain(first: list[dict[str, Any]], rest: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -731,13 +798,18 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
-    def _send_json(self, status: int, data: dict[str, Any]) -> None:
+    def _send_json(self, status: int, data: dict[str, Any], retry_after_s: int | None = None) -> None:
         raw = json.dumps(data).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(raw)))
+        if retry_after_s is not None:
+            self.send_header("Retry-After", str(retry_after_s))
         self.end_headers()
         self.wfile.write(raw)
+
+    def _send_error(self, error: ApiError) -> None:
+        self._send_json(error.status, error.body(), error.retry_after_s)
 
     def _body(self) -> dict[str, Any]:
         try:
@@ -751,6 +823,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(f"the body is not JSON ({error}): send a JSON object") from None
         if not isinstance(body, dict):
             raise ApiError("the body must be a JSON object")
+        _check_unicode(body, "")
         return body
 
     def do_GET(self) -> None:
@@ -787,22 +860,26 @@ class _Handler(BaseHTTPRequestHandler):
             return
         chat = path == "/v1/chat/completions"
         api = self.server.api
-        try:
-            body = self._body()
-            if body.get("stream") is True:
-                chunks, close = api.open_stream(body, chat)
-            else:
-                self._send_json(200, api.complete(body, chat))
+        with self.server.tracked():
+            try:
+                body = self._body()
+                if api.draining:
+                    raise ApiError.server(
+                        SHUTTING_DOWN, f"{SHUTTING_DOWN.words}: send the request again once it is back"
+                    )
+                if body.get("stream") is True:
+                    chunks, close = api.open_stream(body, chat)
+                else:
+                    self._send_json(200, api.complete(body, chat))
+                    return
+            except ApiError as error:
+                self._send_error(error)
                 return
-        except ApiError as error:
-            self._send_json(error.status, error.body())
-            return
-        except Exception as error:  # a fault of this server: answer the client, keep serving
-            log.exception("openai front: request failed")
-            fault = ApiError(f"internal error: {error}", status=500, kind="server_error")
-            self._send_json(fault.status, fault.body())
-            return
-        self._stream(chunks, close)
+            except Exception as error:  # a fault of this server: answer the client, keep serving
+                log.exception("openai front: request failed")
+                self._send_error(ApiError(f"internal error: {error}", status=500, kind="server_error"))
+                return
+            self._stream(chunks, close)
 
     def _stream(self, chunks: Iterator[dict[str, Any]], close: Callable[[], None]) -> None:
         self.send_response(200)
@@ -819,8 +896,6 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 except ApiError as error:  # after the stream began: an error event, as OpenAI sends
                     data = error.body()
-                except UPSTREAM_FAULTS as error:
-                    data = _stopped_answering(error).body()
                 self._event(json.dumps(data))
                 if "error" in data:
                     break
@@ -837,10 +912,28 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: a burst of clients waits instead of being reset
 
     def __init__(self, address: tuple[str, int], api: OpenAIApi) -> None:
         self.api = api
+        self.active = 0  # requests being answered
+        self.idle = threading.Condition()
         super().__init__(address, _Handler)
+
+    @contextlib.contextmanager
+    def tracked(self) -> Iterator[None]:
+        with self.idle:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.idle:
+                self.active -= 1
+                self.idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        with self.idle:
+            return self.idle.wait_for(lambda: self.active == 0, timeout=timeout_s)
 
 
 class OpenAIFrontend:
@@ -880,8 +973,16 @@ class OpenAIFrontend:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def drain(self) -> None:
+        """Refuse new requests ("server shutting down", 503); streams the inference server cuts from
+        now on end with finish_reason "abort" and that error."""
+        self.api.draining = True
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Stop serving, after up to `grace_s` seconds for the requests being answered to end."""
         if self._server is not None:
+            if grace_s > 0:
+                self._server.wait_idle(grace_s)
             self._server.shutdown()
             self._server.server_close()
             self._server = None

@@ -46,6 +46,7 @@ class ServerConfig:
     metrics_port: int = 8002
     instances: int = 1
     max_batch: int = 8  # requests an instance decodes together; 0 = one at a time
+    max_queue: int = 256  # requests an instance keeps waiting for its batch; more get "server busy"
     device: str = "cpu"
     journal_dir: Path | None = None  # request journals (request_id / resume); None = no journals
     memory_budget_gib: float | None = None  # per-request cache memory cap; None = the free memory
@@ -145,6 +146,7 @@ def prepare_repository(config: ServerConfig, workdir: Path) -> Path:
         ("tp_timeout", config.tp_timeout),
         ("python", sys.executable),
         ("max_batch", config.max_batch),
+        ("max_queue", config.max_queue),
     )
     for key, value in parameters:
         text = re.sub(

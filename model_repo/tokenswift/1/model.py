@@ -10,7 +10,14 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tokenswift_trt.serving.handler import REQUEST_SETTINGS, Cancelled, RequestError, Session
+from tokenswift_trt.serving.errors import INVALID, fault_of
+from tokenswift_trt.serving.handler import (
+    DEFAULT_MAX_QUEUE,
+    REQUEST_SETTINGS,
+    Cancelled,
+    RequestError,
+    Session,
+)
 from tokenswift_trt.serving.metrics import ServingMetrics
 
 INPUTS = ("text_input", "max_tokens", "stream", "request_id", "resume", *REQUEST_SETTINGS)
@@ -55,6 +62,7 @@ class TritonPythonModel:
             tp_timeout=float(parameters.get("tp_timeout") or 120.0),
             python=parameters.get("python", ""),
             max_batch=int(parameters.get("max_batch") or 0),
+            max_queue=int(parameters.get("max_queue") or DEFAULT_MAX_QUEUE),
         )
         self.metrics = ServingMetrics(pb_utils.MetricFamily)
         if self.session.batch is not None:
@@ -87,7 +95,7 @@ class TritonPythonModel:
         generated: list[int] = []
         try:
             parsed = self.session.parse(_inputs(request))
-        except RequestError as error:
+        except Exception as error:  # the client's mistake, or its request id running elsewhere
             return self._answer(sender, meter, None, generated, "", None, error)
         meter.prompt(len(parsed.prompt_ids))
 
@@ -108,27 +116,34 @@ class TritonPythonModel:
                 return None
             text, stats = self.session.run(parsed, on_text, cancelled=request.is_cancelled, on_ids=on_ids)
         except Exception as error:  # keep serving: report the failure to this client only
+            parsed.release()
             return on_done("", None, error)
         return on_done(text, stats, None)
 
     def _answer(self, sender, meter, parsed, generated: list[int], text: str, stats, failure) -> str | None:
         """A request's last response, by how it ended: cancelled (no error), the client's mistake
-        (HTTP 400 / gRPC INVALID_ARGUMENT), a failure inside generation (HTTP 500), or its result. The
-        error message when it failed."""
+        (gRPC INVALID_ARGUMENT, HTTP 400), a server fault (errors.py: UNAVAILABLE for what may pass,
+        "server busy" or "server shutting down"; INTERNAL for a failure inside generation), or its
+        result. The error message when it failed."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if isinstance(failure, Cancelled):
             meter.end("cancelled")
             sender.send(flags=final)
             return None
         if isinstance(failure, RequestError):
-            meter.end("error")
+            meter.end("error", INVALID)
             sender.send(_error(str(failure), pb_utils.TritonError.INVALID_ARG), flags=final)
             return str(failure)
         if failure is not None:
-            meter.end("error")
-            message = f"generation failed: {failure}"
-            sender.send(_error(message, pb_utils.TritonError.INTERNAL), flags=final)
-            return message
+            fault = fault_of(failure)
+            meter.end("error", fault.cause.reason)
+            code = (
+                pb_utils.TritonError.UNAVAILABLE
+                if fault.cause.status == 503
+                else pb_utils.TritonError.INTERNAL
+            )
+            sender.send(_error(str(fault), code), flags=final)
+            return str(fault)
         meter.drafts(stats)
         meter.end("ok")
         sender.send(self._final(parsed, generated, stats, text), flags=final)
