@@ -197,3 +197,20 @@ def test_a_model_that_fails_to_load_in_tritonserver_is_named_with_its_reason(tmp
     error = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and "the model failed to load:" in error, result.stderr
     assert "NVML" not in error
+
+
+@pytest.mark.parametrize("option", ["--http-port", "--grpc-port", "--metrics-port", "--openai-port"])
+def test_serve_refuses_a_port_in_use_before_starting_tritonserver(option):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _serve("--engine", str(MODEL), option, str(port), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"cannot listen on 127.0.0.1:{port} (Address already in use): choose another {option}"
+        in result.stderr
+    )
+    assert result.stderr.count("\n") == 1 and "starting tritonserver" not in result.stderr

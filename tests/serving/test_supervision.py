@@ -31,7 +31,7 @@ def _leftovers() -> set[str]:
     return staging | regions
 
 
-def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+def _start_serve(tmp_path: Path, openai: int = 0) -> tuple[subprocess.Popen, int, Path]:
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
     http, grpc, metrics = _free_ports(3)
@@ -49,7 +49,7 @@ def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
             "--metrics-port",
             str(metrics),
             "--openai-port",
-            "0",
+            str(openai),
             "--journal-dir",
             str(journals),
         ],
@@ -110,6 +110,35 @@ def test_sigterm_with_a_stream_in_flight_stops_quickly_and_leaves_nothing(tmp_pa
     state = read_journal(journals / "long-1.journal")  # intact and resumable
     assert len(state.tokens) >= 32 and not state.finished
     assert _leftovers() <= before
+
+
+@pytest.mark.slow
+def test_sigterm_cuts_an_openai_stream_with_finish_reason_abort_and_a_shutdown_error(tmp_path):
+    """A stream cut by the server's shutdown never looks like a finished answer."""
+    openai = pytest.importorskip("openai", reason="the OpenAI front is tested with the openai client")
+    (port,) = _free_ports(1)
+    serve, _, _ = _start_serve(tmp_path, openai=port)
+    chunks: list = []
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(
+            model="swift-tiny",
+            prompt="Once upon a time",
+            max_tokens=3000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        with pytest.raises(openai.APIError, match="server shutting down") as caught:
+            for chunk in stream:
+                chunks.append(chunk.choices[0])
+                if len(chunks) == 8:
+                    serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert caught.value.body is None or caught.value.body.get("code") == "server_shutdown"
+    assert chunks[-1].finish_reason == "abort" and all(c.finish_reason is None for c in chunks[:-1])
 
 
 @pytest.mark.slow

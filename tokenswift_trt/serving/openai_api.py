@@ -57,6 +57,8 @@ EXTRA_FIELDS: dict[str, type] = {
     "draft_source": str,
     "ignore_eos": bool,
     "adapt_drafts": bool,
+    "request_id": str,  # journaled (serve --journal-dir); with resume: true, continues its journal
+    "resume": bool,
 }
 PENALTY_HINT = "use the extra fields repetition_penalty and penalty_window instead"
 # Standard fields accepted only at their neutral value (None always passes): field -> (neutral, hint)
@@ -404,8 +406,17 @@ def translate_completion(body: dict[str, Any], model: ServedModel) -> Translated
         raise ApiError("prompt must be one string (batches and token ids are not supported)", param="prompt")
     stream, include_usage = _streaming(body)
     max_tokens = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
-    params = {"text_input": prompt, "max_tokens": max_tokens, **settings}
+    params = _params(prompt, max_tokens, settings, body.get("max_tokens") is not None)
     return Translated(params, stream, include_usage, model.prompt_tokens(prompt), _stops(body))
+
+
+def _params(prompt: str, max_tokens: int, settings: dict[str, Any], limit_given: bool) -> dict[str, Any]:
+    """The Triton inputs; a resume sends no default limit (the journal has its own; one the client
+    gives must equal it)."""
+    params = {"text_input": prompt, **settings}
+    if limit_given or not settings.get("resume"):
+        params["max_tokens"] = max_tokens
+    return params
 
 
 def _check_unicode(value: Any, where: str) -> None:
@@ -469,7 +480,7 @@ def translate_chat(body: dict[str, Any], model: ServedModel) -> Translated:
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # OpenAI's chat default is "as long as the model allows"
     max_tokens = _max_tokens(body, limit_field, max(1, model.max_length - prompt_tokens))
-    params = {"text_input": prompt, "max_tokens": max_tokens, **settings}
+    params = _params(prompt, max_tokens, settings, body.get(limit_field) is not None)
     return Translated(params, stream, include_usage, prompt_tokens, _stops(body))
 
 
@@ -552,7 +563,7 @@ def _usage(
         completion = model.text_tokens(outcome.text + (outcome.stop or ""))
     reason = "stop" if outcome.stop is not None else final.get("finish_reason")
     if reason not in ("stop", "length"):
-        reason = "length" if completion >= request.params["max_tokens"] else "stop"
+        reason = "length" if completion >= request.params.get("max_tokens", INT32_MAX) else "stop"
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     stats = {name: final[output] for output, name in STATS.items() if output in final}
     return usage, reason, stats
