@@ -1,5 +1,5 @@
 """What one forward costs on this CPU as a function of its new tokens T with each linear-layer path
-(backends/cpu_linear.py: PyTorch's own product, oneDNN prepacked, our tiled kernel), and what
+(model/linear.py: PyTorch's own product, oneDNN prepacked, our tiled kernel), and what
 attention alone costs per layer.
 
     .venv/bin/python scripts/cpu_step_costs.py [--model-dir models/smollm2-135m] [--contexts 512,4096]
@@ -19,10 +19,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tokenswift_trt.backends.cpu_linear import Linear, tiled_kernels
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.engine import load_engine
 from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.linear import Linear, tiled_kernels
 
 PATHS = {"mkl": "nn.Linear (MKL)", "onednn": "oneDNN prepacked", "tiled": "tiled kernel"}
 

@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenswift_trt.backends.cpu_linear import pack_linears
 from tokenswift_trt.builder.build import BuildRequest, resolve
 from tokenswift_trt.decode.admission import GIB, available_bytes, plan_memory
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
@@ -44,6 +43,7 @@ from tokenswift_trt.model.decoder import LlamaModel
 from tokenswift_trt.model.draft_layers import DraftLayers
 from tokenswift_trt.model.engine import Engine, choose_kernels
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
+from tokenswift_trt.model.linear import pack_linears
 
 from . import kernels
 from .report import machine_meta, write_csv

@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenswift_trt.backends.cpu_decoder import CpuDecoder
-from tokenswift_trt.backends.cpu_linear import FusedLinears, Linear, batch_invariant_product, pack_linears
 from tokenswift_trt.kernels import cascade, prefix_config
 from tokenswift_trt.kernels import ops as kernels
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.kernels.ops import apply_rotary
 from tokenswift_trt.model.config import ModelConfig
+from tokenswift_trt.model.cpu_decoder import CpuDecoder
 from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.linear import FusedLinears, Linear, batch_invariant_product, pack_linears
 from tokenswift_trt.model.rope import RotaryEmbedding
 from tokenswift_trt.model.sampling import SamplingConfig
 from tokenswift_trt.model.screened_head import ScreenedHead
@@ -564,7 +564,7 @@ class LlamaModel(nn.Module):
         self.attention_kernel = kernel
 
     def pack(self, settings: KernelConfig = KernelConfig()) -> int:
-        """For CPU inference: prepack every linear (cpu_linear.py), then fuse each layer's Q/K/V and
+        """For CPU inference: prepack every linear (linear.py), then fuse each layer's Q/K/V and
         gate/up products; returns how many linears were packed (0 off the CPU). `settings`: the CPU
         kernel, huge-page and screened-head choices."""
         count = pack_linears(self, kernels=settings)

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenswift_trt.backends.cpu_linear import pack_linears
 from tokenswift_trt.kernels import ops as kernels
 from tokenswift_trt.kernels import prefix_config
 from tokenswift_trt.kernels.config import KernelConfig
@@ -31,6 +30,7 @@ from tokenswift_trt.model.draft_layers import (
     draft_layout,
     read_heads_file,
 )
+from tokenswift_trt.model.linear import pack_linears
 from tokenswift_trt.model.tensor_parallel import (
     TensorParallel,
     make_row_parallel,
@@ -252,7 +252,7 @@ def load_engine(
     model.eval()
     draft_layers.eval()
     choose_kernels(model, config, dtype, device, kernels)
-    model.pack(kernels)  # CPU only: prepacked, fused weights (cpu_linear.py)
+    model.pack(kernels)  # CPU only: prepacked, fused weights (linear.py)
     if tp is not None:  # the compiled CPU stack runs every layer in one call: no room for all-reduces
         model.cpu_decoder = None
     # drafts never change the output: half the bytes per draft pass

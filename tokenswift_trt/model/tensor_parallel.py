@@ -35,8 +35,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tokenswift_trt.backends.cpu_linear import Linear
 from tokenswift_trt.model.config import ModelConfig
+from tokenswift_trt.model.linear import Linear
 
 # parameter name suffix -> the dimension it is split along (0: output rows, 1: input columns)
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

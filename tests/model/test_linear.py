@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from tokenswift_trt.backends.cpu_linear import (
+from tokenswift_trt.kernels.config import KernelConfig
+from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.linear import (
     TILED_MAX_ROWS,
     FusedLinears,
     Linear,
@@ -16,8 +18,6 @@ from tokenswift_trt.backends.cpu_linear import (
     packing_available,
     tiled_kernels,
 )
-from tokenswift_trt.kernels.config import KernelConfig
-from tokenswift_trt.model.kv_cache import KVCache
 
 from conftest import quiet_load
 from helpers import huge_page_kib, huge_pages_granted

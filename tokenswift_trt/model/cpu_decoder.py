@@ -9,7 +9,7 @@ writing the new K/V into the full cache's pending slots as `KVCache.attend_kv` w
 the same function as `LlamaModel.decode` (tested against it) and is batch-invariant like the
 tiled products: every step is per row.
 
-Used only where it applies: float32 on a CPU with the tiled kernel (`cpu_linear.tiled_kernels`),
+Used only where it applies: float32 on a CPU with the tiled kernel (`linear.tiled_kernels`),
 inference mode, every product packed, the plain full cache (`KVCache`), and weights unchanged
 since packing; otherwise `LlamaModel.decode` runs its PyTorch code.
 """
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tokenswift_trt.backends.cpu_linear import TILED_MAX_ROWS, FusedLinears, Linear, tiled_kernels
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.config import ModelConfig
 from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.linear import TILED_MAX_ROWS, FusedLinears, Linear, tiled_kernels
 
 
 def _version(parameter: torch.Tensor) -> int | None:
@@ -48,7 +48,7 @@ class CpuDecoder:
         # slow attribute lookup, ~270 of which cost ~0.5 ms a step at SmolLM2's 30 layers), the
         # parameter packed from it (kept, so that its identity cannot be reused), its in-place version
         # (None for an inference tensor, which carries none and cannot be changed outside inference
-        # mode) and dtype: ~0.1 ms a step to compare, against ~0.75 ms for `_identity` tuples
+        # mode) and dtype: ~0.1 ms a step to compare, against ~0.75 ms for `weight_identity` tuples
         self._packed_from = [
             (slots, name, slots[name], _version(slots[name]), slots[name].dtype)
             for slots, name in ((owner._parameters, name) for owner, name in sources)

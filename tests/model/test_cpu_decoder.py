@@ -1,14 +1,14 @@
-"""The compiled CPU decoder stack (backends/cpu_decoder.py) computes what the layers' PyTorch code does."""
+"""The compiled CPU decoder stack (model/cpu_decoder.py) computes what the layers' PyTorch code does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenswift_trt.backends.cpu_linear import TILED_MAX_ROWS, tiled_kernels
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.decode.tree import Trie
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
+from tokenswift_trt.model.linear import TILED_MAX_ROWS, tiled_kernels
 from tokenswift_trt.model.sampling import SamplingConfig
 
 from conftest import quiet_load

@@ -109,7 +109,7 @@ class Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._packed: PackedWeight | None = None
-        self._packed_from: tuple[int, int, torch.dtype] | None = None  # _identity of the packed weight
+        self._packed_from: tuple[int, int, torch.dtype] | None = None  # weight_identity of the packed weight
 
     def pack(self, half: bool = False, kernels: KernelConfig = KernelConfig()) -> bool:
         """Prepack the weight for CPU inference; False (nothing changes) where it cannot be done.
@@ -117,13 +117,13 @@ class Linear(nn.Linear):
         self._packed = _prepack(self.weight, half, kernels)
         if self._packed is None:
             return False
-        self._packed_from = _identity(self.weight)
+        self._packed_from = weight_identity(self.weight)
         return True
 
     @property
     def packed(self) -> bool:
         """The packed copy exists and still matches the weight."""
-        return self._packed is not None and self._packed_from == _identity(self.weight)
+        return self._packed is not None and self._packed_from == weight_identity(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         if self.batch_invariant and x.is_cuda:
@@ -166,7 +166,7 @@ def _prepack(
             return None
 
 
-def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
+def weight_identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
     """What changes when a weight does: the Parameter, its in-place version, its dtype. (Weights
     created under inference mode carry no version; they cannot be changed outside it.)"""
     return id(weight), -1 if weight.is_inference() else weight._version, weight.dtype
@@ -189,7 +189,7 @@ class FusedLinears:
         self.parts = list(parts)
         self.sizes = [part.out_features for part in parts]
         self._packed, self._bias = packed, bias
-        self._from = [_identity(part.weight) for part in parts]
+        self._from = [weight_identity(part.weight) for part in parts]
 
     @classmethod
     def pack(cls, parts: Sequence[Linear], kernels: KernelConfig = KernelConfig()) -> FusedLinears | None:
@@ -218,7 +218,7 @@ class FusedLinears:
             and torch.is_inference_mode_enabled()
             and not torch.compiler.is_compiling()
             and x.dtype == self.parts[0].weight.dtype
-            and all(_identity(part.weight) == before for part, before in zip(self.parts, self._from))
+            and all(weight_identity(part.weight) == before for part, before in zip(self.parts, self._from))
         )
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
