@@ -15,7 +15,7 @@ vocabulary:
 - attention: h + F · [rmsnorm(h); rmsnorm(e)], then one Llama decoder layer (9 heads, rotary
   positions, SwiGLU 1,536) attending to every earlier position's input, then rmsnorm.
 
-Prints both variants' and the committed layer 1's coupled hit@1..8 (scripts/first_level_agreement.py)
+Prints both variants' and the committed layer 1's coupled hit@1..8 (tools/first_level_agreement.py)
 on text the model generated after the held-out book's opening and on that book's own text.
 """
 

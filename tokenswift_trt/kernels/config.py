@@ -85,7 +85,7 @@ class KernelConfig:
         "auto",
         "the cascade's prefix block: `auto` our Triton kernel where Triton and the head size allow, else "
         "FlashAttention-2; `flash`; `triton` (warns where it cannot run); "
-        "`triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]` a launch scripts/triton_prefix_sweep.py measured",
+        "`triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]` a launch tools/triton_prefix_sweep.py measured",
         True,
     )
     tree_row_tiles: int = _setting(

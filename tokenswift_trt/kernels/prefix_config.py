@@ -50,7 +50,7 @@ def default_prefix_config(rows: int, capability: tuple[int, int] | None = None) 
 
 def parse_prefix_backend(text: str) -> tuple[str, PrefixConfig | None]:
     """`flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]` (e.g. `triton:128,128,8,3`
-    or `triton:128,64,8,3,tma`, as `scripts/triton_prefix_sweep.py` prints its best) -> (backend, launch
+    or `triton:128,64,8,3,tma`, as `tools/triton_prefix_sweep.py` prints its best) -> (backend, launch
     or None for the default)."""
     backend, _, launch = text.partition(":")
     if backend in ("flash", "triton") and not launch:

@@ -13,7 +13,7 @@ would pay 3-4x an AR step in its matmuls. Two packed layouts:
 - "onednn" (bfloat16, other processors, or `cpu_kernel=off`): the weight reordered once
   into oneDNN's blocked layout; 1 to 8 rows cost about 1-1.5x one row.
 
-Measured with `scripts/cpu_step_costs.py` (docs/runtime.md).
+Measured with `tools/cpu_step_costs.py` (docs/runtime.md).
 
 Half-precision packing (`pack(half=True)`, tiled layout only): the packed copy is float16, widened
 to float32 as the kernel loads it, so a one-row product streams half the bytes; its outputs are

@@ -1,7 +1,7 @@
 """Generation speed on a shared CPU: the default thread count against fixed counts, idle, beside a busy
 neighbour, beside a neighbour that leaves, and as two processes at once.
 
-    .venv/bin/python scripts/thread_contention.py --out docs/bench/cpu-threads-contention
+    .venv/bin/python -m tools.thread_contention --out docs/bench/cpu-threads-contention
 
 Each case runs `tokenswift-trt generate --json` as a user would (a new process per run, the speed its
 JSON reports, load time excluded), the thread settings taking turns within each repeat. The neighbour
@@ -159,7 +159,7 @@ def main() -> None:
     for row in rows:
         row.pop("token_ids")
     record = {
-        "command": "python scripts/thread_contention.py " + " ".join(sys.argv[1:]),
+        "command": "python -m tools.thread_contention " + " ".join(sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
         "machine": {"cpu": cpu_model(), "usable_cpus": cpus, "torch": torch.__version__, "gpu": None},
         "load_average_before": load_before,

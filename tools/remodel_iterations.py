@@ -1,6 +1,6 @@
 """Modeled speedup from measured iteration times, at tokens-per-iteration values a trie can commit.
 
-    python scripts/remodel_iterations.py docs/bench/gpu-h200-8b-curve/bench.json \
+    python -m tools.remodel_iterations docs/bench/gpu-h200-8b-curve/bench.json \
         --tau cap --tau smollm2-cpu=docs/bench/cpu-smollm2-tree333/bench.json \
         --tau smollm2-h100=docs/bench/gpu-h100-smollm2/bench.json --out docs/bench/gpu-h200-8b-curve/modeled
 
@@ -11,7 +11,7 @@ each longer one (linear between the measured lengths). A τ is `cap` (the run's 
 its depth + 1 tokens per iteration), a number, or LABEL=bench.json of a real model's run (its tokens
 per iteration: per prompt length the whole run's, weighted by generated length). A τ above the trie's
 cap is refused. `--steady` times the tokens between a run's shortest and longest generation length
-(graph captures and warm-up left out). Writes modeled.json and modeled.csv (tokenswift_trt/bench/remodel.py).
+(graph captures and warm-up left out). Writes modeled.json and modeled.csv (tools/remodel.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from tokenswift_trt.bench.remodel import RemodelError, Tau, remodel, run_tau, trie_cap
+from tools.remodel import RemodelError, Tau, remodel, run_tau, trie_cap
 
 
 def parse_tau(spec: str, cap: int) -> Tau:
@@ -54,7 +54,7 @@ def main() -> None:
         sys.exit(f"error: {error}")
     result = {
         "source": str(args.bench_json),
-        "command": "python scripts/remodel_iterations.py " + " ".join(sys.argv[1:]),
+        "command": "python -m tools.remodel_iterations " + " ".join(sys.argv[1:]),
         **result,
     }
     per_context = result["per_context"]

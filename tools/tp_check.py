@@ -1,6 +1,6 @@
 """The GPU check's tensor-parallel stage: one generation on one device and on N ranks, compared.
 
-    python -m tokenswift_trt.bench.tp_check OUT.json [--device cuda] [--tp 2] [--model swift-tiny]
+    python -m tools.tp_check OUT.json [--device cuda] [--tp 2] [--model swift-tiny]
 
 Runs `generate --json` greedy, then the same with `--tp N` (NCCL on N GPUs, gloo on a CPU), and
 writes both runs' tokens per second and whether their tokens are equal. In bf16 on GPUs a near-tie

@@ -1,13 +1,13 @@
 """The plots of docs/benchmarks.md, drawn from the committed runs under docs/bench/.
 
-    .venv/bin/python scripts/plot_benchmarks.py [--bench docs/bench] [--out docs/bench/plots]
-    .venv/bin/python scripts/plot_benchmarks.py --windows runs/a/bench.json [--windows runs/b/bench.json]
+    .venv/bin/python -m tools.plot_benchmarks [--bench docs/bench] [--out docs/bench/plots]
+    .venv/bin/python -m tools.plot_benchmarks --windows runs/a/bench.json [--windows runs/b/bench.json]
 
 Writes three PNGs (with --windows, only windows.png: acceptance by draft depth, tokens per iteration and
 tokens/s of TokenSwift and AR against output position, one point per window, from the rows' `windows` of
 each bench JSON, labelled by its folder):
 - speedup.png: measured speedup over AR by generated length (the CPU runs), and the modeled speedup of a
-  generation from a 4K prompt by its length on the H200 (`scripts/remodel_iterations.py`'s long runs,
+  generation from a 4K prompt by its length on the H200 (`tools/remodel_iterations.py`'s long runs,
   one line per assumed tokens-per-iteration);
 - acceptance.png: acceptance by draft depth of the SmolLM2 runs;
 - iteration.png: ms per AR token and per TokenSwift iteration by prompt length (8B shape, H200).

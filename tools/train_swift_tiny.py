@@ -3,7 +3,7 @@ parameter GQA Llama on the public-domain books in ../shared/corpus, with pride_a
 held out. Writes a Hugging Face model directory (config, bf16 safetensors, tokenizer.json) and
 `training.json` with the held-out perplexity.
 
-    .venv/bin/python scripts/train_swift_tiny.py --corpus ../shared/corpus --out models/swift-tiny
+    .venv/bin/python -m tools.train_swift_tiny --corpus ../shared/corpus --out models/swift-tiny
     --minutes 45
 
 Draft layers are trained afterwards with `tokenswift-trt train-heads` (see docs/swift-tiny.md).

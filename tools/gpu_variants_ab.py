@@ -1,6 +1,6 @@
 """Step costs of one engine under several kernel variants, side by side in one process.
 
-    python3 scripts/gpu_variants_ab.py [--model llama3.1-8b] [--contexts 4096,102400] [--tree-sizes 1,64]
+    python3 -m tools.gpu_variants_ab [--model llama3.1-8b] [--contexts 4096,102400] [--tree-sizes 1,64]
         [--variants kernel+fused,flash_cascade+fused,flash_cascade+fused+tail,flash_cascade+fused+tail+triton]
         [--rounds 2] [--out DIR]
 

@@ -1,4 +1,4 @@
-"""The prepared GPU check (tokenswift_trt/bench/gpu_check.py): its dry run on this CPU goes through every
+"""The prepared GPU check (tools/gpu_check.py): its dry run on this CPU goes through every
 stage and writes the same files; a run cut off keeps what it measured; carried parts are gathered and
 a missing one is named; modeled figures never assume more tokens per iteration than the trie commits."""
 
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tokenswift_trt.bench import gpu_check
-from tokenswift_trt.bench.gpu_check import (
+from tokenswift_trt.builder.pack import split_directory
+from tools import gpu_check
+from tools.gpu_check import (
     DRY,
     OUT_FILES,
     Check,
@@ -24,7 +25,6 @@ from tokenswift_trt.bench.gpu_check import (
     import_plan,
     run_check,
 )
-from tokenswift_trt.builder.pack import split_directory
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 

@@ -1,8 +1,8 @@
 """The machine a prepared check runs on: GPU, driver, torch and CUDA, copy bandwidth, our kernels' build.
 
-    python -m tokenswift_trt.bench.gpu_env --device cuda --out env.json
+    python -m tools.gpu_env --device cuda --out env.json
 
-Run as the first stage of `tokenswift_trt.bench.gpu_check`, in its own process: building the CUDA
+Run as the first stage of `tools.gpu_check`, in its own process: building the CUDA
 kernels here (torch caches the build on disk) keeps the compile out of the later stages' timings.
 """
 

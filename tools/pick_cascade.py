@@ -1,6 +1,6 @@
 """The cascade settings a `gpu_variants_ab.py` run says to use, as `--kernel NAME=VALUE` lines.
 
-    python3 scripts/pick_cascade.py VARIANTS_JSON [--step verify_T64] [--margin 0.02]
+    python3 -m tools.pick_cascade VARIANTS_JSON [--step verify_T64] [--margin 0.02]
 
 Reads variants.json (median ms per step and variant), takes the fastest FlashAttention-cascade variant
 at the longest context's STEP (a variant counts only where it beats plain `flash_cascade+fused` by

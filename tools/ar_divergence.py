@@ -1,7 +1,7 @@
 """Where do AR and TokenSwift part, per dtype and step path? Token-for-token equality with AR needs
 a verify that rounds each row's logits exactly as a 1-token step does.
 
-    python3 scripts/ar_divergence.py --model-dir models/swift-tiny --device cuda --dtypes bfloat16,float32
+    python3 -m tools.ar_divergence --model-dir models/swift-tiny --device cuda --dtypes bfloat16,float32
 
 For each dtype, sampling (greedy, the paper's) and step path (fixed-shape/CUDA graphs, eager):
 AR twice (is it reproducible?), then TokenSwift with trees 3,3,3 (drafting from the verify pass)

@@ -1,22 +1,17 @@
-"""scripts/gpu_iteration_profile.py: phase times read from the GPU timeline."""
+"""tools/gpu_iteration_profile.py: phase times read from the GPU timeline."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from torch.autograd import DeviceType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_iteration_profile.py"
-
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_iteration_profile", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools import gpu_iteration_profile
+
+    return gpu_iteration_profile
 
 
 def event(key: str, start: float, end: float, device=DeviceType.CUDA, annotation: bool = False):

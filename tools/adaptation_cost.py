@@ -7,7 +7,7 @@ re-packing of the changed products for the CPU kernels, and milliseconds per com
 (step / block). Also the draft pass of one row with the layers packed and unpacked (what skipping
 the re-pack would cost every iteration instead).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/adaptation_cost.py --model-dir models/smollm2-135m \
+    OMP_NUM_THREADS=1 .venv/bin/python -m tools.adaptation_cost --model-dir models/smollm2-135m \
         --prompt-file ../shared/corpus/pride_and_prejudice.txt --out docs/bench/adapt-cost-smollm2
 """
 
@@ -111,7 +111,7 @@ def main() -> None:
             draft["packed" if packed else "unpacked"] = round(1e3 * statistics.median(times[5:]), 3)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": "scripts/adaptation_cost.py " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
+        "command": "python -m tools.adaptation_cost " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
         "threads": torch.get_num_threads(),
         "load_average_1_5_15_min": [round(load, 2) for load in os.getloadavg()],  # the machine is shared
         "sampling": vars(PAPER),

@@ -1,6 +1,6 @@
 """Where one device-loop iteration's time goes, phase by phase, at a few prompt lengths.
 
-    python3 scripts/gpu_iteration_profile.py [--model llama3.1-8b] [--contexts 4096,98304]
+    python3 -m tools.gpu_iteration_profile [--model llama3.1-8b] [--contexts 4096,98304]
         [--tree 3,3,3] [--ngram-topk 20] [--iterations 16] [--kernels 25] [--out DIR]
 
 One random-weights engine (the bench's `--random-weights` shape); per context a random prompt of that

@@ -1,7 +1,7 @@
 """Where a GPU decode step's time goes: kernel tables of one fixed-shape step of an 8B-shaped
 engine (random weights), and of a short swift-tiny generation (host operators included).
 
-    python scripts/gpu_profile.py [--contexts 4096,32768] [--tree-sizes 1,41] [--tiny-tokens 256]
+    python -m tools.gpu_profile [--contexts 4096,32768] [--tree-sizes 1,41] [--tiny-tokens 256]
 
 Needs a CUDA GPU. Prints tables; used for docs/gpu.md ("Where the time goes").
 """

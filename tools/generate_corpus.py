@@ -1,6 +1,6 @@
 """Text the model writes itself, under the paper's sampling, as training data for its draft layers.
 
-    python scripts/generate_corpus.py --model-dir models/smollm2-135m --data ../shared/corpus/iliad.txt \
+    python -m tools.generate_corpus --model-dir models/smollm2-135m --data ../shared/corpus/iliad.txt \
         --data ../shared/corpus/moby_dick.txt --data ../shared/corpus/war_and_peace.txt \
         --out runs/generated.jsonl --sequences 1024 --batch 512 --new-tokens 1024 --device cuda
 

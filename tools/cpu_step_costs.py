@@ -2,7 +2,7 @@
 (model/linear.py: PyTorch's own product, oneDNN prepacked, our tiled kernel), and what
 attention alone costs per layer.
 
-    .venv/bin/python scripts/cpu_step_costs.py [--model-dir models/smollm2-135m] [--contexts 512,4096]
+    .venv/bin/python -m tools.cpu_step_costs [--model-dir models/smollm2-135m] [--contexts 512,4096]
         [--tokens 1,2,4,8,16] [--paths mkl,onednn,tiled] [--no-attention]
 
 The K/V cache is filled with random values (the cost does not depend on them); each row is the

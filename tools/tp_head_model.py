@@ -1,7 +1,7 @@
 """The LM head's cost per step on GPUs under tensor parallelism, replicated or split over the
 vocabulary: modeled from bytes and bandwidths (not measured).
 
-    .venv/bin/python scripts/tp_head_model.py docs/bench/cpu-tp2-head
+    .venv/bin/python -m tools.tp_head_model docs/bench/cpu-tp2-head
 
 writes gpu_model.json there: for Llama 3.1 8B (bfloat16) at --tp 2 on H100 SXM GPUs, per step of T
 rows, the replicated head (every rank reads its whole weight from HBM) against the split one (each
@@ -59,7 +59,7 @@ def main(out: Path) -> None:
         "hbm_bytes_s": HBM_BYTES_S,
         "nvlink_bytes_s_per_direction": NVLINK_BYTES_S,
         "all_gather_latency_s": ALL_GATHER_LATENCY_S,
-        "command": "python scripts/tp_head_model.py " + str(out),
+        "command": "python -m tools.tp_head_model " + str(out),
     }
     path = out / "gpu_model.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows()}, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""scripts/pick_cascade.py: the switches and threshold gpu_checks.sh's e2e-picked stage runs with."""
+"""tools/pick_cascade.py: the switches and threshold gpu_checks.sh's e2e-picked stage runs with."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pick_cascade.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rows(variant: str, costs: dict[tuple[int, str], float]) -> list[dict]:
@@ -21,7 +21,11 @@ def run_pick(tmp_path: Path, table: list[dict]) -> str:
     path = tmp_path / "variants.json"
     path.write_text(json.dumps({"rows": table}))
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "tools.pick_cascade", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return result.stdout
 

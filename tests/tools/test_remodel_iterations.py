@@ -1,4 +1,4 @@
-"""scripts/remodel_iterations.py: modeled speedups never assume more tokens per iteration than the trie
+"""tools/remodel_iterations.py: modeled speedups never assume more tokens per iteration than the trie
 commits, and they follow from the measured times."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "remodel_iterations.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def random_weights_run(path: Path, tree: str = "3,3,3") -> Path:
@@ -31,7 +31,8 @@ def random_weights_run(path: Path, tree: str = "3,3,3") -> Path:
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+    command = [sys.executable, "-m", "tools.remodel_iterations", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
 
 
 def test_the_cap_is_depth_plus_one_and_speedups_follow_the_measured_times(tmp_path):
@@ -70,7 +71,7 @@ def test_more_tokens_per_iteration_than_the_trie_commits_is_refused(tmp_path):
 
 
 def test_a_runs_tau_is_its_longest_generation_per_prompt_length():
-    from tokenswift_trt.bench.remodel import run_tau
+    from tools.remodel import run_tau
 
     # rows of one run at 1K, 4K and 8K hold the figures of the whole run up to each length
     rows = [
@@ -82,7 +83,7 @@ def test_a_runs_tau_is_its_longest_generation_per_prompt_length():
 
 
 def test_steady_times_leave_the_first_tokens_out():
-    from tokenswift_trt.bench.remodel import steady_rows
+    from tools.remodel import steady_rows
 
     # AR: 63 steps at 5 ms (a slow first step inside), then 256 at 4 ms; TokenSwift at τ 1: 63 iterations
     # averaging 10 ms, then 256 at 8 ms

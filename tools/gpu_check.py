@@ -1,6 +1,6 @@
 """One prepared check of a GPU machine, in one call of at most ~9 minutes, most valuable stages first.
 
-    python -m tokenswift_trt.bench.gpu_check OUT [--device cpu] [--stages a,b] [--budget-s S]
+    python -m tools.gpu_check OUT [--device cpu] [--stages a,b] [--budget-s S]
     bash scripts/gpu_checks.sh OUT prepared [--device cpu]           (the same)
 
 Stages, in order: `carry` (gather the SmolLM2 parts carried under .carry/smollm2-*/ into a stash
@@ -44,10 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenswift_trt.environment import child_environment, gpu_check_command
+from tools.remodel import Tau, ar_floor_ms, capped, remodel, run_tau, trie_cap
 
-from .remodel import Tau, ar_floor_ms, capped, remodel, run_tau, trie_cap
-
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = Path("models/smollm2-135m")
 # folders of SmolLM2 parts under .carry/, each carried by one call (scripts/prepare_carry.sh)
 CARRY_PATTERN = "smollm2-[0-9]*"
@@ -704,7 +703,7 @@ def env_plan(check: Check) -> Commands:
         [
             check.python,
             "-m",
-            "tokenswift_trt.bench.gpu_env",
+            "tools.gpu_env",
             "--device",
             check.sizes.device,
             "--out",
@@ -723,7 +722,8 @@ def phases_plan(check: Check) -> Commands:
     return [
         [
             check.python,
-            "scripts/gpu_iteration_profile.py",
+            "-m",
+            "tools.gpu_iteration_profile",
             "--model",
             model,
             "--device",
@@ -812,14 +812,14 @@ def tests_summary(check: Check) -> dict[str, Any] | None:
 
 
 def tp_plan(check: Check) -> Commands | Skip:
-    """swift-tiny greedy on one GPU and on two (NCCL), compared (bench/tp_check.py)."""
+    """swift-tiny greedy on one GPU and on two (NCCL), compared (tools/tp_check.py)."""
     if not check.cuda:
         return Skip("a dry run: tests/cli/test_tp_generate.py runs --tp 2 on the CPU (gloo)")
     import torch
 
     if torch.cuda.device_count() < 2:
         return Skip(f"--tp 2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")
-    return [[check.python, "-m", "tokenswift_trt.bench.tp_check", str(check.work / "tp.json")]]
+    return [[check.python, "-m", "tools.tp_check", str(check.work / "tp.json")]]
 
 
 def stages(sizes: Sizes) -> list[Stage]:
@@ -1068,9 +1068,7 @@ def run_check(check: Check, chosen: list[Stage]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tokenswift_trt.bench.gpu_check", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for run.json, summary.md, run.log, results.tar.gz")
     parser.add_argument(
         "--device", default="cuda", help="cuda: the prepared run; cpu: a dry run at tiny sizes"
@@ -1104,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     work = (args.work or REPOSITORY / "runs" / "gpu-check" / stamp).resolve()
     command = gpu_check_command() or shlex.join(
-        ["python", "-m", "tokenswift_trt.bench.gpu_check", *(argv if argv is not None else sys.argv[1:])]
+        ["python", "-m", "tools.gpu_check", *(argv if argv is not None else sys.argv[1:])]
     )
     check = Check(
         args.out.resolve(),

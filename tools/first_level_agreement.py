@@ -1,6 +1,6 @@
 """How often the target's sample is among draft layer 1's top k candidates, on text the model wrote.
 
-    .venv/bin/python scripts/first_level_agreement.py [--model smollm2-135m] [--heads FILE] [--tokens 1536] \
+    .venv/bin/python -m tools.first_level_agreement [--model smollm2-135m] [--heads FILE] [--tokens 1536] \
         [--on book] [--depth 2]
 
 Generates `--tokens` with AR steps under the paper's sampling settings (min-p 0.1, θ 1.2, W 256,

@@ -1,6 +1,6 @@
 """Weights and KV cache per GPU under tensor parallelism, computed from model configs (not measured).
 
-    .venv/bin/python scripts/tp_memory.py docs/bench/tp-memory
+    .venv/bin/python -m tools.tp_memory docs/bench/tp-memory
 
 writes tp_memory.json and tp_memory.md there: for Llama 3.1 8B, DeepSeek-R1-Distill-Qwen-32B (the
 Qwen2.5-32B shape) and Llama 3.1 70B at 102,400 positions in bfloat16, each valid --tp size up to 8:
@@ -83,7 +83,7 @@ def main(out: Path) -> None:
         "positions": POSITIONS,
         "dtype": "bfloat16",
         "lm_head": HEAD,
-        "source": "computed from the model configs by scripts/tp_memory.py (not measured); draft layers, "
+        "source": "computed from the model configs by tools/tp_memory.py (not measured); draft layers, "
         "activations and the CUDA context are not counted",
     }
     (out / "tp_memory.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=1) + "\n")

@@ -2,7 +2,7 @@
 revision, side by side: T new tokens (a root and T - 1 children, as a depth-1 tree verifies) over a
 cache of `--contexts` positions.
 
-    .venv/bin/python scripts/cpu_kernels_ab.py REV [--model-dir models/smollm2-135m] \
+    .venv/bin/python -m tools.cpu_kernels_ab REV [--model-dir models/smollm2-135m] \
         [--contexts 1024,4096] [--repeats 20] [--tokens 1,2,3,4,6] [--part decoder|attention|linear]
 
 REV's `plugins_cuda/cpu/` sources are compiled into a second extension module; the engine's compiled

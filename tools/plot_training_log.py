@@ -1,6 +1,6 @@
 """Training curve of a `train-heads` run from its progress log (the tqdm lines it writes to stderr).
 
-    .venv/bin/python scripts/plot_training_log.py runs/heads-smollm2.log docs/bench/heads-smollm2/curve
+    .venv/bin/python -m tools.plot_training_log runs/heads-smollm2.log docs/bench/heads-smollm2/curve
 
 writes curve.csv (step, loss: the mean cross-entropy of the three draft layers) and curve.png.
 """

@@ -1,7 +1,7 @@
 """Launches of the Triton prefix block timed side by side on a GPU: which row and key tiles, warps and
 pipeline stages run the cascade's prefix block fastest for a model's shape.
 
-    python3 scripts/triton_prefix_sweep.py [--model llama3.1-8b] [--contexts 32768,102400]
+    python3 -m tools.triton_prefix_sweep [--model llama3.1-8b] [--contexts 32768,102400]
         [--tree-sizes 64,128] [--repeats 20] [--budget-s 200] [--out DIR]
 
 For each (context, tree size): the packed rows of a verify ([kv_heads, group x T, head_dim], random

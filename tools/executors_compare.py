@@ -6,7 +6,7 @@ loop and the device loop decode the same prompt in turns of `--interleave` new t
 its own clock (bench.run.take_turns), `--repeats` times. Writes executors.json (per plan: tokens/s of
 each executor and AR, the ratios, iterations, whether the tokens agreed) under --out.
 
-    .venv/bin/python scripts/executors_compare.py --model-dir models/swift-tiny \
+    .venv/bin/python -m tools.executors_compare --model-dir models/swift-tiny \
         --prompt-file ../shared/corpus/pride_and_prejudice.txt --out docs/bench/cpu-executors-swift-tiny
 """
 
@@ -86,7 +86,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": "python scripts/executors_compare.py " + shlex.join(sys.argv[1:]),
+        "command": "python -m tools.executors_compare " + shlex.join(sys.argv[1:]),
         "date": date.today().isoformat(),
         "load_average": os.getloadavg(),
         **machine_meta(),
