@@ -2,8 +2,8 @@
 
 An AR step or a tree verification of a small model on a CPU spends as long around its products as
 in them: per layer ~25 PyTorch operations (norms, views, rotary, cache writes, residual adds), each
-a Python call and an ATen dispatch, cost ~12 ms of a 25 ms SmolLM2-135M step on the 2-core
-development machine. `CpuDecoder` runs the whole stack for up to TILED_MAX_ROWS tokens in
+a Python call and an ATen dispatch, cost about as much as the layer's products for a model of
+SmolLM2-135M's size. `CpuDecoder` runs the whole stack for up to TILED_MAX_ROWS tokens in
 plugins_cuda/cpu/decoder_cpu.cpp over the weights `LlamaModel.pack()` prepacked (tiled layout),
 writing the new K/V into the full cache's pending slots as `KVCache.attend_kv` would. It computes
 the same function as `LlamaModel.decode` (tested against it) and is batch-invariant like the
@@ -45,10 +45,10 @@ class CpuDecoder:
         """`sources`: (module, attribute) of every parameter the packed tensors came from."""
         self.kernels, self.weights, self.config = kernels, weights, config
         # each parameter's own slot (the owner's `_parameters` dict: reading it skips nn.Module's
-        # slow attribute lookup, ~270 of which cost ~0.5 ms a step at SmolLM2's 30 layers), the
+        # slow attribute lookup, which hundreds of parameters a step would pay), the
         # parameter packed from it (kept, so that its identity cannot be reused), its in-place version
         # (None for an inference tensor, which carries none and cannot be changed outside inference
-        # mode) and dtype: ~0.1 ms a step to compare, against ~0.75 ms for `weight_identity` tuples
+        # mode) and dtype: cheaper to compare each step than fresh `weight_identity` tuples
         self._packed_from = [
             (slots, name, slots[name], _version(slots[name]), slots[name].dtype)
             for slots, name in ((owner._parameters, name) for owner, name in sources)

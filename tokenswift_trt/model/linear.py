@@ -2,18 +2,18 @@
 
 Why: with PyTorch's default CPU path (MKL sgemm) a float32 linear over M rows costs about M times
 one row on AMD EPYC CPUs (MKL takes its generic code path there), so verifying a 4-token tree
-would pay 3-4x an AR step in its matmuls. Two packed layouts:
+would pay several AR steps in its matmuls. Two packed layouts:
 
 - "tiled" (float32 on x86 with AVX2, the default where the CPU kernels build): our own kernel,
-  plugins_cuda/cpu/linear_cpu.cpp. On SmolLM2-135M's layer shapes (2-core EPYC) one row streams
-  the weights ~2x faster than oneDNN, 4 rows cost about what one does, and it is batch-invariant:
+  plugins_cuda/cpu/linear_cpu.cpp. On SmolLM2-135M's layer shapes one row streams the weights
+  faster than oneDNN, a few rows cost about what one does, and it is batch-invariant:
   a row's outputs are the same bits whatever other rows share the call, so an AR step and a tree
   verification compute a token's logits identically. It takes up to TILED_MAX_ROWS rows; a
   prompt's chunks run PyTorch's own product on the unpacked weight.
 - "onednn" (bfloat16, other processors, or `cpu_kernel=off`): the weight reordered once
-  into oneDNN's blocked layout; 1 to 8 rows cost about 1-1.5x one row.
+  into oneDNN's blocked layout; a few rows cost little more than one.
 
-Measured with `tools/cpu_step_costs.py` (docs/runtime.md).
+Measured with `python -m tools.cpu_step_costs` (docs/bench/cpu-verify-rows holds a run).
 
 Half-precision packing (`pack(half=True)`, tiled layout only): the packed copy is float16, widened
 to float32 as the kernel loads it, so a one-row product streams half the bytes; its outputs are
@@ -45,7 +45,7 @@ def packing_available() -> bool:
 
 # rows per call the tiled kernel takes: every verify trie, a long match's branch included. Up to 256
 # rows it beats PyTorch's product (SmolLM2-135M's forward, one thread: docs/bench/cpu-verify-rows);
-# a prompt's 512-row chunks are ~1.5x faster in PyTorch's
+# a prompt's longer chunks run faster in PyTorch's
 TILED_MAX_ROWS = 256
 
 
@@ -62,7 +62,7 @@ class PackedWeight:
     def takes(self, rows: int) -> bool:
         """Whether the packed copy serves `rows` rows: the tiled kernel is for decode and verify
         (<= TILED_MAX_ROWS); a prompt's chunks take PyTorch's product on the unpacked weight, which
-        is ~1.5x faster there (SmolLM2, 512 rows: 0.90 s vs 1.39 s on the development machine)."""
+        is faster there (docs/bench/cpu-verify-rows)."""
         return self.kernels is None or rows <= TILED_MAX_ROWS
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

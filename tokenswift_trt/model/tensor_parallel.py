@@ -48,9 +48,9 @@ DEFAULT_HEAD = "replicated"
 
 
 def default_head(backend: str) -> str:
-    """The LM head's split where none is asked: over the vocabulary on GPUs (NCCL: modeled faster on
-    an H100 and 1/N of its memory), replicated on CPUs (gloo: measured faster, the float16-screened
-    head applies); docs/deploy.md, "Tensor parallelism"."""
+    """The LM head's split where none is asked: over the vocabulary on GPUs (NCCL: modeled faster
+    and 1/N of its memory), replicated on CPUs (gloo: measured faster, the float16-screened head
+    applies); both in docs/bench/cpu-tp2-head; docs/deploy.md, "Tensor parallelism"."""
     return "vocab" if backend == "nccl" else "replicated"
 
 
