@@ -6,7 +6,7 @@ cache of `--contexts` positions.
         [--contexts 1024,4096] [--repeats 20] [--tokens 1,2,3,4,6] [--part decoder|attention|linear]
 
 REV's `plugins_cuda/cpu/` sources are compiled into a second extension module; the engine's compiled
-decoder (backends/cpu_decoder.py) runs through one module, then the other, every round, so the
+decoder (model/cpu_decoder.py) runs through one module, then the other, every round, so the
 machine's drift hits both alike (which goes first rotates). Each cell is the median over the rounds,
 with the ratio to the first `--tokens` value (T = 1 by default) of the same kernels in brackets.
 Prints a Markdown table.

@@ -371,7 +371,7 @@ def machine() -> dict[str, Any]:
     """What is known before any stage runs (no CUDA context in this process)."""
     import platform
 
-    from .gpu_env import nvidia_smi
+    from tools.gpu_env import nvidia_smi
 
     record: dict[str, Any] = {
         "python": platform.python_version(),

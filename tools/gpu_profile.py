@@ -14,7 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tokenswift_trt.bench.steps import _filled_caches, random_engine
+from tokenswift_trt.bench.steps import filled_caches, random_engine
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.decode.static_step import StaticForward
 from tokenswift_trt.decode.text import TextCodec
@@ -49,7 +49,7 @@ def profile_8b(contexts: list[int], tree_sizes: list[int]) -> None:
     model = engine.model
     for context in contexts:
         capacity = context + 128 + 1
-        full, _ = _filled_caches(engine, context, capacity, 64)
+        full, _ = filled_caches(engine, context, capacity, 64)
         for size in tree_sizes:
             tokens = torch.randint(engine.config.vocab_size, (size,), device="cuda")
             positions = torch.arange(context, context + size, device="cuda")

@@ -180,9 +180,7 @@ def _bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def _filled_caches(
-    engine: Engine, context: int, capacity: int, budget: int
-) -> tuple[KVCache, PartialKVCache]:
+def filled_caches(engine: Engine, context: int, capacity: int, budget: int) -> tuple[KVCache, PartialKVCache]:
     """A full cache of `capacity` slots holding `context` random positions, and a partial cache of `budget`
     filled from it."""
     config, device, dtype = engine.config, engine.device, engine.dtype
@@ -255,7 +253,7 @@ def _measure_context(
     compiled: those forwards through torch.compile (generate's compile_steps).
     """
     config, device, model, draft_layers = engine.config, engine.device, engine.model, engine.draft_layers
-    full, partial = _filled_caches(engine, context, capacity, budget)
+    full, partial = filled_caches(engine, context, capacity, budget)
     token = torch.randint(config.vocab_size, (1,), device=device)
     position = torch.tensor([context], device=device)
     hidden_row = torch.randn(1, config.hidden_size, dtype=engine.dtype, device=device)
