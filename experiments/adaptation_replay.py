@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 import tokenswift_trt as ts
-from tokenswift_trt.backends.cpu_linear import pack_linears
 from tokenswift_trt.decode.loop import engine_adapter
 from tokenswift_trt.model.draft_adaptation import OPTIMIZERS, SCOPES, AdaptationSettings, copy_draft_layers
 from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.linear import pack_linears
 from tokenswift_trt.model.sampling import SamplingConfig, position_gumbel_rows, process_logits
 
 PAPER = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=256)

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_checks.sh OUT_DIR prepared [--device cpu] [--stages a,b] [--budget-s S]
 #       the prepared check: one call of at most ~9 minutes, most valuable stages first, OUT_DIR/run.json
-#       rewritten after every stage (python -m tokenswift_trt.bench.gpu_check; --device cpu: a dry run at
+#       rewritten after every stage (python -m tools.gpu_check; --device cpu: a dry run at
 #       tiny sizes); `stash` instead of `prepared` only gathers the carried SmolLM2 parts and builds the
 #       kernels (a call that carries parts ahead of the prepared one, scripts/prepare_carry.sh)
 #   bash scripts/gpu_checks.sh OUT_DIR [STAGE ...]     stages: env tests kernels steps host loop compile profile syncs
@@ -24,13 +24,13 @@ if [ "${1:-}" = prepared ] || [ "${1:-}" = stash ]; then
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tokenswift_torch_ext}
     if [ "$mode" = stash ]; then set -- --stages carry,env "$@"; fi
-    exec "${PYTHON:-python3}" -m tokenswift_trt.bench.gpu_check "$OUT_DIR" "$@"
+    exec "${PYTHON:-python3}" -m tools.gpu_check "$OUT_DIR" "$@"
 fi
 STAGES=${*:-env tests kernels steps host loop}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tokenswift_torch_ext}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/*.py import the package from this checkout
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # tools (python -m tools.NAME) import the package from this checkout
 CLI=("$PYTHON" -m tokenswift_trt.cli)
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log, report the exit code
@@ -103,19 +103,19 @@ EOF"
             --contexts 4096,102400 --tree-sizes 1,64 --kv-budget 4096 --compile-steps --out "$OUT_DIR/steps-compiled"
         ;;
     profile)
-        stage profile 400 "$PYTHON" scripts/gpu_profile.py
+        stage profile 400 "$PYTHON" -m tools.gpu_profile
         ;;
     syncs)
-        stage syncs 200 "$PYTHON" scripts/gpu_profile.py --syncs-only --tiny-tokens 128
+        stage syncs 200 "$PYTHON" -m tools.gpu_profile --syncs-only --tiny-tokens 128
         ;;
     invariant)  # bf16 with batch-invariant products, norms and aligned attention: do TokenSwift's tokens follow AR's; cost
-        stage invariant 400 bash -c "$PYTHON scripts/ar_divergence.py --device cuda --kernel batch_invariant=on \
-            --dtypes bfloat16 --tokens 512 && $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 --tree-sizes 1,64 \
+        stage invariant 400 bash -c "$PYTHON -m tools.ar_divergence --device cuda --kernel batch_invariant=on \
+            --dtypes bfloat16 --tokens 512 && $PYTHON -m tools.gpu_variants_ab --contexts 4096,102400 --tree-sizes 1,64 \
             --variants kernel+fused,kernel+fused+products,kernel+fused+invariant --rounds 2 --out $OUT_DIR/invariant"
         ;;
     divergence)  # where TokenSwift's tokens part from AR's per dtype (bf16 verify vs 1-token steps round differently)
-        stage divergence 400 bash -c "$PYTHON scripts/ar_divergence.py --device cuda --dtypes float32,bfloat16 --tokens 512 \
-            && $PYTHON scripts/ar_divergence.py --device cuda --dtypes bfloat16 --tokens 512 --full-precision-reductions"
+        stage divergence 400 bash -c "$PYTHON -m tools.ar_divergence --device cuda --dtypes float32,bfloat16 --tokens 512 \
+            && $PYTHON -m tools.ar_divergence --device cuda --dtypes bfloat16 --tokens 512 --full-precision-reductions"
         ;;
     e2e)  # whole generations of the 8B shape (random weights), AR and the device loop taking turns
         stage e2e 480 "${CLI[@]}" bench --model llama3.1-8b --random-weights --device cuda --dtype bfloat16 \
@@ -139,11 +139,11 @@ EOF"
             --no-extras --min-p 0.1 --penalty 1.2 --penalty-window 1024 --seed 1 --out "$OUT_DIR/e2e-100k-k4"
         ;;
     prefix-sweep)  # the Triton prefix block's launches (tiles, warps, stages) side by side; the best -> prefix.env
-        stage prefix-sweep 300 "$PYTHON" scripts/triton_prefix_sweep.py --out "$OUT_DIR/prefix-sweep"
+        stage prefix-sweep 300 "$PYTHON" -m tools.triton_prefix_sweep --out "$OUT_DIR/prefix-sweep"
         grep '^--kernel cascade_prefix=' "$OUT_DIR/prefix-sweep.log" >"$OUT_DIR/prefix.env" || true
         ;;
     e2e-picked)  # e2e-100k-k4 with the cascade switches and threshold the variants stage measured best
-        "$PYTHON" scripts/pick_cascade.py "$OUT_DIR/variants/variants.json" >"$OUT_DIR/picked.env" \
+        "$PYTHON" -m tools.pick_cascade "$OUT_DIR/variants/variants.json" >"$OUT_DIR/picked.env" \
             || echo "# nothing picked: defaults" >"$OUT_DIR/picked.env"
         if grep -q 'cascade_prefix=triton' "$OUT_DIR/picked.env" && [ -s "$OUT_DIR/prefix.env" ]; then
             cat "$OUT_DIR/prefix.env" >>"$OUT_DIR/picked.env"  # the sweep's launch for the Triton prefix
@@ -169,7 +169,7 @@ EOF"
             --data $CORPUS/war_and_peace.txt)
         mkdir -p "$OUT_DIR/heads"
         stage heads-import 120 bash -c "$SMOLLM2_IMPORT"
-        stage heads-text 180 "$PYTHON" scripts/generate_corpus.py --model-dir models/smollm2-135m "${books[@]}" \
+        stage heads-text 180 "$PYTHON" -m tools.generate_corpus --model-dir models/smollm2-135m "${books[@]}" \
             --out "$OUT_DIR/heads/generated.jsonl" --sequences 384 --batch 192 --new-tokens 1024 --seed 1 --device cuda
         stage heads-train 300 "${CLI[@]}" train-heads --model-dir models/smollm2-135m \
             --data "$OUT_DIR/heads/generated.jsonl" "${books[@]}" --eval-data $CORPUS/pride_and_prejudice.txt \
@@ -178,9 +178,9 @@ EOF"
             --loss sampled --init-heads models/heads/smollm2-135m.safetensors --device cuda
         rm -f "$OUT_DIR/heads/run/checkpoint.pt"  # 60 MB of optimizer state; the heads file is what comes back
         # both scores at once on the machine's CPU cores (each generates its 1,536 tokens there)
-        stage heads-agree 150 bash -c "OMP_NUM_THREADS=8 $PYTHON scripts/first_level_agreement.py \
+        stage heads-agree 150 bash -c "OMP_NUM_THREADS=8 $PYTHON -m tools.first_level_agreement \
             --heads models/heads/smollm2-135m.safetensors --prompt-file $CORPUS/pride_and_prejudice.txt >$OUT_DIR/heads/agree-committed.txt & \
-            OMP_NUM_THREADS=8 $PYTHON scripts/first_level_agreement.py --heads $OUT_DIR/heads/run/heads.safetensors \
+            OMP_NUM_THREADS=8 $PYTHON -m tools.first_level_agreement --heads $OUT_DIR/heads/run/heads.safetensors \
             --prompt-file $CORPUS/pride_and_prejudice.txt >$OUT_DIR/heads/agree-new.txt; wait; tail -n 3 $OUT_DIR/heads/agree-*.txt"
         ;;
     compile-4k)  # eager and compiled steps side by side at 4K only (one context compiles in ~2-3 minutes)
@@ -205,11 +205,11 @@ EOF"
         stage variants 480 bash -c "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/kernels/test_cascade.py \
             tests/kernels/test_fused_elementwise.py tests/kernels/test_triton_prefix.py tests/kernels/test_triton_linear.py \
             tests/kernels/test_triton_aligned.py; \
-            $PYTHON scripts/gpu_variants_ab.py --contexts 4096,102400 \
+            $PYTHON -m tools.gpu_variants_ab --contexts 4096,102400 \
             --tree-sizes 1,64,128 --rounds 2 --out $OUT_DIR/variants"
         ;;
     iteration)  # where the device loop's iteration goes, phase by phase, at 4K and 98K (setup, replay, labels)
-        stage iteration 300 bash -c "$PYTHON scripts/gpu_iteration_profile.py \
+        stage iteration 300 bash -c "$PYTHON -m tools.gpu_iteration_profile \
             \$(if [ -f $OUT_DIR/picked.env ]; then grep -v '^#' $OUT_DIR/picked.env; fi) \
             --contexts 4096,98304 --out $OUT_DIR/iteration"
         ;;

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 corpus=${1:-../shared/corpus}
 py=.venv/bin/python
 cli=.venv/bin/tokenswift-trt
-$py scripts/train_swift_tiny.py --corpus "$corpus" --out models/swift-tiny --minutes "${MINUTES:-35}"
+$py -m tools.train_swift_tiny --corpus "$corpus" --out models/swift-tiny --minutes "${MINUTES:-35}"
 $cli train-heads --model-dir models/swift-tiny --out runs/swift-tiny-heads --force \
     --data "$corpus/iliad.txt" --data "$corpus/moby_dick.txt" --data "$corpus/war_and_peace.txt" \
     --eval-data "$corpus/pride_and_prejudice.txt" \

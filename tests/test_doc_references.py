@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("tokenswift_trt", "tests", "scripts", "model_repo", "deploy", "Makefile", "README.md")
+SOURCES = ("tokenswift_trt", "tests", "scripts", "tools", "model_repo", "deploy", "Makefile", "README.md")
 REFERENCE = re.compile(r'docs/([a-z0-9_-]+\.md)(?:,\s*"([^"]+)")?')
 SUFFIXES = {".py", ".cpp", ".cu", ".h", ".cuh", ".sh", ".md", ".pbtxt"}
 COMMENT = re.compile(r"\s*(?:#|//|\*)?\s+")  # a section name wrapped over comment lines

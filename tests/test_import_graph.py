@@ -1,5 +1,6 @@
 """The package's import graph: no cycle between modules (lazy imports included), and the layers import
-one way (decode -> model -> kernels; nothing below knows of the CLI, serving, bench or builder)."""
+one way (decode -> backends -> model -> kernels; nothing below knows of the CLI, serving, bench or
+builder); no two subpackages import each other."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenswift_trt"
 # layer -> the top-level subpackages it must not import
 FORBIDDEN = {
     "kernels": {"decode", "model", "backends", "builder", "serving", "cli", "bench", "training"},
-    "model": {"decode", "builder", "serving", "cli", "bench", "training"},
+    "model": {"decode", "backends", "builder", "serving", "cli", "bench", "training"},
     "backends": {"decode", "builder", "serving", "cli", "bench", "training"},
     "decode": {"builder", "serving", "cli", "bench", "training"},
 }
@@ -75,3 +76,24 @@ def test_layers_import_one_way():
             if "." in target and target.split(".")[1] in FORBIDDEN.get(layer, ()):
                 wrong.append(f"{module} -> {target}")
     assert not wrong, "imports against the layering: " + ", ".join(sorted(wrong))
+
+
+def test_no_two_subpackages_import_each_other():
+    modules = _modules()
+    subpackage = {  # module -> its subpackage (None for a top-level module such as api.py)
+        name: path.relative_to(PACKAGE).parts[0] if len(path.relative_to(PACKAGE).parts) > 1 else None
+        for name, path in modules.items()
+    }
+    imports: dict[str, set[str]] = {}  # subpackage -> the other subpackages it imports
+    for module, targets in _edges(modules).items():
+        own = subpackage[module]
+        if own is not None:
+            others = {subpackage[target] for target in targets} - {None, own}
+            imports.setdefault(own, set()).update(others)
+    both_ways = sorted(
+        f"{first} <-> {second}"
+        for first, targets in imports.items()
+        for second in targets
+        if first < second and first in imports.get(second, set())
+    )
+    assert not both_ways, "subpackages that import each other: " + ", ".join(both_ways)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tokenswift_trt.backends.loader import load_engine_dir
 from tokenswift_trt.decode.journal import (
     JournalError,
     JournalWriter,
@@ -45,7 +46,7 @@ from tokenswift_trt.model.engine import (
     WeightsError,
     load_engine,
 )
-from tokenswift_trt.model.engine_dir import EngineDirError, load_engine_dir
+from tokenswift_trt.model.engine_dir import EngineDirError
 
 
 class ApiError(ValueError):

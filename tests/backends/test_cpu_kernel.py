@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from tokenswift_trt.backends.cpu_linear import Linear
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.kernels import ops as kernels
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.linear import Linear
 from tokenswift_trt.model.sampling import (
     FusedSampler,
     NoiseKeys,

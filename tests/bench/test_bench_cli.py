@@ -9,7 +9,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from tokenswift_trt.bench.remodel import measured_iteration_times, modeled_long_run
+from tokenswift_trt.bench.compare import measured_iteration_times, modeled_long_run
 from tokenswift_trt.bench.run import (
     BenchSpec,
     Snapshot,

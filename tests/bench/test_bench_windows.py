@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -115,55 +113,6 @@ def test_compare_adaptation_rows_carry_the_adapted_run_beside_the_static_one(
     write_results([row], tmp_path, {"command": "test"})
     variants = [line["variant"] for line in csv.DictReader(open(tmp_path / "bench_windows.csv"))]
     assert variants == ["tokenswift"] * 3 + ["adapted"] * 3
-
-
-def _run_script(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "scripts" / "plot_benchmarks.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True)
-
-
-def test_plot_script_draws_windows_from_bench_jsons_and_refuses_one_without(tmp_path):
-    window = dict(
-        iterations=4, tokens=10, drafted_tokens=8, accepted_tokens=6, ngram_accepted_tokens=1, alpha=0.75,
-        beta=0.125, tokens_per_iteration=2.5, ar_tokens_per_s=20.0, tokenswift_tokens_per_s=45.0,
-    )  # fmt: skip
-    rows = [
-        {
-            "prefix_len": prefix_len,
-            "gen_len": 32,
-            "windows": [
-                {
-                    **window,
-                    "start": 0,
-                    "end": 16,
-                    "reached_by_depth": [4, 3],
-                    "alpha_by_depth": [0.75, 2 / 3],
-                },
-                {
-                    **window,
-                    "start": 16,
-                    "end": 32,
-                    "reached_by_depth": [4, 2],
-                    "alpha_by_depth": [0.5, 1.0],
-                },
-            ],
-        }
-        for prefix_len in (32, 64)
-    ]
-    for name in ("static", "adapted"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "bench.json").write_text(json.dumps({"meta": {}, "rows": rows}))
-    out = tmp_path / "plots"
-    jsons = [str(tmp_path / name / "bench.json") for name in ("static", "adapted")]
-    result = _run_script("--windows", jsons[0], "--windows", jsons[1], "--out", str(out))
-    assert result.returncode == 0, result.stderr
-    assert (out / "windows.png").read_bytes()[:8] == PNG
-    assert sorted(path.name for path in out.iterdir()) == ["windows.png"]
-
-    (tmp_path / "old.json").write_text(json.dumps({"meta": {}, "rows": [{"prefix_len": 32, "gen_len": 32}]}))
-    refused = _run_script("--windows", str(tmp_path / "old.json"), "--out", str(out))
-    assert refused.returncode == 2
-    assert "has no figures by position (windows): rerun bench" in refused.stderr.strip().splitlines()[-1]
 
 
 def test_bench_command_writes_windows_of_the_size_asked_and_refuses_an_empty_one(swift_tiny, tmp_path):

@@ -420,9 +420,10 @@ def test_missing_bad_and_unsupported_inputs(tmp_path, bpe):
 def test_build_engine_from_gguf_records_its_sha256(tmp_path, bpe):
     from click.testing import CliRunner
 
+    from tokenswift_trt.backends.loader import load_engine_dir
     from tokenswift_trt.builder.build import BuildError, BuildRequest, build_engine
     from tokenswift_trt.cli import main
-    from tokenswift_trt.model.engine_dir import load_engine_dir, read_manifest
+    from tokenswift_trt.model.engine_dir import read_manifest
 
     hf_model = save_hf_model(llama_config(vocab_size=len(bpe["tokens"])), tmp_path / "hf")
     path = write_gguf(

@@ -13,8 +13,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from tokenswift_trt.backends.loader import load_engine_dir
 from tokenswift_trt.cli import main
-from tokenswift_trt.model.engine_dir import EngineDirError, load_engine_dir, read_manifest
+from tokenswift_trt.model.engine_dir import EngineDirError, read_manifest
 from tokenswift_trt.model.tensor_parallel import TensorParallel, read_shard
 
 ROOT = Path(__file__).resolve().parents[2]

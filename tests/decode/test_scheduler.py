@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tokenswift_trt as ts
-from tokenswift_trt.backends.cpu_decoder import CpuDecoder
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.decode.scheduler import CANCELLED, FAILED, FINISHED, QUEUED, Scheduler
+from tokenswift_trt.model.cpu_decoder import CpuDecoder
 from tokenswift_trt.model.decoder import Segment, forward_batch
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenswift_trt.backends import cpu_linear
+from tokenswift_trt.backends.loader import load_engine_dir
 from tokenswift_trt.builder.build import BuildRequest, build_engine
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.decode.loop import GenerationConfig, generate
@@ -21,7 +21,8 @@ from tokenswift_trt.kernels.config import (
     help_text,
     parse_kernel_settings,
 )
-from tokenswift_trt.model.engine_dir import MANIFEST, EngineDirError, load_engine_dir, read_manifest
+from tokenswift_trt.model import linear
+from tokenswift_trt.model.engine_dir import MANIFEST, EngineDirError, read_manifest
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig
 
@@ -104,7 +105,7 @@ def test_a_cache_without_huge_pages_never_builds_the_cpu_kernels(monkeypatch):
     def refuse(settings):
         raise AssertionError("the CPU kernels were asked for")
 
-    monkeypatch.setattr(cpu_linear, "tiled_kernels", refuse)
+    monkeypatch.setattr(linear, "tiled_kernels", refuse)
     cache = KVCache(2, 2, 16, 1 << 16, settings=KernelConfig(huge_pages=False))  # 8 MB: huge pages apply
     assert cache.keys.shape == (2, 2, 1 << 16, 16) and not cache.keys.any()
     with pytest.raises(AssertionError, match="asked for"):

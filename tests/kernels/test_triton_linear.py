@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from tokenswift_trt.backends.cpu_linear import Linear
 from tokenswift_trt.model.decoder import RMSNorm
+from tokenswift_trt.model.linear import Linear
 
 from conftest import quiet_load
 

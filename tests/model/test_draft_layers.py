@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tokenswift_trt.backends.cpu_linear import pack_linears, tiled_kernels
 from tokenswift_trt.model.draft_layers import (
     Q4_GROUP,
     DraftLayers,
@@ -20,6 +19,7 @@ from tokenswift_trt.model.draft_layers import (
     read_heads_file,
 )
 from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, WeightsError, load_engine
+from tokenswift_trt.model.linear import pack_linears, tiled_kernels
 from tokenswift_trt.training.train_heads import save_heads
 
 from conftest import quiet_load

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenswift_trt.backends.cpu_linear import tiled_kernels
 from tokenswift_trt.model.kv_cache import CacheFullError, KVCache, PartialKVCache, kv_importance_select
+from tokenswift_trt.model.linear import tiled_kernels
 
 from helpers import huge_page_kib, huge_pages_granted
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from tokenswift_trt.backends.cpu_linear import TILED_MAX_ROWS, Linear, tiled_kernels
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.kernels.config import KernelConfig
+from tokenswift_trt.model.linear import TILED_MAX_ROWS, Linear, tiled_kernels
 from tokenswift_trt.model.sampling import (
     MIN_P_KEEP,
     SamplingConfig,

@@ -1,1 +1,1 @@
-"""Execution backends for the model: the CPU's compiled decoder and linears, ONNX Runtime, TensorRT."""
+"""Execution backends around the model: ONNX Runtime and TensorRT, and the loader that picks one."""

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from tokenswift_trt.decode.tree import parse_tree
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.engine import Engine
 
-from .remodel import measured_iteration_times, modeled_long_run, trie_cap
 from .run import BenchSpec, run_bench, write_results
 from .steps import random_engine
 
@@ -57,6 +57,49 @@ RANDOM_WEIGHTS_COLUMNS = (
     "modeled_speedup",
     "tokens_equal_ar",
 )
+
+
+def trie_cap(tree: str) -> int:
+    """Most tokens one iteration of a static tree commits (τ at its highest): every level accepted, plus
+    the bonus token."""
+    return len(parse_tree(tree)) + 1
+
+
+def measured_iteration_times(row: dict, accept_length: float) -> dict:
+    """A bench row's measured decode times per AR token and per TokenSwift iteration (ms, the prompt's
+    prefill left out), the iteration in AR steps, and the speedup an iteration of that cost gives when
+    it commits `accept_length` tokens."""
+    ar_ms = row["ar_decode_ms_per_iteration"]
+    iteration_ms = row["tokenswift_decode_ms_per_iteration"]
+    return {
+        "ar_ms_per_token": round(ar_ms, 3),
+        "tokenswift_ms_per_iteration": round(iteration_ms, 3),
+        "iteration_over_ar_step": round(iteration_ms / ar_ms, 3),
+        "modeled_speedup": round(accept_length * ar_ms / iteration_ms, 3),
+    }
+
+
+def modeled_long_run(rows: list[dict], accept_length: float) -> dict | None:
+    """A generation from the shortest measured prompt to the longest, modeled from the rows' measured
+    times at each prompt length (linear between them): each new token costs AR one step at its context,
+    and TokenSwift 1 / `accept_length` of an iteration there. None with fewer than two prompt lengths."""
+    by_context = sorted({row["prefix_len"]: row for row in rows}.items())
+    if len(by_context) < 2:
+        return None
+    ar_s = tokenswift_s = 0.0
+    for (start, low), (end, high) in zip(by_context, by_context[1:]):
+        tokens = end - start  # the mean of a linear cost over the span: the mean of its ends
+        ar_s += tokens * (low["ar_ms_per_token"] + high["ar_ms_per_token"]) / 2e3
+        iteration = (low["tokenswift_ms_per_iteration"] + high["tokenswift_ms_per_iteration"]) / 2e3
+        tokenswift_s += tokens * iteration / accept_length
+    return {
+        "from_context": by_context[0][0],
+        "to_context": by_context[-1][0],
+        "tokens": by_context[-1][0] - by_context[0][0],
+        "ar_s": round(ar_s, 2),
+        "tokenswift_s": round(tokenswift_s, 2),
+        "modeled_speedup": round(ar_s / tokenswift_s, 3),
+    }
 
 
 class BenchError(ValueError):

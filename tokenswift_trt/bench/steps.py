@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenswift_trt.backends.cpu_linear import pack_linears
 from tokenswift_trt.builder.build import BuildRequest, resolve
 from tokenswift_trt.decode.admission import GIB, available_bytes, plan_memory
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
@@ -44,6 +43,7 @@ from tokenswift_trt.model.decoder import LlamaModel
 from tokenswift_trt.model.draft_layers import DraftLayers
 from tokenswift_trt.model.engine import Engine, choose_kernels
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
+from tokenswift_trt.model.linear import pack_linears
 
 from . import kernels
 from .report import machine_meta, write_csv
@@ -180,9 +180,7 @@ def _bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def _filled_caches(
-    engine: Engine, context: int, capacity: int, budget: int
-) -> tuple[KVCache, PartialKVCache]:
+def filled_caches(engine: Engine, context: int, capacity: int, budget: int) -> tuple[KVCache, PartialKVCache]:
     """A full cache of `capacity` slots holding `context` random positions, and a partial cache of `budget`
     filled from it."""
     config, device, dtype = engine.config, engine.device, engine.dtype
@@ -255,7 +253,7 @@ def _measure_context(
     compiled: those forwards through torch.compile (generate's compile_steps).
     """
     config, device, model, draft_layers = engine.config, engine.device, engine.model, engine.draft_layers
-    full, partial = _filled_caches(engine, context, capacity, budget)
+    full, partial = filled_caches(engine, context, capacity, budget)
     token = torch.randint(config.vocab_size, (1,), device=device)
     position = torch.tensor([context], device=device)
     hidden_row = torch.randn(1, config.hidden_size, dtype=engine.dtype, device=device)

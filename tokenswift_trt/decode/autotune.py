@@ -28,10 +28,10 @@ own timings. Every plan is lossless; the tuner decides speed only.
 - TRIAL times the model's pick for real: it and plain AR steps take turns (TURNS of each,
   TRIAL_ITERATIONS iterations and AR_TRIAL_STEPS steps in all), and it is kept only if it measured at
   least 3% fewer seconds per token (TRIAL_MARGIN). Taking turns is what makes ~100 tokens a fair test
-  on a machine whose speed drifts by 10-30% over seconds: one block of each, one after the other,
-  measured the same SmolLM2 AR step at 17 ms in one trial and 23 ms in the next, and dropped a tree
-  that ran 1.2x faster than AR steps. A pick that a pair of turns measures TRIAL_GIVE_UP times slower
-  than AR steps has lost already (swift-tiny's `3,2` ran at half AR's speed for its 48 iterations).
+  on a machine whose speed drifts over seconds: one block of each, one after the other, times the
+  same step differently from one block to the next, enough to drop a plan that is faster than AR
+  steps. A pick that a pair of turns measures TRIAL_GIVE_UP times slower than AR steps has lost
+  already.
 - DRAFT runs the kept plan; its iterations inform the candidates inside it too.
 - AUDIT: after AUDIT_EVERY tokens of a kept plan (doubling after each audit it passes) AR steps and the
   plan take turns again, each audit judging on its own, since acceptance changes over a long
@@ -50,9 +50,9 @@ timing passes, recording) and what drafting iterations lose to AR steps' speed i
 EXPLORATION_BUDGET of the generation's projected time plus what drafting iterations saved. A probe
 starts, and goes on past its first step, only if its expected cost fits; the AR turns draft shadow
 tries only while they fit. So where drafting never pays, `--tree auto` runs within that share of
-`--method ar`, however fast the step (swift-tiny on a CPU, a 0.6 ms step: a shadow draft costs half
-a step, a probe, its choice and a trial's first turns are expected to cost ~60 steps, and generations
-shorter than ~6,000 tokens are not probed).
+`--method ar`, however fast the step (where a step is so short that a shadow draft costs a large
+part of it, a probe, its choice and a trial's first turns cost many steps, and short generations are
+not probed at all).
 
 `Tuner` is what the loop talks to: it drafts the shadow tries, records acceptance, runs the cost
 model, and hands each iteration to the policy once (`observe`).
@@ -107,8 +107,7 @@ TRIAL_ITERATIONS = 48  # the model's drafting plan, timed for real ...
 AR_TRIAL_STEPS = 32  # ... against this many plain AR steps ...
 TURNS = 4  # ... the two taking turns, this many of each (12 iterations, then 8 steps, ...)
 # ... and kept only if it is this much faster per token: trials of ~50 tokens on a machine whose speed
-# drifts by several percent cannot tell closer plans apart (SmolLM2 on the AVX2 CPU kept a tree `1`
-# whose trial measured it faster, and it ran 3% slower than AR steps over 4,096 tokens)
+# drifts by several percent cannot tell closer plans apart
 TRIAL_MARGIN = 0.97
 # ... and given up, lost, once a pair of turns measured it this much slower than AR steps (beyond what a
 # drifting machine does between two turns): a losing pick costs one turn, not all of its iterations

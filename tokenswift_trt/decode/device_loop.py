@@ -30,7 +30,7 @@ worker and TensorRT-LLM's overlap scheduler. An iteration queued after the one t
 no-op (the done flag zeroes its commit); one queued before the host stopped a plan is read and
 committed (`Report.drained`). On a CPU the same code runs eagerly (tests/decode/test_executors.py
 compares it with the host loop). Each phase runs under a profiler label (`device_loop.<phase>`),
-which `scripts/gpu_iteration_profile.py` reads.
+which `tools/gpu_iteration_profile.py` reads.
 """
 
 from __future__ import annotations

@@ -118,8 +118,7 @@ class GenerationConfig:
     compile_steps: bool = False
     # each request adapts its own copy of the draft layers to what it commits (model/draft_adaptation.py):
     # one optimiser step per `adapt_block` committed positions, over the newest `adapt_span`; off by
-    # default: on a CPU a step costs more than it gains (adapted runs 0.87-0.93x the static ones' speed
-    # at 8K), on a GPU it is not measured yet
+    # default: on a CPU a step costs more than it gains, on a GPU it is not measured yet
     # (docs/smollm2.md#draft-layers-that-keep-up); both the host loop and the device loop adapt
     adapt_drafts: bool = False
     adapt_block: int = 16

@@ -48,7 +48,7 @@ def sampled_in_one_batch(num_nodes: float, device: torch.device) -> bool:
     """Whether a trie's nodes get the target's logits and samples in one batch (one LM-head pass,
     one set of sampling transforms, one read) rather than one node per visit of the acceptance
     walk. On a GPU one LM-head pass over all nodes costs about what one row does (the head's
-    weights are read once); on a CPU too with the prepacked head (cpu_linear.py), up to a few rows.
+    weights are read once); on a CPU too with the prepacked head (linear.py), up to a few rows.
     `NodeTargets` and the tuner's cost model (autotune.py) both ask this function."""
     return device.type == "cuda" or num_nodes <= BATCHED_NODES_MAX
 

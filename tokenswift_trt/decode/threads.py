@@ -7,11 +7,11 @@ Two parts:
 - `ThreadGovernor`: the products and attention of a decode step run in many short parallel regions,
   each ending at a barrier that waits for its slowest thread. When another process takes one of the
   cores, the thread that shares it is descheduled for a time slice at a time and every region waits for
-  it: on 2 cores with one busy neighbour, 2 threads ran a small model's AR steps 3-4x slower than 1
-  thread. The governor times the generation's own iterations in windows and watches how many threads
-  other processes run (`NeighbourLoad`); while they run, it tries fewer threads and keeps them if they
-  are faster; once they stop, it tries more again, so that a run that started beside a busy neighbour
-  speeds up when the neighbour is gone.
+  it, so beside a busy neighbour fewer threads can be several times faster than more
+  (docs/bench/cpu-threads-contention). The governor times the generation's own iterations in windows
+  and watches how many threads other processes run (`NeighbourLoad`); while they run, it tries fewer
+  threads and keeps them if they are faster; once they stop, it tries more again, so that a run that
+  started beside a busy neighbour speeds up when the neighbour is gone.
 
 The thread count never changes tokens: the CPU kernels cut their work at fixed places whatever the
 thread count (plugins_cuda/cpu), so the governor decides speed only.

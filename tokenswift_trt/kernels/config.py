@@ -2,7 +2,7 @@
 
 `KernelConfig` holds every choice of which kernel or fusion computes what (the CPU kernels, the CUDA
 attention path, fused elementwise ops, batch-invariant products, ...), each with its default. An
-engine takes one at load (`engine.load_engine`, `engine_dir.load_engine_dir`); `build` records it in
+engine takes one at load (`engine.load_engine`, `backends.loader.load_engine_dir`); `build` records it in
 the engine directory's manifest, whose value is the default there; the CLI sets fields with
 `--kernel NAME=VALUE`; journals record it. The settings marked output-deciding can change the
 generated tokens (another kernel rounds differently), so a journal is resumed only with the same
@@ -85,7 +85,7 @@ class KernelConfig:
         "auto",
         "the cascade's prefix block: `auto` our Triton kernel where Triton and the head size allow, else "
         "FlashAttention-2; `flash`; `triton` (warns where it cannot run); "
-        "`triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]` a launch scripts/triton_prefix_sweep.py measured",
+        "`triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]` a launch tools/triton_prefix_sweep.py measured",
         True,
     )
     tree_row_tiles: int = _setting(

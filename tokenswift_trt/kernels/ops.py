@@ -376,8 +376,8 @@ def cpu_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
 def cpu_attention_kernel_pays() -> bool:
     """Whether the CPU tree-attention kernel beats SDPA on this processor: x86 with AVX2 or AVX-512
     (its tiles are 8- or 16-lane vectors; on AVX2 only 8-lane ones, which fit its 16 registers).
-    SmolLM2's 30 layers on a 2-core AVX2 EPYC, whole decoder at 4K context: 1 / 2 / 4 tokens 24.3 /
-    26.0 / 33.5 ms against SDPA's 32.4 / 40.4 / 49.0 (docs/runtime.md). Elsewhere SDPA; the kernel
+    On SmolLM2's decoder at 4K context it is faster than SDPA for 1 to 4 new tokens (docs/runtime.md).
+    Elsewhere SDPA; the kernel
     setting cpu_kernel=on uses it anyway (tests, comparisons)."""
     return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
 
@@ -421,7 +421,7 @@ def cpu_tree_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """`tree_attention` through the compiled CPU kernel, called directly: the custom op's Python
-    dispatch costs about 100 µs a call here, as much as the attention of a short tree itself.
+    dispatch costs about as much as the attention of a short tree itself.
     query [heads, T, D] float32, keys/values [kv_heads, prefix + T, D] with contiguous rows."""
     status = load_cpu_kernels()
     if not status.loaded:

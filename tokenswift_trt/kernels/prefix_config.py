@@ -40,7 +40,7 @@ class PrefixConfig:
 
 def default_prefix_config(rows: int, capability: tuple[int, int] | None = None) -> PrefixConfig:
     """The launch measured best (docs/gpu.md): on Hopper and later (`capability` >= (9, 0)) the split
-    loop on 64 x 64 tiles, 4 warps, 3 stages (in a sweep of launches on an H100: best or within 3% at
+    loop on 64 x 64 tiles, 4 warps, 3 stages (best or near it in docs/bench/gpu-h100-prefix-sweep, at
     32K and 102K keys for 64 and 128 nodes); elsewhere the masked-loads kernel, measured on an H200,
     128-row tiles where there are more than 64 rows (the split loop spills registers on sm_80)."""
     if capability is not None and capability >= (9, 0):
@@ -50,7 +50,7 @@ def default_prefix_config(rows: int, capability: tuple[int, int] | None = None) 
 
 def parse_prefix_backend(text: str) -> tuple[str, PrefixConfig | None]:
     """`flash`, `triton` or `triton:BLOCK_M,BLOCK_N,WARPS,STAGES[,VARIANT]` (e.g. `triton:128,128,8,3`
-    or `triton:128,64,8,3,tma`, as `scripts/triton_prefix_sweep.py` prints its best) -> (backend, launch
+    or `triton:128,64,8,3,tma`, as `tools/triton_prefix_sweep.py` prints its best) -> (backend, launch
     or None for the default)."""
     backend, _, launch = text.partition(":")
     if backend in ("flash", "triton") and not launch:

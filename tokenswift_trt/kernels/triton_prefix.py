@@ -299,6 +299,6 @@ def prefix_block(
         raise ValueError(
             f"the prefix block's launch {launch.text()} does not fit this GPU ({error.name}: "
             f"{error.required} > {error.limit}): take a smaller BLOCK_N or fewer stages in "
-            "the kernel setting cascade_prefix, or the sweep's pick (scripts/triton_prefix_sweep.py)"
+            "the kernel setting cascade_prefix, or the sweep's pick (tools/triton_prefix_sweep.py)"
         ) from None
     return out, lse

@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenswift_trt.backends.cpu_decoder import CpuDecoder
-from tokenswift_trt.backends.cpu_linear import FusedLinears, Linear, batch_invariant_product, pack_linears
 from tokenswift_trt.kernels import cascade, prefix_config
 from tokenswift_trt.kernels import ops as kernels
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.kernels.ops import apply_rotary
 from tokenswift_trt.model.config import ModelConfig
+from tokenswift_trt.model.cpu_decoder import CpuDecoder
 from tokenswift_trt.model.kv_cache import KVCache
+from tokenswift_trt.model.linear import FusedLinears, Linear, batch_invariant_product, pack_linears
 from tokenswift_trt.model.rope import RotaryEmbedding
 from tokenswift_trt.model.sampling import SamplingConfig
 from tokenswift_trt.model.screened_head import ScreenedHead
@@ -32,8 +32,8 @@ from tokenswift_trt.model.tensor_parallel import VocabParallelHead
 # device) or "tree_attention" (torch.ops.tokenswift.tree_attention with a packed tree mask; the
 # CUDA kernel where loaded, the PyTorch reference elsewhere). Both compute the same function.
 # "cpu_tree_attention": the compiled CPU kernel (kernels.cpu_tree_attention) for 1..256 new tokens
-# (AR steps too: with its prefetch it beats SDPA for one token, 7.6 vs 13.5 ms over SmolLM2's 30
-# layers at 4K context), SDPA for longer prefill chunks.
+# (AR steps too: with its prefetch it beats SDPA for one token, docs/runtime.md), SDPA for longer
+# prefill chunks.
 ATTENTION_KERNELS = ("sdpa", "tree_attention", "cpu_tree_attention", "flash_cascade")
 ALIGNED_MAX_LEVELS = 64  # position-aligned attention: nodes at depths 0..63 (`triton_aligned`)
 
@@ -343,8 +343,7 @@ def grouped_sdpa(
     Up to GQA_FOLD_MAX_TOKENS new tokens, the query heads sharing a KV head are folded into its
     query rows ([kv_heads, group·T, D]), so each K/V head is read once and never copied per query
     head; longer blocks (prefill, big trees) take SDPA's own GQA, which avoids the folded mask's
-    group·T rows (measured on the CPU at 16K context: folding is 1.4–1.6x faster at T <= 5,
-    1.1–1.3x slower at T >= 16).
+    group·T rows (folding pays for a few new tokens and costs more for many).
     """
     heads, count, dim = q.shape
     kv_heads = keys.shape[0]
@@ -524,8 +523,8 @@ class LlamaModel(nn.Module):
     def use_flash_cascade(self, min_work: int, fallback: str) -> None:
         """Verify through the FlashAttention cascade where T query rows over `capacity` keys make
         T * capacity >= `min_work`, and through `fallback` ("tree_attention" or "sdpa") otherwise: the
-        cascade's tree block and merge cost a fixed ~0.1 ms per layer, which only long contexts and
-        wide trees repay (measured on an H200)."""
+        cascade's tree block and merge cost a fixed amount per layer, which only long contexts
+        and wide trees repay (docs/bench/gpu-h200-variants)."""
         if fallback not in ("tree_attention", "sdpa"):
             raise ValueError(f"the cascade's fallback must be tree_attention or sdpa, got {fallback!r}")
         self.attention_kernel = "flash_cascade"
@@ -564,7 +563,7 @@ class LlamaModel(nn.Module):
         self.attention_kernel = kernel
 
     def pack(self, settings: KernelConfig = KernelConfig()) -> int:
-        """For CPU inference: prepack every linear (cpu_linear.py), then fuse each layer's Q/K/V and
+        """For CPU inference: prepack every linear (linear.py), then fuse each layer's Q/K/V and
         gate/up products; returns how many linears were packed (0 off the CPU). `settings`: the CPU
         kernel, huge-page and screened-head choices."""
         count = pack_linears(self, kernels=settings)
@@ -860,7 +859,7 @@ class LlamaModel(nn.Module):
 
     def _packed_host_mask(self, count: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
         """`pack_tree_mask` of a CPU mask (causal when None), memoised by its bits: a static tree
-        verifies the same mask every iteration, and packing it cost ~50 µs, 1% of a small model's step."""
+        verifies the same mask every iteration, so it is packed once."""
         mask = torch.ones(count, count, dtype=torch.bool).tril() if tree_mask is None else tree_mask.cpu()
         key = (count, mask.numpy().tobytes())
         packed = self._packed_masks.get(key)

@@ -39,7 +39,7 @@ do not depend on timing; replayed on SmolLM2 the lag costs layer 1 at most 0.001
 docs/bench/adapt-replay-smollm2-lag). CUDA's backward of the penalty's gather adds with atomics, so
 steps may differ in their last bits from run to run: that moves acceptance, never the output. On a
 CPU the step runs in place and the changed products are re-packed for the CPU kernels
-(cpu_linear.py).
+(linear.py).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenswift_trt.backends.cpu_linear import Linear, pack_linears
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.config import ModelConfig
 from tokenswift_trt.model.draft_layers import DraftLayers, VocabHead, draft_layout
+from tokenswift_trt.model.linear import Linear, pack_linears
 from tokenswift_trt.model.sampling import SamplingConfig, apply_penalty, process_logits
 
 SCOPES = ("all", "layer1")  # every draft-layer parameter / layer 1 and the root input only

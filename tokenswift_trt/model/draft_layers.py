@@ -52,9 +52,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tokenswift_trt.backends.cpu_linear import TILED_MAX_ROWS, Linear
 from tokenswift_trt.model.config import ModelConfig
 from tokenswift_trt.model.decoder import RMSNorm
+from tokenswift_trt.model.linear import TILED_MAX_ROWS, Linear
 
 # Key names of the released TokenSwift checkpoints (weights inside the base checkpoint).
 RELEASED_PREFIX = "model.medusa_layers."

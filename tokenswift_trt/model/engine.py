@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenswift_trt.backends.cpu_linear import pack_linears
 from tokenswift_trt.kernels import ops as kernels
 from tokenswift_trt.kernels import prefix_config
 from tokenswift_trt.kernels.config import KernelConfig
@@ -31,6 +30,7 @@ from tokenswift_trt.model.draft_layers import (
     draft_layout,
     read_heads_file,
 )
+from tokenswift_trt.model.linear import pack_linears
 from tokenswift_trt.model.tensor_parallel import (
     TensorParallel,
     make_row_parallel,
@@ -252,7 +252,7 @@ def load_engine(
     model.eval()
     draft_layers.eval()
     choose_kernels(model, config, dtype, device, kernels)
-    model.pack(kernels)  # CPU only: prepacked, fused weights (cpu_linear.py)
+    model.pack(kernels)  # CPU only: prepacked, fused weights (linear.py)
     if tp is not None:  # the compiled CPU stack runs every layer in one call: no room for all-reduces
         model.cpu_decoder = None
     # drafts never change the output: half the bytes per draft pass
@@ -286,8 +286,8 @@ def choose_fused_elementwise(
 ) -> None:
     """With `fused_elementwise` (the default), on CUDA with float16/bfloat16: fewer kernels per layer
     (`LlamaModel.use_fused_elementwise`: add + RMSNorm, rotary and SiLU·up as one kernel each, Q/K/V
-    and gate/up as one product each; an H200 measured the 8B shape's AR step 0.76x with them,
-    docs/gpu.md); off, the PyTorch ops run."""
+    and gate/up as one product each: fewer launches, the same function; docs/gpu.md); off, the
+    PyTorch ops run."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return
     if not settings.fused_elementwise:
@@ -309,8 +309,8 @@ def choose_batch_invariant(
     """With `batch_invariant` `on`, on CUDA: the base model's products through `triton_linear`, its
     norms one block per row and its steps' attention position-aligned (`triton_aligned`;
     `LlamaModel.use_batch_invariant`), so that a row's logits are the same bits in an AR step and in a
-    verify; `products` leaves attention as it was. Off by default (docs/method.md,
-    "In bf16 on a GPU": the products measured 1.10x an AR step, the attention not yet run on a GPU)."""
+    verify; `products` leaves attention as it was. Off by default: the invariant products cost more
+    than the default ones (docs/method.md, "In bf16 on a GPU")."""
     mode = settings.batch_invariant
     if device.type != "cuda" or mode == "off":
         return

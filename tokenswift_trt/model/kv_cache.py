@@ -34,7 +34,7 @@ def cache_zeros(
     the OS grants them (plugins_cuda/cpu/linear_cpu.cpp, `zeros_on_huge_pages`: attention streams the
     whole cache at every step; kernel settings huge_pages and cpu_kernel), else `torch.zeros`."""
     if torch.device(device).type == "cpu" and settings.huge_pages:
-        from tokenswift_trt.backends.cpu_linear import tiled_kernels  # lazily: no compile at import
+        from tokenswift_trt.model.linear import tiled_kernels  # lazily: no compile at import
 
         module = tiled_kernels(settings)
         if module is not None:

@@ -238,9 +238,9 @@ class TorchSampler:
 class FusedSampler:
     """`TorchSampler`'s step in one compiled call per batch of rows: plugins_cuda/cpu/sampling_cpu.cpp, for
     float32 logits on a CPU.
-    There the dozen tensor operations of the PyTorch path cost ~0.1 ms each batch, more than the
-    arithmetic; AR steps and TokenSwift iterations both sample through it, so with one seed they
-    emit the same tokens. Top-k, top-p and η are not in the kernel: `fused_sampler` returns None
+    There the dozen tensor operations of the PyTorch path cost more in dispatch than in arithmetic;
+    AR steps and TokenSwift iterations both sample through it, so with one seed they emit the same
+    tokens. Top-k, top-p and η are not in the kernel: `fused_sampler` returns None
     for configs that set them."""
 
     run: Callable[..., torch.Tensor]  # the extension's gumbel_topk

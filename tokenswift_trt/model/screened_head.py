@@ -24,8 +24,8 @@ import math
 
 import torch
 
-from tokenswift_trt.backends.cpu_linear import TILED_MAX_ROWS, Linear, _identity, tiled_kernels
 from tokenswift_trt.kernels.config import KernelConfig
+from tokenswift_trt.model.linear import TILED_MAX_ROWS, Linear, tiled_kernels, weight_identity
 from tokenswift_trt.model.sampling import MIN_P_KEEP, SamplingConfig
 
 SCREENED_SCORE = -1.0e30  # what a screened-out token's logit reads (screened_head_cpu.cpp's kScreened)
@@ -63,7 +63,7 @@ class ScreenedHead:
         with torch.no_grad():
             self.half = kernels.pack_linear_half(self.weight, huge_pages)
             self.bounds = error_bounds(self.weight)
-        self._from = _identity(head.weight)
+        self._from = weight_identity(head.weight)
 
     @classmethod
     def of(cls, head: Linear, settings: KernelConfig = KernelConfig()) -> ScreenedHead | None:
@@ -86,7 +86,7 @@ class ScreenedHead:
             0 < rows <= TILED_MAX_ROWS
             and screenable(sampling)
             and torch.is_inference_mode_enabled()
-            and _identity(self.head.weight) == self._from
+            and weight_identity(self.head.weight) == self._from
         )
 
     def logits(self, x: torch.Tensor, sampling: SamplingConfig, windows: torch.Tensor) -> torch.Tensor:

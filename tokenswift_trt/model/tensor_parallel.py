@@ -35,8 +35,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tokenswift_trt.backends.cpu_linear import Linear
 from tokenswift_trt.model.config import ModelConfig
+from tokenswift_trt.model.linear import Linear
 
 # parameter name suffix -> the dimension it is split along (0: output rows, 1: input columns)
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -48,9 +48,9 @@ DEFAULT_HEAD = "replicated"
 
 
 def default_head(backend: str) -> str:
-    """The LM head's split where none is asked: over the vocabulary on GPUs (NCCL: modeled faster on
-    an H100 and 1/N of its memory), replicated on CPUs (gloo: measured faster, the float16-screened
-    head applies); docs/deploy.md, "Tensor parallelism"."""
+    """The LM head's split where none is asked: over the vocabulary on GPUs (NCCL: modeled faster
+    and 1/N of its memory), replicated on CPUs (gloo: measured faster, the float16-screened head
+    applies); both in docs/bench/cpu-tp2-head; docs/deploy.md, "Tensor parallelism"."""
     return "vocab" if backend == "nccl" else "replicated"
 
 

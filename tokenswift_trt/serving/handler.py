@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenswift_trt.backends.loader import load_engine_dir
 from tokenswift_trt.builder.presets import read_model_defaults
 from tokenswift_trt.decode.journal import (
     JournalError,
@@ -42,7 +43,7 @@ from tokenswift_trt.decode.scheduler import Request as ScheduledRequest
 from tokenswift_trt.decode.text import StreamDecoder, TextCodec
 from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.model.engine import Engine, load_engine
-from tokenswift_trt.model.engine_dir import MANIFEST, load_engine_dir
+from tokenswift_trt.model.engine_dir import MANIFEST
 from tokenswift_trt.serving.errors import BUSY, HELD, SHUTTING_DOWN, ServerFault, fault_of
 from tokenswift_trt.serving.tp_serve import RankGroup
 

@@ -60,9 +60,10 @@ def load_model(source: str | Path, device: str, kernels: str, tp: Any) -> Any:
     """This rank's engine of an engine directory or a model directory (as `Session` loads it)."""
     import torch
 
+    from tokenswift_trt.backends.loader import load_engine_dir
     from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
     from tokenswift_trt.model.engine import load_engine
-    from tokenswift_trt.model.engine_dir import MANIFEST, load_engine_dir
+    from tokenswift_trt.model.engine_dir import MANIFEST
 
     source = Path(source)
     settings = parse_kernel_settings(item for item in kernels.split(";") if item.strip())
