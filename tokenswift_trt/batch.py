@@ -10,10 +10,15 @@ settings). `run_batch` is the journaled form the CLI's `batch` command runs: eve
 journal in `journal_dir`, finished results are appended to a JSONL file as they finish, and a run that
 was killed starts again where it stopped (finished requests are skipped, unfinished ones resume from
 their journals token for token).
+
+Past one process, `torchrun` runs the same command on every rank (on one node or many): rank r takes
+every size-th request from the r-th (`Shard`), writes its results to a file of its own beside the
+output, and once all ranks are done, rank 0 folds those files into the output (`merge_shards`).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +33,60 @@ from tokenswift_trt.decode.request import config_from
 from tokenswift_trt.decode.scheduler import FINISHED, Request, Scheduler
 
 MAX_BATCH = 8  # requests decoded at once by default
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's part of a batch run over `size` processes (torchrun ranks): every `size`-th
+    request, from the `rank`-th."""
+
+    rank: int = 0
+    size: int = 1
+
+    def take(self, items: Sequence[BatchItem]) -> list[BatchItem]:
+        return [item for index, item in enumerate(items) if index % self.size == self.rank]
+
+    def results(self, output: Path) -> Path:
+        """Where this rank writes its results (the output itself for one process)."""
+        if self.size == 1:
+            return output
+        return output.with_name(f"{output.name}.rank{self.rank}-of-{self.size}")
+
+
+def shard_files(output: Path) -> list[Path]:
+    """The per-rank result files of `output` not yet merged (from a run of any size)."""
+    return sorted(output.parent.glob(f"{glob.escape(output.name)}.rank*-of-*"))
+
+
+def finished_ids(output: Path) -> set[str]:
+    """Ids with a result in `output` or in a rank's file of it."""
+    found = done_ids(output)
+    for path in shard_files(output):
+        found |= done_ids(path)
+    return found
+
+
+def merge_shards(output: Path, items: Sequence[BatchItem]) -> int:
+    """Append the ranks' results to `output` (in the requests' order; ids it holds already are skipped)
+    and remove the rank files once the output is on disk. Returns how many results were added. A merge
+    killed halfway is done again by the next run."""
+    found: dict[str, str] = {}
+    for path in shard_files(output):
+        done_ids(path)  # cuts a torn last line
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                found[str(json.loads(line)["id"])] = line
+    present = done_ids(output)
+    order = {item.id: index for index, item in enumerate(items)}
+    new = sorted((i for i in found if i not in present), key=lambda i: order.get(i, len(order)))
+    if new:
+        with open(output, "a", encoding="utf-8") as handle:
+            handle.write("".join(found[i] + "\n" for i in new))
+            handle.flush()
+            os.fsync(handle.fileno())
+    for path in shard_files(output):
+        path.unlink()
+    return len(new)
 
 
 @dataclass
@@ -202,7 +261,11 @@ def _finish(
     on_error: Callable[[str, str], None],
 ) -> None:
     if run.writer is not None:
-        run.writer.close(finished=request.status == FINISHED)
+        try:
+            run.writer.close(finished=request.status == FINISHED)
+        except JournalError as error:  # a full disk: this request fails, its journal keeps what it had
+            on_error(item.id, _first_line(error))
+            return
     if request.status != FINISHED:
         on_error(item.id, request.error or request.status)
         return

@@ -29,6 +29,7 @@ GPU_CHECK_COMMAND = "GPU_CHECK_COMMAND"
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -80,6 +81,11 @@ def launcher_assignment() -> tuple[int, int, int, str | None, int | None] | None
         os.environ.get(MASTER_ADDR),
         int(port) if port else None,
     )
+
+
+def launcher_local_size() -> int:
+    """How many of the launcher's processes share this node (LOCAL_WORLD_SIZE; 1 outside a launcher)."""
+    return int(os.environ.get(LOCAL_WORLD_SIZE) or os.environ.get(WORLD_SIZE) or 1)
 
 
 def child_environment() -> dict[str, str]:

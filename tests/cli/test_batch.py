@@ -115,3 +115,30 @@ def test_bad_request_files_are_one_line_errors(tmp_path):
     assert result.exit_code == 2
     assert 'bad.jsonl:2: each line needs a "prompt"' in result.output
     assert "Traceback" not in result.output
+
+
+def test_torchrun_ranks_share_the_requests_and_rank_0_gathers_them(tiny, tmp_path):
+    """Two torchrun ranks (gloo on the CPU) each decode every other request; the merged output holds
+    each request's own text once, in the requests' order, and no rank file is left. A rank file left
+    by an interrupted run counts as done on the next run, whatever its number of ranks."""
+    requests = [*REQUESTS, {"id": "sea", "prompt": "The sea was calm", "max_new_tokens": 50, "seed": 9}]
+    path = _write(tmp_path / "requests.jsonl", requests)
+    out = tmp_path / "results.jsonl"
+    # a run of 3 ranks was interrupted after rank 1 finished "mill": its file is merged, not redone
+    (tmp_path / "results.jsonl.rank1-of-3").write_text(
+        json.dumps({"id": "mill", "status": "finished", "text": "kept", "token_ids": [], "new_tokens": 0})
+        + "\n"
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command = [*torchrun, "-m", "tokenswift_trt", "batch", "--model-dir", str(MODEL), "--input", str(path)]
+    result = subprocess.run(
+        [*command, "--output", str(out), "--max-batch", "2"], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "results of 2 ranks merged into" in result.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [record["id"] for record in lines] == ["fox", "mill", "king", "sea"]
+    for request, record in zip(requests, lines, strict=True):
+        expected = "kept" if request["id"] == "mill" else _expected(tiny, request)
+        assert record["text"] == expected, request["id"]
+    assert not list(tmp_path.glob("results.jsonl.rank*"))

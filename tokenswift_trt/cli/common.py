@@ -134,10 +134,12 @@ def load_source(
     kernels: dict[str, Any] | None = None,
     tp: int = 1,
     tp_timeout: float = 120.0,
+    data_parallel: bool = False,
 ) -> Source:
     """`api.load` with the command's options; every failure is one line, and what loading noticed is
     said on stderr. `tp` > 1: this process's rank of a tensor-parallel run (tp_launch.py), started
-    before anything loads."""
+    before anything loads. `data_parallel`: a launcher's (torchrun's) processes each load the whole
+    model for requests of their own (`batch`), not as tensor-parallel ranks."""
     import torch
 
     from tokenswift_trt.api import ApiError, Origin, load_resolved
@@ -149,7 +151,8 @@ def load_source(
         ranks = None
         if origin.engine_dir is not None:  # an engine built with `build --tp M` loads with --tp M only
             check_engine_tp(origin.engine_dir, tp)
-        if tp > 1 or launched_ranks() > 1:  # tensor parallel: checked, started and agreed on before loading
+        # tensor parallel: checked, started and agreed on before loading
+        if tp > 1 or (launched_ranks() > 1 and not data_parallel):
             if not origin.directory.is_dir():
                 kind = "model" if origin.model_dir is not None else "engine"
                 raise ApiError(f"{kind} directory {origin.directory} does not exist")
