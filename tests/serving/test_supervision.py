@@ -3,12 +3,15 @@ reported with a non-zero exit, and nothing left behind in /tmp or /dev/shm eithe
 
 from __future__ import annotations
 
+import http.client as http_client
+import json
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -31,10 +34,13 @@ def _leftovers() -> set[str]:
     return staging | regions
 
 
-def _start_serve(tmp_path: Path, openai: int = 0) -> tuple[subprocess.Popen, int, Path]:
+def _start_serve(
+    tmp_path: Path, openai: int = 0, http: int | None = None
+) -> tuple[subprocess.Popen, int, Path]:
     if _bundled() is None:
         pytest.skip("nvidia-pytriton (tritonserver binary) is not installed")
-    http, grpc, metrics = _free_ports(3)
+    http_free, grpc, metrics = _free_ports(3)
+    http = http or http_free
     journals = tmp_path / "journals"
     serve = subprocess.Popen(
         [
@@ -116,9 +122,28 @@ def test_sigterm_with_a_stream_in_flight_stops_quickly_and_leaves_nothing(tmp_pa
 def test_sigterm_cuts_an_openai_stream_with_finish_reason_abort_and_a_shutdown_error(tmp_path):
     """A stream cut by the server's shutdown never looks like a finished answer."""
     openai = pytest.importorskip("openai", reason="the OpenAI front is tested with the openai client")
-    (port,) = _free_ports(1)
-    serve, _, _ = _start_serve(tmp_path, openai=port)
+    port, http = _free_ports(2)
+    serve, _, _ = _start_serve(tmp_path, openai=port, http=http)
     chunks: list = []
+    events: list[bytes] = []
+
+    def triton_stream() -> None:  # the same cut seen by a Triton generate_stream client of the HTTP port
+        body = {"text_input": "Call me Ishmael", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        url = f"http://127.0.0.1:{http}/v2/models/tokenswift/generate_stream"
+        request = urllib.request.Request(url, data=json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                for line in response:
+                    if line.startswith(b"data: "):
+                        events.append(line)
+                        streaming.set()
+        except (OSError, http_client.HTTPException) as error:
+            events.append(f"failed: {error!r}".encode())
+
+    streaming = threading.Event()
+    triton = threading.Thread(target=triton_stream, daemon=True)
+    triton.start()
+    assert streaming.wait(120), events
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         stream = client.completions.create(
@@ -139,6 +164,9 @@ def test_sigterm_cuts_an_openai_stream_with_finish_reason_abort_and_a_shutdown_e
             serve.kill()
     assert caught.value.body is None or caught.value.body.get("code") == "server_shutdown"
     assert chunks[-1].finish_reason == "abort" and all(c.finish_reason is None for c in chunks[:-1])
+    triton.join(30)
+    assert len(events) > 1 and b"text_output" in events[0], events[:3]
+    assert json.loads(events[-1][len(b"data: ") :])["error"].startswith("server shutting down: "), events[-1]
 
 
 @pytest.mark.slow
