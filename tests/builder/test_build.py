@@ -39,7 +39,7 @@ def checkpoint(llama_dir, tmp_path):
 
 
 def test_torch_engine_round_trip_and_same_tokens(checkpoint, tmp_path, llama_engine64):
-    out = build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "engine"))
+    out = build_engine(BuildRequest(model=str(checkpoint), no_drafts=True, out=tmp_path / "engine"))
     manifest = read_manifest(out)
     assert manifest.backend == "torch" and manifest.dtype == "float32" and not manifest.random_weights
     assert set(manifest.artifacts) == {"model/config.json", "model/model.safetensors", "model/tokenizer.json"}
@@ -52,7 +52,7 @@ def test_torch_engine_round_trip_and_same_tokens(checkpoint, tmp_path, llama_eng
 
 
 def test_corrupt_and_mismatched_engines_are_refused(checkpoint, tmp_path):
-    out = build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "engine"))
+    out = build_engine(BuildRequest(model=str(checkpoint), no_drafts=True, out=tmp_path / "engine"))
     weights = out / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
@@ -63,7 +63,7 @@ def test_corrupt_and_mismatched_engines_are_refused(checkpoint, tmp_path):
     with pytest.raises(EngineDirError, match="wrong size"):
         read_manifest(out)
 
-    other = build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "other"))
+    other = build_engine(BuildRequest(model=str(checkpoint), no_drafts=True, out=tmp_path / "other"))
     manifest = json.loads((other / MANIFEST).read_text())
     manifest["config"]["hidden_size"] = 128
     (other / MANIFEST).write_text(json.dumps(manifest))
@@ -99,7 +99,12 @@ def test_bad_build_inputs_have_clear_errors(checkpoint, tmp_path, monkeypatch):
     save_file(heads, str(tmp_path / "heads.safetensors"))
     with pytest.raises(BuildError, match="draft layers.*shape"):
         build_engine(
-            BuildRequest(model=str(checkpoint), heads=tmp_path / "heads.safetensors", out=tmp_path / "x")
+            BuildRequest(
+                model=str(checkpoint),
+                no_drafts=True,
+                heads=tmp_path / "heads.safetensors",
+                out=tmp_path / "x",
+            )
         )
     assert not (tmp_path / "x").exists()  # failed builds leave nothing behind
     assert not list(tmp_path.glob(".x.building-*"))
@@ -108,7 +113,7 @@ def test_bad_build_inputs_have_clear_errors(checkpoint, tmp_path, monkeypatch):
     config["architectures"] = ["MistralForCausalLM"]
     (checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(BuildError, match="unsupported architecture 'MistralForCausalLM'"):
-        build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "x"))
+        build_engine(BuildRequest(model=str(checkpoint), no_drafts=True, out=tmp_path / "x"))
 
 
 def test_the_bundled_preset_builds_from_this_repositorys_checkpoint(checkpoint, tmp_path, monkeypatch):
@@ -122,11 +127,11 @@ def test_the_bundled_preset_builds_from_this_repositorys_checkpoint(checkpoint, 
 
 
 def test_existing_engine_needs_force(checkpoint, tmp_path):
-    out = build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "engine"))
+    out = build_engine(BuildRequest(model=str(checkpoint), no_drafts=True, out=tmp_path / "engine"))
     with pytest.raises(BuildError, match="--force"):
-        build_engine(BuildRequest(model=str(checkpoint), out=out))
+        build_engine(BuildRequest(model=str(checkpoint), no_drafts=True, out=out))
     before = read_manifest(out).artifacts
-    build_engine(BuildRequest(model=str(checkpoint), out=out, force=True, dtype="bfloat16"))
+    build_engine(BuildRequest(model=str(checkpoint), no_drafts=True, out=out, force=True, dtype="bfloat16"))
     after = read_manifest(out)
     assert after.dtype == "bfloat16" and after.artifacts != before
 
@@ -144,7 +149,7 @@ def test_random_weights_preset_and_released_heads(checkpoint, tmp_path):
         tensors[f"model.medusa_layers.{i}.input_layernorm.weight"] = torch.ones(64)
         tensors[f"model.medusa_layers.{i}.post_layernorm.weight"] = torch.ones(64)
     save_file(tensors, str(checkpoint / "model.safetensors"))
-    built = build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "with-heads"))
+    built = build_engine(BuildRequest(model=str(checkpoint), no_drafts=True, out=tmp_path / "with-heads"))
     assert "model/heads.safetensors" in read_manifest(built).artifacts
     engine, _ = load_engine_dir(built)
     assert engine.trained_draft_layers
@@ -153,11 +158,37 @@ def test_random_weights_preset_and_released_heads(checkpoint, tmp_path):
     )
 
 
+def test_a_checkpoint_without_draft_layers_is_refused_unless_asked_for(checkpoint, tmp_path):
+    """Building, then serving, a model whose TokenSwift would run at AR speed stops in one line that
+    names the ways out; --no-drafts builds it."""
+    runner = CliRunner()
+    refused = runner.invoke(main, ["build", "--model", str(checkpoint), "--out", str(tmp_path / "engine")])
+    assert refused.exit_code == 2 and not (tmp_path / "engine").exists()
+    line = refused.stderr.strip()
+    assert "has no draft layers, so TokenSwift would run at AR speed" in line and "\n" not in line
+    assert "--heads FILE" in line and "train-heads" in line and "--no-drafts" in line
+    built = runner.invoke(
+        main, ["build", "--no-drafts", "--model", str(checkpoint), "--out", str(tmp_path / "engine")]
+    )
+    assert built.exit_code == 0, built.output
+    from tokenswift_trt.cli.common import CliError
+    from tokenswift_trt.cli.serve import check_source
+
+    with pytest.raises(CliError, match="has no draft layers.*serve it anyway with --no-drafts"):
+        check_source(tmp_path / "engine", "cpu")
+    check_source(tmp_path / "engine", "cpu", no_drafts=True)
+    check_source(REPOSITORY / "models" / "swift-tiny", "cpu")  # it has its heads.safetensors
+
+
 def test_cli_build_then_generate_with_engine(checkpoint, tmp_path):
     runner = CliRunner()
-    result = runner.invoke(main, ["build", "--model", str(checkpoint), "--out", str(tmp_path / "engine")])
+    result = runner.invoke(
+        main, ["build", "--no-drafts", "--model", str(checkpoint), "--out", str(tmp_path / "engine")]
+    )
     assert result.exit_code == 0, result.output
-    again = runner.invoke(main, ["build", "--model", str(checkpoint), "--out", str(tmp_path / "engine")])
+    again = runner.invoke(
+        main, ["build", "--no-drafts", "--model", str(checkpoint), "--out", str(tmp_path / "engine")]
+    )
     assert again.exit_code == 2 and "--force" in again.stderr
     generated = runner.invoke(
         main,
@@ -197,7 +228,17 @@ def test_cli_build_then_generate_with_engine(checkpoint, tmp_path):
     )
     assert both.exit_code == 2 and "exactly one of --model PRESET, --model-dir" in both.stderr
     trt = runner.invoke(
-        main, ["build", "--model", str(checkpoint), "--out", str(tmp_path / "trt"), "--backend", "tensorrt"]
+        main,
+        [
+            "build",
+            "--no-drafts",
+            "--model",
+            str(checkpoint),
+            "--out",
+            str(tmp_path / "trt"),
+            "--backend",
+            "tensorrt",
+        ],
     )
     try:
         import tensorrt  # noqa: F401

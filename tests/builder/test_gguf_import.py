@@ -432,7 +432,7 @@ def test_build_engine_from_gguf_records_its_sha256(tmp_path, bpe):
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     stages: list[str] = []
     out = build_engine(
-        BuildRequest(model=str(path), out=tmp_path / "engine"),
+        BuildRequest(model=str(path), out=tmp_path / "engine", no_drafts=True),
         lambda stage, done, total: stages.append(stage),
     )
     manifest = read_manifest(out)
@@ -450,9 +450,16 @@ def test_build_engine_from_gguf_records_its_sha256(tmp_path, bpe):
         build_engine(BuildRequest(model=str(tmp_path / "missing.gguf"), out=tmp_path / "e2"))
     bad = _minimal_gguf(tmp_path / "falcon.gguf", "falcon")
     runner = CliRunner()
-    result = runner.invoke(main, ["build", "--model", str(bad), "--out", str(tmp_path / "e3")])
+    result = runner.invoke(main, ["build", "--no-drafts", "--model", str(bad), "--out", str(tmp_path / "e3")])
     assert result.exit_code != 0 and "architecture 'falcon'" in result.output
     result = runner.invoke(main, ["build", "--model", str(path), "--out", str(tmp_path / "e4")])
+    assert (
+        result.exit_code == 2 and "has no draft layers, so TokenSwift would run at AR speed" in result.output
+    )
+    assert not (tmp_path / "e4").exists()
+    result = runner.invoke(
+        main, ["build", "--no-drafts", "--model", str(path), "--out", str(tmp_path / "e4")]
+    )
     assert result.exit_code == 0, result.output
     assert read_manifest(tmp_path / "e4").source["sha256"] == digest
 

@@ -191,6 +191,7 @@ def test_a_model_that_fails_to_load_in_tritonserver_is_named_with_its_reason(tmp
     result = _serve(
         "--engine",
         str(broken),
+        "--no-drafts",
         *("--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)),
         *("--openai-port", str(openai)),
     )

@@ -29,7 +29,12 @@ from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.config import ConfigError, config_from_dict
 from tokenswift_trt.model.decoder import LlamaModel
 from tokenswift_trt.model.draft_layers import DraftLayers, draft_key, heads_file_key
-from tokenswift_trt.model.engine import DEFAULT_HEADS_FILE, UntrainedDraftLayersWarning, load_engine
+from tokenswift_trt.model.engine import (
+    DEFAULT_HEADS_FILE,
+    UntrainedDraftLayersWarning,
+    has_draft_layers,
+    load_engine,
+)
 from tokenswift_trt.model.engine_dir import BACKENDS, Manifest, record_artifacts, write_manifest
 from tokenswift_trt.model.tensor_parallel import TensorParallelError, check_size, write_rank_files
 
@@ -72,6 +77,7 @@ class BuildRequest:
     max_sequence_length: int | None = None
     kernels: KernelConfig = KernelConfig()  # recorded in the manifest: the engine's default kernel settings
     tp: int = 1  # > 1: the weights split into one file per tensor-parallel rank (loaded with --tp tp)
+    no_drafts: bool = False  # build a checkpoint without draft layers anyway (it then runs at AR speed)
 
 
 def resolve(request: BuildRequest) -> tuple[Preset | None, Path | None]:
@@ -233,12 +239,25 @@ def _build_from_gguf(request: BuildRequest, progress: Progress, log: Callable[[s
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def no_drafts_line(source: Path, command: str) -> str:
+    """The one line that refuses to build or serve a model without draft layers, naming the ways out."""
+    return (
+        f"{source} has no draft layers, so TokenSwift would run at AR speed: pass the released TokenSwift "
+        f"layers with --heads FILE, or train them (`tokenswift-trt train-heads --model-dir DIR --data TEXT "
+        f"--out HEADS`, then --heads HEADS/heads.safetensors); or {command} it anyway with --no-drafts "
+        "(AR speed, the same output)"
+    )
+
+
 def build_engine(
     request: BuildRequest, progress: Progress | None = None, log: Callable[[str], None] | None = None
 ) -> Path:
     """Build the engine directory `request.out`; returns it."""
     progress = progress or (lambda stage, done, total: None)
     if is_gguf(request.model):
+        # a GGUF file holds no draft layers
+        if request.heads is None and not request.no_drafts and Path(request.model).is_file():
+            raise BuildError(no_drafts_line(Path(request.model), "build"))
         return _build_from_gguf(request, progress, log)
     preset, checkpoint = resolve(request)
     return _build(request, preset, checkpoint, progress, log)
@@ -261,6 +280,8 @@ def _build(
             raise BuildError(f"cannot read {checkpoint}/config.json: {error}") from None
         if preset is not None:
             _check_against_preset(config_dict, preset, checkpoint)
+        if not request.no_drafts and not has_draft_layers(checkpoint, request.heads):
+            raise BuildError(no_drafts_line(checkpoint, "build"))
     else:
         assert preset is not None
         config_dict = dict(preset.config)

@@ -44,6 +44,11 @@ from .common import DTYPES, CliError, fail, kernel_option
 )
 @click.option("--force", is_flag=True, help="replace an existing engine directory")
 @click.option(
+    "--no-drafts",
+    is_flag=True,
+    help="build a checkpoint that has no draft layers anyway (TokenSwift then runs at AR speed)",
+)
+@click.option(
     "--tp",
     type=click.IntRange(1),
     default=1,
@@ -53,7 +58,7 @@ from .common import DTYPES, CliError, fail, kernel_option
 )
 @kernel_option
 def build(
-    model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force, tp, kernels
+    model, out, checkpoint, heads, backend, dtype, random_weights, max_length, force, no_drafts, tp, kernels
 ) -> None:
     """Build an engine directory from a preset, checkpoint or GGUF file (torch, onnx or tensorrt backend);
     its manifest records the kernel settings, the engine's defaults."""
@@ -84,6 +89,7 @@ def build(
         max_sequence_length=max_length,
         kernels=KernelConfig().updated(kernels),
         tp=tp,
+        no_drafts=no_drafts,
     )
     try:
         path = build_engine(request, progress, log=lambda message: click.echo(message, err=True))

@@ -10,8 +10,11 @@ from .common import CliError, PositiveGiB, check_engine_tp, fail, kernel_option,
 from .tp_launch import tp_options
 
 
-def check_source(engine_dir: Path, device: str) -> None:
-    """What would stop the model loading inside tritonserver, said in one line before it starts."""
+def check_source(engine_dir: Path, device: str, no_drafts: bool = False) -> None:
+    """What would stop the model loading inside tritonserver (or have it serve at AR speed without
+    `no_drafts`), said in one line before it starts."""
+    from tokenswift_trt.builder.build import no_drafts_line
+    from tokenswift_trt.model.engine import has_draft_layers
     from tokenswift_trt.model.engine_dir import MANIFEST
 
     if device.startswith("cuda"):
@@ -29,6 +32,9 @@ def check_source(engine_dir: Path, device: str) -> None:
             f"{engine_dir} is neither an engine ({MANIFEST}) nor a Hugging Face model directory "
             "(config.json): build an engine with `tokenswift-trt build`"
         )
+    model_dir = engine_dir / "model" if (engine_dir / MANIFEST).is_file() else engine_dir
+    if not no_drafts and not has_draft_layers(model_dir):
+        raise CliError(no_drafts_line(engine_dir, "serve"))
 
 
 def check_ports(host: str, ports: dict[str, int]) -> None:
@@ -140,6 +146,11 @@ def check_tp(engine_dir: Path, tp: int, instances: int, device: str) -> None:
     help="model id of the OpenAI-compatible API (default: the engine directory's name)",
 )
 @click.option(
+    "--no-drafts",
+    is_flag=True,
+    help="serve a model that has no draft layers anyway (TokenSwift then runs at AR speed)",
+)
+@click.option(
     "--log-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -161,6 +172,7 @@ def serve(
     memory_budget,
     openai_port,
     served_model_name,
+    no_drafts,
     log_file,
     kernels,
     tp,
@@ -176,7 +188,7 @@ def serve(
 
     if tp > 1:  # its GPU count first: rank r on cuda:r
         check_tp(engine_dir, tp, instances, device)
-    check_source(engine_dir, device)
+    check_source(engine_dir, device, no_drafts)
     check_engine_tp(engine_dir, tp)
     ports = {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port}
     if openai_port:

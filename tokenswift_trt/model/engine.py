@@ -75,6 +75,29 @@ DEFAULT_HEADS_FILE = "heads.safetensors"  # picked up from the model directory w
 _IGNORED_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
 
 
+def has_draft_layers(model_dir: Path, heads_file: Path | None = None) -> bool:
+    """Whether `load_engine` would find draft layers for `model_dir` (a heads file given or in the
+    directory, or the checkpoint's released-format keys), read from file names and safetensors
+    headers only."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    if heads_file is not None or (model_dir / DEFAULT_HEADS_FILE).is_file():
+        return True
+    try:
+        files = _safetensors_files(model_dir)
+    except (WeightsError, OSError):
+        return False
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                if any(draft_key(key) is not None for key in handle.keys()):
+                    return True
+        except (OSError, SafetensorError):
+            continue
+    return False
+
+
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
