@@ -47,7 +47,8 @@ def test_tensorrt_engine_decodes_like_torch(llama_dir, tmp_path):
     )
     engine, manifest = load_engine_dir(out, device="cuda")
     reference, _ = load_engine_dir(
-        build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "torch", no_drafts=True)), device="cuda"
+        build_engine(BuildRequest(model=str(checkpoint), out=tmp_path / "torch", no_drafts=True)),
+        device="cuda",
     )
     prompt = list(range(3, 40))
     config = GenerationConfig(
