@@ -147,6 +147,16 @@ def generate(
         ignored = given_on_command_line(click.get_current_context(), ADAPTATION_SETTINGS)
         if config.method == "tokenswift" and not config.adapt_drafts and ignored and not as_json:
             click.echo(f"note: {', '.join(ignored)} apply with --adapt-drafts: add it or drop them", err=True)
+        if journal is not None:  # a journal that cannot be kept is refused before the model loads
+            from tokenswift_trt.decode.journal import JournalError, check_journal_room, check_new_journal
+
+            try:
+                check_new_journal(
+                    journal, f"--resume {journal}", "delete it (or choose another --journal path)"
+                )
+                check_journal_room(journal, max_new_tokens)
+            except JournalError as error:
+                raise CliError(str(error).strip().splitlines()[0]) from None
     source = load_source(
         model,
         model_dir,
