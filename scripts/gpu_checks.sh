@@ -51,7 +51,9 @@ fi
 
 # the SmolLM2 stages need models/smollm2-135m (`make models`; on a node without internet, copy it there in
 # parts: `tokenswift-trt pack`, see docs/cli.md) and the books of CORPUS
-CORPUS=${CORPUS:-../shared/corpus}
+CORPUS=${CORPUS:-data/corpus}
+# data/corpus ships gzip-compressed (`make corpus`): unpack what is missing
+for gz in data/corpus/*.txt.gz; do [ -f "${gz%.gz}" ] || gzip -dc "$gz" > "${gz%.gz}"; done
 SMOLLM2_IMPORT="test -f models/smollm2-135m/config.json || { echo 'models/smollm2-135m is missing: run make models \
     (on a node without internet: tokenswift-trt pack, docs/cli.md)'; exit 1; }"
 
