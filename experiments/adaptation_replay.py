@@ -16,7 +16,7 @@ place to try adaptation settings; the bench measures the chosen one. `summarize`
 markdown rows.
 
     .venv/bin/python experiments/adaptation_replay.py record --model-dir models/smollm2-135m \\
-        --prompt-file ../shared/corpus/pride_and_prejudice.txt --seed 0 --out /tmp/book-0.pt
+        --prompt-file data/corpus/pride_and_prejudice.txt --seed 0 --out /tmp/book-0.pt
     .venv/bin/python experiments/adaptation_replay.py replay /tmp/book-0.pt --model-dir models/smollm2-135m
     .venv/bin/python experiments/adaptation_replay.py replay /tmp/book-0.pt --model-dir models/smollm2-135m \\
         --adapt --vocab draft --lr 1e-3

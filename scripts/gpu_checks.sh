@@ -51,7 +51,9 @@ fi
 
 # the SmolLM2 stages need models/smollm2-135m (`make models`; on a node without internet, copy it there in
 # parts: `tokenswift-trt pack`, see docs/cli.md) and the books of CORPUS
-CORPUS=${CORPUS:-../shared/corpus}
+CORPUS=${CORPUS:-data/corpus}
+# data/corpus ships gzip-compressed (`make corpus`): unpack what is missing
+for gz in data/corpus/*.txt.gz; do [ -f "${gz%.gz}" ] || gzip -dc "$gz" > "${gz%.gz}"; done
 SMOLLM2_IMPORT="test -f models/smollm2-135m/config.json || { echo 'models/smollm2-135m is missing: run make models \
     (on a node without internet: tokenswift-trt pack, docs/cli.md)'; exit 1; }"
 
@@ -71,13 +73,13 @@ EOF"
     tests)
         stage tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
             tests/plugins_cuda/test_cuda_kernels.py tests/decode/test_static_step.py tests/model/test_sampling.py \
-            tests/kernels/test_kernels.py tests/model/test_model.py tests/bench/test_kernel_bench.py \
+            tests/kernels/test_kernels.py tests/model/test_model.py tests/tools/test_bench_kernels.py \
             tests/bench/test_steps.py tests/model/test_kv_cache.py tests/kernels/test_transfer.py \
             tests/decode/test_device_loop.py tests/kernels/test_fused_elementwise.py tests/kernels/test_cascade.py \
             tests/kernels/test_triton_prefix.py tests/kernels/test_triton_linear.py tests/kernels/test_triton_aligned.py
         ;;
     kernels)
-        stage kernels 100 "${CLI[@]}" bench-kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
+        stage kernels 100 "$PYTHON" -m tools.bench_kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
             --out "$OUT_DIR/kernels"
         ;;
     steps)

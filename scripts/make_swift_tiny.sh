@@ -3,7 +3,9 @@
 # Usage: scripts/make_swift_tiny.sh [CORPUS_DIR]   (MINUTES=35 by default for the base model on CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-corpus=${1:-../shared/corpus}
+corpus=${1:-data/corpus}
+# data/corpus ships gzip-compressed (`make corpus`): unpack what is missing
+for gz in data/corpus/*.txt.gz; do [ -f "${gz%.gz}" ] || gzip -dc "$gz" > "${gz%.gz}"; done
 py=.venv/bin/python
 cli=.venv/bin/tokenswift-trt
 $py -m tools.train_swift_tiny --corpus "$corpus" --out models/swift-tiny --minutes "${MINUTES:-35}"

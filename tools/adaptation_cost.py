@@ -8,7 +8,7 @@ re-packing of the changed products for the CPU kernels, and milliseconds per com
 the re-pack would cost every iteration instead).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m tools.adaptation_cost --model-dir models/smollm2-135m \
-        --prompt-file ../shared/corpus/pride_and_prejudice.txt --out docs/bench/adapt-cost-smollm2
+        --prompt-file data/corpus/pride_and_prejudice.txt --out docs/bench/adapt-cost-smollm2
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ its own clock (bench.run.take_turns), `--repeats` times. Writes executors.json (
 each executor and AR, the ratios, iterations, whether the tokens agreed) under --out.
 
     .venv/bin/python -m tools.executors_compare --model-dir models/swift-tiny \
-        --prompt-file ../shared/corpus/pride_and_prejudice.txt --out docs/bench/cpu-executors-swift-tiny
+        --prompt-file data/corpus/pride_and_prejudice.txt --out docs/bench/cpu-executors-swift-tiny
 """
 
 from __future__ import annotations

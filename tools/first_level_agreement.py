@@ -51,7 +51,7 @@ from tokenswift_trt.training.train_heads import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-HELD_OUT = ROOT.parent / "shared" / "corpus" / "pride_and_prejudice.txt"
+HELD_OUT = ROOT / "data" / "corpus" / "pride_and_prejudice.txt"  # unpacked by `make corpus`
 WIDTH = 8
 SEED = 1  # the generated text's sampling seed
 SHAPES = ("1", "2", "3", "1,1", "2,1")  # trees the confidence table scores

@@ -1,7 +1,7 @@
 """Text the model writes itself, under the paper's sampling, as training data for its draft layers.
 
-    python -m tools.generate_corpus --model-dir models/smollm2-135m --data ../shared/corpus/iliad.txt \
-        --data ../shared/corpus/moby_dick.txt --data ../shared/corpus/war_and_peace.txt \
+    python -m tools.generate_corpus --model-dir models/smollm2-135m --data data/corpus/iliad.txt \
+        --data data/corpus/moby_dick.txt --data data/corpus/war_and_peace.txt \
         --out runs/generated.jsonl --sequences 1024 --batch 512 --new-tokens 1024 --device cuda
 
 Verification accepts what the target samples, and the bench measures acceptance on text the model

@@ -59,7 +59,7 @@ TESTS = (
     "tests/model/test_sampling.py",
     "tests/kernels/test_kernels.py",
     "tests/model/test_model.py",
-    "tests/bench/test_kernel_bench.py",
+    "tests/tools/test_bench_kernels.py",
     "tests/bench/test_steps.py",
     "tests/model/test_kv_cache.py",
     "tests/kernels/test_transfer.py",

@@ -41,7 +41,7 @@ def probe(device: str) -> dict[str, Any]:
     """What the machine is and how fast it copies; on CUDA also builds and loads our kernels."""
     import torch
 
-    from tokenswift_trt.bench.kernels import measure_copy_bandwidth
+    from tokenswift_trt.bench.steps import measure_copy_bandwidth
 
     record: dict[str, Any] = {
         "device": device,

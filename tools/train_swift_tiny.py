@@ -1,9 +1,9 @@
 """Train `swift-tiny`, the embedded default model: a byte-level BPE tokenizer (8K) and a ~9M
-parameter GQA Llama on the public-domain books in ../shared/corpus, with pride_and_prejudice.txt
+parameter GQA Llama on the public-domain books in data/corpus, with pride_and_prejudice.txt
 held out. Writes a Hugging Face model directory (config, bf16 safetensors, tokenizer.json) and
 `training.json` with the held-out perplexity.
 
-    .venv/bin/python -m tools.train_swift_tiny --corpus ../shared/corpus --out models/swift-tiny
+    .venv/bin/python -m tools.train_swift_tiny --corpus data/corpus --out models/swift-tiny
     --minutes 45
 
 Draft layers are trained afterwards with `tokenswift-trt train-heads` (see docs/swift-tiny.md).
@@ -84,7 +84,7 @@ def perplexity(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_bat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", type=Path, default=Path("../shared/corpus"))
+    parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     parser.add_argument("--out", type=Path, default=Path("models/swift-tiny"))
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -97,7 +97,7 @@ def main() -> None:
 
     books = sorted(p for p in args.corpus.glob("*.txt"))
     if not books:
-        raise SystemExit(f"no .txt books in {args.corpus}")
+        raise SystemExit(f"no .txt books in {args.corpus}: run make corpus")
     train_books = [p for p in books if p.name != HELD_OUT]
     held_out = [p for p in books if p.name == HELD_OUT]
     torch.manual_seed(args.seed)

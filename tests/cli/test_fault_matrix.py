@@ -257,7 +257,7 @@ def test_serve_refuses_a_port_out_of_range_before_starting_anything(option, port
     assert time.monotonic() - started < 5  # refused by the option, before tritonserver starts
 
 
-@pytest.mark.parametrize("command", ["bench", "bench-steps", "bench-kernels", "bench-serve"])
+@pytest.mark.parametrize("command", ["bench", "bench-steps", "bench-serve"])
 def test_a_report_directory_that_cannot_be_written_is_refused_before_the_run(tmp_path, command):
     blocker = tmp_path / "file"
     blocker.write_text("x")

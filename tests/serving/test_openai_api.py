@@ -15,18 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tokenswift_trt.serving.openai_api import (
+from tokenswift_trt.serving.openai_api import OpenAIFrontend
+from tokenswift_trt.serving.openai_requests import (
     ApiError,
     ChatTemplate,
-    OpenAIFrontend,
-    Outcome,
     ServedModel,
-    StopScanner,
-    _relayed,
-    _usage,
     translate_chat,
     translate_completion,
 )
+from tokenswift_trt.serving.openai_responses import Outcome, StopScanner, _usage
+from tokenswift_trt.serving.openai_triton import _relayed
 
 openai = pytest.importorskip(
     "openai", reason="the OpenAI API tests need the openai client (pip install openai)"

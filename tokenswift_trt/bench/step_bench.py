@@ -29,7 +29,6 @@ from tokenswift_trt.model.config import ModelConfig, config_from_dict, load_conf
 from tokenswift_trt.model.engine import KernelFallbackWarning
 
 from .host import reference_host_ms
-from .kernels import device_description
 from .metrics import PAPER_ACCEPT_LENGTH
 from .report import machine_meta
 from .steps import (
@@ -40,6 +39,7 @@ from .steps import (
     StepBenchError,
     StepCost,
     check_step_request,
+    device_description,
     measure_accept_lengths,
     measure_copy_bandwidth,
     measure_step_costs,

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import functools
 import json
+import platform
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,7 +48,6 @@ from tokenswift_trt.model.engine import Engine, choose_kernels
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.model.linear import pack_linears
 
-from . import kernels
 from .report import machine_meta, write_csv
 
 # The paper's speedups for LLaMA3.1-8B on an A100 80G (prefix 4096, α 0.84; Table 1 of arXiv
@@ -144,9 +146,56 @@ def random_engine(
 # ---------------------------------------------------------------- measurement
 
 
-def measure_copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of dst.copy_(src), read + write counted: 1 GiB on CUDA, 256 MiB on a CPU."""
-    return kernels.measure_copy_bandwidth(device, 1024 if device.type == "cuda" else 256)
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(call: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of `call` over `repeats` runs.
+
+    On CUDA each run is timed with device events around 5 back-to-back calls (so launch gaps of
+    one short call do not count); elsewhere with the host clock between synchronisations.
+    """
+    for _ in range(warmup):
+        call()
+    samples = []
+    if device.type == "cuda":
+        per_sample = 5
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_sample):
+                call()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / per_sample)
+        return statistics.median(samples)
+    for _ in range(repeats):
+        synchronize(device)
+        start_s = time.perf_counter()
+        call()
+        synchronize(device)
+        samples.append(time.perf_counter() - start_s)
+    return statistics.median(samples)
+
+
+def measure_copy_bandwidth(device: torch.device, megabytes: int | None = None, repeats: int = 10) -> float:
+    """Bytes/s of dst.copy_(src), read + write counted; `megabytes` None: 1 GiB on CUDA, 256 MiB on
+    a CPU."""
+    megabytes = megabytes or (1024 if device.type == "cuda" else 256)
+    elements = megabytes * (1 << 20) // 4
+    source = torch.empty(elements, dtype=torch.float32, device=device).uniform_()
+    target = torch.empty_like(source)
+    seconds = time_call(lambda: target.copy_(source), device, repeats)
+    return 2 * source.numel() * 4 / seconds
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return f"{properties.name} ({properties.multi_processor_count} SMs), CUDA {torch.version.cuda}"
+    return f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
 
 
 @dataclass(frozen=True)
@@ -324,7 +373,7 @@ def measure_step_costs(
     costs: list[StepCost] = []
 
     def record(context: int, step: str, tokens: int, call: Callable[[], object], bytes_read: int) -> None:
-        seconds = kernels.time_call(call, device, repeats, warmup=2)
+        seconds = time_call(call, device, repeats, warmup=2)
         cost = StepCost(context, step, tokens, seconds, bytes_read, bytes_read / bandwidth)
         costs.append(cost)
         if on_step:

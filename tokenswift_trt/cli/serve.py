@@ -183,7 +183,8 @@ def serve(
     import time
 
     from tokenswift_trt.serving.http_front import HttpFront
-    from tokenswift_trt.serving.openai_api import FrontendError, OpenAIFrontend
+    from tokenswift_trt.serving.openai_api import OpenAIFrontend
+    from tokenswift_trt.serving.openai_requests import FrontendError
     from tokenswift_trt.serving.server import MODEL_REPO, ServerConfig, ServerError, TritonServer, free_port
 
     if tp > 1:  # its GPU count first: rank r on cuda:r

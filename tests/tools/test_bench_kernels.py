@@ -1,4 +1,4 @@
-"""`tokenswift-trt bench-kernels`: rows per (T, L) with consistent derived figures; clear refusals."""
+"""tools/bench_kernels.py: rows per (T, L) with consistent derived figures; clear refusals."""
 
 from __future__ import annotations
 
@@ -7,18 +7,14 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from tokenswift_trt.bench.kernels import bench_tree_attention
-from tokenswift_trt.cli import main
+from tools.bench_kernels import KernelBenchError, bench_tree_attention, check_kernel_request, main
 
 
 def test_cpu_smoke_run_writes_a_row_per_case(tmp_path):
     out = tmp_path / "kernels"
-    result = CliRunner().invoke(
-        main,
+    code = main(
         [
-            "bench-kernels",
             "--device",
             "cpu",
             "--tree-sizes",
@@ -35,9 +31,9 @@ def test_cpu_smoke_run_writes_a_row_per_case(tmp_path):
             "2",
             "--out",
             str(out),
-        ],
+        ]
     )
-    assert result.exit_code == 0, result.output
+    assert code == 0
     rows = list(csv.DictReader((out / "kernels.csv").open()))
     assert [(int(r["tree_tokens"]), int(r["context"])) for r in rows] == [
         (1, 64),
@@ -51,7 +47,8 @@ def test_cpu_smoke_run_writes_a_row_per_case(tmp_path):
             float(row["sdpa_ms"]) / float(row["kernel_ms"]), rel=1e-2
         )
     meta = json.loads((out / "kernels.json").read_text())["meta"]
-    assert meta["copy_bandwidth_gb_s"] > 0 and "bench-kernels" in meta["command"]
+    assert meta["copy_bandwidth_gb_s"] > 0 and "tools.bench_kernels" in meta["command"]
+    assert meta["date"] and meta["cpu"]
 
 
 def test_bandwidth_time_counts_the_kv_bytes():
@@ -70,22 +67,18 @@ def test_bandwidth_time_counts_the_kv_bytes():
         assert row.bandwidth_ms == pytest.approx(size / bandwidth * 1e3)
 
 
-def test_refusals_are_one_line(tmp_path):
-    runner = CliRunner()
-    result = runner.invoke(
-        main, ["bench-kernels", "--device", "cpu", "--tree-sizes", "300", "--out", str(tmp_path)]
-    )
-    assert result.exit_code == 2 and "at most 256 tree tokens" in result.output
-    result = runner.invoke(main, ["bench-kernels", "--device", "cpu", "--heads", "6", "--kv-heads", "4"])
-    assert result.exit_code == 2 and "multiple of --kv-heads" in result.output
+def test_refusals_are_one_line(tmp_path, capsys):
+    assert main(["--device", "cpu", "--tree-sizes", "300", "--out", str(tmp_path)]) == 2
+    assert "at most 256 tree tokens" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--heads", "6", "--kv-heads", "4"]) == 2
+    assert "multiple of --kv-heads" in capsys.readouterr().err
     if not torch.cuda.is_available():
-        result = runner.invoke(main, ["bench-kernels", "--out", str(tmp_path)])
-        assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
-        assert len(result.output.strip().splitlines()) == 1
+        assert main(["--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
 
 
 def test_requests_the_op_cannot_take_are_refused_before_anything_runs():
-    from tokenswift_trt.bench.kernels import KernelBenchError, check_kernel_request
     from tokenswift_trt.kernels.ops import MAX_TREE_TOKENS
 
     check_kernel_request("cpu", [1, MAX_TREE_TOKENS], 4, 2, 64, 1)  # the largest tree the op takes

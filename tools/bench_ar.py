@@ -1,15 +1,22 @@
-"""Our AR baseline against transformers' own greedy `generate` on the same model and prompt.
+"""Our AR baseline against transformers' own greedy `generate` on the same model and prompt
+(float32, CPU): bench_ar.csv and bench_ar.json.
 
 Every speedup is quoted over our AR, so our AR must be at least as fast as the reference
 implementation users would otherwise run. Runs alternate (ours, theirs, theirs, ours, ...) so
 that a machine whose speed drifts charges both alike; each run is timed whole, prefill included,
-and both must produce the same greedy tokens.
+and both must produce the same greedy tokens. docs/benchmarks.md quotes its figures.
+
+    .venv/bin/python -m tools.bench_ar --model smollm2-135m --prompt-file models/swift-tiny/prompt.txt \
+        --out runs/bench-ar
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,11 +25,11 @@ from typing import Any
 
 import torch
 
+from tokenswift_trt.api import ApiError, load
+from tokenswift_trt.bench.report import machine_meta, write_csv
 from tokenswift_trt.decode.loop import GenerationConfig, generate
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.sampling import SamplingConfig
-
-from .report import machine_meta, write_csv
 
 
 class ReferenceError(RuntimeError):
@@ -128,3 +135,38 @@ def write_reference_report(
     }
     (out / "bench_ar.json").write_text(json.dumps(report, indent=2) + "\n")
     return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a preset (tokenswift-trt models lists them)")
+    source.add_argument("--model-dir", type=Path, help="a Hugging Face model directory")
+    parser.add_argument("--prompt-file", type=Path, required=True, help="text the prompt is cut from")
+    parser.add_argument("--prefix-len", type=int, default=128, help="prompt tokens (128)")
+    parser.add_argument("--gen-len", type=int, default=512, help="new tokens per run (512)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs each, alternating who goes first (2)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-ar"))
+    args = parser.parse_args(argv)
+    if args.prefix_len < 1 or args.gen_len < 1 or args.repeats < 1:
+        parser.error("--prefix-len, --gen-len and --repeats must be at least 1")
+    try:
+        text = args.prompt_file.read_text()
+        model = load(args.model, model_dir=args.model_dir, dtype="float32", device="cpu")
+        model_dir = model.origin.model_dir
+        assert model_dir is not None
+        reference = load_reference(model_dir)
+    except (ApiError, ReferenceError, OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    prompt = model.codec.encode(text)[: args.prefix_len]
+    result = compare_with_reference(model.engine, reference, prompt, args.gen_len, args.repeats)
+    command = shlex.join(["python", "-m", "tools.bench_ar", *(sys.argv[1:] if argv is None else argv)])
+    row = write_reference_report(result, str(model_dir), len(prompt), args.repeats, args.out, command)
+    print(" | ".join(row))
+    print(" | ".join(str(value) for value in row.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

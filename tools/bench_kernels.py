@@ -1,18 +1,22 @@
-"""`tokenswift-trt bench-kernels`: the tree-attention op against PyTorch SDPA with an explicit
-mask, and against the memory-bandwidth time (K/V bytes read ÷ measured copy bandwidth).
+"""The tree-attention op against PyTorch SDPA with an explicit mask, and against the
+memory-bandwidth time (K/V bytes read ÷ measured copy bandwidth): kernels.csv and kernels.json.
 
 On CUDA the op is the CUDA kernel (plugins_cuda/); on a CPU it is the PyTorch reference, which
-only makes the command runnable end to end (small sizes), not a kernel measurement.
+only makes the tool runnable end to end (small sizes), not a kernel measurement. docs/kernels.md
+quotes its figures.
+
+    .venv/bin/python -m tools.bench_kernels --tree-sizes 1,64,128 --contexts 4096,32768,131072 \
+        --out runs/kernels
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
-import platform
-import statistics
-import time
+import shlex
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tokenswift_trt.bench.report import machine_meta
+from tokenswift_trt.bench.steps import device_description, measure_copy_bandwidth, time_call
 from tokenswift_trt.kernels import ops as kernels
 
 
@@ -41,7 +47,7 @@ def check_kernel_request(
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise KernelBenchError(
-                "bench-kernels --device cuda needs a CUDA GPU and a CUDA build of torch "
+                "--device cuda needs a CUDA GPU and a CUDA build of torch "
                 "(use --device cpu for a smoke run of the reference)"
             )
         status = kernels.load_cuda_kernels()
@@ -69,49 +75,6 @@ class KernelTiming:
     @property
     def kernel_over_bandwidth(self) -> float:
         return self.kernel_ms / self.bandwidth_ms
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(call: Callable[[], object], device: torch.device, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of `call` over `repeats` runs.
-
-    On CUDA each run is timed with device events around 5 back-to-back calls (so launch gaps of
-    one short call do not count); elsewhere with the host clock between synchronisations.
-    """
-    for _ in range(warmup):
-        call()
-    samples = []
-    if device.type == "cuda":
-        per_sample = 5
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(per_sample):
-                call()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / per_sample)
-        return statistics.median(samples)
-    for _ in range(repeats):
-        synchronize(device)
-        start_s = time.perf_counter()
-        call()
-        synchronize(device)
-        samples.append(time.perf_counter() - start_s)
-    return statistics.median(samples)
-
-
-def measure_copy_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 10) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    elements = megabytes * (1 << 20) // 4
-    source = torch.empty(elements, dtype=torch.float32, device=device).uniform_()
-    target = torch.empty_like(source)
-    seconds = time_call(lambda: target.copy_(source), device, repeats)
-    return 2 * source.numel() * 4 / seconds
 
 
 def _tree_mask(count: int) -> torch.Tensor:
@@ -226,7 +189,7 @@ def bench_tree_attention(
 def write_kernel_report(
     rows: Sequence[KernelTiming], bandwidth: float, out_dir: Path, meta: dict
 ) -> list[Path]:
-    """kernels.csv and kernels.json (figures + machine + command) in `out_dir`."""
+    """kernels.csv and kernels.json (figures, the machine, the date and the command) in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "kernels.csv"
     with csv_path.open("w", newline="") as handle:
@@ -259,8 +222,7 @@ def write_kernel_report(
         "meta": {
             **meta,
             "copy_bandwidth_gb_s": bandwidth / 1e9,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
+            **machine_meta(),
         },
         "rows": [
             asdict(row)
@@ -272,8 +234,74 @@ def write_kernel_report(
     return [csv_path, json_path]
 
 
-def device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        properties = torch.cuda.get_device_properties(device)
-        return f"{properties.name} ({properties.multi_processor_count} SMs), CUDA {torch.version.cuda}"
-    return f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"positive integers, got {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--device", default="cuda", help="cuda: the CUDA kernel; cpu: the reference (smoke run)"
+    )
+    parser.add_argument("--tree-sizes", type=_ints, default=[1, 64, 128], help="tree tokens T (1,64,128)")
+    parser.add_argument("--contexts", type=_ints, default=[4096, 32768, 131072], help="cached positions L")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, choices=[64, 128], default=128)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("runs/kernels"))
+    args = parser.parse_args(argv)
+    try:
+        check_kernel_request(
+            args.device, args.tree_sizes, args.heads, args.kv_heads, args.head_dim, args.repeats
+        )
+    except KernelBenchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    try:
+        rows, bandwidth = bench_tree_attention(
+            device,
+            args.tree_sizes,
+            args.contexts,
+            args.heads,
+            args.kv_heads,
+            args.head_dim,
+            getattr(torch, args.dtype),
+            args.repeats,
+        )
+    except torch.OutOfMemoryError:
+        print("error: out of device memory: lower --contexts", file=sys.stderr)
+        return 2
+    meta = {
+        "command": shlex.join(
+            ["python", "-m", "tools.bench_kernels", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "device": device_description(device),
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+    }
+    written = write_kernel_report(rows, bandwidth, args.out, meta)
+    print(f"{meta['device']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print("T | L | kernel ms | SDPA ms | speedup vs SDPA | bandwidth ms | kernel / bandwidth")
+    for row in rows:
+        print(
+            f"{row.tree_tokens} | {row.context} | {row.kernel_ms:.3f} | {row.sdpa_ms:.3f} | "
+            f"{row.speedup_vs_sdpa:.2f} | {row.bandwidth_ms:.3f} | {row.kernel_over_bandwidth:.2f}"
+        )
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
