@@ -10,7 +10,7 @@ on to child processes:
 | `TOKENSWIFT_TRT_PLUGINS` | the TensorRT plugin library (default: `make plugins`' output in the checkout) |
 | `TORCH_EXTENSIONS_DIR` | where torch keeps compiled extensions; `serve` gives tritonserver its own |
 | `GPU_CHECK_COMMAND` | the command line a GPU check run records as its own (set by scripts/gpu_checks.sh) |
-| `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` | set by torchrun per rank |
+| `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | set by torchrun per rank |
 | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | PyTorch's; `serve --tp` on GPUs sets 2 (a failed collective raises) |
 
 Every other module reads the environment through the functions here.
@@ -25,7 +25,7 @@ HOME = "TOKENSWIFT_HOME"
 TRT_PLUGINS = "TOKENSWIFT_TRT_PLUGINS"
 TORCH_EXTENSIONS_DIR = "TORCH_EXTENSIONS_DIR"
 GPU_CHECK_COMMAND = "GPU_CHECK_COMMAND"
-# the five a torch.distributed launcher (torchrun) sets for each rank
+# the six a torch.distributed launcher (torchrun) sets for each rank
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
@@ -41,6 +41,7 @@ VARIABLES = {
     RANK: "this process's rank among those a torch.distributed launcher (torchrun) started",
     WORLD_SIZE: "how many ranks the launcher started",
     LOCAL_RANK: "this process's rank on its node (its GPU)",
+    LOCAL_WORLD_SIZE: "how many of the ranks run on this node (`batch` shares its CPUs among them)",
     MASTER_ADDR: "the rendezvous address of the ranks",
     MASTER_PORT: "the rendezvous port of the ranks",
     NCCL_ERROR_HANDLING: "PyTorch's; `serve --tp` on GPUs sets 2 (unless given): a failed collective raises",
