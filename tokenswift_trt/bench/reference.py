@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.sampling import SamplingConfig
 
