@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import tokenswift_trt as ts
-from tokenswift_trt.decode.loop import engine_adapter
+from tokenswift_trt.decode.state import engine_adapter
 from tokenswift_trt.model.draft_adaptation import OPTIMIZERS, SCOPES, AdaptationSettings, copy_draft_layers
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.linear import pack_linears

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tokenswift_trt.backends.loader import load_engine_dir
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.journal import (
     JournalError,
     JournalWriter,
@@ -33,9 +34,9 @@ from tokenswift_trt.decode.journal import (
     recorded_kernels,
     resume_journal,
 )
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, Stats
 from tokenswift_trt.decode.loop import generate as run_generate
 from tokenswift_trt.decode.request import SPEED_ONLY, config_from, with_fixed_seed
+from tokenswift_trt.decode.stats import Stats
 from tokenswift_trt.decode.text import TextCodec, TokenizerError
 from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
 from tokenswift_trt.model.config import ConfigError

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenswift_trt.api import ApiError, Model, Result, Run, _first_line, resume_run, start_run
+from tokenswift_trt.decode.config import GenerationError
 from tokenswift_trt.decode.journal import JournalError, read_journal
-from tokenswift_trt.decode.loop import GenerationError
 from tokenswift_trt.decode.request import config_from
 from tokenswift_trt.decode.scheduler import FINISHED, Request, Scheduler
 

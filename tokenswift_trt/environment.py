@@ -10,7 +10,7 @@ on to child processes:
 | `TOKENSWIFT_TRT_PLUGINS` | the TensorRT plugin library (default: `make plugins`' output in the checkout) |
 | `TORCH_EXTENSIONS_DIR` | where torch keeps compiled extensions; `serve` gives tritonserver its own |
 | `GPU_CHECK_COMMAND` | the command line a GPU check run records as its own (set by scripts/gpu_checks.sh) |
-| `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | set by torchrun per rank |
+| `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | torchrun's |
 | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | PyTorch's; `serve --tp` on GPUs sets 2 (a failed collective raises) |
 
 Every other module reads the environment through the functions here.

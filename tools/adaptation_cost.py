@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from tokenswift_trt.bench.report import machine_meta
-from tokenswift_trt.decode.loop import GenerationConfig, new_adapter, new_decode_state
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.state import new_adapter, new_decode_state
 from tokenswift_trt.model.engine import load_engine
 from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig
 

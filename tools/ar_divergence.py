@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.text import TextCodec
 from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.model.engine import load_engine

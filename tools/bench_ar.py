@@ -27,7 +27,8 @@ import torch
 
 from tokenswift_trt.api import ApiError, load
 from tokenswift_trt.bench.report import machine_meta, write_csv
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.sampling import SamplingConfig
 

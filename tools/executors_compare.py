@@ -24,7 +24,8 @@ from pathlib import Path
 
 from tokenswift_trt.bench.report import machine_meta
 from tokenswift_trt.bench.run import take_turns
-from tokenswift_trt.decode.loop import GenerationConfig, decode_steps
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import decode_steps
 from tokenswift_trt.model.engine import load_engine
 from tokenswift_trt.model.sampling import SamplingConfig
 

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from tokenswift_trt.cli.common import load_source
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.sampling import SamplingConfig, draft_ranking, position_gumbel, process_logits
 from tokenswift_trt.training.train_heads import (

@@ -28,9 +28,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tokenswift_trt.bench.steps import StepBenchError, random_engine
+from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.device_loop import DeviceLoop
-from tokenswift_trt.decode.loop import GenerationConfig, new_decode_state
 from tokenswift_trt.decode.stages import prefill, sample_next
+from tokenswift_trt.decode.state import new_decode_state
 from tokenswift_trt.decode.tree import build_static_tree
 from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig

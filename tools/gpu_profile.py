@@ -15,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tokenswift_trt.bench.steps import filled_caches, random_engine
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.static_step import StaticForward
 from tokenswift_trt.decode.text import TextCodec
 from tokenswift_trt.model.engine import load_engine

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.kernels import ops as kernels
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.kv_cache import KVCache

@@ -22,7 +22,8 @@ from tokenswift_trt.bench.run import (
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
 from tokenswift_trt.decode.autotune import AR_PLAN, Plan
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, Stats
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
+from tokenswift_trt.decode.stats import Stats
 from tokenswift_trt.model.sampling import SamplingConfig
 
 from conftest import quiet_load

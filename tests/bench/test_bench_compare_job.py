@@ -19,7 +19,7 @@ from tokenswift_trt.bench.compare import (
 )
 from tokenswift_trt.bench.run import BenchSpec
 from tokenswift_trt.builder.random_model import write_random_model
-from tokenswift_trt.decode.loop import GenerationConfig
+from tokenswift_trt.decode.config import GenerationConfig
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from tokenswift_trt.bench.run import BenchSpec, Snapshot, merged_windows, run_bench, write_results
 from tokenswift_trt.cli import main
-from tokenswift_trt.decode.loop import GenerationConfig, Window
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.stats import Window
 from tokenswift_trt.decode.text import TextCodec
 from tokenswift_trt.model.engine import load_engine
 from tokenswift_trt.model.sampling import SamplingConfig

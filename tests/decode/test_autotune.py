@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tokenswift_trt.decode.autotune import probe_plan
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.tree import build_static_tree, build_trie, parse_tree
 from tokenswift_trt.decode.tuner_costs import (
     AR_PLAN,
@@ -40,7 +41,7 @@ def _drive(engine, seconds_per_token: Callable[[str, int], float], tokens: int):
     by the caller); AR steps take 1 s a token, a drafting plan `seconds_per_token(tree, new
     tokens so far)` (2 tokens an iteration). Returns the tuner."""
     from tokenswift_trt.decode.autotune import Tuner
-    from tokenswift_trt.decode.loop import new_decode_state
+    from tokenswift_trt.decode.state import new_decode_state
     from tokenswift_trt.decode.tuner_costs import IterationCosts
     from tokenswift_trt.model.sampling import PositionKeyedRandom
 
@@ -294,7 +295,7 @@ def test_a_cpu_probes_a_smaller_trie_than_a_gpu():
 def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_engine64, monkeypatch):
     from tokenswift_trt.decode import autotune
     from tokenswift_trt.decode.autotune import Tuner
-    from tokenswift_trt.decode.loop import new_decode_state
+    from tokenswift_trt.decode.state import new_decode_state
     from tokenswift_trt.decode.tuner_costs import Estimate, IterationCosts
     from tokenswift_trt.model.sampling import PositionKeyedRandom
 
@@ -349,7 +350,7 @@ def test_a_trial_takes_turns_so_that_a_slow_spell_of_the_machine_hits_both_sides
     both sides see it alike and the pick, 20% faster, is kept."""
     from tokenswift_trt.decode import autotune
     from tokenswift_trt.decode.autotune import Tuner, describe_plans
-    from tokenswift_trt.decode.loop import new_decode_state
+    from tokenswift_trt.decode.state import new_decode_state
     from tokenswift_trt.decode.tuner_costs import Estimate, IterationCosts
     from tokenswift_trt.model.sampling import PositionKeyedRandom
 
@@ -401,7 +402,7 @@ def test_a_probe_that_accepts_almost_nothing_settles_on_ar_steps_without_timing_
 ):
     from tokenswift_trt.decode import autotune
     from tokenswift_trt.decode.autotune import Tuner
-    from tokenswift_trt.decode.loop import new_decode_state
+    from tokenswift_trt.decode.state import new_decode_state
     from tokenswift_trt.model.sampling import PositionKeyedRandom
 
     def never(*args, **kwargs):
@@ -521,7 +522,7 @@ def test_a_probe_beyond_the_exploration_budget_is_abandoned_and_ar_steps_run_to_
     and the loop may run plain AR steps to the end, never asking again."""
     from tokenswift_trt.decode import autotune
     from tokenswift_trt.decode.autotune import Tuner
-    from tokenswift_trt.decode.loop import new_decode_state
+    from tokenswift_trt.decode.state import new_decode_state
     from tokenswift_trt.model.sampling import PositionKeyedRandom
 
     engine = llama_engine64

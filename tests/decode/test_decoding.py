@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, decode_steps, generate
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
+from tokenswift_trt.decode.loop import decode_steps, generate
 from tokenswift_trt.model.sampling import IndependentRandom, SamplingConfig
 
 from conftest import quiet_load
@@ -455,7 +456,7 @@ def test_drafted_tokens_count_the_tries_depth_when_ngram_branches_pass_the_tree(
 
 
 def test_acceptance_by_depth_counts_the_iterations_that_reach_each_depth():
-    from tokenswift_trt.decode.loop import Stats
+    from tokenswift_trt.decode.stats import Stats
 
     stats = Stats(method="tokenswift", seed=0)
     stats.count_depths(3, 1)  # depth 1 accepted, depth 2 rejected, depth 3 never reached

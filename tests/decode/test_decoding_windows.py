@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, Stats, generate
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
+from tokenswift_trt.decode.loop import generate
+from tokenswift_trt.decode.stats import Stats
 from tokenswift_trt.decode.text import TextCodec
 from tokenswift_trt.model.engine import load_engine
 from tokenswift_trt.model.sampling import SamplingConfig

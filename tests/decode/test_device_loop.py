@@ -11,8 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.device_loop import DeviceLoop
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, generate
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model import sampling
 from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig, position_gumbel_tensor
 

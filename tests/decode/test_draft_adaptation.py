@@ -10,15 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tokenswift_trt.decode.loop import (
-    GenerationConfig,
-    GenerationError,
-    decode_steps,
-    engine_adapter,
-    generate,
-    new_adapter,
-    new_decode_state,
-)
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
+from tokenswift_trt.decode.loop import decode_steps, generate
+from tokenswift_trt.decode.state import engine_adapter, new_adapter, new_decode_state
 from tokenswift_trt.model import draft_adaptation
 from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
 from tokenswift_trt.model.sampling import PositionKeyedRandom, SamplingConfig, process_logits

@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenswift_trt.decode import loop as loop_module
 from tokenswift_trt.decode.autotune import AR_PLAN, Plan
+from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.device_loop import DeviceLoop
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.stages import DecodeState, accept_slots, accept_trie
 from tokenswift_trt.decode.tree import TrieSlots, build_static_tree, build_trie
 from tokenswift_trt.model.sampling import SamplingConfig

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenswift_trt.builder.random_model import write_random_model
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.journal import (
     JournalError,
     JournalWriter,
@@ -20,7 +21,7 @@ from tokenswift_trt.decode.journal import (
     resume_journal,
     unfinished_journal,
 )
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, generate
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.engine import load_engine
 from tokenswift_trt.model.sampling import SamplingConfig

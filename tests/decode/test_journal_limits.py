@@ -36,7 +36,7 @@ def test_a_journal_write_past_the_file_size_limit_says_so_and_keeps_what_was_wri
         f"""
         import resource
         from tokenswift_trt.decode.journal import JournalError, JournalWriter, journal_header
-        from tokenswift_trt.decode.loop import GenerationConfig
+        from tokenswift_trt.decode.config import GenerationConfig
 
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
         header = journal_header([1, 2], GenerationConfig(max_new_tokens=9000, seed=3))

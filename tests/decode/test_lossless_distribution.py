@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.stages import Acceptance, NodeTargets, accept_trie
 from tokenswift_trt.decode.tree import Trie
 from tokenswift_trt.model.engine import load_engine

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import tokenswift_trt as ts
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.scheduler import CANCELLED, FAILED, FINISHED, QUEUED, Scheduler
 from tokenswift_trt.model.cpu_decoder import CpuDecoder
 from tokenswift_trt.model.decoder import Segment, forward_batch

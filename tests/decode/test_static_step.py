@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
 from tokenswift_trt.decode.tree import Trie
 from tokenswift_trt.model.kv_cache import KVCache

@@ -124,7 +124,8 @@ def test_key_lengths_must_be_positive():
 def test_long_matches_commit_past_the_tree_and_keep_ars_tokens(llama_engine64, temperature, penalty):
     """A repeating prompt: the long-match branch is offered deeper than the tree and the 4-grams reach
     (depth 3), and the tokens stay AR's, greedy and seeded, with a penalty too (each node's own window)."""
-    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.decode.config import GenerationConfig
+    from tokenswift_trt.decode.loop import generate
     from tokenswift_trt.model.sampling import SamplingConfig
 
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 12
@@ -196,7 +197,8 @@ def test_the_tuners_ar_steps_verify_long_matches_and_keep_ars_tokens(
     """`--tree auto` settled on AR steps (no budget to explore): where the text repeats, the loop
     verifies the long match's branch alone between AR steps, and the tokens stay AR's."""
     from tokenswift_trt.decode import autotune
-    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.decode.config import GenerationConfig
+    from tokenswift_trt.decode.loop import generate
     from tokenswift_trt.model.sampling import SamplingConfig
 
     monkeypatch.setattr(autotune, "EXPLORATION_BUDGET", 0.0)

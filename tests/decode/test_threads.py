@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from tokenswift_trt.cli import main
 from tokenswift_trt.decode import loop as loop_module
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.threads import (
     ThreadGovernor,
     candidate_counts,

@@ -183,7 +183,8 @@ def test_fixed_shape_steps_keep_a_graph_per_attention_route_chosen_from_the_comm
     length they know, not the cache's capacity: a generation from a short prompt verifies through the
     fallback first and the cascade later, each its own bucket, with AR's tokens."""
     from tokenswift_trt.decode import static_step
-    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.decode.config import GenerationConfig
+    from tokenswift_trt.decode.loop import generate
     from tokenswift_trt.model.sampling import SamplingConfig
 
     from conftest import quiet_load

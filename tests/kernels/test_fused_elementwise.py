@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.kernels import ops as kernels
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.kernels.ops import apply_rotary

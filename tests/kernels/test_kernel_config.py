@@ -12,7 +12,8 @@ import pytest
 from tokenswift_trt.backends.loader import load_engine_dir
 from tokenswift_trt.builder.build import BuildRequest, build_engine
 from tokenswift_trt.builder.random_model import write_random_model
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.kernels import ops as kernels
 from tokenswift_trt.kernels.config import (
     CASCADE_MIN_WORK,

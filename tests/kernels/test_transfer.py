@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.kernels.transfer import copy_from_host, to_device
 from tokenswift_trt.model.sampling import SamplingConfig
 

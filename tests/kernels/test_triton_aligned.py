@@ -168,7 +168,8 @@ def test_a_model_attending_position_aligned_takes_the_kernel_and_keeps_ar_tokens
     tokens equal AR's, greedy and seeded sampling, with dynamic and fixed-shape steps."""
     from dataclasses import replace
 
-    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.decode.config import GenerationConfig
+    from tokenswift_trt.decode.loop import generate
     from tokenswift_trt.kernels import triton_aligned
     from tokenswift_trt.model.kv_cache import KVCache
     from tokenswift_trt.model.sampling import SamplingConfig

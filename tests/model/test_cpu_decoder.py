@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.tree import Trie
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.model.linear import TILED_MAX_ROWS, tiled_kernels

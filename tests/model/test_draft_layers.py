@@ -190,7 +190,8 @@ def test_a_new_root_input_repeats_the_plain_layers(llama_engine64, root_width):
 
 
 def test_a_draft_vocabulary_drafts_only_its_tokens_and_leaves_the_output_unchanged(llama_dir, tmp_path):
-    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.decode.config import GenerationConfig
+    from tokenswift_trt.decode.loop import generate
     from tokenswift_trt.model.sampling import SamplingConfig
 
     directory, _ = llama_dir

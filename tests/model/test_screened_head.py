@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.linear import TILED_MAX_ROWS, Linear, tiled_kernels
 from tokenswift_trt.model.sampling import (

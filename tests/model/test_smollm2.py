@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tokenswift_trt.builder.presets import PRESETS, PresetError, local_model_dir
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.text import TextCodec
 from tokenswift_trt.model.engine import load_engine
 from tokenswift_trt.model.sampling import SamplingConfig

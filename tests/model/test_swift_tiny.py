@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tokenswift_trt.builder.presets import PRESETS
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.text import TextCodec
 from tokenswift_trt.model.config import config_from_dict, load_config
 from tokenswift_trt.model.engine import load_engine

@@ -13,7 +13,8 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.config import config_from_dict, load_config
 from tokenswift_trt.model.draft_layers import VocabHead
 from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, load_engine

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.journal import JournalWriter, journal_header, read_journal
-from tokenswift_trt.decode.loop import GenerationConfig
 from tokenswift_trt.serving.handler import RequestError, Session
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "swift-tiny"

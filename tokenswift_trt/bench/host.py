@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenswift_trt.decode.loop import GenerationConfig, generate
+from tokenswift_trt.decode.config import GenerationConfig
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.sampling import SamplingConfig
 

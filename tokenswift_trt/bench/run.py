@@ -20,16 +20,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tokenswift_trt.decode.autotune import Plan, describe_plans
-from tokenswift_trt.decode.loop import (
-    WINDOW_TOKENS,
-    DecodeSteps,
-    GenerationConfig,
-    GenerationError,
-    Stats,
-    Window,
-    decode_steps,
-    generate,
-)
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
+from tokenswift_trt.decode.loop import DecodeSteps, decode_steps, generate
+from tokenswift_trt.decode.stats import WINDOW_TOKENS, Stats, Window
 from tokenswift_trt.model.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tokenswift_trt.builder.build import BuildRequest, resolve
-from tokenswift_trt.decode.loop import GenerationConfig
+from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.config import ModelConfig, config_from_dict, load_config
 from tokenswift_trt.model.engine import KernelFallbackWarning

@@ -421,7 +421,8 @@ def measure_accept_lengths(
     paper's B 4096): an acceptance profile measured by generation instead of assumed."""
     import warnings
 
-    from tokenswift_trt.decode.loop import GenerationConfig, generate
+    from tokenswift_trt.decode.config import GenerationConfig
+    from tokenswift_trt.decode.loop import generate
     from tokenswift_trt.decode.text import TextCodec
     from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, load_engine
     from tokenswift_trt.model.sampling import SamplingConfig

@@ -305,7 +305,7 @@ def write_model_defaults(preset: Preset, model_dir: Path) -> Path:
 def read_model_defaults(model_dir: Path) -> dict[str, Any]:
     """The generation settings a model directory records (`MODEL_DIR_DEFAULTS`); {} when it has none.
     Raises PresetError naming the file when it cannot be read or holds an unknown setting or a bad value."""
-    from tokenswift_trt.decode.loop import GenerationError
+    from tokenswift_trt.decode.config import GenerationError
     from tokenswift_trt.decode.request import config_from
 
     path = Path(model_dir) / MODEL_DIR_DEFAULTS

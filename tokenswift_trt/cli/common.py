@@ -422,7 +422,7 @@ def generation_config(
     max_new_tokens: int, method: str, opts: dict[str, Any], defaults: dict[str, Any] | None = None
 ):
     """The request's config, built as every entry point builds it (decode/request.py)."""
-    from tokenswift_trt.decode.loop import GenerationError
+    from tokenswift_trt.decode.config import GenerationError
     from tokenswift_trt.decode.request import config_from
 
     try:

@@ -331,7 +331,8 @@ def demo(
     from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.bench.run import take_turns
     from tokenswift_trt.decode.autotune import describe_plans
-    from tokenswift_trt.decode.loop import GenerationError, decode_steps
+    from tokenswift_trt.decode.config import GenerationError
+    from tokenswift_trt.decode.loop import decode_steps
 
     from ..progress import progress_bar
 

@@ -146,7 +146,7 @@ class Ranks:
         """Rank 0's GenerationConfig on every rank, its seed fixed (a seed drawn on each rank would
         differ) and `--tree auto` replaced by the tuner's probe plan, held fixed."""
         from tokenswift_trt.decode.autotune import probe_plan
-        from tokenswift_trt.decode.loop import AUTO
+        from tokenswift_trt.decode.config import AUTO
         from tokenswift_trt.decode.request import with_fixed_seed
 
         if self.leader:

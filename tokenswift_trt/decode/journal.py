@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.request import SPEED_ONLY, config_from
 from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
 from tokenswift_trt.model.engine import Engine

@@ -1,8 +1,10 @@
-"""TokenSwift decoding and its AR baseline: the request's settings, its statistics and the loop.
+"""The decoding loops: one request's iterations, TokenSwift's (host or device executor) and the AR
+baseline's.
 
-The loop strings together the named stages of stages.py (propose -> build trie -> verify ->
+The host loop strings together the named stages of stages.py (propose -> build trie -> verify ->
 accept -> commit) and, with tree="auto", asks the tuner (autotune.py) which plan to run; the
-terms (root, draft, accepted and bonus tokens) are defined in stages.py.
+terms (root, draft, accepted and bonus tokens) are defined in stages.py. The request's settings are
+in config.py, its statistics in stats.py, the construction of its state in state.py.
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tokenswift_trt.decode.admission import AdmissionError, admit, available_bytes, plan_memory
 from tokenswift_trt.decode.autotune import AR_PLAN, IterationCosts, Plan, Tuner, probe_plan
+from tokenswift_trt.decode.config import AUTO, GenerationConfig, GenerationError
 from tokenswift_trt.decode.device_loop import DeviceLoop, run_device_loop
-from tokenswift_trt.decode.ngram import NGRAM_LENGTH, NgramTable
 from tokenswift_trt.decode.stages import (
     Acceptance,
     Acceptor,
@@ -35,380 +36,15 @@ from tokenswift_trt.decode.stages import (
     sample_next,
     verify,
 )
-from tokenswift_trt.decode.static_step import StaticForward, bucket_for
-from tokenswift_trt.decode.suffix import LOOKUP_EVERY, MatchGate, SuffixIndex
-from tokenswift_trt.decode.suffix import MAX_DEPTH as SUFFIX_MAX_DEPTH
+from tokenswift_trt.decode.state import new_adapter, new_decode_state, refresh_drafting_state
+from tokenswift_trt.decode.stats import WINDOW_TOKENS, Stats, count_drafts
+from tokenswift_trt.decode.suffix import LOOKUP_EVERY, MatchGate
 from tokenswift_trt.decode.threads import ThreadGovernor
-from tokenswift_trt.decode.tree import Trie, build_static_tree, build_trie, parse_tree
-from tokenswift_trt.model.decoder import ForwardOutput, drafts_along_paths
-from tokenswift_trt.model.draft_adaptation import AdaptationSettings, DraftAdapter
+from tokenswift_trt.decode.tree import Trie, build_trie, parse_tree
+from tokenswift_trt.model.decoder import ForwardOutput
+from tokenswift_trt.model.draft_adaptation import DraftAdapter
 from tokenswift_trt.model.engine import Engine
-from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
-from tokenswift_trt.model.sampling import (
-    PositionKeyedRandom,
-    RandomSource,
-    SamplingConfig,
-    TorchSampler,
-    fused_sampler,
-)
-from tokenswift_trt.model.tensor_parallel import VocabParallelHead
-
-METHODS = ("tokenswift", "ar")
-AUTO = "auto"
-DRAFT_SOURCES = (AUTO, "partial", "verify")
-
-
-WINDOW_TOKENS = 256  # output positions per window of `Stats.windows`
-MAX_TREE_NODES = 1024  # static tree nodes per verify pass (the paper's 1,3,3,3 has 41; --tree auto <= 41)
-
-
-class GenerationError(ValueError):
-    """A request that cannot run as given (the message says what to change)."""
-
-
-class MemoryAdmissionError(GenerationError):
-    """A request whose caches do not fit the memory budget (a scheduler keeps it queued until they do)."""
-
-
-def check_tree_size(spec: str) -> None:
-    """Refuse a static tree of more than MAX_TREE_NODES nodes from its spec alone (a 300,300 tree's
-    mask would take gigabytes to build before any admission could count it)."""
-    nodes, level = 1, 1
-    for width in parse_tree(spec):
-        level *= width
-        nodes += level
-    if nodes > MAX_TREE_NODES:
-        raise GenerationError(
-            f"tree {spec!r} has {nodes:,} nodes, more than the {MAX_TREE_NODES:,} one verify pass takes: "
-            "give a smaller tree (e.g. 1,3,3,3) or the tree auto"
-        )
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int
-    method: str = "tokenswift"
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # "auto": tuned to the machine while generating (autotune.py), every plan lossless;
-    # "1,3,3,3" with ngram_topk 20 and the partial draft source is the paper's configuration
-    tree: str = AUTO
-    ngram_topk: int = 20  # ignored with tree="auto"
-    kv_budget: int = 4096
-    # recent region of the partial cache: committed tokens are appended there and the selection is
-    # redone when it fills (None = B/4, the spec's); smaller = fresher selection, more selections
-    kv_recent: int | None = None
-    # "partial": the paper's separate draft forward of the root on the partial KV cache;
-    # "verify": draft layers read the verify pass's hidden state of the last accepted token
-    # (no draft forward, no partial cache; depth d of the tree uses draft layer d);
-    # "auto": verify with tree="auto", partial with a static tree (`resolved_draft_source`)
-    draft_source: str = AUTO
-    seed: int | None = None
-    ignore_eos: bool = False
-    max_length: int | None = None  # engine maximum (prompt + generated); default: the model's
-    prefill_chunk: int = 1024
-    memory_budget: int | None = None  # bytes the caches may use; default: what is free now
-    # fixed-shape steps over the whole cache (static_step.py), CUDA-graph captured on a GPU;
-    # None = on for CUDA torch engines, off elsewhere
-    static_steps: bool | None = None
-    # the whole iteration on the device (device_loop.py), one CUDA graph per plan on a GPU; drafts
-    # from the verify pass (the draft source it resolves to). None: on with CUDA where it runs
-    # (`runs_device_loop`), the host loop elsewhere; False: the host loop
-    device_loop: bool | None = None
-    # fixed-shape steps through torch.compile (static_step.compiled_forward; implies static steps)
-    compile_steps: bool = False
-    # each request adapts its own copy of the draft layers to what it commits (model/draft_adaptation.py):
-    # one optimiser step per `adapt_block` committed positions, over the newest `adapt_span`; off by
-    # default: on a CPU a step costs more than it gains, on a GPU it is not measured yet
-    # (docs/smollm2.md#draft-layers-that-keep-up); both the host loop and the device loop adapt
-    adapt_drafts: bool = False
-    adapt_block: int = 16
-    adapt_span: int = 16  # each step trains on the newest this many committed positions
-    adapt_scope: str = "all"  # "all": every draft-layer parameter; "layer1": layer 1 and the root input
-    adapt_optimizer: str = "adam"  # "adam" or "sgd"
-    adapt_lr: float | None = None  # None: 3e-4 with Adam, 3e-2 with SGD
-    # layers with a draft vocabulary: "request" drafts over it plus the request's own tokens, "draft" over it
-    adapt_vocab: str = "request"
-
-    @property
-    def resolved_draft_source(self) -> str:
-        if self.draft_source != AUTO:
-            return self.draft_source
-        return "verify" if self.tree == AUTO or self.device_loop else "partial"
-
-    @property
-    def prefers_device_loop(self) -> bool:
-        """Whether the device loop runs where it can (`runs_device_loop`): asked for, or left to the
-        default while drafting from the verify pass."""
-        if self.method != "tokenswift" or self.device_loop is False:
-            return False
-        return self.device_loop is True or self.resolved_draft_source == "verify"
-
-    def runs_device_loop(self, engine: Engine, random: RandomSource) -> bool:
-        """Whether this request runs the device loop on `engine`: as `device_loop` says, and where it is
-        None on CUDA with a PyTorch engine whose iteration a graph can hold (position-keyed noise;
-        draft layers without a path input, which draft level by level on the host). On a CPU the host
-        loop is the default (docs/architecture.md)."""
-        if not self.prefers_device_loop:
-            return False
-        if self.device_loop:
-            return True
-        return (
-            engine.device.type == "cuda"
-            and engine.model.fixed_shape_steps
-            and isinstance(random, PositionKeyedRandom)
-            and not drafts_along_paths(engine.draft_layers)
-        )
-
-    @property
-    def adaptation(self) -> AdaptationSettings:
-        return AdaptationSettings(
-            block=self.adapt_block,
-            span=self.adapt_span,
-            scope=self.adapt_scope,
-            optimizer=self.adapt_optimizer,
-            lr=self.adapt_lr,
-            vocab=self.adapt_vocab,
-        )
-
-    @property
-    def adapts_drafts(self) -> bool:
-        """Whether this request adapts its draft layers: as `adapt_drafts` says, for TokenSwift."""
-        return self.adapt_drafts and self.method == "tokenswift"
-
-    def validate(self) -> None:
-        """Engine-independent checks; raise GenerationError naming the bad value."""
-        try:
-            self.sampling.validate()
-            self.adaptation.validate()
-            if self.tree != AUTO:
-                check_tree_size(self.tree)  # counted from the spec before any tensor is built
-                build_static_tree(self.tree)
-        except ValueError as error:
-            raise GenerationError(str(error)) from None
-        if self.method not in METHODS:
-            raise GenerationError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.draft_source not in DRAFT_SOURCES:
-            raise GenerationError(
-                f"draft source must be one of {', '.join(DRAFT_SOURCES)}, got {self.draft_source!r}"
-            )
-        if self.max_new_tokens <= 0:
-            raise GenerationError(f"max new tokens must be positive, got {self.max_new_tokens}")
-        if self.ngram_topk < 0:
-            raise GenerationError(f"n-gram top-k must be >= 0, got {self.ngram_topk}")
-        if self.kv_budget < 4:
-            raise GenerationError(f"the partial KV budget must be at least 4, got {self.kv_budget}")
-        if self.kv_recent is not None and not 1 <= self.kv_recent < self.kv_budget:
-            raise GenerationError(
-                f"the partial cache's recent region must be in [1, {self.kv_budget}) (below the "
-                f"budget), got {self.kv_recent}"
-            )
-        if self.max_length is not None and self.max_length < 2:
-            raise GenerationError(
-                f"max length must be at least 2 (a prompt token and a new one), got {self.max_length}: "
-                "leave it out for the model's"
-            )
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise GenerationError(f"the memory budget must be positive, got {self.memory_budget} bytes")
-        if self.prefill_chunk < 1:
-            raise GenerationError(f"prefill chunk must be positive, got {self.prefill_chunk}")
-        if self.compile_steps and self.static_steps is False:
-            raise GenerationError("compiled steps are fixed-shape steps: they need static steps on")
-        if self.device_loop and self.method == "tokenswift":
-            if self.resolved_draft_source != "verify":
-                raise GenerationError(
-                    "the device loop drafts from the verify pass: use --draft-source verify, or drop "
-                    "--device-loop for partial-cache drafting (the host loop's)"
-                )
-
-
-def _count_depths(reached: list[int], accepted_by_depth: list[int], offered: int, accepted: int) -> None:
-    """One iteration offering drafts `offered` levels deep, of which the walk accepted `accepted`."""
-    for lists in (reached, accepted_by_depth):
-        lists.extend([0] * (offered - len(lists)))
-    for depth in range(min(offered, accepted + 1)):
-        reached[depth] += 1
-        accepted_by_depth[depth] += depth < accepted
-
-
-@dataclass
-class Window:
-    """The iterations whose first committed token lies at output positions [start, start + size) of
-    the generated text (position 0 is the prefill's token, committed by no iteration); an iteration
-    that crosses the window's end counts whole in the window where it began. An AR step is an
-    iteration of one token with nothing drafted."""
-
-    start: int
-    size: int
-    iterations: int = 0
-    tokens: int = 0  # committed by those iterations: accepted drafts + the bonus token
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    ngram_accepted_tokens: int = 0
-    reached_by_depth: list[int] = field(default_factory=list)  # as `Stats.reached_by_depth`
-    accepted_by_depth: list[int] = field(default_factory=list)
-
-    def add(self, other: Window) -> None:
-        """Sum another run's counts of the same window into this one."""
-        self.iterations += other.iterations
-        self.tokens += other.tokens
-        self.drafted_tokens += other.drafted_tokens
-        self.accepted_tokens += other.accepted_tokens
-        self.ngram_accepted_tokens += other.ngram_accepted_tokens
-        for counts, more in (
-            (self.reached_by_depth, other.reached_by_depth),
-            (self.accepted_by_depth, other.accepted_by_depth),
-        ):
-            counts.extend([0] * (len(more) - len(counts)))
-            for depth, count in enumerate(more):
-                counts[depth] += count
-
-    def copy(self) -> Window:
-        return replace(
-            self, reached_by_depth=list(self.reached_by_depth), accepted_by_depth=list(self.accepted_by_depth)
-        )
-
-    def figures(self) -> dict:
-        """The window's counts and what they give: α, β, α by depth, tokens per iteration."""
-        return {
-            "start": self.start,
-            "end": self.start + self.size,
-            "iterations": self.iterations,
-            "tokens": self.tokens,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "ngram_accepted_tokens": self.ngram_accepted_tokens,
-            "reached_by_depth": list(self.reached_by_depth),
-            "accepted_by_depth": list(self.accepted_by_depth),
-            "alpha": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
-            "beta": self.ngram_accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
-            "alpha_by_depth": [
-                a / r if r else 0.0 for a, r in zip(self.accepted_by_depth, self.reached_by_depth)
-            ],
-            "tokens_per_iteration": self.tokens / self.iterations if self.iterations else 0.0,
-        }
-
-
-@dataclass
-class Stats:
-    method: str
-    seed: int
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    iterations: int = 0  # decode iterations (AR: steps)
-    forwards: int = 0  # decode forward passes: AR steps, draft passes, verify passes (timing probes excluded)
-    branch_iterations: int = 0  # between the tuner's AR steps: verifies of a long match's branch alone
-    drafted_tokens: int = 0  # per iteration, the trie's depth (the longest draft offered)
-    accepted_tokens: int = 0
-    ngram_accepted_tokens: int = 0  # accepted nodes that only an n-gram branch proposed
-    ngram_hit_iterations: int = 0
-    partial_selections: int = 0
-    fixed_shape_steps: int = 0  # forwards run by StaticForward (static_steps), eager or replayed
-    graph_replays: int = 0  # of those, CUDA-graph replays
-    graph_captures: int = 0
-    plans: list[Plan] = field(default_factory=list)  # tree="auto": the plans run, in order
-    # per draft depth d (index d - 1): iterations whose walk reached depth d - 1 with a draft at depth d
-    # offered, and those that accepted it (α by depth = accepted / reached)
-    reached_by_depth: list[int] = field(default_factory=list)
-    accepted_by_depth: list[int] = field(default_factory=list)
-    # the same figures per window of `window_tokens` output positions (`Window`), window k at index k
-    window_tokens: int = WINDOW_TOKENS
-    windows: list[Window] = field(default_factory=list)
-    prefill_s: float = 0.0
-    elapsed_s: float = 0.0
-    phase_s: dict[str, float] = field(default_factory=dict)
-    stop_reason: str = ""
-    draft_updates: int = 0  # optimiser steps of the request's draft layers (adapt_drafts)
-    thread_switches: int = 0  # times the CPU thread count changed (decode/threads.py)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """α = accepted draft tokens / drafted tokens."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def acceptance_by_depth(self) -> list[float]:
-        """α at each draft depth: of the iterations that accepted every depth before it and offered a
-        draft there, the share that accepted that depth too."""
-        return [a / r if r else 0.0 for a, r in zip(self.accepted_by_depth, self.reached_by_depth)]
-
-    def count_depths(self, offered: int, accepted: int) -> None:
-        """One iteration offering drafts `offered` levels deep, of which the walk accepted `accepted`."""
-        _count_depths(self.reached_by_depth, self.accepted_by_depth, offered, accepted)
-
-    def count_window(
-        self, position: int, tokens: int, offered: int = 0, accepted: int = 0, ngram_accepted: int = 0
-    ) -> None:
-        """One iteration in its window: its first committed token at output `position`, `tokens`
-        committed, drafts `offered` levels deep (the drafted tokens), `accepted` of them accepted,
-        `ngram_accepted` of those only along n-gram branches (an AR step: `tokens` 1, the rest 0)."""
-        index = position // self.window_tokens
-        while len(self.windows) <= index:
-            self.windows.append(Window(len(self.windows) * self.window_tokens, self.window_tokens))
-        window = self.windows[index]
-        window.iterations += 1
-        window.tokens += tokens
-        window.drafted_tokens += offered
-        window.accepted_tokens += accepted
-        window.ngram_accepted_tokens += ngram_accepted
-        if offered:
-            _count_depths(window.reached_by_depth, window.accepted_by_depth, offered, accepted)
-
-    def count_drafting(
-        self, position: int, tokens: int, offered: int, accepted: int, ngram_accepted: int
-    ) -> None:
-        """One drafting iteration in the totals, by depth and in its window (`count_window`'s terms)."""
-        self.drafted_tokens += offered
-        self.accepted_tokens += accepted
-        self.count_depths(offered, accepted)
-        self.ngram_accepted_tokens += ngram_accepted
-        self.ngram_hit_iterations += ngram_accepted > 0
-        self.count_window(position, tokens, offered, accepted, ngram_accepted)
-
-    @property
-    def window_figures(self) -> list[dict]:
-        """Per window of output positions: α by depth, tokens per iteration and their counts
-        (`Window.figures`), in order of position."""
-        return [window.figures() for window in self.windows]
-
-    @property
-    def ngram_acceptance_rate(self) -> float:
-        """β = draft tokens accepted along an n-gram branch / drafted tokens."""
-        return self.ngram_accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """New tokens per decode forward pass (the first token comes from the prefill): above 1 is
-        what any speedup must come from where a forward's cost does not grow with its tokens."""
-        return (self.new_tokens - 1) / self.forwards if self.forwards else 0.0
-
-    @property
-    def mean_accept_length(self) -> float:
-        """Tokens committed per iteration (accepted + 1)."""
-        return 1 + self.accepted_tokens / self.iterations if self.iterations else 0.0
-
-    def add_time(self, phase: str, seconds: float) -> None:
-        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
-
-
-def _check_request(engine: Engine, prompt: Sequence[int], config: GenerationConfig) -> int:
-    config.validate()
-    if not prompt:
-        raise GenerationError("the prompt is empty: give at least one token")
-    vocab = engine.config.vocab_size
-    if min(prompt) < 0 or max(prompt) >= vocab:
-        raise GenerationError(f"prompt token ids must be in [0, {vocab})")
-    max_length = config.max_length or engine.config.max_position_embeddings
-    if len(prompt) >= max_length:
-        raise GenerationError(
-            f"the prompt has {len(prompt)} tokens but the engine's maximum length is {max_length}: "
-            "shorten the prompt"
-        )
-    return max_length
-
+from tokenswift_trt.model.sampling import PositionKeyedRandom, RandomSource
 
 DecodeSteps = Generator[Stats, None, tuple[list[int], Stats]]  # yields live Stats, returns (new ids, Stats)
 
@@ -523,7 +159,7 @@ def request_steps(
             elif config.runs_device_loop(engine, state.random):
                 yield from _device_loop(engine, state, config, stats, started, hidden, on_tokens, adapter)
             else:
-                _refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
+                refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
                 yield from _tokenswift_loop(
                     engine, state, config, stats, started, hidden, on_tokens, acceptor, adapter
                 )
@@ -531,136 +167,6 @@ def request_steps(
         if adapter is not None:
             adapter.finish()
     return _finish(state, config, stats, started)
-
-
-def new_adapter(engine: Engine, state: DecodeState, config: GenerationConfig) -> DraftAdapter:
-    """A `DraftAdapter` over a copy of the engine's draft layers, reading the request's history."""
-    return engine_adapter(engine, state.history, len(state.tokens), config.sampling, config.adaptation)
-
-
-def engine_adapter(
-    engine: Engine,
-    history: torch.Tensor,  # [capacity] ids: the prompt, then what is committed
-    used: int,  # ids of `history` already there (the prompt's): drafted from the start
-    sampling: SamplingConfig,
-    settings: AdaptationSettings,
-) -> DraftAdapter:
-    """A `DraftAdapter` over a copy of the engine's draft layers and its frozen LM head, embedding and
-    final norm, reading `history`."""
-    model = engine.model.torch_model
-    if isinstance(model.lm_head, VocabParallelHead):  # the adapter's loss reads every row of the head
-        raise GenerationError(
-            "draft adaptation needs the whole LM head on every rank: drop --adapt-drafts, or run --tp "
-            "with the replicated head"
-        )
-    adapter = DraftAdapter(
-        engine.draft_layers,
-        engine.config,
-        model.model.embed_tokens.weight,
-        model.lm_head.weight,
-        model.model.norm,
-        history,
-        sampling,
-        settings,
-        engine.kernels,
-    )
-    adapter.admit(history[:used].tolist())
-    return adapter
-
-
-def new_decode_state(
-    engine: Engine, prompt: Sequence[int], config: GenerationConfig, random: RandomSource
-) -> DecodeState:
-    """Check the request and allocate everything the sequence needs (caches, n-gram table, buffers)."""
-    max_length = _check_request(engine, prompt, config)
-    drafting = config.method == "tokenswift"
-    from_verify = config.resolved_draft_source == "verify"
-    auto = config.tree == AUTO
-    probe_tree, probe_topk = probe_plan(config.resolved_draft_source, engine.device)
-    tree = build_static_tree(probe_tree if auto else config.tree)
-    max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
-    if drafting and tree.depth > max_depth:
-        raise GenerationError(
-            f"tree {config.tree!r} is {tree.depth} deep but the engine has {len(engine.draft_layers)} "
-            "draft layers "
-            f"(at most {max_depth} levels when drafting from the {config.resolved_draft_source} pass)"
-        )
-    ngram_topk = (probe_topk if auto else config.ngram_topk) if drafting else 0
-    limit = min(len(prompt) + config.max_new_tokens, max_length)
-    # long matches (suffix.py) wherever n-grams are reused: a branch is offered only where the text's
-    # last 8+ tokens occurred before, which a penalty makes rarer but does not rule out
-    long_matches = ngram_topk > 0
-    max_trie = (
-        tree.num_nodes + ngram_topk * tree.branching[0] * NGRAM_LENGTH + long_matches * SUFFIX_MAX_DEPTH
-    )
-    cfg, dtype, device = engine.config, engine.dtype, engine.device
-    static = config.static_steps if config.static_steps is not None else device.type == "cuda"
-    static = static or config.compile_steps
-    if config.compile_steps and not engine.model.fixed_shape_steps:
-        raise GenerationError("--compile-steps compiles PyTorch engines: drop it for this engine")
-    static = static and engine.model.fixed_shape_steps  # exported graphs (onnx, TensorRT) have their own
-    max_trie = bucket_for(max_trie) if static else max_trie  # slots a padded forward writes
-    with_partial = drafting and not from_verify
-    plan = plan_memory(engine, limit + max_trie, config.kv_budget if with_partial else 0, max_trie)
-    try:
-        admit(plan, config.memory_budget if config.memory_budget is not None else available_bytes(device))
-    except AdmissionError as error:
-        if plan.tree_bytes > plan.full_cache_bytes + plan.partial_cache_bytes:
-            tree_name = "auto's probe tree" if auto else f"tree {config.tree!r}"
-            fix = "a larger memory budget" if auto else "a smaller tree or n-gram top-k, or the tree auto"
-            raise MemoryAdmissionError(
-                f"{error}; most of it is the tree buffers ({max_trie:,} nodes: {tree_name} and "
-                f"{ngram_topk} n-gram branches): give {fix}"
-            ) from None
-        raise MemoryAdmissionError(str(error)) from None
-    full = KVCache(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limit + max_trie, dtype, device, engine.kernels
-    )
-    partial = (
-        PartialKVCache(
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            config.kv_budget,
-            recent=config.kv_recent,
-            dtype=dtype,
-            device=device,
-            longest=limit,
-        )
-        if with_partial
-        else None
-    )
-    history = torch.zeros(limit + max_trie, dtype=torch.long, device=device)
-    history[: len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
-    compiled = config.compile_steps
-    static_full = (
-        StaticForward(engine.model.torch_model, full, capture=device.type == "cuda", compiled=compiled)
-        if static
-        else None
-    )
-    return DecodeState(
-        tokens=list(prompt),
-        history=history,
-        prompt_length=len(prompt),
-        limit=limit,
-        full=full,
-        partial=partial,
-        table=NgramTable(NGRAM_LENGTH) if ngram_topk > 0 else None,
-        random=random,
-        sampling=config.sampling,
-        stop_tokens=frozenset() if config.ignore_eos else frozenset(cfg.eos_token_ids),
-        sampler=fused_sampler(config.sampling, device, dtype, engine.kernels)
-        or TorchSampler(config.sampling),
-        ngram_exclusion=config.sampling.penalty_window if config.sampling.penalty > 1 else 0,
-        suffix=SuffixIndex() if long_matches else None,
-        static_full=static_full,
-        static_partial=StaticForward(
-            engine.model.torch_model, partial, capture=static_full.capture, compiled=compiled
-        )
-        if static_full is not None and partial is not None
-        else None,
-        needed_bytes=plan.needed_bytes,
-    )
 
 
 def _finish(
@@ -746,7 +252,7 @@ def _branch_iteration(
     acceptance = acceptor(trie, targets, state.limit - len(state.tokens), state.stop_tokens)
     commit(state, acceptance, verified)
     stats.add_time("branch_step", time.perf_counter() - tick)
-    _count_drafts(stats, trie, acceptance, 1, position)
+    count_drafts(stats, trie, acceptance, 1, position)
     stats.branch_iterations += 1
     return acceptance, verified.hidden[acceptance.nodes[-1] if acceptance.nodes else 0]
 
@@ -848,7 +354,7 @@ def _tokenswift_loop(
             stats.count_window(position, 1)
         else:
             if drafting_state_stale:  # catch up after AR steps: reselect the partial cache, count the n-grams
-                _refresh_drafting_state(state)
+                refresh_drafting_state(state)
                 drafting_state_stale = False
                 tick = time.perf_counter()
             # propose
@@ -893,7 +399,7 @@ def _tokenswift_loop(
                 after = state.tokens[root_position + 1 : root_position + 1 + kept.shape[0]]
                 stats.add_time("adapt", adapter.observe(root_position, kept, after))
                 stats.draft_updates = adapter.updates
-            _count_drafts(stats, trie, acceptance, 1 if from_verify else 2, position)
+            count_drafts(stats, trie, acceptance, 1 if from_verify else 2, position)
         iteration_s = time.perf_counter() - tick
         stats.iterations += 1
         stats.new_tokens, stats.elapsed_s = new_tokens(), time.perf_counter() - started
@@ -982,17 +488,3 @@ def _device_loop(
         last_hidden = loop.leave()
     stats.graph_replays += loop.replays
     stats.graph_captures += loop.captures
-
-
-def _refresh_drafting_state(state: DecodeState) -> None:
-    if state.partial is not None:
-        state.partial.select(state.full, state.queries)
-    if state.table is not None:
-        state.table.update(state.tokens, len(state.tokens) - state.ngram_exclusion)
-
-
-def _count_drafts(stats: Stats, trie, acceptance: Acceptance, forwards: int, position: int) -> None:
-    stats.forwards += forwards  # verify (+ the draft pass)
-    offered = max(trie.depths)  # the longest draft offered (n-gram branches may pass the tree)
-    ngram_accepted = sum(1 for node in acceptance.nodes if not trie.from_tree[node])
-    stats.count_drafting(position, len(acceptance.tokens), offered, len(acceptance.nodes), ngram_accepted)

@@ -14,7 +14,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.model.engine_dir import Manifest
 from tokenswift_trt.model.sampling import SamplingConfig
 

@@ -30,15 +30,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokenswift_trt.decode.admission import available_bytes
-from tokenswift_trt.decode.loop import (
-    GenerationConfig,
-    GenerationError,
-    MemoryAdmissionError,
-    RequestSteps,
-    Stats,
-    request_steps,
-)
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError, MemoryAdmissionError
+from tokenswift_trt.decode.loop import RequestSteps, request_steps
 from tokenswift_trt.decode.stages import ForwardCall
+from tokenswift_trt.decode.stats import Stats
 from tokenswift_trt.decode.threads import ThreadGovernor
 from tokenswift_trt.model.decoder import Segment, forward_batch
 from tokenswift_trt.model.engine import Engine

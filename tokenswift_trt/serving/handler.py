@@ -19,6 +19,7 @@ import numpy as np
 
 from tokenswift_trt.backends.loader import load_engine_dir
 from tokenswift_trt.builder.presets import read_model_defaults
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.journal import (
     JournalError,
     JournalHeld,
@@ -30,7 +31,7 @@ from tokenswift_trt.decode.journal import (
     model_identity,
     resume_journal,
 )
-from tokenswift_trt.decode.loop import GenerationConfig, GenerationError, Stats, generate
+from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.request import (
     SPEED_ONLY,
     config_from,
@@ -40,6 +41,7 @@ from tokenswift_trt.decode.request import (
 )
 from tokenswift_trt.decode.scheduler import CANCELLED, FAILED, FINISHED, Scheduler
 from tokenswift_trt.decode.scheduler import Request as ScheduledRequest
+from tokenswift_trt.decode.stats import Stats
 from tokenswift_trt.decode.text import StreamDecoder, TextCodec
 from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.model.engine import Engine, load_engine

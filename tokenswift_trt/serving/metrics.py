@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenswift_trt.decode.loop import Stats
+from tokenswift_trt.decode.stats import Stats
 
 PREFIX = "tokenswift:"
 OUTCOMES = ("ok", "error", "cancelled")

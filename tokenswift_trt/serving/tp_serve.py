@@ -201,7 +201,7 @@ class RankGroup:
         """`generate(engine, prompt_ids, config, on_tokens=...)` on every rank in step; any failure
         leaves the group to be formed again before the next request."""
         from tokenswift_trt.decode.autotune import probe_plan
-        from tokenswift_trt.decode.loop import AUTO
+        from tokenswift_trt.decode.config import AUTO
         from tokenswift_trt.decode.request import with_fixed_seed
 
         if self.broken:
