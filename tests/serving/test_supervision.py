@@ -143,8 +143,8 @@ def test_sigterm_cuts_an_openai_stream_with_finish_reason_abort_and_a_shutdown_e
     streaming = threading.Event()
     triton = threading.Thread(target=triton_stream, daemon=True)
     triton.start()
-    assert streaming.wait(120), events
     try:
+        assert streaming.wait(120), events
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         stream = client.completions.create(
             model="swift-tiny",
