@@ -309,6 +309,13 @@ def generate(
 @click.option(
     "--user-tokens", type=click.IntRange(1), default=256, show_default=True, help="tokens per user request"
 )
+@click.option(
+    "--edit/--no-edit",
+    default=True,
+    show_default=True,
+    help="then an editing request (revise a short Python file; greedy, stops at EOS), whose answer copies "
+    "much of its input, with AR and TokenSwift taking turns (not with --tp)",
+)
 @tp_options
 @sampling_options
 def demo(
@@ -321,13 +328,15 @@ def demo(
     max_new_tokens,
     users,
     user_tokens,
+    edit,
     tp,
     tp_timeout,
     **opts,
 ) -> None:
     """Generate with AR and with TokenSwift on the same engine, taking turns; print speedup, α, β,
-    Distinct-n and agreement; then a few users' requests one at a time and decoded together. With
-    --tp N the first part runs split over N tensor-parallel ranks; rank 0 prints."""
+    Distinct-n and agreement; then an editing request whose answer copies much of its input, the same
+    way; then a few users' requests one at a time and decoded together. With --tp N the first part runs
+    split over N tensor-parallel ranks (and the others are skipped); rank 0 prints."""
     from tokenswift_trt.bench.metrics import distinct_n
     from tokenswift_trt.bench.run import take_turns
     from tokenswift_trt.decode.autotune import describe_plans
@@ -422,8 +431,64 @@ def demo(
     click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
     if ts.plans:
         click.echo("plans (--tree auto): " + " | ".join(describe_plans(ts.plans)))
+    if edit and ranks is None:
+        _editing(loaded, directory, opts)
+    if loaded.engine.device.type == "cpu":
+        click.echo(WHY_PROSE)
     if users and ranks is None:
         _users(loaded.engine, prompt_ids, configs["tokenswift"], users, user_tokens)
+
+
+# why the prose row gains little on a CPU and what a GPU changes (docs/benchmarks.md: the 2-core CPU
+# tables, the H200 8B iteration table and the Modeled section)
+WHY_PROSE = (
+    "why prose gains little here: on a few CPU cores a step is bound by arithmetic, so a verify costs "
+    "about as many AR steps as it checks tokens, and a small model's draft layers commit 1.1-1.8 tokens "
+    "an iteration (SmolLM2-135M), while copied text commits many per verify; on an H200 an 8B model's "
+    "iteration with a 52-token verify costs 1.5-2 AR steps (measured), modeled at 1.24x for 1.83 tokens "
+    "an iteration and 2.71x at the trie's cap of 4 (4K prompt; docs/benchmarks.md, Modeled)"
+)
+
+
+def _editing(loaded, directory: Path, opts: dict) -> None:
+    """The editing request (demo_edit.py), greedy without penalty and stopping at EOS, decoded by AR
+    and TokenSwift taking turns; prints its own figures and whether the tokens are the same."""
+    from tokenswift_trt.bench.run import take_turns
+    from tokenswift_trt.decode.loop import GenerationError, decode_steps
+    from tokenswift_trt.serving.openai_api import ApiError, FrontendError
+
+    from .demo_edit import EDIT_TOKENS, edit_prompt
+
+    try:
+        prompt_text, chat = edit_prompt(directory)
+    except (FrontendError, ApiError) as error:
+        raise CliError(f"the editing request: {error}") from None
+    prompt_ids = loaded.codec.encode(prompt_text)
+    settings = {**opts, "temperature": 0.0, "penalty": 1.0, "ignore_eos": False}
+    configs = {
+        method: generation_config(EDIT_TOKENS, method, settings, loaded.defaults)
+        for method in ("ar", "tokenswift")
+    }
+    click.echo(
+        f"editing request ({len(prompt_ids)} prompt tokens, "
+        f"{'chat template' if chat else 'no chat template: plain text'}, greedy, stops at EOS): "
+        "add a docstring to a short Python file and reply with the whole file"
+    )
+    steps = {method: decode_steps(loaded.engine, prompt_ids, config) for method, config in configs.items()}
+    try:
+        results = take_turns(steps, DEMO_TURN_TOKENS)
+    except GenerationError as error:
+        raise fail(error) from None
+    (ar_ids, ar, ar_s), (ts_ids, ts, ts_s) = results["ar"], results["tokenswift"]
+    click.echo(f"answer (first 200 chars): {loaded.codec.decode(ts_ids)[:200]!r}")
+    click.echo(f"AR          {ar.new_tokens:6d} tokens  {ar_s:7.2f}s  {ar.new_tokens / ar_s:8.1f} tok/s")
+    click.echo(f"TokenSwift  {ts.new_tokens:6d} tokens  {ts_s:7.2f}s  {ts.new_tokens / ts_s:8.1f} tok/s")
+    click.echo(
+        f"editing: speedup {ar_s / ts_s:.2f}x   tokens/iteration {ts.mean_accept_length:.2f}   "
+        f"same tokens as AR: {ar_ids == ts_ids}"
+    )
+    if ar_ids != ts_ids:
+        click.echo(unequal_tokens_note(str(loaded.engine.device), str(loaded.engine.dtype)), err=True)
 
 
 def _users(engine, prompt_ids: list[int], config, users: int, tokens: int) -> None:
