@@ -227,3 +227,57 @@ def test_ar_steps_sharing_their_settings_share_one_head_pass_and_keep_their_toke
     assert max(passes) == 4  # one pass for the four requests' rows
     for request, prompt, config in zip(requests, prompts, configs, strict=True):
         assert request.tokens == _alone(engine, prompt, config)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_tree_auto_requests_held_to_ar_steps_by_the_planner_keep_their_tokens(tiny, window):
+    """The batch's planner switching `--tree auto` requests between their own plans and AR steps every
+    `window` steps changes none of their tokens (lossless either way), and each counts its held steps."""
+    from tokenswift_trt.decode.scheduler import BatchPlanner
+
+    engine = tiny.engine
+    prompts = _prompts(tiny, 3)
+    configs = [
+        GenerationConfig(max_new_tokens=90, sampling=PAPER, seed=9, ignore_eos=True),  # tree auto
+        GenerationConfig(max_new_tokens=80, sampling=GREEDY, ignore_eos=True),  # tree auto
+        GenerationConfig(max_new_tokens=70, sampling=PAPER, seed=4, ignore_eos=True, tree="2,2"),
+    ]
+    planner = BatchPlanner(window_steps=10**9)  # decides nothing itself: the test switches it
+    scheduler = Scheduler(engine, max_batch=3, planner=planner)
+    requests = [scheduler.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
+    planner.batch, planner.hold = 3, True  # held from the first iteration
+    steps = 0
+    while scheduler.pending:
+        scheduler.step()
+        steps += 1
+        if steps % window == 0:
+            planner.hold = not planner.hold
+    for request, prompt, config in zip(requests, prompts, configs, strict=True):
+        assert request.status == FINISHED, request.error
+        assert request.tokens == _alone(engine, prompt, config)
+    assert requests[0].stats.held_steps > 0 and requests[1].stats.held_steps > 0
+    assert requests[2].stats.held_steps == 0  # a fixed tree is never held
+
+
+def test_the_planner_keeps_the_faster_way_and_tries_again_for_another_batch_size():
+    from tokenswift_trt.decode.scheduler import KEEP, TRIAL, BatchPlanner
+
+    planner = BatchPlanner(window_steps=2, turns=2, keep_steps=4)
+    planner.observe(4, True, 0.1, 4)  # a new batch size: a trial starts, own plans first
+    assert planner.phase == TRIAL and not planner.hold
+
+    def steps(count: int, own_rate: float, ar_rate: float) -> None:
+        for _ in range(count):
+            rate = ar_rate if planner.hold else own_rate
+            planner.observe(4, True, 0.1, int(rate * 0.1))
+
+    steps(8, own_rate=50, ar_rate=100)  # two windows of two steps each way: AR steps are faster
+    assert planner.phase == KEEP and planner.hold and planner.choices == [(4, True)]
+    steps(4, own_rate=50, ar_rate=100)  # kept for keep_steps, then tried again
+    assert planner.phase == TRIAL and not planner.hold
+    steps(8, own_rate=200, ar_rate=100)  # now the plans win by more than the margin
+    assert planner.phase == KEEP and not planner.hold and planner.choices[-1] == (4, False)
+    planner.observe(2, True, 0.1, 10)  # a request left: a trial for the new size
+    assert planner.phase == TRIAL and planner.batch == 2
+    planner.observe(1, False, 0.1, 10)  # one request alone: its own tuner decides, nothing held
+    assert not planner.hold

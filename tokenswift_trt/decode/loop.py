@@ -129,11 +129,14 @@ def request_steps(
     random: RandomSource | None = None,
     acceptor: Acceptor = accept_trie,
     window_tokens: int = WINDOW_TOKENS,
+    hold: Callable[[], bool] | None = None,
 ) -> RequestSteps:
     """One request's generation as a driver runs it: the prompt's prefill at the first resume, then
     the iterations; yields a `ForwardCall` wherever an iteration needs a forward on the full cache
     (the driver sets its output before resuming: `run_alone` at once, the scheduler batched with
-    other requests') and the live Stats after every iteration; returns (new ids, Stats)."""
+    other requests') and the live Stats after every iteration; returns (new ids, Stats). `hold`,
+    asked before each iteration of a `--tree auto` request, True runs a plain AR step instead of the
+    tuner's plan (a batch's planner: scheduler.py); the tuner does not hear of those steps."""
     if window_tokens < 1:
         raise GenerationError(f"the statistics window must be at least 1 token, got {window_tokens}")
     seed = config.seed if config.seed is not None else random_module.SystemRandom().randrange(2**63)
@@ -161,7 +164,7 @@ def request_steps(
             else:
                 refresh_drafting_state(state)  # the partial cache's first selection, the prompt's n-grams
                 yield from _tokenswift_loop(
-                    engine, state, config, stats, started, hidden, on_tokens, acceptor, adapter
+                    engine, state, config, stats, started, hidden, on_tokens, acceptor, adapter, hold
                 )
     finally:  # also when the caller stops early: no step may still run on memory about to go
         if adapter is not None:
@@ -279,9 +282,11 @@ def _tokenswift_loop(
     on_tokens: Callable[[list[int]], None] | None,
     acceptor: Acceptor,
     adapter: DraftAdapter | None = None,
+    hold: Callable[[], bool] | None = None,
 ) -> Generator[Stats | ForwardCall, None, None]:
     """Iterations of propose -> build trie -> verify -> accept -> commit, under a fixed plan or the
-    tuner's; `adapter` adapts the draft layers (`engine.draft_layers`, its copy) from every commit."""
+    tuner's; `adapter` adapts the draft layers (`engine.draft_layers`, its copy) from every commit;
+    `hold` True: a plain AR step instead of the tuner's plan (`request_steps`)."""
     from_verify = config.resolved_draft_source == "verify"
     new_tokens = lambda: len(state.tokens) - state.prompt_length  # noqa: E731
     tuner = (
@@ -309,7 +314,8 @@ def _tokenswift_loop(
         tick = time.perf_counter()
         position = new_tokens()  # of this iteration's first committed token
         trie, costs = None, None
-        if tuner is not None and (steps := tuner.plain_ar_steps()):
+        held = tuner is not None and hold is not None and hold()
+        if not held and tuner is not None and (steps := tuner.plain_ar_steps()):
             # the tuner settled on AR steps: `--method ar`'s loop, no per-token bookkeeping, until
             # its next decision or a long match worth verifying; the tuner hears of them once. Right
             # after a branch iteration the text likely goes on repeating: look at once
@@ -343,7 +349,8 @@ def _tokenswift_loop(
             )
             gate.branch_run(position, time.perf_counter() - tick, len(acceptance.tokens))
             last_draft_logits, drafting_state_stale = None, True
-        elif tree is None:  # a plain AR step, the same code as the AR baseline's
+        elif tree is None or held:  # a plain AR step, the same code as the AR baseline's
+            stats.held_steps += held
             out = yield from ar_step(engine, state)
             assert out.queries is not None
             state.queries, last_hidden, last_draft_logits = [q[-1] for q in out.queries], out.hidden[0], None
@@ -407,7 +414,7 @@ def _tokenswift_loop(
             on_tokens(acceptance.tokens)
         yield stats
         done = acceptance.tokens[-1] in state.stop_tokens or len(state.tokens) >= state.limit
-        if tuner is not None:
+        if tuner is not None and not held:
             next_plan = tuner.observe(
                 trie, acceptance.nodes, costs, last_hidden, done, iteration_s, len(acceptance.tokens)
             )

@@ -13,6 +13,15 @@ when the scheduler starts). A request is admitted when its caches fit what the a
 that does not fit waits in the queue (`Request.waiting_reason` says why) and is admitted when enough
 is released. A request's caches are released when it ends however it ends.
 
+The plan per batch: each `--tree auto` request's tuner chooses its plan from its own iterations'
+timings, but in a batch a drafting iteration's cost falls on every request (the batched pass grows by
+its tree) while its gain is its own. `BatchPlanner` therefore times the batch as a whole: with two or
+more requests active, windows of steps where those requests run their tuners' plans take turns with
+windows where they are held to plain AR steps, and the faster way, in tokens per second over the
+whole batch, is kept for a while before the next trial (a change of batch size starts one at once).
+So a batch runs no slower than batched AR steps, within the trial's cost; the choice is in
+`Scheduler.planner.hold`, and each request counts its held steps (`Stats.held_steps`).
+
 Still the model's own output: a request's tokens are those of its run alone, whatever else is in
 the batch and whenever it joined. Its rows in a batched forward are the same bits as in its own
 (the CPU products and every per-row step are batch-invariant; attention sees its own cache only),
@@ -30,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokenswift_trt.decode.admission import available_bytes
-from tokenswift_trt.decode.config import GenerationConfig, GenerationError, MemoryAdmissionError
+from tokenswift_trt.decode.config import AUTO, GenerationConfig, GenerationError, MemoryAdmissionError
 from tokenswift_trt.decode.loop import RequestSteps, request_steps
 from tokenswift_trt.decode.stages import ForwardCall
 from tokenswift_trt.decode.stats import Stats
@@ -77,6 +86,69 @@ class BatchStats:
         return sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
 
 
+TRIAL, KEEP = "trial", "keep"
+
+
+@dataclass
+class BatchPlanner:
+    """Whether a batch's `--tree auto` requests run their own plans (`hold` False) or plain AR steps
+    (`hold` True): turns of `window_steps` steps each way, `turns` of each, then the faster kept for
+    `keep_steps` steps (doubling while the same way keeps winning, up to `max_keep_steps`); the plans
+    must beat AR steps by `margin` to be kept."""
+
+    window_steps: int = 8
+    turns: int = 3
+    keep_steps: int = 128
+    max_keep_steps: int = 2048
+    margin: float = 1.03
+    hold: bool = False
+    phase: str = TRIAL
+    batch: int = 0  # the batch size the current trial or choice is for
+    _steps: int = 0  # steps in the current window (trial) or kept (keep)
+    _seconds: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+    _tokens: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    _windows: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    _keep_for: int = 0
+    _last_choice: bool | None = None
+    choices: list[tuple[int, bool]] = field(default_factory=list)  # (batch size, hold) per decision
+
+    def observe(self, batch: int, eligible: bool, seconds: float, tokens: int) -> None:
+        """One step of `batch` requests (`eligible`: two or more, one of them a `--tree auto` request
+        drafting) that took `seconds` and committed `tokens` over all of them."""
+        if not eligible:
+            self.hold, self.phase, self.batch = False, TRIAL, 0
+            return
+        if batch != self.batch:  # another batch size: its own trial
+            self._start_trial(batch)
+            return
+        self._steps += 1
+        if self.phase == KEEP:
+            if self._steps >= self._keep_for:
+                self._start_trial(batch)
+            return
+        self._seconds[self.hold] += seconds
+        self._tokens[self.hold] += tokens
+        if self._steps < self.window_steps:
+            return
+        self._windows[self.hold] += 1
+        self._steps = 0
+        if min(self._windows.values()) < self.turns:
+            self.hold = not self.hold
+            return
+        rate = {side: self._tokens[side] / max(self._seconds[side], 1e-9) for side in (False, True)}
+        choice = not rate[False] > rate[True] * self.margin
+        self._keep_for = (
+            min(self._keep_for * 2, self.max_keep_steps) if choice == self._last_choice else self.keep_steps
+        )
+        self.hold, self.phase, self._last_choice = choice, KEEP, choice
+        self.choices.append((batch, choice))
+
+    def _start_trial(self, batch: int) -> None:
+        self.batch, self.phase, self.hold, self._steps = batch, TRIAL, False, 0
+        for side in (False, True):
+            self._seconds[side], self._tokens[side], self._windows[side] = 0.0, 0, 0
+
+
 class Scheduler:
     """Decodes many requests at once on one engine (see the module doc).
 
@@ -84,7 +156,13 @@ class Scheduler:
     together (None: what is free now). Drive it with `step()` (one batched iteration) or `run()`
     (until every request has ended); `submit` and `cancel` between steps."""
 
-    def __init__(self, engine: Engine, max_batch: int = 8, memory_budget: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int = 8,
+        memory_budget: int | None = None,
+        planner: BatchPlanner | None = None,
+    ) -> None:
         if max_batch < 1:
             raise GenerationError(f"the batch must hold at least 1 request, got --max-batch {max_batch}")
         self.engine = engine
@@ -98,6 +176,7 @@ class Scheduler:
         self.governor = (
             ThreadGovernor.for_setting(engine.kernels.threads) if engine.device.type == "cpu" else None
         )
+        self.planner = planner or BatchPlanner()
 
     @property
     def reserved_bytes(self) -> int:
@@ -147,6 +226,7 @@ class Scheduler:
             if request.cancelled is not None and request.cancelled():
                 self.cancel(request)
         self._admit()
+        forwarded, before = time.perf_counter(), self.stats.tokens  # the batch's step, without prefills
         waiting = [request for request in self.active if request._call is not None]
         if waiting:
             self._forward(waiting)
@@ -155,6 +235,10 @@ class Scheduler:
                     self._advance(request)
         if self.governor is not None and waiting:  # the thread count follows the batch's own speed
             self.governor.observe(time.perf_counter() - tick, max(1, self.stats.tokens - committed))
+        if waiting:
+            tuned = any(r.config.method == "tokenswift" and r.config.tree == AUTO for r in waiting)
+            seconds, tokens = time.perf_counter() - forwarded, self.stats.tokens - before
+            self.planner.observe(len(waiting), len(waiting) >= 2 and tuned, seconds, tokens)
 
     def fail_all(self, message: str, failure: BaseException | None = None) -> None:
         """End every queued and active request as failed (the scheduler itself cannot go on), with
@@ -186,7 +270,9 @@ class Scheduler:
                 if request.on_tokens is not None:
                     request.on_tokens(new)
 
-            request._steps = request_steps(self.engine, request.prompt, config, tokens)
+            request._steps = request_steps(
+                self.engine, request.prompt, config, tokens, hold=lambda: self.planner.hold
+            )
             self.queue.popleft()
             request.status = RUNNING
             self.active.append(request)

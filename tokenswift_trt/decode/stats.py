@@ -110,6 +110,7 @@ class Stats:
     stop_reason: str = ""
     draft_updates: int = 0  # optimiser steps of the request's draft layers (adapt_drafts)
     thread_switches: int = 0  # times the CPU thread count changed (decode/threads.py)
+    held_steps: int = 0  # AR steps a batch's planner held this `--tree auto` request to (scheduler.py)
 
     @property
     def acceptance_rate(self) -> float:

@@ -51,6 +51,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "num_requests_running": ("gauge", "Requests in the instance's batch (decoded together)"),
     "num_requests_waiting": ("gauge", "Requests waiting for room in the batch or for cache memory"),
     "num_requests_waiting_for_memory": ("gauge", "Waiting requests whose caches do not fit yet"),
+    "batch_plan_ar_steps": (
+        "gauge",
+        "1 while the batch's planner holds its --tree auto requests to AR steps (faster here), else 0",
+    ),
 }
 BUCKETS = {
     "time_to_first_token_seconds": TTFT_BUCKETS,
@@ -110,11 +114,12 @@ class ServingMetrics:
             )
         self.failures[reason].increment(1)
 
-    def batch(self, running: int, waiting: int, waiting_for_memory: int) -> None:
-        """The batch as the scheduler left it after a step."""
+    def batch(self, running: int, waiting: int, waiting_for_memory: int, ar_steps: bool = False) -> None:
+        """The batch as the scheduler left it after a step (`ar_steps`: its planner's choice)."""
         self.series["num_requests_running"].set(running)
         self.series["num_requests_waiting"].set(waiting)
         self.series["num_requests_waiting_for_memory"].set(waiting_for_memory)
+        self.series["batch_plan_ar_steps"].set(int(ar_steps))
 
     def meter(self) -> RequestMeter:
         """A meter for one request, started now."""

@@ -70,6 +70,7 @@ class TritonPythonModel:
                 len(scheduler.active),
                 len(scheduler.queue),
                 sum(1 for waiting in scheduler.queue if waiting.waiting_reason),
+                scheduler.planner.hold,
             )
         self.eos = set(self.session.engine.config.eos_token_ids)
 
