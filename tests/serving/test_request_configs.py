@@ -82,7 +82,7 @@ def test_the_engines_defaults_reach_both_and_the_request_overrides_them(engine_d
     plain = session.parse(_triton_inputs({})).config
     preset = {"min_p": 0.1, "penalty": 1.2, "penalty_window": 256, "kv_budget": 1024}  # swift-tiny's
     assert {name: settings_of(plain)[name] for name in preset} == preset
-    assert plain.tree == "auto" and plain.max_length == session.max_length
+    assert plain.tree.auto and plain.max_length == session.max_length
     given = session.parse(_triton_inputs(EVERY_SETTING)).config
     assert given.sampling.min_p == 0.05 and given.sampling.eta == 0.01 and given.draft_source == "partial"
     assert given.kv_budget == 1024  # not a request setting: the engine's stays

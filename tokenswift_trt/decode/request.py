@@ -59,7 +59,7 @@ def config_from(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ge
     if "max_new_tokens" not in merged:
         raise GenerationError("max_new_tokens is required")
     sampling = SamplingConfig(**{name: merged[name] for name in SAMPLING_SETTINGS if name in merged})
-    config = GenerationConfig(
+    config = GenerationConfig(  # the tree's text is parsed here, once (`TreeSpec`)
         sampling=sampling, **{name: merged[name] for name in GENERATION_SETTINGS if name in merged}
     )
     config.validate()
@@ -67,8 +67,9 @@ def config_from(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ge
 
 
 def settings_of(config: GenerationConfig) -> dict[str, Any]:
-    """The flat settings of a config (`config_from({}, settings_of(c)) == c`)."""
+    """The flat settings of a config, the tree in its text form (`config_from({}, settings_of(c)) == c`)."""
     flat = {name: getattr(config, name) for name in GENERATION_SETTINGS}
+    flat["tree"] = str(config.tree)
     flat.update({name: getattr(config.sampling, name) for name in SAMPLING_SETTINGS})
     return flat
 
