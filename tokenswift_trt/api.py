@@ -35,7 +35,7 @@ from tokenswift_trt.decode.journal import (
     resume_journal,
 )
 from tokenswift_trt.decode.loop import generate as run_generate
-from tokenswift_trt.decode.request import SPEED_ONLY, config_from, with_fixed_seed
+from tokenswift_trt.decode.request import SPEED_ONLY, config_from, engine_dir_defaults, with_fixed_seed
 from tokenswift_trt.decode.stats import Stats
 from tokenswift_trt.decode.text import TextCodec, TokenizerError
 from tokenswift_trt.kernels.config import KernelConfig, KernelConfigError
@@ -71,7 +71,8 @@ class Origin:
                 object.__setattr__(self, name, Path(value))
 
     def resolved(self) -> tuple[Origin, dict[str, Any]]:
-        """(the directories on this machine, the settings the preset or the model directory records)."""
+        """(the directories on this machine, the settings the preset, the model directory or the engine
+        manifest records: the defaults loading it reports), reading small files only."""
         from tokenswift_trt.builder.presets import PRESETS, PresetError, local_model_dir, read_model_defaults
 
         given = [value for value in (self.model, self.model_dir, self.engine_dir) if value is not None]
@@ -79,8 +80,10 @@ class Origin:
             raise ApiError("give exactly one of --model PRESET, --model-dir DIR or --engine DIR")
         try:
             if self.model is None:
-                defaults = read_model_defaults(self.model_dir) if self.model_dir is not None else {}
-                return self, defaults
+                if self.model_dir is not None:
+                    return self, read_model_defaults(self.model_dir)
+                assert self.engine_dir is not None
+                return self, engine_dir_defaults(self.engine_dir)
             if self.model not in PRESETS:
                 raise ApiError(
                     f"unknown preset {self.model!r}; presets: {', '.join(PRESETS)} (or pass --model-dir DIR)"

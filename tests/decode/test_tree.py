@@ -3,7 +3,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenswift_trt.decode.tree import TreeSpecError, Trie, build_static_tree, build_trie, parse_tree
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
+from tokenswift_trt.decode.journal import journal_header
+from tokenswift_trt.decode.request import config_from, settings_of
+from tokenswift_trt.decode.tree import (
+    TreeSpec,
+    TreeSpecError,
+    Trie,
+    build_static_tree,
+    build_trie,
+    parse_tree,
+)
 
 
 def test_parse_tree_accepts_strings_and_lists():
@@ -16,6 +26,24 @@ def test_parse_tree_accepts_strings_and_lists():
 def test_malformed_tree_strings_are_refused(bad):
     with pytest.raises(TreeSpecError):
         parse_tree(bad)
+
+
+def test_a_tree_plan_is_parsed_once_into_a_typed_value_with_the_same_text_form():
+    assert TreeSpec.parse("auto") == TreeSpec(auto=True) and str(TreeSpec(auto=True)) == "auto"
+    assert TreeSpec.parse("1,3,3,3") == TreeSpec(auto=False, branching=(1, 3, 3, 3))
+    assert str(TreeSpec.parse("[2, 2]")) == "2,2" and TreeSpec.parse((1, 2)).branching == (1, 2)
+    with pytest.raises(TreeSpecError):
+        TreeSpec.parse("AUTO")
+    # a config takes the text (or a TreeSpec) and holds it parsed; flat settings and journals keep the text
+    config = GenerationConfig(max_new_tokens=4, tree="1,3,3")
+    assert (
+        config.tree == TreeSpec(auto=False, branching=(1, 3, 3)) == GenerationConfig(4, tree=config.tree).tree
+    )
+    assert settings_of(config)["tree"] == "1,3,3" and config_from({}, settings_of(config)) == config
+    assert journal_header([1], GenerationConfig(max_new_tokens=4, seed=0))["settings"]["tree"] == "auto"
+    assert GenerationConfig(max_new_tokens=4).tree.auto
+    with pytest.raises(GenerationError, match="e.g. 1,3,3,3, or auto"):
+        config_from({}, {"max_new_tokens": 4, "tree": "0,3"})
 
 
 def test_literal_static_tree_1_2():

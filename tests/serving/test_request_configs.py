@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tokenswift_trt.builder.build import BuildRequest, build_engine
-from tokenswift_trt.cli.common import generation_config, load_source
+from tokenswift_trt.cli.common import early_defaults, generation_config, load_source
 from tokenswift_trt.decode.request import SETTINGS, settings_of
 from tokenswift_trt.serving.handler import REQUEST_SETTINGS, Session
 
@@ -82,7 +82,16 @@ def test_the_engines_defaults_reach_both_and_the_request_overrides_them(engine_d
     plain = session.parse(_triton_inputs({})).config
     preset = {"min_p": 0.1, "penalty": 1.2, "penalty_window": 256, "kv_budget": 1024}  # swift-tiny's
     assert {name: settings_of(plain)[name] for name in preset} == preset
-    assert plain.tree == "auto" and plain.max_length == session.max_length
+    assert plain.tree.auto and plain.max_length == session.max_length
     given = session.parse(_triton_inputs(EVERY_SETTING)).config
     assert given.sampling.min_p == 0.05 and given.sampling.eta == 0.01 and given.draft_source == "partial"
     assert given.kv_budget == 1024  # not a request setting: the engine's stays
+
+
+def test_the_defaults_read_before_loading_are_those_the_loaded_engine_reports(engine_dir):
+    """A command builds its config once, before loading, from the defaults its engine's manifest
+    records: they equal the loaded source's."""
+    early = early_defaults(None, None, engine_dir, None)
+    source = load_source(None, None, engine_dir, None, None, "cpu", quiet=True)
+    assert early == source.defaults
+    assert early["min_p"] == 0.1 and early["max_length"] == source.engine.config.max_position_embeddings

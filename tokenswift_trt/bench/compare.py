@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tokenswift_trt.decode.tree import parse_tree
+from tokenswift_trt.decode.tree import TreeSpec
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.engine import Engine
 
@@ -59,10 +59,10 @@ RANDOM_WEIGHTS_COLUMNS = (
 )
 
 
-def trie_cap(tree: str) -> int:
+def trie_cap(tree: TreeSpec | str) -> int:
     """Most tokens one iteration of a static tree commits (τ at its highest): every level accepted, plus
     the bonus token."""
-    return len(parse_tree(tree)) + 1
+    return len(TreeSpec.parse(tree).branching) + 1
 
 
 def measured_iteration_times(row: dict, accept_length: float) -> dict:
@@ -225,7 +225,7 @@ def write_comparison(engine: Engine, rows: list[dict[str, Any]], job: BenchJob) 
     meta = {
         "command": job.command,
         "source": job.source,
-        "tree": config.tree,
+        "tree": str(config.tree),
         "ngram_topk": config.ngram_topk,
         "draft_source": config.resolved_draft_source,
         "sampling": vars(config.sampling),

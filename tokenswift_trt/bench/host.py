@@ -145,7 +145,7 @@ def device_loop_host_time(
     tokens, stats = generate(engine, prompt, config)
     per_iteration = {name: seconds / stats.iterations * 1e3 for name, seconds in stats.phase_s.items()}
     return DeviceLoopHostTime(
-        config.tree,
+        str(config.tree),
         config.ngram_topk,
         stats.iterations,
         len(tokens),

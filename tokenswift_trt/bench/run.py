@@ -246,7 +246,7 @@ def run_bench(
     if spec.extras:
         variants["no_penalty"] = no_penalty
     if (
-        spec.extras and base.tree == "auto"
+        spec.extras and base.tree.auto
     ):  # against the paper's static configuration: tree 1,3,3,3 drafted on the partial cache
         variants["default_tree"] = replace(base, tree=DEFAULT_TREE, draft_source="partial")
     for prefix_len in spec.prefix_lens:

@@ -130,7 +130,8 @@ def bench(
             defaults = check_random_weights(
                 model, any((model_dir, engine_dir, heads, prompt_file)), opts["tree"], accept_length
             )
-            generation_config(1, "tokenswift", opts, defaults)  # bad settings fail before weights are built
+            # bad settings fail before weights are built
+            config = generation_config(max(gen_lens), "tokenswift", opts, defaults)
             engine, text_ids = random_weights_engine(
                 model, opts["dtype"], opts["device"], kernels, prefix_lens, prompts
             )
@@ -144,9 +145,8 @@ def bench(
             raise CliError(
                 "--accept-length models a speedup from measured times: give it with --random-weights"
             )
-        generation_config(
-            max(gen_lens), "tokenswift", opts, early_defaults(model, model_dir, engine_dir, heads)
-        )
+        defaults = early_defaults(model, model_dir, engine_dir, heads)
+        config = generation_config(max(gen_lens), "tokenswift", opts, defaults)  # bad values: refused now
         text = read_prompt(None, prompt_file)
         source = load_source(
             model,
@@ -160,10 +160,10 @@ def bench(
             tp=tp,
             tp_timeout=tp_timeout,
         )
-        engine, defaults, ranks = source.engine, source.defaults, source.ranks
+        assert source.defaults == defaults, "the config was built from the defaults the source loads with"
+        engine, ranks = source.engine, source.ranks
         text_ids = source.codec.encode(text)
         source_name = str(source.model_dir or source.engine_dir)
-    config = generation_config(max(gen_lens), "tokenswift", opts, defaults)
     if ranks is not None:  # tensor parallel: rank 0's seed and plan, the least memory any rank has
         config = ranks.with_memory(ranks.agree(config))
 
@@ -235,10 +235,11 @@ def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max
         raise CliError("--prefix-len must be >= 1 and --max-new-tokens >= 2")
     if opts["seed"] is None:
         opts["seed"] = 0
-    generation_config(max_new_tokens, "tokenswift", opts)
+    defaults = early_defaults(model, model_dir, engine_dir, heads)
+    config = generation_config(max_new_tokens, "tokenswift", opts, defaults)  # bad values: refused now
     text = read_prompt(None, prompt_file)
     source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
-    config = generation_config(max_new_tokens, "tokenswift", opts, source.defaults)
+    assert source.defaults == defaults, "the config was built from the defaults the source loads with"
     prompt = source.codec.encode(text)[:prefix_len]
     try:
         if config.device_loop:

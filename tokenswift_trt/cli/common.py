@@ -410,8 +410,10 @@ def request_settings(opts: dict[str, Any]) -> dict[str, Any]:
 def early_defaults(
     model: str | None, model_dir: Path | None, engine_dir: Path | None, heads: Path | None
 ) -> dict[str, Any] | None:
-    """The source's recorded settings (a preset's, a prepared model directory's) before anything
-    loads, so that a bad value is judged against them (None: loading will say what is wrong)."""
+    """The source's recorded settings (a preset's, a prepared model directory's, an engine manifest's),
+    read before anything loads and equal to those the loaded source reports, so that a command builds
+    its config once from them and a bad value is refused before loading (None: the source cannot be
+    resolved, and loading will say why)."""
     try:
         return resolve_source(model, model_dir, engine_dir, heads)[3]
     except CliError:

@@ -141,9 +141,8 @@ def generate(
                 click.echo(
                     f"note: --method ar ignores {', '.join(ignored)} (TokenSwift's settings)", err=True
                 )
-        config = generation_config(
-            max_new_tokens, method, opts, early_defaults(model, model_dir, engine_dir, heads)
-        )
+        defaults = early_defaults(model, model_dir, engine_dir, heads)
+        config = generation_config(max_new_tokens, method, opts, defaults)  # bad values: refused now
         ignored = given_on_command_line(click.get_current_context(), ADAPTATION_SETTINGS)
         if config.method == "tokenswift" and not config.adapt_drafts and ignored and not as_json:
             click.echo(f"note: {', '.join(ignored)} apply with --adapt-drafts: add it or drop them", err=True)
@@ -175,7 +174,7 @@ def generate(
             speed = {name: value for name, value in request_settings(opts).items() if name in SPEED_ONLY}
             run = resume_run(resume, source.model, speed, journal_every, writes=leader)
         else:
-            config = generation_config(max_new_tokens, method, opts, source.defaults)
+            assert source.defaults == defaults, "the config was built from the defaults the source loads with"
             run = start_run(source.model, text, config, journal, journal_every, writes=leader)
     except ApiError as error:
         raise fail(error) from None

@@ -146,12 +146,11 @@ class Ranks:
         """Rank 0's GenerationConfig on every rank, its seed fixed (a seed drawn on each rank would
         differ) and `--tree auto` replaced by the tuner's probe plan, held fixed."""
         from tokenswift_trt.decode.autotune import probe_plan
-        from tokenswift_trt.decode.config import AUTO
         from tokenswift_trt.decode.request import with_fixed_seed
 
         if self.leader:
             config = with_fixed_seed(config)
-            if config.tree == AUTO:
+            if config.tree.auto:
                 source = config.resolved_draft_source
                 tree, topk = probe_plan(source, _device(self.device))
                 config = dataclasses.replace(config, tree=tree, ngram_topk=topk, draft_source=source)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenswift_trt.decode.tree import build_static_tree, parse_tree
+from tokenswift_trt.decode.tree import TreeSpec, TreeSpecError, build_static_tree
 from tokenswift_trt.model.decoder import drafts_along_paths
 from tokenswift_trt.model.draft_adaptation import AdaptationSettings
 from tokenswift_trt.model.engine import Engine
@@ -29,16 +29,16 @@ class MemoryAdmissionError(GenerationError):
     """A request whose caches do not fit the memory budget (a scheduler keeps it queued until they do)."""
 
 
-def check_tree_size(spec: str) -> None:
+def check_tree_size(spec: TreeSpec) -> None:
     """Refuse a static tree of more than MAX_TREE_NODES nodes from its spec alone (a 300,300 tree's
     mask would take gigabytes to build before any admission could count it)."""
     nodes, level = 1, 1
-    for width in parse_tree(spec):
+    for width in spec.branching:
         level *= width
         nodes += level
     if nodes > MAX_TREE_NODES:
         raise GenerationError(
-            f"tree {spec!r} has {nodes:,} nodes, more than the {MAX_TREE_NODES:,} one verify pass takes: "
+            f"tree '{spec}' has {nodes:,} nodes, more than the {MAX_TREE_NODES:,} one verify pass takes: "
             "give a smaller tree (e.g. 1,3,3,3) or the tree auto"
         )
 
@@ -49,8 +49,9 @@ class GenerationConfig:
     method: str = "tokenswift"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # "auto": tuned to the machine while generating (autotune.py), every plan lossless;
-    # "1,3,3,3" with ngram_topk 20 and the partial draft source is the paper's configuration
-    tree: str = AUTO
+    # "1,3,3,3" with ngram_topk 20 and the partial draft source is the paper's configuration;
+    # given as text (or a TreeSpec), held parsed (`TreeSpec.parse`); `str(tree)` is its text form
+    tree: TreeSpec = TreeSpec(auto=True)
     ngram_topk: int = 20  # ignored with tree="auto"
     kv_budget: int = 4096
     # recent region of the partial cache: committed tokens are appended there and the selection is
@@ -88,11 +89,19 @@ class GenerationConfig:
     # layers with a draft vocabulary: "request" drafts over it plus the request's own tokens, "draft" over it
     adapt_vocab: str = "request"
 
+    def __post_init__(self) -> None:
+        """The tree given as text ("auto", "1,3,3,3") is parsed here, once; a malformed one is a
+        GenerationError naming it."""
+        try:
+            object.__setattr__(self, "tree", TreeSpec.parse(self.tree))
+        except TreeSpecError as error:
+            raise GenerationError(str(error)) from None
+
     @property
     def resolved_draft_source(self) -> str:
         if self.draft_source != AUTO:
             return self.draft_source
-        return "verify" if self.tree == AUTO or self.device_loop else "partial"
+        return "verify" if self.tree.auto or self.device_loop else "partial"
 
     @property
     def prefers_device_loop(self) -> bool:
@@ -139,9 +148,9 @@ class GenerationConfig:
         try:
             self.sampling.validate()
             self.adaptation.validate()
-            if self.tree != AUTO:
+            if not self.tree.auto:
                 check_tree_size(self.tree)  # counted from the spec before any tensor is built
-                build_static_tree(self.tree)
+                build_static_tree(self.tree.branching)
         except ValueError as error:
             raise GenerationError(str(error)) from None
         if self.method not in METHODS:

@@ -129,7 +129,8 @@ def journal_header(
     given, the model that writes it (`model_identity`)."""
     if config.seed is None:
         raise JournalError("a journal needs a fixed seed to be resumable")
-    header = {"prompt_ids": list(prompt_ids), "settings": dataclasses.asdict(config), "source": source or {}}
+    settings = {**dataclasses.asdict(config), "tree": str(config.tree)}  # the tree in its text form
+    header = {"prompt_ids": list(prompt_ids), "settings": settings, "source": source or {}}
     if model is not None:
         header["model"] = dict(model)
     return header

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokenswift_trt.decode.autotune import AR_PLAN, IterationCosts, Plan, Tuner, probe_plan
-from tokenswift_trt.decode.config import AUTO, GenerationConfig, GenerationError
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.device_loop import DeviceLoop, run_device_loop
 from tokenswift_trt.decode.stages import (
     Acceptance,
@@ -64,7 +64,7 @@ def generate(
     Stops at max_new_tokens, at an EOS token unless ignore_eos, or at the engine's maximum length
     (stop_reason says which). `on_tokens` receives each batch of newly committed tokens;
     `observer` sees the live Stats after every iteration (new_tokens and elapsed_s current).
-    `config.tree == "auto"` tunes the tree and n-gram k while generating (decode/autotune.py).
+    `config.tree.auto` (tree "auto") tunes the tree and n-gram k while generating (decode/autotune.py).
     `window_tokens`: output positions per window of `Stats.windows` (figures by position).
     """
     steps = decode_steps(engine, prompt, config, on_tokens, random, acceptor, window_tokens)
@@ -291,10 +291,10 @@ def _tokenswift_loop(
     new_tokens = lambda: len(state.tokens) - state.prompt_length  # noqa: E731
     tuner = (
         Tuner(engine, state, from_verify, state.full.capacity - state.limit, new_tokens)
-        if config.tree == AUTO
+        if config.tree.auto
         else None
     )
-    plan = tuner.plan if tuner is not None else Plan(config.tree, config.ngram_topk)
+    plan = tuner.plan if tuner is not None else Plan(str(config.tree), config.ngram_topk)
     if tuner is not None:
         stats.plans = tuner.history
     tree = plan.static_tree()
@@ -441,12 +441,16 @@ def _device_loop(
         raise GenerationError("the device loop runs PyTorch engines: drop --device-loop for this engine")
     capture = engine.device.type == "cuda"
     new_tokens = lambda: len(state.tokens) - state.prompt_length  # noqa: E731
-    auto = config.tree == AUTO
+    auto = config.tree.auto
     tuner = Tuner(engine, state, True, state.full.capacity - state.limit, new_tokens) if auto else None
-    plan = tuner.plan if tuner is not None else Plan(config.tree, config.ngram_topk)
-    largest, topk = probe_plan("verify", engine.device) if auto else (config.tree, config.ngram_topk)
+    plan = tuner.plan if tuner is not None else Plan(str(config.tree), config.ngram_topk)
+    if auto:
+        probe_tree, topk = probe_plan("verify", engine.device)
+        largest = parse_tree(probe_tree)
+    else:
+        largest, topk = config.tree.branching, config.ngram_topk
     try:
-        depth = min(len(parse_tree(largest)), len(engine.draft_layers))  # the tuner's plans are no deeper
+        depth = min(len(largest), len(engine.draft_layers))  # the tuner's plans are no deeper
         loop = DeviceLoop(engine, state, depth, topk, capture, config.compile_steps, adapter)
     except ValueError as error:
         raise GenerationError(str(error)) from None

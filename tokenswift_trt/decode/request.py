@@ -10,12 +10,14 @@ all build their config through `config_from(defaults, overrides)`, with flat set
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tokenswift_trt.decode.config import GenerationConfig, GenerationError
-from tokenswift_trt.model.engine_dir import Manifest
+from tokenswift_trt.model.engine_dir import MANIFEST, Manifest
 from tokenswift_trt.model.sampling import SamplingConfig
 
 SAMPLING_SETTINGS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
@@ -57,7 +59,7 @@ def config_from(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ge
     if "max_new_tokens" not in merged:
         raise GenerationError("max_new_tokens is required")
     sampling = SamplingConfig(**{name: merged[name] for name in SAMPLING_SETTINGS if name in merged})
-    config = GenerationConfig(
+    config = GenerationConfig(  # the tree's text is parsed here, once (`TreeSpec`)
         sampling=sampling, **{name: merged[name] for name in GENERATION_SETTINGS if name in merged}
     )
     config.validate()
@@ -65,8 +67,9 @@ def config_from(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> Ge
 
 
 def settings_of(config: GenerationConfig) -> dict[str, Any]:
-    """The flat settings of a config (`config_from({}, settings_of(c)) == c`)."""
+    """The flat settings of a config, the tree in its text form (`config_from({}, settings_of(c)) == c`)."""
     flat = {name: getattr(config, name) for name in GENERATION_SETTINGS}
+    flat["tree"] = str(config.tree)
     flat.update({name: getattr(config.sampling, name) for name in SAMPLING_SETTINGS})
     return flat
 
@@ -81,3 +84,12 @@ def with_fixed_seed(config: GenerationConfig) -> GenerationConfig:
 def manifest_defaults(manifest: Manifest) -> dict[str, Any]:
     """An engine directory's defaults: its preset's settings and its maximum sequence length."""
     return {**manifest.defaults, "max_length": manifest.max_sequence_length}
+
+
+def engine_dir_defaults(engine_dir: Path) -> dict[str, Any]:
+    """`manifest_defaults` read from an engine directory's manifest alone, before anything loads (the
+    values loading the engine reports); {} when it has no readable manifest (loading says what is wrong)."""
+    try:
+        return manifest_defaults(Manifest(**json.loads((Path(engine_dir) / MANIFEST).read_text())))
+    except (OSError, ValueError, TypeError):
+        return {}

@@ -10,7 +10,7 @@ import torch
 
 from tokenswift_trt.decode.admission import AdmissionError, admit, available_bytes, plan_memory
 from tokenswift_trt.decode.autotune import probe_plan
-from tokenswift_trt.decode.config import AUTO, GenerationConfig, GenerationError, MemoryAdmissionError
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError, MemoryAdmissionError
 from tokenswift_trt.decode.ngram import NGRAM_LENGTH, NgramTable
 from tokenswift_trt.decode.stages import DecodeState
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
@@ -84,13 +84,13 @@ def new_decode_state(
     max_length = _check_request(engine, prompt, config)
     drafting = config.method == "tokenswift"
     from_verify = config.resolved_draft_source == "verify"
-    auto = config.tree == AUTO
+    auto = config.tree.auto
     probe_tree, probe_topk = probe_plan(config.resolved_draft_source, engine.device)
-    tree = build_static_tree(probe_tree if auto else config.tree)
+    tree = build_static_tree(probe_tree if auto else config.tree.branching)
     max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
     if drafting and tree.depth > max_depth:
         raise GenerationError(
-            f"tree {config.tree!r} is {tree.depth} deep but the engine has {len(engine.draft_layers)} "
+            f"tree '{config.tree}' is {tree.depth} deep but the engine has {len(engine.draft_layers)} "
             "draft layers "
             f"(at most {max_depth} levels when drafting from the {config.resolved_draft_source} pass)"
         )
@@ -115,7 +115,7 @@ def new_decode_state(
         admit(plan, config.memory_budget if config.memory_budget is not None else available_bytes(device))
     except AdmissionError as error:
         if plan.tree_bytes > plan.full_cache_bytes + plan.partial_cache_bytes:
-            tree_name = "auto's probe tree" if auto else f"tree {config.tree!r}"
+            tree_name = "auto's probe tree" if auto else f"tree '{config.tree}'"
             fix = "a larger memory budget" if auto else "a smaller tree or n-gram top-k, or the tree auto"
             raise MemoryAdmissionError(
                 f"{error}; most of it is the tree buffers ({max_trie:,} nodes: {tree_name} and "

@@ -25,6 +25,9 @@ from tokenswift_trt.decode.ngram import NGRAM_LENGTH
 Candidates = list[list[int]] | dict[tuple[int, ...], list[int]]
 
 
+AUTO_TREE = "auto"  # the tree plan tuned while generating
+
+
 class TreeSpecError(ValueError):
     """A tree string such as `1,3,3,3` is malformed."""
 
@@ -46,6 +49,29 @@ def parse_tree(spec: str | Sequence[int]) -> tuple[int, ...]:
     if len(branching) > 8:
         raise TreeSpecError(f"tree {spec!r} is deeper than 8 levels: give at most 8 widths (e.g. 1,3,3,3)")
     return branching
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """A request's tree plan, parsed once where the request enters: `auto` (tuned while generating,
+    decode/autotune.py) or a static tree of `branching` widths (candidates per node at each depth).
+    Its text form (`str`: "auto" or "1,3,3,3") is what flags, requests, journals and manifests carry."""
+
+    auto: bool
+    branching: tuple[int, ...] = ()  # () with auto
+
+    @classmethod
+    def parse(cls, spec: TreeSpec | str | Sequence[int]) -> TreeSpec:
+        """'auto', '1,3,3,3' ('[1, 3]' and a sequence of widths too), or a TreeSpec as it is; raises
+        TreeSpecError naming a bad one."""
+        if isinstance(spec, TreeSpec):
+            return spec
+        if spec == AUTO_TREE:
+            return cls(auto=True)
+        return cls(auto=False, branching=parse_tree(spec))
+
+    def __str__(self) -> str:
+        return AUTO_TREE if self.auto else ",".join(str(width) for width in self.branching)
 
 
 def ancestor_mask(parents: torch.Tensor, depth: int) -> torch.Tensor:

@@ -201,14 +201,13 @@ class RankGroup:
         """`generate(engine, prompt_ids, config, on_tokens=...)` on every rank in step; any failure
         leaves the group to be formed again before the next request."""
         from tokenswift_trt.decode.autotune import probe_plan
-        from tokenswift_trt.decode.config import AUTO
         from tokenswift_trt.decode.request import with_fixed_seed
 
         if self.broken:
             self.stop()
             self.start()  # the engine's collectives use the default group: the new one
         config = with_fixed_seed(config)
-        if config.tree == AUTO:  # the tuner decides from each rank's own timings: hold its probe plan
+        if config.tree.auto:  # the tuner decides from each rank's own timings: hold its probe plan
             import torch
 
             source = config.resolved_draft_source
