@@ -259,6 +259,26 @@ def test_tree_auto_requests_held_to_ar_steps_by_the_planner_keep_their_tokens(ti
     assert requests[2].stats.held_steps == 0  # a fixed tree is never held
 
 
+def test_a_batch_of_tree_auto_requests_is_planned_and_keeps_its_tokens(tiny):
+    """Left to itself, the planner times a batch of `--tree auto` requests both ways and decides;
+    whatever it decides, every request writes its own run's tokens."""
+    from tokenswift_trt.decode.scheduler import BatchPlanner
+
+    engine = tiny.engine
+    prompts = _prompts(tiny, 2)
+    configs = [
+        GenerationConfig(max_new_tokens=48, sampling=PAPER, seed=2, ignore_eos=True),
+        GenerationConfig(max_new_tokens=48, sampling=GREEDY, ignore_eos=True),
+    ]
+    planner = BatchPlanner(window_steps=2, turns=2, keep_steps=4)
+    scheduler = Scheduler(engine, max_batch=2, planner=planner)
+    requests = [scheduler.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
+    scheduler.run()
+    assert planner.choices and all(batch == 2 for batch, _ in planner.choices)
+    for request, prompt, config in zip(requests, prompts, configs, strict=True):
+        assert request.tokens == _alone(engine, prompt, config)
+
+
 def test_the_planner_keeps_the_faster_way_and_tries_again_for_another_batch_size():
     from tokenswift_trt.decode.scheduler import KEEP, TRIAL, BatchPlanner
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tokenswift_trt.decode.admission import available_bytes
-from tokenswift_trt.decode.config import AUTO, GenerationConfig, GenerationError, MemoryAdmissionError
+from tokenswift_trt.decode.config import GenerationConfig, GenerationError, MemoryAdmissionError
 from tokenswift_trt.decode.loop import RequestSteps, request_steps
 from tokenswift_trt.decode.stages import ForwardCall
 from tokenswift_trt.decode.stats import Stats
@@ -236,7 +236,7 @@ class Scheduler:
         if self.governor is not None and waiting:  # the thread count follows the batch's own speed
             self.governor.observe(time.perf_counter() - tick, max(1, self.stats.tokens - committed))
         if waiting:
-            tuned = any(r.config.method == "tokenswift" and r.config.tree == AUTO for r in waiting)
+            tuned = any(r.config.method == "tokenswift" and r.config.tree.auto for r in waiting)
             seconds, tokens = time.perf_counter() - forwarded, self.stats.tokens - before
             self.planner.observe(len(waiting), len(waiting) >= 2 and tuned, seconds, tokens)
 
