@@ -5,7 +5,7 @@ neighbour, beside a neighbour that leaves, and as two processes at once.
 
 Each case runs `tokenswift-trt generate --json` as a user would (a new process per run, the speed its
 JSON reports, load time excluded), the thread settings taking turns within each repeat. The neighbour
-is a single-threaded Python busy loop. Writes OUT/threads.json and OUT/README.md.
+is a single-threaded Python busy loop. Writes OUT/threads.json (runs, medians and the machine).
 """
 
 from __future__ import annotations
