@@ -238,20 +238,22 @@ def _error_message(data: bytes) -> str | None:
     return str(body["error"]) if isinstance(body, dict) and "error" in body else None
 
 
-class _FrontServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024  # the listen backlog: a burst of clients waits instead of being reset
+class TrackedServer(ThreadingHTTPServer):
+    """A threading HTTP server for many clients at once (a deep listen backlog: a burst of clients
+    waits instead of being reset) that counts the requests being answered, so that a shutdown can wait
+    for them (`wait_idle`). Both of `serve`'s fronts are one."""
 
-    def __init__(self, address: tuple[str, int], upstream: str, inputs: dict[str, str]) -> None:
-        super().__init__(address, _Handler)
-        self.upstream = upstream
-        self.inputs = inputs
-        self.draining = False  # shutting down: generate requests are refused
+    daemon_threads = True
+    request_queue_size = 1024
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         self.active = 0  # requests being answered
         self.idle = threading.Condition()
+        super().__init__(address, handler)
 
     @contextlib.contextmanager
     def tracked(self) -> Iterator[None]:
+        """Count a request while it is answered."""
         with self.idle:
             self.active += 1
         try:
@@ -260,6 +262,19 @@ class _FrontServer(ThreadingHTTPServer):
             with self.idle:
                 self.active -= 1
                 self.idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every request being answered to end; whether they did."""
+        with self.idle:
+            return self.idle.wait_for(lambda: self.active == 0, timeout=timeout_s)
+
+
+class _FrontServer(TrackedServer):
+    def __init__(self, address: tuple[str, int], upstream: str, inputs: dict[str, str]) -> None:
+        super().__init__(address, _Handler)
+        self.upstream = upstream
+        self.inputs = inputs
+        self.draining = False  # shutting down: generate requests are refused
 
 
 class HttpFront:
@@ -289,8 +304,7 @@ class HttpFront:
     def stop(self, grace_s: float = 0.0) -> None:
         """Stop serving, after up to `grace_s` seconds for the requests being answered to end."""
         if grace_s > 0:
-            with self.server.idle:
-                self.server.idle.wait_for(lambda: self.server.active == 0, timeout=grace_s)
+            self.server.wait_idle(grace_s)
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)

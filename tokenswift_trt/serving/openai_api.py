@@ -13,16 +13,16 @@ checked and translated in `openai_requests.py`, responses and stream chunks buil
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 from tokenswift_trt.serving.errors import SHUTTING_DOWN
+from tokenswift_trt.serving.http_front import TrackedServer
 from tokenswift_trt.serving.openai_requests import ApiError, FrontendError, ServedModel, _check_unicode
 from tokenswift_trt.serving.openai_responses import OpenAIApi
 from tokenswift_trt.serving.openai_triton import TritonGenerate
@@ -149,30 +149,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024  # the listen backlog: a burst of clients waits instead of being reset
-
+class _Server(TrackedServer):
     def __init__(self, address: tuple[str, int], api: OpenAIApi) -> None:
         self.api = api
-        self.active = 0  # requests being answered
-        self.idle = threading.Condition()
         super().__init__(address, _Handler)
-
-    @contextlib.contextmanager
-    def tracked(self) -> Iterator[None]:
-        with self.idle:
-            self.active += 1
-        try:
-            yield
-        finally:
-            with self.idle:
-                self.active -= 1
-                self.idle.notify_all()
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        with self.idle:
-            return self.idle.wait_for(lambda: self.active == 0, timeout=timeout_s)
 
 
 class OpenAIFrontend:
