@@ -329,7 +329,16 @@ def test_cli_trains_resumes_and_refuses_bad_input(model_dir, tmp_path):
     malformed = CliRunner().invoke(
         main, ["train-heads", "--model-dir", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "x")]
     )
-    assert malformed.exit_code == 2 and "bad.jsonl:1" in malformed.stderr
+    assert malformed.exit_code == 2 and "bad.jsonl: no 'text' column (it has txt)" in malformed.stderr
+    assert "--field" in malformed.stderr and "Generating" not in malformed.stderr
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text('{"text": "a"}\n{"text": \n')
+    unreadable = CliRunner().invoke(
+        main,
+        ["train-heads", "--model-dir", str(model_dir), "--data", str(torn), "--out", str(tmp_path / "x")],
+    )
+    assert unreadable.exit_code == 2 and unreadable.stderr.count("\n") == 1, unreadable.stderr
+    assert "cannot read" in unreadable.stderr and "torn.jsonl" in unreadable.stderr
 
     cached_out = tmp_path / "cached"
     cached = CliRunner().invoke(main, [*args[:6], str(cached_out), *args[7:], "--state-cache", "2"])

@@ -20,13 +20,17 @@ from .common import DTYPES, CliError, fail, resolve_source
     type=click.Path(path_type=Path),
     multiple=True,
     required=True,
-    help=".txt/.jsonl file or folder (repeatable)",
+    help=".txt, .jsonl, .parquet or .csv file (or compressed: .gz ...) or a folder of them, read with "
+    "Hugging Face datasets (repeatable); a `train-data` output trains on the tokens the model wrote",
 )
 @click.option(
     "--eval-data",
     type=click.Path(path_type=Path),
     multiple=True,
     help="held-out text (default: last 5% of --data)",
+)
+@click.option(
+    "--field", default="text", show_default=True, help="the text's column in .jsonl/.parquet/.csv data"
 )
 @click.option(
     "--out",
@@ -41,6 +45,14 @@ from .common import DTYPES, CliError, fail, resolve_source
 @click.option("--lr", type=float, default=5e-3, show_default=True)
 @click.option("--warmup-steps", type=int, default=50, show_default=True)
 @click.option("--checkpoint-every", type=int, default=100, show_default=True)
+@click.option(
+    "--eval-every",
+    type=int,
+    default=0,
+    show_default=True,
+    help="score the layers on held-out text every N steps (progress bar, report.json, report.png); 0: only "
+    "at the end",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
     "--loss",
@@ -130,6 +142,7 @@ def train_heads(
     model_dir,
     data,
     eval_data,
+    field,
     out,
     steps,
     seq_len,
@@ -138,6 +151,7 @@ def train_heads(
     lr,
     warmup_steps,
     checkpoint_every,
+    eval_every,
     seed,
     loss,
     teacher_min_p,
@@ -156,7 +170,11 @@ def train_heads(
     dtype,
     device,
 ) -> None:
-    """Train the 3 chained draft layers of a model with its base frozen."""
+    """Train the 3 chained draft layers of a model with its base frozen. Under torchrun
+    (`torchrun --nproc-per-node N -m tokenswift_trt train-heads ...`: gloo on CPUs, one GPU per rank
+    with --device cuda) the ranks train data-parallel on the same global batch (--batch x --grad-accum
+    sequences per step) and rank 0 writes the files."""
+    from tokenswift_trt.training.ranks import join_ranks, leave_ranks
     from tokenswift_trt.training.run import TrainHeadsJob, start_training
     from tokenswift_trt.training.train_heads import TrainHeadsConfig, TrainingError
 
@@ -170,6 +188,7 @@ def train_heads(
         lr=lr,
         warmup_steps=warmup_steps,
         checkpoint_every=checkpoint_every,
+        eval_every=eval_every,
         seed=seed,
         loss=loss,
         teacher_min_p=teacher_min_p,
@@ -194,29 +213,46 @@ def train_heads(
         combined=combined,
         dtype=dtype,
         device=device,
+        field=field,
+        threads=_rank_threads(),
     )
+    ranks = join_ranks(device)
+    quiet = not ranks.main  # progress and messages from rank 0 only
     try:
-        training = start_training(job)
-        for message in training.fallbacks:  # running without the CUDA kernel is always said
-            click.echo(f"warning: {message}", err=True)
-        click.echo(
-            f"training {training.draft_layer_count} draft layers on {training.train_ids.numel():,} tokens, "
-            f"from step {training.trainer.step}",
-            err=True,
-        )
+        training = start_training(job, ranks)
+        if ranks.main:
+            for message in training.fallbacks:  # running without the CUDA kernel is always said
+                click.echo(f"warning: {message}", err=True)
+            over = f" over {ranks.size} ranks" if ranks.size > 1 else ""
+            click.echo(
+                f"training {training.draft_layer_count} draft layers on {training.train_ids.numel():,} "
+                f"tokens{over}, from step {training.trainer.step}",
+                err=True,
+            )
         if config.state_cache:
-            with progress_bar(total=config.state_cache, desc="base states", unit="seq") as bar:
+            with progress_bar(total=config.state_cache, desc="base states", unit="seq", disable=quiet) as bar:
                 training.cache_states(lambda done: bar.update(1))
-        with progress_bar(total=steps, initial=training.trainer.step, desc="train-heads", unit="step") as bar:
+        start = training.trainer.step
+        with progress_bar(total=steps, initial=start, desc="train-heads", unit="step", disable=quiet) as bar:
+            shown: dict[str, str] = {}
 
             def on_step(step: int, loss: float) -> None:
-                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # shown by the update's redraw
+                shown["loss"] = f"{loss:.3f}"
+                bar.set_postfix(shown, refresh=False)  # shown by the update's redraw
                 bar.update(1)
 
-            training.train(on_step)
+            def on_evaluation(figures: dict) -> None:
+                rates = figures["draft_coupled_acceptance"] or figures["draft_agrees_with_base"]
+                shown["held-out"] = "/".join(f"{rate:.2f}" for rate in rates)
+
+            training.train(on_step, on_evaluation)
         outcome = training.finish()
     except TrainingError as error:
         raise fail(error) from None
+    finally:
+        leave_ranks(ranks)
+    if outcome is None:  # ranks other than 0 write and print nothing
+        return
     accuracy, heads_path = outcome.accuracy, outcome.heads_path
     if outcome.combined is not None:
         click.echo(f"combined checkpoint (released TokenSwift format): {outcome.combined}")
@@ -237,6 +273,20 @@ def train_heads(
             f"{teacher.penalty} over {teacher.penalty_window}): "
             + ", ".join(f"layer {i} {a:.3f}" for i, a in enumerate(accuracy.acceptance, start=1))
         )
+
+
+def _rank_threads() -> int | None:
+    """Under torchrun on CPUs, each rank's share of the node's cores (None outside a launcher)."""
+    from tokenswift_trt.decode.threads import usable_cpus
+    from tokenswift_trt.environment import launcher_assignment, launcher_local_size
+
+    if launcher_assignment() is None:
+        return None
+    threads = max(1, usable_cpus() // launcher_local_size())
+    import torch
+
+    torch.set_num_threads(threads)  # the training's own matmuls, beside the kernels' setting
+    return threads
 
 
 @click.command("draft-vocab")
@@ -267,7 +317,8 @@ def draft_vocab(model, model_dir, heads, data, size, out) -> None:
     from tokenswift_trt.decode.text import TextCodec, TokenizerError
     from tokenswift_trt.model.config import ConfigError, load_config
     from tokenswift_trt.model.draft_layers import HEADS_PREFIX, VOCAB_KEY
-    from tokenswift_trt.training.train_heads import TrainingError, frequent_tokens, read_texts
+    from tokenswift_trt.training.data import read_texts
+    from tokenswift_trt.training.train_heads import TrainingError, frequent_tokens
 
     model_dir, _, heads, _ = resolve_source(model, model_dir, None, heads)
     if heads is None:

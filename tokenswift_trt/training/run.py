@@ -4,10 +4,11 @@ checkpoint.
 
     job = TrainHeadsJob(model_dir, data=(Path("corpus.jsonl"),), out=Path("runs/heads"))
     training = start_training(job)          # every check, the model loaded, a checkpoint resumed
-    outcome = training.run(on_step=print)   # OUT/heads.safetensors, OUT/train_heads.json
+    outcome = training.run(on_step=print)   # OUT/heads.safetensors, OUT/train_heads.json, OUT/report.png
 
 The CLI's `train-heads` is these two calls plus printing. Every failure is a `TrainingError` whose first
-line says what is wrong and the fix.
+line says what is wrong and the fix. Under torchrun, `start_training(job, join_ranks(job.device))` on
+every rank trains data-parallel (training/ranks.py); rank 0 writes the files.
 """
 
 from __future__ import annotations
@@ -22,22 +23,25 @@ import torch
 
 from tokenswift_trt.api import ApiError, load
 from tokenswift_trt.model.engine import Engine
+from tokenswift_trt.training.data import read_records, token_splits
+from tokenswift_trt.training.errors import TrainingError
+from tokenswift_trt.training.ranks import Ranks
+from tokenswift_trt.training.report import plot_report
 from tokenswift_trt.training.train_heads import (
     CHECKPOINT,
     HEADS_FILE,
     DraftAccuracy,
     HeadsTrainer,
     TrainHeadsConfig,
-    TrainingError,
+    accuracy_figures,
     draft_accuracy,
     evaluation_sequences,
-    read_texts,
     save_heads,
-    token_splits,
     write_combined,
 )
 
 REPORT_FILE = "train_heads.json"
+PLOT_FILE = "report.png"
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class TrainHeadsJob:
     combined: Path | None = None  # also write base + heads in the released TokenSwift format here
     dtype: str = "float32"
     device: str = "cpu"
+    field: str = "text"  # the text's column in .jsonl/.parquet/.csv data
+    threads: int | None = None  # CPU threads of the base model's kernels (None: the default)
 
 
 @dataclass
@@ -78,6 +84,7 @@ class Training:
     train_ids: torch.Tensor  # [train tokens]
     eval_ids: torch.Tensor  # [held-out tokens]
     fallbacks: list[str]  # kernels that run as their reference here (the CLI says them on stderr)
+    ranks: Ranks = Ranks()
 
     @property
     def draft_layer_count(self) -> int:
@@ -87,8 +94,8 @@ class Training:
         self,
         on_step: Callable[[int, float], None] | None = None,
         on_cached_state: Callable[[int], None] | None = None,
-    ) -> TrainHeadsOutcome:
-        """The whole run: `cache_states`, `train`, `finish`."""
+    ) -> TrainHeadsOutcome | None:
+        """The whole run: `cache_states`, `train`, `finish` (None on ranks other than 0)."""
         self.cache_states(on_cached_state)
         self.train(on_step)
         return self.finish()
@@ -99,65 +106,81 @@ class Training:
         if self.job.config.state_cache:
             self.trainer.cache_states(on_cached_state)
 
-    def train(self, on_step: Callable[[int, float], None] | None = None) -> None:
-        """Train to `config.steps`, checkpointing on the way; `on_step(step, loss)` per optimiser step."""
-        self.trainer.run(on_step)
+    def train(
+        self,
+        on_step: Callable[[int, float], None] | None = None,
+        on_evaluation: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Train to `config.steps`, checkpointing on the way; `on_step(step, loss)` per optimiser step,
+        `on_evaluation(figures)` per held-out evaluation (`eval_every`, rank 0)."""
+        self.trainer.run(on_step, self.evaluate if self.ranks.main else None, on_evaluation)
 
-    def finish(self) -> TrainHeadsOutcome:
-        """Write the heads file, score the layers on the held-out text, write the report (and the
-        combined checkpoint where asked)."""
+    def evaluate(self, sequences: int | None = None) -> DraftAccuracy:
+        """The layers scored on the first `sequences` held-out sequences (`progress_sequences`)."""
+        config = self.job.config
+        count = config.progress_sequences if sequences is None else sequences
+        chosen = evaluation_sequences(self.eval_ids, config.seq_len, count)
+        return draft_accuracy(self.engine, self.trainer.draft_layers, chosen, config.teacher)
+
+    def finish(self) -> TrainHeadsOutcome | None:
+        """Write the heads file, score the layers on the held-out text, write the report, its plot (and
+        the combined checkpoint where asked). Rank 0 only: the others return None."""
         job, config, trainer = self.job, self.job.config, self.trainer
+        if not self.ranks.main:
+            return None
         heads_path = job.out / HEADS_FILE
         save_heads(trainer.draft_layers, heads_path)
         trainer.draft_layers.eval()
-        accuracy = draft_accuracy(
-            self.engine,
-            trainer.draft_layers,
-            evaluation_sequences(self.eval_ids, config.seq_len, 8),
-            config.teacher,
-        )
+        accuracy = self.evaluate(config.eval_sequences)
         report = {
             "steps": trainer.step,
             "final_loss": trainer.last_loss,
-            "base_top1": accuracy.base,
-            "draft_top1": accuracy.layers,
-            "draft_agrees_with_base": accuracy.agreement,
+            **accuracy_figures(accuracy),
             "path_top1": accuracy.path_layers,
             "path_agrees_with_base": accuracy.path_agreement,
-            # under the --teacher-* sampling settings: the chance a layer's first draft is the sample
-            "draft_coupled_acceptance": accuracy.acceptance,
             "init_heads": None if job.init_heads is None else str(job.init_heads),
             "train_tokens": self.train_ids.numel(),
             "eval_tokens": self.eval_ids.numel(),
+            "ranks": self.ranks.size,
+            "global_batch": config.batch * config.grad_accum,  # sequences per optimiser step
             "config": dict(vars(config)),
+            "history": trainer.history,
+            "evaluations": trainer.evaluations,
         }
         report_path = job.out / REPORT_FILE
         report_path.write_text(json.dumps(report, indent=2) + "\n")
+        plot_report(report, job.out / PLOT_FILE)
         if job.combined is not None:
             write_combined(job.model_dir, heads_path, job.combined)
         return TrainHeadsOutcome(heads_path, report_path, job.combined, accuracy, report)
 
 
-def start_training(job: TrainHeadsJob) -> Training:
+def start_training(job: TrainHeadsJob, ranks: Ranks = Ranks()) -> Training:
     """Check the job, read its text, load the base model and build the trainer (from OUT's checkpoint
-    with `resume`). Bad settings and unreadable text fail before the model loads."""
+    with `resume`). Bad settings and unreadable text fail before the model loads. `ranks`: this
+    process's place in a data-parallel run (`training.ranks.join_ranks`)."""
     job.config.validate()
-    texts = read_texts(list(job.data))
-    eval_texts = read_texts(list(job.eval_data)) if job.eval_data else []
+    records = read_records(list(job.data), job.field)
+    eval_records = read_records(list(job.eval_data), job.field) if job.eval_data else []
     if not job.model_dir.is_dir():
         raise TrainingError(f"model directory {job.model_dir} does not exist")
     if (job.out / CHECKPOINT).exists() and not (job.resume or job.force):
         raise TrainingError(
             f"{job.out} holds a checkpoint: pass --resume to continue it or --force to start over"
         )
+    kernels = None if job.threads is None else {"threads": str(job.threads)}
     try:
-        model = load(model_dir=job.model_dir, dtype=job.dtype, device=job.device)
+        model = load(
+            model_dir=job.model_dir, dtype=job.dtype, device=ranks.device(job.device), kernels=kernels
+        )
     except ApiError as error:
         raise TrainingError(str(error)) from None
     engine = model.engine
-    train_ids, eval_ids = token_splits(texts, eval_texts, model.codec.encode, engine.config.eos_token_ids[:1])
-    job.out.mkdir(parents=True, exist_ok=True)
-    trainer = HeadsTrainer(engine, train_ids, job.config, job.out, job.init_heads)
+    eos = engine.config.eos_token_ids[:1]
+    train_ids, eval_ids = token_splits(records, eval_records, model.codec.encode, eos)
+    if ranks.main:
+        job.out.mkdir(parents=True, exist_ok=True)
+    trainer = HeadsTrainer(engine, train_ids, job.config, job.out, job.init_heads, ranks)
     if job.resume:
         trainer.load_checkpoint()
-    return Training(job, engine, trainer, train_ids, eval_ids, model.fallbacks)
+    return Training(job, engine, trainer, train_ids, eval_ids, model.fallbacks, ranks)

@@ -33,6 +33,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,15 +54,15 @@ from tokenswift_trt.model.draft_layers import (
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig, min_p_filter
+from tokenswift_trt.training.errors import TrainingError
+from tokenswift_trt.training.ranks import Ranks
 
 CHECKPOINT = "checkpoint.pt"
+# settings a resumed run may change: how often it scores itself (not what it trains)
+RESUMABLE = ("eval_every", "progress_sequences", "checkpoint_every")
 HEADS_FILE = "heads.safetensors"
 LOSSES = ("distill", "sampled", "coupled", "tokens")
 COUPLED_SUPPORT = 64  # teacher tokens `coupled_hit` scores: min-p 0.1 keeps ~21 on SmolLM2 (at least 20)
-
-
-class TrainingError(ValueError):
-    """Training cannot start as asked (the message says what to change)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ class TrainHeadsConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     checkpoint_every: int = 100
-    eval_sequences: int = 8
+    eval_sequences: int = 8  # held-out sequences the finished layers are scored on
+    eval_every: int = 0  # score the layers on `progress_sequences` held-out sequences every N steps; 0: never
+    progress_sequences: int = 2
     seed: int = 0
     loss: str = "distill"  # see LOSSES and the module docstring
     # the "sampled" loss's transforms (the paper's sampling settings, W scaled to SmolLM2's runs)
@@ -100,7 +103,9 @@ class TrainHeadsConfig:
     def validate(self) -> None:
         if self.loss not in LOSSES:
             raise TrainingError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        for name in ("steps", "seq_len", "batch", "grad_accum", "checkpoint_every"):
+        if self.eval_every < 0:
+            raise TrainingError(f"eval every must be 0 (never) or a number of steps, got {self.eval_every}")
+        for name in ("steps", "seq_len", "batch", "grad_accum", "checkpoint_every", "progress_sequences"):
             if getattr(self, name) <= 0:
                 raise TrainingError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
         if self.root_width < 0:
@@ -127,57 +132,6 @@ class TrainHeadsConfig:
             raise TrainingError(f"sequence length must be at least 8, got {self.seq_len}")
         if not self.lr > 0:
             raise TrainingError(f"learning rate must be positive, got {self.lr}")
-
-
-def read_texts(paths: Sequence[Path]) -> list[str]:
-    """Text from .txt files, .jsonl files (field "text"), or directories of them."""
-    files: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            files.extend(sorted(p for p in path.iterdir() if p.suffix in (".txt", ".jsonl")))
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise TrainingError(f"training data {path} does not exist")
-    texts = []
-    for file in files:
-        if file.suffix == ".jsonl":
-            for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-                if line.strip():
-                    try:
-                        texts.append(json.loads(line)["text"])
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise TrainingError(
-                            f'{file}:{number} is not a JSON object with a "text" field'
-                        ) from None
-        else:
-            texts.append(file.read_text(encoding="utf-8"))
-    if not texts:
-        raise TrainingError("no training text found (give .txt or .jsonl files)")
-    return texts
-
-
-def token_splits(
-    texts: Sequence[str],
-    eval_texts: Sequence[str],
-    encode: Callable[[str], list[int]],
-    eos: Sequence[int],
-    eval_fraction: float = 0.05,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training ids, held-out ids): every text encoded and closed by EOS. Without `eval_texts`
-    the last `eval_fraction` of the training tokens is held out."""
-
-    def tokens_of(items: Sequence[str]) -> torch.Tensor:
-        ids: list[int] = []
-        for text in items:
-            ids.extend(encode(text) + list(eos))
-        return torch.tensor(ids, dtype=torch.long)
-
-    train_ids = tokens_of(texts)
-    if eval_texts:
-        return train_ids, tokens_of(eval_texts)
-    split = int(train_ids.numel() * (1 - eval_fraction))
-    return train_ids[:split], train_ids[split:]
 
 
 def lr_at(step: int, config: TrainHeadsConfig) -> float:
@@ -601,9 +555,11 @@ class CachedStates:
         train_ids: torch.Tensor,
         config: TrainHeadsConfig,
         on_sequence: Callable[[int], None] | None = None,
+        ranks: Ranks = Ranks(),
     ) -> CachedStates:
         """`config.state_cache` sequences at random starts (their own generator, seeded from
-        `config.seed`: a resumed run rebuilds the same cache)."""
+        `config.seed`: a resumed run rebuilds the same cache). Over several ranks each computes every
+        size-th sequence's states and sends them to the others."""
         order = torch.Generator().manual_seed(config.seed + 1)
         high = train_ids.numel() - config.seq_len
         starts = torch.randint(0, high, (config.state_cache,), generator=order).tolist()
@@ -615,9 +571,12 @@ class CachedStates:
         )
         with torch.no_grad():
             for i, sequence in enumerate(ids):
-                states[i] = base_hidden(engine, sequence).to(torch.float16)
+                if i % ranks.size == ranks.rank:
+                    states[i] = base_hidden(engine, sequence).to(torch.float16)
                 if on_sequence:
                     on_sequence(i + 1)
+        for i in range(len(starts)):
+            ranks.broadcast(states[i], i % ranks.size)
         return cls(ids, states)
 
 
@@ -631,6 +590,7 @@ class HeadsTrainer:
         config: TrainHeadsConfig,
         out_dir: Path,
         init_heads: Path | None = None,
+        ranks: Ranks = Ranks(),
     ) -> None:
         config.validate()
         if train_ids.numel() <= config.seq_len:
@@ -639,6 +599,7 @@ class HeadsTrainer:
                 "or lower --seq-len"
             )
         self.engine, self.train_ids, self.config, self.out_dir = engine, train_ids, config, out_dir
+        self.ranks = ranks
         engine.model.requires_grad_(False)
         self.head_weight = head_weight(engine)
         torch.manual_seed(config.seed)
@@ -675,54 +636,70 @@ class HeadsTrainer:
         self.step = 0
         self.last_loss = float("nan")
         self.cached: CachedStates | None = None  # `state_cache`: built by cache_states or the first step
+        # per optimiser step {"step", "loss", "lr"}; per evaluation {"step", "acceptance", ...}
+        self.history: list[dict[str, Any]] = []
+        self.evaluations: list[dict[str, Any]] = []
+        cuda_half = engine.device.type == "cuda" and engine.dtype in (torch.bfloat16, torch.float16)
+        self.autocast_dtype = engine.dtype if cuda_half else None  # the layers' matmuls in the base's dtype
 
     def cache_states(self, on_sequence: Callable[[int], None] | None = None) -> None:
         """Build the base-state cache (`state_cache` > 0) now rather than at the first step."""
         if self.config.state_cache and self.cached is None:
-            self.cached = CachedStates.build(self.engine, self.train_ids, self.config, on_sequence)
+            self.cached = CachedStates.build(
+                self.engine, self.train_ids, self.config, on_sequence, self.ranks
+            )
 
-    def _batch(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """`batch` (ids [seq_len], base states [seq_len, hidden] or None: compute them) pairs."""
-        if self.config.state_cache:
-            self.cache_states()
-            assert self.cached is not None
-            rows = torch.randint(0, self.config.state_cache, (self.config.batch,), generator=self.data_order)
-            return [(self.cached.ids[r], self.cached.states[r]) for r in rows.tolist()]
-        high = self.train_ids.numel() - self.config.seq_len
-        starts = torch.randint(0, high, (self.config.batch,), generator=self.data_order)
-        return [(self.train_ids[s : s + self.config.seq_len], None) for s in starts.tolist()]
+    def _step_sequences(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One optimiser step's global batch, `grad_accum` x `batch` (ids [seq_len], base states
+        [seq_len, hidden] or None: compute them) pairs, drawn alike on every rank."""
+        sequences: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for _ in range(self.config.grad_accum):
+            if self.config.state_cache:
+                self.cache_states()
+                assert self.cached is not None
+                count = (self.config.batch,)
+                rows = torch.randint(0, self.config.state_cache, count, generator=self.data_order)
+                sequences.extend((self.cached.ids[r], self.cached.states[r]) for r in rows.tolist())
+                continue
+            high = self.train_ids.numel() - self.config.seq_len
+            starts = torch.randint(0, high, (self.config.batch,), generator=self.data_order)
+            sequences.extend((self.train_ids[s : s + self.config.seq_len], None) for s in starts.tolist())
+        return sequences
+
+    def _loss(self, ids: torch.Tensor, states: torch.Tensor | None) -> torch.Tensor:
+        config = self.config
+        args = (self.engine, self.head_weight, self.draft_layers, ids, config.loss, states, config.path_only)
+        if self.autocast_dtype is None:
+            return draft_loss(*args, config.teacher)
+        with torch.autocast("cuda", dtype=self.autocast_dtype):
+            return draft_loss(*args, config.teacher)
 
     def train_step(self) -> float:
+        """One optimiser step over the global batch (this rank's share of it, gradients summed over
+        the ranks); returns the batch's mean loss."""
+        lr = lr_at(self.step, self.config)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.config)
+            group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         scale = 1.0 / (self.config.grad_accum * self.config.batch)
-        for _ in range(self.config.grad_accum):
-            for ids, states in self._batch():
-                loss = (
-                    draft_loss(
-                        self.engine,
-                        self.head_weight,
-                        self.draft_layers,
-                        ids,
-                        self.config.loss,
-                        states,
-                        self.config.path_only,
-                        self.config.teacher,
-                    )
-                    * scale
-                )
-                loss.backward()
-                total += loss.item()
+        for ids, states in self.ranks.share(self._step_sequences()):
+            loss = self._loss(ids, states).float() * scale
+            loss.backward()
+            total += loss.item()
+        self.ranks.sum_gradients(self.draft_layers.parameters())
         torch.nn.utils.clip_grad_norm_(self.draft_layers.parameters(), 1.0)
         self.optimizer.step()
         self.step += 1
-        self.last_loss = total
-        return total
+        self.last_loss = self.ranks.sum(total)
+        self.history.append({"step": self.step, "loss": self.last_loss, "lr": lr})
+        return self.last_loss
 
     def save_checkpoint(self) -> Path:
+        """Write OUT/checkpoint.pt (rank 0; the other ranks hold the same state)."""
         path = self.out_dir / CHECKPOINT
+        if not self.ranks.main:
+            return path
         temporary = path.with_suffix(".tmp")
         torch.save(
             {
@@ -731,6 +708,8 @@ class HeadsTrainer:
                 "optimizer": self.optimizer.state_dict(),
                 "data_order": self.data_order.get_state(),
                 "config": asdict(self.config),
+                "history": self.history,
+                "evaluations": self.evaluations,
             },
             temporary,
         )
@@ -743,21 +722,52 @@ class HeadsTrainer:
             raise TrainingError(f"--resume: no checkpoint at {path}")
         state = torch.load(path, weights_only=True)
         saved = dict(state["config"])
-        if saved != asdict(self.config):
-            changed = sorted(k for k in saved if saved[k] != asdict(self.config).get(k))
+        ours = {k: v for k, v in asdict(self.config).items() if k not in RESUMABLE}
+        if {k: v for k, v in saved.items() if k not in RESUMABLE} != ours:
+            changed = sorted(k for k in ours if saved.get(k) != ours[k])
             raise TrainingError(f"--resume: settings differ from the checkpoint's ({', '.join(changed)})")
         self.draft_layers.load_state_dict(state["draft_layers"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.data_order.set_state(state["data_order"])
         self.step = int(state["step"])
+        self.history = list(state.get("history", []))
+        self.evaluations = list(state.get("evaluations", []))
 
-    def run(self, on_step: Callable[[int, float], None] | None = None) -> None:
+    def run(
+        self,
+        on_step: Callable[[int, float], None] | None = None,
+        evaluate: Callable[[], DraftAccuracy] | None = None,
+        on_evaluation: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Train to `steps`, a checkpoint every `checkpoint_every` steps and at the end. With
+        `evaluate` (rank 0), the layers are scored every `eval_every` steps; each result goes to
+        `evaluations` and `on_evaluation`."""
         while self.step < self.config.steps:
             loss = self.train_step()
             if on_step:
                 on_step(self.step, loss)
+            every = self.config.eval_every
+            if evaluate is not None and every and (self.step % every == 0 or self.step == self.config.steps):
+                self.draft_layers.eval()
+                with torch.no_grad():
+                    accuracy = evaluate()
+                self.draft_layers.train()
+                entry = {"step": self.step, **accuracy_figures(accuracy)}
+                self.evaluations.append(entry)
+                if on_evaluation:
+                    on_evaluation(entry)
             if self.step % self.config.checkpoint_every == 0 or self.step == self.config.steps:
                 self.save_checkpoint()
+
+
+def accuracy_figures(accuracy: DraftAccuracy) -> dict[str, Any]:
+    """A `DraftAccuracy` as the report's figures."""
+    return {
+        "base_top1": accuracy.base,
+        "draft_top1": accuracy.layers,
+        "draft_agrees_with_base": accuracy.agreement,
+        "draft_coupled_acceptance": accuracy.acceptance,
+    }
 
 
 def evaluation_sequences(ids: torch.Tensor, seq_len: int, count: int) -> list[torch.Tensor]:
