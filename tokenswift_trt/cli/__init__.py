@@ -16,6 +16,7 @@ from .generate import demo, generate
 from .pack import pack
 from .serve import client, serve
 from .train import draft_vocab, train_heads
+from .train_data import train_data
 
 
 class OneLineErrors(click.Group):
@@ -56,6 +57,7 @@ for command in (
     bench_host,
     bench_serve,
     bench_batching,
+    train_data,
     train_heads,
     draft_vocab,
     pack,

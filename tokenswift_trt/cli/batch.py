@@ -75,17 +75,7 @@ def batch(
     tokenswift_trt batch ...`, one node or many) each rank takes its share of the requests and rank 0
     gathers the results into OUTPUT."""
     from tokenswift_trt.api import ApiError
-    from tokenswift_trt.batch import Shard, finished_ids, read_requests
-    from tokenswift_trt.decode.threads import usable_cpus
-    from tokenswift_trt.environment import launcher_assignment, launcher_local_size
-
-    assigned = launcher_assignment()
-    shard = Shard(assigned[0], assigned[1]) if assigned is not None else Shard()
-    device = opts["device"]
-    if assigned is not None and device == "cuda":  # one GPU per rank of a node
-        device = f"cuda:{assigned[2]}"
-    if shard.size > 1 and device == "cpu" and "threads" not in kernels:  # the node's ranks share its CPUs
-        kernels = {**kernels, "threads": str(max(1, usable_cpus() // launcher_local_size()))}
+    from tokenswift_trt.batch import read_requests
 
     defaults = {name: value for name, value in request_settings(opts).items() if value is not None}
     if max_new_tokens is not None:
@@ -94,9 +84,30 @@ def batch(
         defaults["method"] = method
     try:
         items = read_requests(input_path, defaults)
-        finished = finished_ids(output)
     except ApiError as error:
         raise fail(error) from None
+    source = (model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], kernels)
+    decode_requests(source, items, output, journal_dir, memory_budget, max_batch)
+
+
+def decode_requests(source, items, output: Path, journal_dir, memory_budget, max_batch) -> None:
+    """Decode `items` into the results file `output` as `batch` does: requests already there are
+    skipped, unfinished ones resume from their journals, and under torchrun each rank takes its share
+    and rank 0 gathers the results. `source`: (model, model_dir, engine_dir, heads, dtype, device,
+    kernels) as the command's options give them."""
+    from tokenswift_trt.batch import Shard, finished_ids
+    from tokenswift_trt.decode.threads import usable_cpus
+    from tokenswift_trt.environment import launcher_assignment, launcher_local_size
+
+    model, model_dir, engine_dir, heads, dtype, device, kernels = source
+    assigned = launcher_assignment()
+    shard = Shard(assigned[0], assigned[1]) if assigned is not None else Shard()
+    if assigned is not None and device == "cuda":  # one GPU per rank of a node
+        device = f"cuda:{assigned[2]}"
+    if shard.size > 1 and device == "cpu" and "threads" not in kernels:  # the node's ranks share its CPUs
+        kernels = {**kernels, "threads": str(max(1, usable_cpus() // launcher_local_size()))}
+    try:
+        finished = finished_ids(output)
     except (ValueError, KeyError) as error:
         raise CliError(
             f"{output} is not a results file of this command ({error}): choose another --output"
@@ -114,18 +125,18 @@ def batch(
             raise CliError(
                 f"cannot create the journal folder {journals} ({error.strerror}): give --journal-dir"
             ) from None
-        source = load_source(
+        loaded = load_source(
             model,
             model_dir,
             engine_dir,
             heads,
-            opts["dtype"],
+            dtype,
             device,
             quiet=False,
             kernels=kernels,
             data_parallel=True,
         )
-        _run(source.model, shard, todo, len(mine), output, journals, memory_budget, max_batch)
+        _run(loaded.model, shard, todo, len(mine), output, journals, memory_budget, max_batch)
     if shard.size > 1:
         _gather(shard, output, items)
 
