@@ -12,6 +12,7 @@ from .bench import bench, bench_host
 from .bench_serve import bench_batching, bench_serve
 from .bench_steps import bench_steps
 from .build import build, presets, random_model
+from .eval_heads import eval_heads
 from .generate import demo, generate
 from .pack import pack
 from .serve import client, serve
@@ -59,6 +60,7 @@ for command in (
     bench_batching,
     train_data,
     train_heads,
+    eval_heads,
     draft_vocab,
     pack,
 ):

@@ -79,6 +79,8 @@ def _load(builder: str, files: list[str]) -> Any:
     try:
         return datasets.load_dataset(builder, data_files=files, split="train", **options)
     except Exception as error:  # datasets raises many kinds for an unreadable file; name the files
+        while error.__cause__ is not None:  # "An error occurred while generating ..." wraps the cause
+            error = error.__cause__
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TrainingError(f"cannot read {', '.join(files)}: {first}") from None
     finally:

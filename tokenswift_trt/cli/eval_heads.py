@@ -1,0 +1,140 @@
+"""`eval-heads`: how fast a model's draft layers will make it, predicted on held-out text and checked
+with `generate` on this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .common import CliError, fail, load_source, source_options
+
+SAMPLING = ("temperature", "min_p", "penalty", "penalty_window", "seed")
+
+
+@click.command("eval-heads")
+@source_options
+@click.option(
+    "--data",
+    "data",
+    type=click.Path(path_type=Path),
+    multiple=True,
+    required=True,
+    help="held-out text: best a `train-data` output from prompts the layers were not trained on (.txt, "
+    ".jsonl, .parquet, .csv; repeatable)",
+)
+@click.option("--field", default="text", show_default=True, help="the text's column in .jsonl/.parquet/.csv")
+@click.option("--sequences", type=click.IntRange(1), default=8, show_default=True, help="held-out sequences")
+@click.option("--seq-len", type=click.IntRange(8), default=512, show_default=True, help="tokens per sequence")
+@click.option(
+    "--measure-prompts",
+    type=click.IntRange(0),
+    default=2,
+    show_default=True,
+    help="held-out prompts `generate` runs with the layers' chain and with AR steps (0: predict only)",
+)
+@click.option(
+    "--measure-tokens", type=click.IntRange(2), default=256, show_default=True, help="tokens per run"
+)
+@click.option("--prompt-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--temperature", type=float, default=None, help="0 = greedy [the model's, else 1.0]")
+@click.option("--min-p", type=float, default=None, help="[the model's]")
+@click.option("--penalty", type=float, default=None, help="contextual penalty θ [the model's]")
+@click.option("--penalty-window", type=int, default=None, help="W [the model's]")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", default=None, help="float32 on a CPU, bfloat16 on a GPU")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="write the figures here (JSON)")
+def eval_heads(
+    model,
+    model_dir,
+    engine_dir,
+    heads,
+    data,
+    field,
+    sequences,
+    seq_len,
+    measure_prompts,
+    measure_tokens,
+    prompt_tokens,
+    dtype,
+    device,
+    out,
+    **sampling,
+) -> None:
+    """Predict the acceptance of a model's draft layers on held-out text (per layer and per depth of
+    their chain, greedy and under the sampling), then measure it with `generate` on held-out prompts
+    (the chain and AR steps, decode time on this machine) and give the modeled and the measured speedup."""
+    from tokenswift_trt.decode.config import GenerationError
+    from tokenswift_trt.decode.request import config_from
+    from tokenswift_trt.training.data import read_records, record_ids
+    from tokenswift_trt.training.errors import TrainingError
+    from tokenswift_trt.training.evaluate import evaluation_report, measure_chain, predict_chain
+    from tokenswift_trt.training.train_heads import evaluation_sequences
+
+    try:
+        records = read_records(list(data), field)
+    except TrainingError as error:
+        raise fail(error) from None
+    source = load_source(model, model_dir, engine_dir, heads, dtype, device, quiet=False)
+    loaded = source.model
+    given = {name: value for name, value in sampling.items() if value is not None}
+    try:
+        config = config_from(loaded.defaults, {**given, "max_new_tokens": measure_tokens})
+    except (GenerationError, ValueError) as error:
+        raise fail(error) from None
+    engine = loaded.engine
+    ids = record_ids(records, loaded.codec.encode, engine.config.eos_token_ids[:1])
+    chosen = evaluation_sequences(ids, seq_len, sequences)
+    prediction = predict_chain(engine, engine.draft_layers, chosen, config.sampling)
+    measured = None
+    if measure_prompts:
+        stride = max(1, (ids.numel() - prompt_tokens) // measure_prompts)
+        prompts = [ids[i * stride : i * stride + prompt_tokens].tolist() for i in range(measure_prompts)]
+        settings = {name: getattr(config.sampling, name) for name in SAMPLING if name != "seed"}
+        settings["seed"] = config.seed if config.seed is not None else 0
+        measured = measure_chain(loaded, prompts, measure_tokens, len(engine.draft_layers), settings)
+    report = evaluation_report(prediction, measured, config.sampling)
+    if out is not None:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as error:
+            raise CliError(f"cannot write {out} ({error.strerror}): choose another --out") from None
+    _print(report, len(chosen))
+
+
+def _print(report: dict, sequences: int) -> None:
+    predicted = report["predicted"]
+
+    def rates(values: list[float]) -> str:
+        return " ".join(f"{value:.3f}" for value in values) or "-"
+
+    click.echo(f"held-out: {sequences} sequences, {predicted['positions']:,} positions (teacher-forced)")
+    click.echo(f"  acceptance per layer, greedy:  {rates(predicted['greedy_acceptance'])}")
+    click.echo(f"  acceptance per layer, sampled: {rates(predicted['sampled_acceptance'])}")
+    sampled = bool(predicted["sampled_acceptance"])
+    by_depth = predicted["sampled_by_depth"] if sampled else predicted["greedy_by_depth"]
+    click.echo(f"  chain acceptance by depth (given the depths before): {rates(by_depth)}")
+    measured = report.get("measured")
+    if measured is None:
+        return
+    click.echo(
+        f"generate --tree {measured['tree']} --ngram-topk 0, {len(measured['runs'])} prompts x "
+        f"{measured['new_tokens']} tokens:"
+    )
+    click.echo(
+        f"  acceptance by depth {rates(measured['acceptance_by_depth'])} (depth 1: the base model's own "
+        f"draft), {measured['tokens_per_iteration']:.2f} tokens per iteration"
+    )
+    click.echo(
+        f"  {measured['seconds_per_iteration'] * 1e3:.1f} ms per iteration, "
+        f"{measured['seconds_per_ar_step'] * 1e3:.1f} ms per AR step: measured speedup "
+        f"{measured['speedup']:.2f}x"
+    )
+    modeled = report["modeled"]
+    click.echo(
+        f"  modeled from the prediction: {modeled['tokens_per_iteration']:.2f} tokens per iteration at "
+        f"{modeled['iteration_cost_in_ar_steps']:.2f} AR steps each: {modeled['speedup']:.2f}x"
+    )
