@@ -26,7 +26,6 @@ from tokenswift_trt.decode.stats import WINDOW_TOKENS, Stats, Window
 from tokenswift_trt.model.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread
-from .plot_windows import plot_windows
 from .report import machine_meta, write_csv
 
 DEFAULT_TREE = "1,3,3,3"
@@ -458,8 +457,9 @@ WINDOW_COLUMNS = (
 
 
 def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
-    """bench.csv, bench.json, bench_windows.csv (figures per window of output positions) and PNG plots
-    of speedup and α against generation length and of the figures by position (windows.png)."""
+    """bench.csv, bench.json, bench_windows.csv (figures per window of output positions; `python -m
+    tools.plot_benchmarks --windows bench.json` draws them) and PNG plots of speedup and α against
+    generation length."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "bench.csv", out_dir / "bench.json"]
     write_csv(written[0], [{key: value for key, value in row.items() if key != "windows"} for row in rows])
@@ -468,10 +468,6 @@ def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
     flat = flat_window_rows(rows)
     if flat:
         written.append(write_csv(out_dir / "bench_windows.csv", flat))
-        curves = [(out_dir.name, written[1], "windows")]
-        if any("adapted_windows" in row for row in rows):  # static vs adapted draft layers
-            curves = [("static", written[1], "windows"), ("adapted", written[1], "adapted_windows")]
-        written.append(plot_windows(curves, out_dir / "windows.png"))
 
     import matplotlib
 

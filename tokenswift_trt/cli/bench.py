@@ -59,7 +59,7 @@ from .tp_launch import tp_options
     type=int,
     default=256,
     show_default=True,
-    help="output positions per window of the figures by position (bench_windows.csv, windows.png)",
+    help="output positions per window of the figures by position (bench_windows.csv)",
 )
 @click.option(
     "--no-extras",
@@ -70,7 +70,7 @@ from .tp_launch import tp_options
     "--compare-adaptation",
     is_flag=True,
     help="also TokenSwift with draft layers adapted online (--adapt-drafts) beside the engine's own: "
-    "adapted_* columns, the variant column of bench_windows.csv, both in windows.png",
+    "adapted_* columns and the variant column of bench_windows.csv",
 )
 @report_out_option("runs/bench")
 @kernel_option
