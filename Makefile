@@ -49,8 +49,9 @@ data/corpus/%.txt: data/corpus/%.txt.gz
 
 # SmolLM2-135M-Instruct (installed by `make models`) with its committed root-conditioned draft
 # layers (models/heads/smollm2-135m.safetensors): a held-out Pride and Prejudice prompt, 2,048 tokens
+# DEMO_OUT=DIR: also write the rows to DIR/run.json (machine, date, command)
 demo: models
-	$(CLI) demo --model smollm2-135m $(DEMO_ARGS) --max-new-tokens 2048
+	$(CLI) demo --model smollm2-135m $(DEMO_ARGS) --max-new-tokens 2048 $(if $(DEMO_OUT),--out $(DEMO_OUT))
 
 demo-smollm2: demo
 

@@ -89,14 +89,14 @@ EOF"
             --out "$OUT_DIR/steps"
         ;;
     host)
-        stage host 120 bash -c "for tree in 1,3,3,3 auto; do ${CLI[*]} bench-host --model-dir models/swift-tiny \
+        stage host 120 bash -c "for tree in 1,3,3,3 auto; do $PYTHON -m tools.bench_host --model-dir models/swift-tiny \
             --prompt-file models/swift-tiny/prompt.txt --max-new-tokens 1024 --min-p 0.1 --penalty 1.2 \
             --penalty-window 256 --kv-budget 1024 --tree \$tree --ignore-eos --seed 1 --device cuda \
             --dtype bfloat16; done"
         ;;
     loop)  # host time per iteration: the host loop vs the device loop (one CUDA graph per iteration)
         stage loop 200 bash -c "for flags in '--tree 3,3,3 --draft-source verify' '--tree 3,3,3 --device-loop'; do \
-            ${CLI[*]} bench-host --model-dir models/swift-tiny --prompt-file models/swift-tiny/prompt.txt \
+            $PYTHON -m tools.bench_host --model-dir models/swift-tiny --prompt-file models/swift-tiny/prompt.txt \
             --max-new-tokens 1024 --min-p 0.1 --penalty 1.2 --penalty-window 256 --ignore-eos --seed 1 \
             --device cuda --dtype bfloat16 \$flags; done"
         ;;

@@ -17,7 +17,6 @@ from tokenswift_trt.bench.run import (
     prompt_windows,
     run_bench,
     run_interleaved,
-    run_to_lengths,
 )
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
@@ -149,7 +148,7 @@ def test_interleaved_runs_decode_what_separate_runs_do_each_on_its_own_clock(mod
     wall = time.perf_counter() - started
     assert len(seen) == 100  # both runs, every token
     for name, config in configs.items():
-        alone = run_to_lengths(engine, prompt, config, [20, 50])
+        alone = run_interleaved(engine, prompt, {name: config}, [20, 50], chunk=50)[name]
         assert runs[name].tokens == alone.tokens and sorted(runs[name].snapshots) == [20, 50]
         assert 20 <= runs[name].snapshots[20].new_tokens < 50 <= runs[name].snapshots[50].new_tokens
     assert runs["ar"].tokens == runs["tokenswift"].tokens

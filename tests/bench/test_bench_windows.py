@@ -1,5 +1,5 @@
 """The bench's figures by output position: per-window rows in bench.json and bench_windows.csv, summed
-over runs, with each method's tokens/s per window, and windows.png drawn from them."""
+over runs, with each method's tokens/s per window."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from tokenswift_trt.model.sampling import SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "swift-tiny"
-PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _snapshot(windows: list[Window], ends: list[float], prefill_s: float = 0.5) -> Snapshot:
@@ -74,7 +73,7 @@ def test_bench_rows_carry_windows_that_add_up_and_are_written_and_plotted(swift_
     assert all(len(w["alpha_by_depth"]) >= 2 for w in windows)
 
     written = write_results(rows, tmp_path, {"command": "test"})
-    assert {path.name for path in written} >= {"bench.csv", "bench.json", "bench_windows.csv", "windows.png"}
+    assert {path.name for path in written} >= {"bench.csv", "bench.json", "bench_windows.csv"}
     assert "windows" not in next(csv.DictReader(open(tmp_path / "bench.csv")))
     flat = list(csv.DictReader(open(tmp_path / "bench_windows.csv")))
     assert len(flat) == len(short["windows"]) + len(windows)
@@ -82,7 +81,6 @@ def test_bench_rows_carry_windows_that_add_up_and_are_written_and_plotted(swift_
     assert (last["gen_len"], last["start"], last["end"]) == ("48", "32", "48")
     assert float(last["alpha_d1"]) == windows[-1]["alpha_by_depth"][0]
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][1]["windows"] == windows
-    assert (tmp_path / "windows.png").read_bytes()[:8] == PNG
 
 
 @pytest.mark.parametrize("device_loop", [None, True], ids=["host-loop", "device-loop"])
@@ -144,7 +142,6 @@ def test_bench_command_writes_windows_of_the_size_asked_and_refuses_an_empty_one
     assert [w["start"] for w in report["rows"][0]["windows"]] == [0, 8, 16]
     flat = list(csv.DictReader(open(tmp_path / "bench_windows.csv")))
     assert [row["start"] for row in flat] == ["0", "8", "16"]
-    assert (tmp_path / "windows.png").read_bytes()[:8] == PNG
     refused = CliRunner().invoke(main, [*args, "--window", "0"])
     assert refused.exit_code == 2 and "--window must be at least 1 token" in refused.stderr
 

@@ -3,6 +3,7 @@ template where the model has one, and `--no-edit` skips it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,18 @@ def test_demo_prints_the_editing_row_with_ars_tokens():
     assert any(line.startswith("why prose gains little here") for line in lines)
 
 
-def test_no_edit_skips_the_editing_request():
-    result = CliRunner().invoke(main, [*DEMO, "--no-edit"])
+def test_no_edit_skips_the_editing_request_and_out_writes_the_rows(tmp_path):
+    result = CliRunner().invoke(main, [*DEMO, "--no-edit", "--out", str(tmp_path / "demo")])
     assert result.exit_code == 0, result.output
     assert "editing" not in result.stdout and "speedup" in result.stdout
+    document = json.loads((tmp_path / "demo" / "run.json").read_text())
+    (row,) = document["rows"]
+    assert row["job"] == "prose" and row["ar_tokens"] == row["tokenswift_tokens"] == 32
+    assert row["same_tokens_as_ar"] and f"speedup {row['speedup']:.2f}x" in result.stdout
+    command = document["meta"]["command"].split()  # the options given, in the command's order
+    assert command[:2] == ["tokenswift-trt", "demo"]
+    assert sorted(command[2:]) == sorted([*DEMO[1:], "--no-edit", "--out", str(tmp_path / "demo")])
+    assert document["meta"]["date"] and document["meta"]["cpu"]
 
 
 @pytest.mark.skipif(

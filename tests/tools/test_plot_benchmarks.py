@@ -80,3 +80,17 @@ def test_plot_script_draws_windows_from_bench_jsons_and_refuses_one_without(tmp_
     refused = _run_script("--windows", str(tmp_path / "old.json"), "--out", str(out))
     assert refused.returncode == 2
     assert "has no figures by position (windows): rerun bench" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_windows_runs_add_the_adapted_layers_beside_the_static_ones(tmp_path):
+    from tools.plot_benchmarks import windows_runs
+
+    plain, compared = tmp_path / "plain" / "bench.json", tmp_path / "compared" / "bench.json"
+    for path, row in ((plain, {"windows": [{}]}), (compared, {"windows": [{}], "adapted_windows": [{}]})):
+        path.parent.mkdir()
+        path.write_text(json.dumps({"meta": {}, "rows": [row]}))
+    assert windows_runs([plain, compared]) == [
+        ("plain", plain, "windows"),
+        ("compared", compared, "windows"),
+        ("compared, adapted", compared, "adapted_windows"),
+    ]

@@ -2,7 +2,6 @@
 
 - acceptance rate α = accepted draft tokens / drafted tokens (drafted = tree depth per iteration),
 - n-gram acceptance β = draft tokens accepted along an n-gram branch / drafted tokens,
-- speedup = AR seconds per token / TokenSwift seconds per token,
 - Distinct-n = unique n-grams / total n-grams of the generated tokens.
 """
 
@@ -24,11 +23,6 @@ def distinct_n(tokens: Sequence[int], n: int) -> float:
 
 def acceptance_rate(accepted: int, drafted: int) -> float:
     return accepted / drafted if drafted else 0.0
-
-
-def speedup(ar_seconds: float, ar_tokens: int, swift_seconds: float, swift_tokens: int) -> float:
-    """AR latency per token / TokenSwift latency per token."""
-    return (ar_seconds / ar_tokens) / (swift_seconds / swift_tokens)
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, float]:

@@ -1,8 +1,9 @@
-"""What every bench report writes: CSV rows and the machine that measured them."""
+"""What every bench report writes: CSV rows, JSON rows and the machine that measured them."""
 
 from __future__ import annotations
 
 import csv
+import json
 import platform
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,3 +48,13 @@ def machine_meta() -> dict[str, Any]:
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
     }
+
+
+def write_run_json(out_dir: Path, command: str, rows: Sequence[dict[str, Any]]) -> Path:
+    """`out_dir`/run.json: the rows a command printed, with the machine, date and the command that
+    repeats them (`meta`), as the artefacts under docs/bench record them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "run.json"
+    document = {"meta": {**machine_meta(), "command": command}, "rows": list(rows)}
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return path

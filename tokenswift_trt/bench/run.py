@@ -21,12 +21,11 @@ from pathlib import Path
 
 from tokenswift_trt.decode.autotune import Plan, describe_plans
 from tokenswift_trt.decode.config import GenerationConfig, GenerationError
-from tokenswift_trt.decode.loop import DecodeSteps, decode_steps, generate
+from tokenswift_trt.decode.loop import DecodeSteps, decode_steps
 from tokenswift_trt.decode.stats import WINDOW_TOKENS, Stats, Window
 from tokenswift_trt.model.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread
-from .plot_windows import plot_windows
 from .report import machine_meta, write_csv
 
 DEFAULT_TREE = "1,3,3,3"
@@ -92,32 +91,6 @@ class Run:
     tokens: list[int]
     snapshots: dict[int, Snapshot]  # gen_len -> snapshot
     plans: list[Plan] = field(default_factory=list)
-
-
-def run_to_lengths(
-    engine: Engine,
-    prompt: Sequence[int],
-    config: GenerationConfig,
-    lengths: Sequence[int],
-    on_tokens: Callable[[list[int]], None] | None = None,
-    window_tokens: int = WINDOW_TOKENS,
-) -> Run:
-    targets = sorted(lengths)
-    snapshots: dict[int, Snapshot] = {}
-    window_ends: list[float] = []
-
-    def observe(stats: Stats) -> None:
-        _record(snapshots, targets, stats, stats.elapsed_s, window_ends)
-
-    tokens, stats = generate(
-        engine,
-        prompt,
-        replace(config, max_new_tokens=targets[-1], ignore_eos=True),
-        on_tokens=on_tokens,
-        observer=observe,
-        window_tokens=window_tokens,
-    )
-    return Run(tokens, snapshots, stats.plans)
 
 
 def _record(
@@ -278,16 +251,18 @@ def run_bench(
                             f"{error}; taking turns, the bench holds {len(configs)} generations' "
                             "caches at once: --interleave 0 runs them one at a time"
                         ) from None
-                else:
+                else:  # one after another: each config alone, in one turn
+                    longest = max(spec.gen_lens)
                     results = {
-                        name: run_to_lengths(
+                        name: run_interleaved(
                             engine,
                             prompt,
-                            config,
+                            {name: config},
                             spec.gen_lens,
-                            progress(f"{where}: {name}", max(spec.gen_lens)),
+                            longest,
+                            progress(f"{where}: {name}", longest),
                             spec.window_tokens,
-                        )
+                        )[name]
                         for name, config in configs.items()
                     }
                 for name, run in results.items():
@@ -458,8 +433,9 @@ WINDOW_COLUMNS = (
 
 
 def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
-    """bench.csv, bench.json, bench_windows.csv (figures per window of output positions) and PNG plots
-    of speedup and α against generation length and of the figures by position (windows.png)."""
+    """bench.csv, bench.json, bench_windows.csv (figures per window of output positions; `python -m
+    tools.plot_benchmarks --windows bench.json` draws them) and PNG plots of speedup and α against
+    generation length."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "bench.csv", out_dir / "bench.json"]
     write_csv(written[0], [{key: value for key, value in row.items() if key != "windows"} for row in rows])
@@ -468,10 +444,6 @@ def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
     flat = flat_window_rows(rows)
     if flat:
         written.append(write_csv(out_dir / "bench_windows.csv", flat))
-        curves = [(out_dir.name, written[1], "windows")]
-        if any("adapted_windows" in row for row in rows):  # static vs adapted draft layers
-            curves = [("static", written[1], "windows"), ("adapted", written[1], "adapted_windows")]
-        written.append(plot_windows(curves, out_dir / "windows.png"))
 
     import matplotlib
 

@@ -1,23 +1,18 @@
-"""A bounded load test of a `tokenswift` server: throughput and latency under load, then leak checks.
+"""A bounded load test of a `tokenswift` server: throughput and latency under load, every request
+accounted for.
 
-Phase 1 (`load`): `streams` long gRPC streams (`stream_tokens` each, EOS ignored, distinct seeds) and,
-at the same time, `short_requests` short HTTP `generate_stream` requests (`short_tokens` each) sent by
-`short_workers` clients one after another. Reported: generated tokens per second over the phase, and
-per request, measured at the client, the time to first token, the time per output token after the
-first and the request's duration.
+`streams` long gRPC streams (`stream_tokens` each, EOS ignored, distinct seeds) and, at the same time,
+`short_requests` short HTTP `generate_stream` requests (`short_tokens` each) sent by `short_workers`
+clients one after another. Reported: generated tokens per second over the run, and per request,
+measured at the client, the time to first token, the time per output token after the first and the
+request's duration.
 
-Phase 2 (`mixed`): `mixed_requests` bounded requests (`mixed_tokens` each) sent by `mixed_workers`
-clients: normal completions (gRPC streams and HTTP `generate`), gRPC streams cancelled after a few
-chunks, HTTP `generate_stream` clients that read a few events and close their socket, and bad requests
-(some refused by the HTTP front before Triton, some by the model).
-
-Before phase 1, after phase 1 and after phase 2 (each once the server is idle, plus `settle_s`), the
-server's memory is read: the resident memory of tritonserver and every process it started (the
-Python-backend stubs) and the /dev/shm regions they map. The metrics port is scraped at the same
-moments. The checks: every request got the answer its kind expects; every request that reached the
-model is counted once in `tokenswift:request_success_total` (ok + error + cancelled); phase 1's
-generated tokens counted by the server equal the tokens the clients received; no request is pending;
-resident and shared memory after phase 2 are within `memory_tolerance_mib` of after phase 1.
+Before and after the load (once the server is idle, plus `settle_s`), the server's memory is read: the
+resident memory of tritonserver and every process it started (the Python-backend stubs) and the
+/dev/shm regions they map. The metrics port is scraped at the same moments. The checks: every request
+got the answer its kind expects; every request is counted once in `tokenswift:request_success_total`
+(ok + error + cancelled); the generated tokens counted by the server equal the tokens the clients
+received; no request is pending afterwards.
 
 The counters are read as differences, so a target server must have no other traffic during the run.
 """
@@ -27,14 +22,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import queue
-import random
 import re
-import socket
-import subprocess
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +37,7 @@ import numpy as np
 
 from tokenswift_trt.serving.client import ClientError, Result, generate_endpoint, grpc_generate
 
-from .report import write_csv
+from .report import machine_meta, write_csv
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 MODEL = "tokenswift"
@@ -61,33 +51,25 @@ class LoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class LoadConfig:
-    streams: int = 8  # phase 1: concurrent long gRPC streams
+    streams: int = 8  # concurrent long gRPC streams
     stream_tokens: int = 512
-    short_requests: int = 16  # phase 1: short HTTP generate_stream requests alongside the streams
+    short_requests: int = 16  # short HTTP generate_stream requests alongside the streams
     short_tokens: int = 16
     short_workers: int = 4  # clients sending the short requests, one after another each
-    mixed_requests: int = 100  # phase 2
-    mixed_tokens: int = 64
-    mixed_workers: int = 4
-    cancel_after_chunks: int = 2  # a cancelling gRPC client stops after this many text chunks
-    disconnect_after_events: int = 3  # a disconnecting HTTP client closes after this many events
-    memory_tolerance_mib: float = 64.0  # allowed growth of RSS and of /dev/shm from phase 1 to phase 2
     settle_s: float = 2.0  # wait once the server is idle, before memory is read
-    warmup_tokens: int = 16  # one request before phase 1 (first-request setup), outside the figures
+    warmup_tokens: int = 16  # one request before the load (first-request setup), outside the figures
     idle_timeout_s: float = 120.0  # longest wait for the server to account for every request
     request_timeout_s: float = 600.0  # longest wait for one response
     prompt: str = PROMPT
     seed: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("streams", "stream_tokens", "short_tokens", "short_workers", "mixed_tokens"):
+        for name in ("streams", "stream_tokens", "short_tokens", "short_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("short_requests", "mixed_requests", "memory_tolerance_mib", "settle_s", "warmup_tokens"):
+        for name in ("short_requests", "settle_s", "warmup_tokens"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
-        if self.mixed_workers < 1 or self.cancel_after_chunks < 1 or self.disconnect_after_events < 1:
-            raise ValueError("mixed_workers, cancel_after_chunks and disconnect_after_events must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -105,22 +87,19 @@ class Endpoints:
 class RequestRecord:
     """One request as its client saw it."""
 
-    phase: str  # "load" or "mixed"
-    kind: str  # stream, short, complete, cancel, disconnect, bad
+    kind: str  # stream, short
     transport: str  # grpc, http
-    reaches_model: bool  # False for a request refused before the model (HTTP front, Triton)
-    outcome: str = ""  # ok, error, cancelled (by this client), disconnected (by this client)
+    outcome: str = ""  # ok, error, cancelled, failed (no answer)
     tokens: int = 0  # completion tokens the server reported (0 when it reported none)
     chunks: int = 0  # text chunks or events received
     ttft_s: float | None = None  # first text received, from the request's start
     duration_s: float = 0.0  # last response received, from the request's start
     detail: str = ""  # the error message, for an error
-    streamed: bool = True  # False: the text came whole, so time to first token is not measured
 
     @property
     def tpot_s(self) -> float | None:
         """Seconds per output token after the first (None below two tokens)."""
-        if self.ttft_s is None or self.tokens < 2 or not self.streamed:
+        if self.ttft_s is None or self.tokens < 2:
             return None
         return (self.duration_s - self.ttft_s) / (self.tokens - 1)
 
@@ -142,28 +121,18 @@ class Check:
 
 
 @dataclass
-class PhaseResult:
-    name: str
-    wall_s: float
+class LoadResult:
+    config: LoadConfig
+    meta: dict[str, Any]
+    wall_s: float  # from the first request sent to the last answer
     requests: list[RequestRecord]
-    metrics: dict[str, float]  # differences of the server's counters over the phase (and its settling)
+    metrics: dict[str, float]  # differences of the server's counters over the run (and its settling)
+    memory: list[MemorySnapshot]
+    checks: list[Check] = field(default_factory=list)
 
     @property
     def client_tokens(self) -> int:
         return sum(record.tokens for record in self.requests)
-
-    @property
-    def reached_model(self) -> int:
-        return sum(record.reaches_model for record in self.requests)
-
-
-@dataclass
-class LoadResult:
-    config: LoadConfig
-    meta: dict[str, Any]
-    phases: list[PhaseResult]
-    memory: list[MemorySnapshot]
-    checks: list[Check] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -313,147 +282,17 @@ def _timed(record: RequestRecord, call: Callable[[Callable[[str], None]], Result
         record.tokens = int(result.stats.get("completion_tokens", 0))
         final = "completion_tokens" in result.stats
         record.outcome = "ok" if final else "cancelled"
-    if not record.streamed:  # the whole text arrived at the end: no first-token time to read
-        record.ttft_s = None
     record.duration_s = time.perf_counter() - start
-    return record
-
-
-def _post_raw(http_url: str, path: str, body: bytes, timeout_s: float) -> tuple[int, str]:
-    """POST a body as is (a malformed one included): (HTTP status, error message or '')."""
-    request = urllib.request.Request(
-        f"http://{http_url}{path}", data=body, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, ""
-    except urllib.error.HTTPError as error:
-        raw = error.read().removeprefix(b"data: ")
-        try:
-            return error.code, str(json.loads(raw).get("error", raw.decode(errors="replace")))
-        except (json.JSONDecodeError, AttributeError):
-            return error.code, raw.decode(errors="replace")
-
-
-def _disconnect(http_url: str, params: dict[str, Any], events: int, record: RequestRecord, timeout_s: float):
-    """A generate_stream client that reads `events` server-sent events, then closes its socket."""
-    body = json.dumps(params).encode()
-    host, port = http_url.rsplit(":", 1)
-    start = time.perf_counter()
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as connection:
-            connection.sendall(
-                b"POST /v2/models/tokenswift/generate_stream HTTP/1.1\r\nHost: load\r\nConnection: close\r\n"
-                + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            received = b""
-            while received.count(b"data: ") < events:
-                piece = connection.recv(65536)
-                if not piece:
-                    break
-                if record.ttft_s is None and b"data: " in received + piece:
-                    record.ttft_s = time.perf_counter() - start
-                received += piece
-        record.chunks = received.count(b"data: ")
-        if b'"error"' in received:
-            record.outcome, record.detail = "error", received.split(b"data: ", 1)[-1][:300].decode()
-        else:
-            # a stream shorter than `events` ends before the client can leave: the request completed
-            record.outcome = "disconnected" if record.chunks >= events else "ended"
-    except OSError as error:
-        record.outcome, record.detail = "failed", f"{type(error).__name__}: {error}"[:300]
-    record.duration_s = time.perf_counter() - start
-    return record
-
-
-# (transport, body or params, reaches the model): HTTP bodies the front refuses never reach Triton;
-# values of the right type but out of range reach the model, which refuses them
-def _bad_request(config: LoadConfig, index: int) -> tuple[str, bytes | dict[str, Any], bool]:
-    prompt = config.prompt
-    cases: list[tuple[str, bytes | dict[str, Any], bool]] = [
-        ("http", b"not json", False),
-        ("grpc", {"text_input": prompt, "max_tokens": 0}, True),
-        ("http", json.dumps({"text_input": prompt, "max_tokens": "ten"}).encode(), False),
-        ("http", json.dumps({"text_input": prompt, "max_tokens": 8, "temperature": -1.0}).encode(), True),
-        ("http", json.dumps({"text_input": prompt, "max_tokens": 8, "temprature": 0}).encode(), False),
-        ("grpc", {"text_input": prompt, "max_tokens": 8, "method": "beam"}, True),
-    ]
-    return cases[index % len(cases)]
-
-
-def mixed_plan(config: LoadConfig) -> list[str]:
-    """Phase 2's request kinds in sending order: 20% cancels, 15% disconnects, 15% bad, the rest
-    completions (half gRPC streams, half HTTP generate), shuffled by the seed."""
-    n = config.mixed_requests
-    cancels, disconnects, bad = round(0.2 * n), round(0.15 * n), round(0.15 * n)
-    complete = n - cancels - disconnects - bad
-    kinds = (
-        ["complete-grpc"] * (complete - complete // 2)
-        + ["complete-http"] * (complete // 2)
-        + ["cancel"] * cancels
-        + ["disconnect"] * disconnects
-        + ["bad"] * bad
-    )
-    random.Random(config.seed).shuffle(kinds)
-    return kinds
-
-
-def _mixed_request(config: LoadConfig, endpoints: Endpoints, index: int, kind: str, bad_index: int):
-    seed = config.seed + 10_000 + index
-    tokens = config.mixed_tokens
-    timeout = config.request_timeout_s
-    if kind == "complete-grpc":
-        record = RequestRecord("mixed", "complete", "grpc", True)
-        params = _params(config, seed, tokens, stream=True)
-        return _timed(record, lambda on: grpc_generate(endpoints.grpc_url, params, on, timeout))
-    if kind == "complete-http":
-        record = RequestRecord("mixed", "complete", "http", True, streamed=False)
-        params = _params(config, seed, tokens)
-        return _timed(record, lambda on: generate_endpoint(endpoints.http_url, params, False, on, timeout))
-    if kind == "cancel":
-        record = RequestRecord("mixed", "cancel", "grpc", True)
-        params = _params(config, seed, tokens, stream=True)
-        chunks = config.cancel_after_chunks
-        return _timed(
-            record,
-            lambda on: grpc_generate(endpoints.grpc_url, params, on, timeout, cancel_after_chunks=chunks),
-        )
-    if kind == "disconnect":
-        record = RequestRecord("mixed", "disconnect", "http", True)
-        params = _params(config, seed, tokens, stream=True)
-        return _disconnect(endpoints.http_url, params, config.disconnect_after_events, record, timeout)
-    transport, body, reaches = _bad_request(config, bad_index)
-    record = RequestRecord("mixed", "bad", transport, reaches)
-    if transport == "grpc":
-        assert isinstance(body, dict)
-        return _timed(record, lambda on: grpc_generate(endpoints.grpc_url, body, on, timeout))
-    assert isinstance(body, bytes)
-    start = time.perf_counter()
-    status, message = _post_raw(endpoints.http_url, "/v2/models/tokenswift/generate", body, timeout)
-    record.duration_s = time.perf_counter() - start
-    record.outcome = "error" if status >= 400 else "ok"
-    record.detail = f"HTTP {status}: {message}"[:300]
     return record
 
 
 def _expected(record: RequestRecord, config: LoadConfig) -> bool:
-    """Whether a request got the answer its kind expects."""
-    if record.kind == "bad":
-        return record.outcome == "error" and (
-            record.transport == "grpc" or record.detail.startswith("HTTP 400")
-        )
-    if record.kind in ("stream", "short", "complete"):
-        wanted = {"stream": config.stream_tokens, "short": config.short_tokens}.get(
-            record.kind, config.mixed_tokens
-        )
-        return record.outcome == "ok" and record.tokens == wanted
-    if record.kind == "cancel":  # a request may end before the cancel arrives
-        return record.outcome == "cancelled" or (record.outcome == "ok" and record.tokens > 0)
-    return record.outcome in ("disconnected", "ended")
+    """Whether a request got all the tokens it asked for."""
+    wanted = config.stream_tokens if record.kind == "stream" else config.short_tokens
+    return record.outcome == "ok" and record.tokens == wanted
 
 
-# ------------------------------------------------------------------------------------------------ phases
+# -------------------------------------------------------------------------------------------------- load
 
 
 def _wait_idle(endpoints: Endpoints, outcomes_wanted: float, timeout_s: float) -> dict[str, float]:
@@ -466,14 +305,14 @@ def _wait_idle(endpoints: Endpoints, outcomes_wanted: float, timeout_s: float) -
         time.sleep(0.2)
 
 
-def run_load_phase(config: LoadConfig, endpoints: Endpoints) -> tuple[list[RequestRecord], float]:
-    """Phase 1: the long streams and the short requests at once; (records, wall seconds)."""
+def run_requests(config: LoadConfig, endpoints: Endpoints) -> tuple[list[RequestRecord], float]:
+    """The long streams and the short requests at once; (records, wall seconds)."""
     records: list[RequestRecord] = []
     timeout = config.request_timeout_s
 
     def stream(index: int) -> RequestRecord:
         params = _params(config, config.seed + index, config.stream_tokens, stream=True)
-        record = RequestRecord("load", "stream", "grpc", True)
+        record = RequestRecord("stream", "grpc")
         return _timed(record, lambda on: grpc_generate(endpoints.grpc_url, params, on, timeout))
 
     shorts: queue.Queue[int] = queue.Queue()
@@ -488,7 +327,7 @@ def run_load_phase(config: LoadConfig, endpoints: Endpoints) -> tuple[list[Reque
             except queue.Empty:
                 return done
             params = _params(config, config.seed + 1000 + index, config.short_tokens)
-            record = RequestRecord("load", "short", "http", True)
+            record = RequestRecord("short", "http")
             done.append(
                 _timed(
                     record,
@@ -508,30 +347,13 @@ def run_load_phase(config: LoadConfig, endpoints: Endpoints) -> tuple[list[Reque
     return records, time.perf_counter() - start
 
 
-def run_mixed_phase(config: LoadConfig, endpoints: Endpoints) -> tuple[list[RequestRecord], float]:
-    """Phase 2: completions, cancels, disconnects and bad requests; (records in plan order, wall s)."""
-    plan = mixed_plan(config)
-    bad_indices = {}
-    for index, kind in enumerate(plan):
-        if kind == "bad":
-            bad_indices[index] = len(bad_indices)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(config.mixed_workers) as pool:
-        futures = [
-            pool.submit(_mixed_request, config, endpoints, index, kind, bad_indices.get(index, 0))
-            for index, kind in enumerate(plan)
-        ]
-        records = [future.result() for future in futures]
-    return records, time.perf_counter() - start
-
-
 def run_load(
     config: LoadConfig,
     endpoints: Endpoints,
     meta: dict[str, Any] | None = None,
     on_progress: Callable[[str], None] | None = None,
 ) -> LoadResult:
-    """Both phases with memory and metrics around them, and the checks."""
+    """The load with memory and metrics read around it, and the checks."""
     say = on_progress or (lambda message: None)
     load_average_start = os.getloadavg()  # a shared machine's other work shows here
     pid = endpoints.server_pid or find_server_pid(endpoints.grpc_url)
@@ -558,108 +380,70 @@ def run_load(
         )
     snapshot("before")
     say(
-        f"phase 1: {config.streams} gRPC streams x {config.stream_tokens} tokens with "
+        f"{config.streams} gRPC streams x {config.stream_tokens} tokens with "
         f"{config.short_requests} HTTP requests x {config.short_tokens} tokens"
     )
-    load_records, load_wall = run_load_phase(config, endpoints)
-    load_wanted = _outcomes(start_figures) + sum(r.reaches_model for r in load_records)
-    after_load = _wait_idle(endpoints, load_wanted, config.idle_timeout_s)
-    time.sleep(config.settle_s)
-    snapshot("after_load")
-    say(
-        f"phase 2: {config.mixed_requests} requests x {config.mixed_tokens} tokens "
-        "(completions, cancels, disconnects, bad requests)"
-    )
-    mixed_records, mixed_wall = run_mixed_phase(config, endpoints)
-    mixed_wanted = _outcomes(after_load) + sum(r.reaches_model for r in mixed_records)
+    records, wall = run_requests(config, endpoints)
     idle_start = time.perf_counter()
-    _wait_idle(endpoints, mixed_wanted, config.idle_timeout_s)
+    final = _wait_idle(endpoints, _outcomes(start_figures) + len(records), config.idle_timeout_s)
     idle_s = time.perf_counter() - idle_start
     time.sleep(config.settle_s)
-    snapshot("after_mixed")
-    final = scrape(endpoints.metrics_url)
-    phases = [
-        PhaseResult("load", load_wall, load_records, _delta(after_load, start_figures)),
-        PhaseResult("mixed", mixed_wall, mixed_records, _delta(final, after_load)),
-    ]
+    snapshot("after")
     meta = {
         **(meta or {}),
         "server_pid": pid,
-        "idle_after_mixed_s": round(idle_s, 3),
+        "idle_after_s": round(idle_s, 3),
         "load_average_start": [round(value, 2) for value in load_average_start],
         "load_average_end": [round(value, 2) for value in os.getloadavg()],
     }
-    result = LoadResult(config, meta, phases, memory)
-    result.checks = checks(result, final, pid is not None)
+    result = LoadResult(config, meta, wall, records, _delta(final, start_figures), memory)
+    result.checks = checks(result, final)
     return result
 
 
-def checks(result: LoadResult, final: dict[str, float], memory_measured: bool) -> list[Check]:
-    """The accounting and leak checks of a finished run (`final`: the last scrape)."""
-    config = result.config
-    found: list[Check] = []
-    records = [record for phase in result.phases for record in phase.requests]
-    wrong = [r for r in records if not _expected(r, config)]
-    found.append(
+def checks(result: LoadResult, final: dict[str, float]) -> list[Check]:
+    """The accounting checks of a finished run (`final`: the last scrape)."""
+    records = result.requests
+    wrong = [r for r in records if not _expected(r, result.config)]
+    found = [
         Check(
             "answers",
             "fail" if wrong else "pass",
-            f"{len(records) - len(wrong)}/{len(records)} requests got the answer their kind expects"
+            f"{len(records) - len(wrong)}/{len(records)} requests got every token they asked for"
             + (
-                "; first unexpected: "
-                + f"{wrong[0].kind} over {wrong[0].transport} -> {wrong[0].outcome} {wrong[0].detail}"
+                f"; first unexpected: {wrong[0].kind} over {wrong[0].transport} -> {wrong[0].outcome} "
+                f"{wrong[0].tokens} tokens {wrong[0].detail}"
                 if wrong
                 else ""
             ),
         )
-    )
-    reached = sum(phase.reached_model for phase in result.phases)
-    counted = sum(_outcomes(phase.metrics) for phase in result.phases)
+    ]
+    counted = _outcomes(result.metrics)
     found.append(
         Check(
             "accounted",
-            "pass" if counted == reached else "fail",
-            f"tokenswift:request_success_total grew by {counted:g} (ok + error + cancelled) for {reached} "
-            "requests that reached the model",
+            "pass" if counted == len(records) else "fail",
+            f"tokenswift:request_success_total grew by {counted:g} (ok + error + cancelled) for "
+            f"{len(records)} requests",
         )
     )
-    load = result.phases[0]
-    server_tokens = load.metrics["generation_tokens"]
+    server_tokens = result.metrics["generation_tokens"]
     found.append(
         Check(
-            "load_tokens",
-            "pass" if server_tokens == load.client_tokens else "fail",
-            f"phase 1: the server counted {server_tokens:g} generated tokens, the clients received "
-            f"{load.client_tokens}",
+            "tokens",
+            "pass" if server_tokens == result.client_tokens else "fail",
+            f"the server counted {server_tokens:g} generated tokens, the clients received "
+            f"{result.client_tokens}",
         )
     )
     if final["has_pending"]:
         found.append(
             Check(
-                "pending",
-                "pass" if final["pending"] == 0 else "fail",
-                f"{PENDING} is {final['pending']:g} after phase 2",
+                "pending", "pass" if final["pending"] == 0 else "fail", f"{PENDING} is {final['pending']:g}"
             )
         )
     else:
         found.append(Check("pending", "skipped", f"the server reports no {PENDING}"))
-    if not memory_measured:
-        reason = "tritonserver's process was not found (a server on another machine or user?)"
-        found += [Check("rss", "skipped", reason), Check("shm", "skipped", reason)]
-        return found
-    by_label = {snapshot.label: snapshot for snapshot in result.memory}
-    loaded, mixed = by_label["after_load"], by_label["after_mixed"]
-    tolerance = config.memory_tolerance_mib
-    for name, unit in (("rss", "resident memory"), ("shm", "/dev/shm")):
-        before, after = getattr(loaded, f"{name}_mib"), getattr(mixed, f"{name}_mib")
-        found.append(
-            Check(
-                name,
-                "pass" if after <= before + tolerance else "fail",
-                f"{unit} {before:.1f} MiB after phase 1, {after:.1f} MiB after phase 2 "
-                f"(tolerance +{tolerance:g} MiB)",
-            )
-        )
     return found
 
 
@@ -689,32 +473,12 @@ def local_server(engine: Path, instances: int = 1, log_path: Path | None = None)
 # ---------------------------------------------------------------------------------------------- report
 
 
-def hardware() -> dict[str, str]:
-    """The machine: lscpu's model name and CPU count, the platform, Python and torch."""
-    found = {"platform": platform.platform(), "python": platform.python_version()}
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        lscpu = ""
-    for line in lscpu.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("Model name", "CPU(s)", "Thread(s) per core", "Architecture"):
-            found[key.strip().lower().replace(" ", "_").replace("(s)", "s")] = value.strip()
-    try:
-        import torch
-
-        found["torch"] = torch.__version__
-    except ImportError:
-        found["torch"] = "not installed"
-    return found
-
-
 def run_meta(command: str, endpoints: Endpoints) -> dict[str, Any]:
     """Date, machine, the command and the server's version (from its HTTP metadata)."""
     meta: dict[str, Any] = {
+        **machine_meta(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command,
-        **hardware(),
     }
     try:
         with urllib.request.urlopen(f"http://{endpoints.http_url}/v2", timeout=10) as response:
@@ -773,32 +537,20 @@ def summarize(records: list[RequestRecord]) -> dict[str, Any]:
 
 def report(result: LoadResult) -> dict[str, Any]:
     """The JSON document of a run."""
-    phases = []
-    for phase in result.phases:
-        kinds = sorted({record.kind for record in phase.requests})
-        phases.append(
-            {
-                "name": phase.name,
-                "wall_s": phase.wall_s,
-                "requests": len(phase.requests),
-                "reached_model": phase.reached_model,
-                "client_tokens": phase.client_tokens,
-                "tokens_per_s": phase.client_tokens / phase.wall_s if phase.wall_s else None,
-                "server": phase.metrics,
-                "all": summarize(phase.requests),
-                "by_kind": {kind: summarize([r for r in phase.requests if r.kind == kind]) for kind in kinds},
-            }
-        )
+    kinds = sorted({record.kind for record in result.requests})
     return {
         "meta": result.meta,
         "config": asdict(result.config),
         "passed": result.passed,
         "checks": [asdict(check) for check in result.checks],
         "memory": [asdict(snapshot) for snapshot in result.memory],
-        "phases": phases,
-        "requests": [
-            asdict(record) | {"tpot_s": record.tpot_s} for phase in result.phases for record in phase.requests
-        ],
+        "wall_s": result.wall_s,
+        "client_tokens": result.client_tokens,
+        "tokens_per_s": result.client_tokens / result.wall_s if result.wall_s else None,
+        "server": result.metrics,
+        "all": summarize(result.requests),
+        "by_kind": {kind: summarize([r for r in result.requests if r.kind == kind]) for kind in kinds},
+        "requests": [asdict(record) | {"tpot_s": record.tpot_s} for record in result.requests],
     }
 
 
@@ -808,46 +560,34 @@ def _figure(value: float | None, digits: int = 3) -> str:
 
 def markdown(document: dict[str, Any]) -> str:
     """A short summary of the JSON document."""
-    meta = document["meta"]
+    meta, server = document["meta"], document["server"]
     lines = [
         "# Serving load test",
         "",
         f"- date: {meta.get('date')}",
-        f"- machine: {meta.get('model_name', '?')}, {meta.get('cpus', '?')} CPUs; {meta.get('platform')}",
+        f"- machine: {meta.get('cpu', '?')}, {meta.get('cpus', '?')} CPUs, GPU {meta.get('gpu')}",
         f"- python {meta.get('python')}, torch {meta.get('torch')}, server {meta.get('server')}",
         f"- load average (1, 5, 15 min) at start {meta.get('load_average_start')}, "
         f"at end {meta.get('load_average_end')}",
         f"- command: `{meta.get('command')}`",
         f"- checks: {'all passed' if document['passed'] else 'FAILED'}",
+        f"- {document['wall_s']:.1f} s; counted by the server: {server['outcome_ok']:g} ok, "
+        f"{server['outcome_error']:g} error, {server['outcome_cancelled']:g} cancelled, "
+        f"{server['generation_tokens']:g} generated tokens",
         "",
-        "| phase | kind | requests | outcomes | tokens | tokens/s | TTFT p50 / p95 s | TPOT p50 / p95 ms "
+        "| kind | requests | outcomes | tokens | tokens/s | TTFT p50 / p95 s | TPOT p50 / p95 ms "
         "| duration p50 / p95 s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for phase in document["phases"]:
-        rows = [("all", phase["all"], phase["tokens_per_s"])] + [
-            (kind, summary, None) for kind, summary in phase["by_kind"].items()
-        ]
-        for kind, s, rate in rows:
-            outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items()))
-            lines.append(
-                f"| {phase['name']} | {kind} | {s['requests']} | {outcomes} | {s['tokens']} "
-                f"| {_figure(rate)} "
-                f"| {_figure(s['ttft_p50_s'])} / {_figure(s['ttft_p95_s'])} "
-                f"| {_figure(s['tpot_p50_ms'])} / {_figure(s['tpot_p95_ms'])} "
-                f"| {_figure(s['duration_p50_s'])} / {_figure(s['duration_p95_s'])} |"
-            )
-    lines += [
-        "",
-        "| phase | wall s | reached the model | ok | error | cancelled | generated tokens (server) |",
-    ]
-    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
-    for phase in document["phases"]:
-        server = phase["server"]
+    rows = [("all", document["all"], document["tokens_per_s"])]
+    rows += [(kind, summary, None) for kind, summary in document["by_kind"].items()]
+    for kind, s, rate in rows:
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items()))
         lines.append(
-            f"| {phase['name']} | {phase['wall_s']:.1f} | {phase['reached_model']} "
-            f"| {server['outcome_ok']:g} | {server['outcome_error']:g} | {server['outcome_cancelled']:g} "
-            f"| {server['generation_tokens']:g} |"
+            f"| {kind} | {s['requests']} | {outcomes} | {s['tokens']} | {_figure(rate)} "
+            f"| {_figure(s['ttft_p50_s'])} / {_figure(s['ttft_p95_s'])} "
+            f"| {_figure(s['tpot_p50_ms'])} / {_figure(s['tpot_p95_ms'])} "
+            f"| {_figure(s['duration_p50_s'])} / {_figure(s['duration_p95_s'])} |"
         )
     if document["memory"]:
         lines += [

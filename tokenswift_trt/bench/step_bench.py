@@ -12,7 +12,6 @@ The CLI's `bench-steps` is these calls plus printing. Every failure is a `StepBe
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import warnings
 from collections.abc import Callable
@@ -285,8 +284,6 @@ def run_tp_step_bench(
         "dtype": dtype,
         "device": device_description(device_now),
         "backend": "nccl" if device_now.type == "cuda" else "gloo",
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
         "load_average": round(os.getloadavg()[0], 2),
         **machine_meta(),
     }

@@ -30,7 +30,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -127,13 +127,7 @@ def random_engine(
     draft_layers.to_empty(device=device)
     base.tie_weights()
     base.rotary.to(device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in list(base.named_parameters()) + list(draft_layers.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+    fill_random([*base.named_parameters(), *draft_layers.named_parameters()], device, seed)
     base.eval()
     draft_layers.eval()
     choose_kernels(base, config, dtype, device, kernels)
@@ -141,6 +135,19 @@ def random_engine(
     pack_linears(draft_layers, half=True, kernels=kernels)
     engine = Engine(config, base, draft_layers, False, dtype, device, kernels=kernels)
     return engine, str(dtype).removeprefix("torch.")
+
+
+def fill_random(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]], device: torch.device, seed: int
+) -> None:
+    """Random weights in place: norms 1, every other parameter N(0, 0.02), from one seeded generator."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in named_parameters:
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.normal_(0.0, 0.02, generator=generator)
 
 
 # ---------------------------------------------------------------- measurement

@@ -12,7 +12,6 @@ each the median of `repeats` runs, every rank timing the same runs in step (a ba
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import statistics
@@ -35,6 +34,9 @@ from tokenswift_trt.model.tensor_parallel import (
     make_vocab_parallel_head,
     shard_config,
 )
+
+from .report import write_csv
+from .steps import fill_random
 
 
 @dataclass(frozen=True)
@@ -69,13 +71,7 @@ def random_rank_model(
     model.to(dtype)
     model.tie_weights()
     model.rotary.to(device)
-    generator = torch.Generator(device=device).manual_seed(seed + tp.rank)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.fill_(1.0)
-            else:
-                parameter.normal_(0.0, 0.02, generator=generator)
+    fill_random(model.named_parameters(), device, seed + tp.rank)
     model.pack(kernels)
     model.cpu_decoder = None  # as under load_engine(tp=...): the all-reduces sit between the layers
     return model.eval()
@@ -144,10 +140,6 @@ def write_tp_report(costs: Sequence[TpStepCost], out_dir: Path, meta: dict) -> l
     """tp_steps.csv and tp_steps.json (rows and the run's description)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [{**asdict(cost), "all_reduce_share": round(cost.all_reduce_share, 4)} for cost in costs]
-    csv_path, json_path = out_dir / "tp_steps.csv", out_dir / "tp_steps.json"
-    with open(csv_path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    csv_path, json_path = write_csv(out_dir / "tp_steps.csv", rows), out_dir / "tp_steps.json"
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return [csv_path, json_path]

@@ -8,7 +8,7 @@ import sys
 import click
 
 from .batch import batch
-from .bench import bench, bench_host
+from .bench import bench
 from .bench_serve import bench_batching, bench_serve
 from .bench_steps import bench_steps
 from .build import build, presets, random_model
@@ -55,7 +55,6 @@ for command in (
     client,
     bench,
     bench_steps,
-    bench_host,
     bench_serve,
     bench_batching,
     train_data,

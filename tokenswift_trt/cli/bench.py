@@ -1,5 +1,4 @@
-"""`bench` (AR vs TokenSwift, whole generations) and `bench-host` (host time per iteration);
-`bench-steps` is in bench_steps.py."""
+"""`bench`: AR vs TokenSwift in whole generations (`bench-steps` is in bench_steps.py)."""
 
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ from .tp_launch import tp_options
     type=int,
     default=256,
     show_default=True,
-    help="output positions per window of the figures by position (bench_windows.csv, windows.png)",
+    help="output positions per window of the figures by position (bench_windows.csv)",
 )
 @click.option(
     "--no-extras",
@@ -71,7 +70,7 @@ from .tp_launch import tp_options
     "--compare-adaptation",
     is_flag=True,
     help="also TokenSwift with draft layers adapted online (--adapt-drafts) beside the engine's own: "
-    "adapted_* columns, the variant column of bench_windows.csv, both in windows.png",
+    "adapted_* columns and the variant column of bench_windows.csv",
 )
 @report_out_option("runs/bench")
 @kernel_option
@@ -217,60 +216,3 @@ def bench(
     if not outcome.tokens_equal_ar:
         click.echo(unequal_tokens_note(opts["device"], str(engine.dtype)), err=True)
     click.echo("wrote " + ", ".join(str(p) for p in outcome.written))
-
-
-@click.command("bench-host")
-@source_options
-@click.option(
-    "--prompt-file", type=click.Path(path_type=Path), required=True, help="text the prompt is cut from"
-)
-@click.option("--prefix-len", type=int, default=512, show_default=True, help="prompt tokens")
-@click.option("--max-new-tokens", type=int, default=1024, show_default=True)
-@sampling_options
-def bench_host(model, model_dir, engine_dir, heads, prompt_file, prefix_len, max_new_tokens, **opts) -> None:
-    """Host overhead per TokenSwift iteration: decode time outside model calls (docs/gpu.md)."""
-    from tokenswift_trt.bench.host import device_loop_host_time, measure_host_overhead
-
-    if prefix_len < 1 or max_new_tokens < 2:
-        raise CliError("--prefix-len must be >= 1 and --max-new-tokens >= 2")
-    if opts["seed"] is None:
-        opts["seed"] = 0
-    defaults = early_defaults(model, model_dir, engine_dir, heads)
-    config = generation_config(max_new_tokens, "tokenswift", opts, defaults)  # bad values: refused now
-    text = read_prompt(None, prompt_file)
-    source = load_source(model, model_dir, engine_dir, heads, opts["dtype"], opts["device"], quiet=False)
-    assert source.defaults == defaults, "the config was built from the defaults the source loads with"
-    prompt = source.codec.encode(text)[:prefix_len]
-    try:
-        if config.device_loop:
-            loop = device_loop_host_time(source.engine, prompt, config)
-        else:
-            result = measure_host_overhead(source.engine, prompt, config)
-    except ValueError as error:  # GenerationError included
-        raise fail(error) from None
-    if config.device_loop:
-        click.echo(
-            f"device loop, tree {loop.tree}, k={loop.ngram_topk}, {loop.iterations} iterations, "
-            f"{loop.tokens} tokens, {loop.mean_accept_length:.2f} tokens/iteration, "
-            f"{loop.graph_replays} graph replays"
-        )
-        click.echo(
-            f"host ms/iteration: {loop.host_ms_per_iteration:.3f} (queue the iteration and its report)  "
-            f"wait ms/iteration: {loop.wait_ms_per_iteration:.3f} (for the report one iteration late)"
-        )
-        click.echo(f"{loop.tokens_per_s:.1f} tokens/s")
-        return
-    click.echo(
-        f"tree {config.tree}, k={config.ngram_topk}, {result.iterations} iterations, "
-        f"{result.new_tokens} tokens"
-    )
-    click.echo(
-        f"host ms/iteration: {result.host_ms_per_iteration:.3f}  model ms/iteration: "
-        f"{result.model_ms_per_iteration:.3f}"
-    )
-    click.echo(
-        f"host tensor ops/iteration: {result.host_ops_per_iteration:.1f} (outside model calls, views "
-        "excluded: each is a kernel launch on a GPU)"
-    )
-    phases = ", ".join(f"{name} {ms:.3f}" for name, ms in result.phase_ms_per_iteration.items())
-    click.echo(f"phases (ms/iteration, model calls included): {phases}")

@@ -1,4 +1,5 @@
-"""`bench-serve`: a bounded load test of the server (throughput, latency, memory, leak checks)."""
+"""`bench-serve`: a bounded load test of the server (throughput, latency, memory, every request
+accounted for); `bench-batching`: many users at once, batched and not."""
 
 from __future__ import annotations
 
@@ -28,37 +29,22 @@ from .common import CliError, fail, kernel_option, report_out_option
 )
 @click.option("--metrics-url", default=None, help="that server's metrics, e.g. http://HOST:8002/metrics")
 @click.option("--instances", type=click.IntRange(1, 64), default=1, show_default=True, help="model instances")
-@click.option("--streams", type=click.IntRange(1), default=8, show_default=True, help="phase 1: gRPC streams")
+@click.option("--streams", type=click.IntRange(1), default=8, show_default=True, help="long gRPC streams")
 @click.option("--stream-tokens", type=click.IntRange(1), default=512, show_default=True)
 @click.option(
     "--short-requests",
     type=click.IntRange(0),
     default=16,
     show_default=True,
-    help="phase 1: short HTTP generate_stream requests alongside the streams",
+    help="short HTTP generate_stream requests alongside the streams",
 )
 @click.option("--short-tokens", type=click.IntRange(1), default=16, show_default=True)
-@click.option(
-    "--mixed-requests",
-    type=click.IntRange(0),
-    default=100,
-    show_default=True,
-    help="phase 2: completions, cancels, disconnects and bad requests",
-)
-@click.option("--mixed-tokens", type=click.IntRange(1), default=64, show_default=True)
 @click.option(
     "--concurrency",
     type=click.IntRange(1, 256),
     default=4,
     show_default=True,
-    help="clients sending the short requests (phase 1) and the mixed requests (phase 2)",
-)
-@click.option(
-    "--memory-tolerance-mib",
-    type=click.FloatRange(0),
-    default=64.0,
-    show_default=True,
-    help="growth of resident memory and of /dev/shm from after phase 1 to after phase 2 that passes",
+    help="clients sending the short requests, one request after another each",
 )
 @click.option(
     "--settle",
@@ -87,24 +73,20 @@ def bench_serve(
     stream_tokens: int,
     short_requests: int,
     short_tokens: int,
-    mixed_requests: int,
-    mixed_tokens: int,
     concurrency: int,
-    memory_tolerance_mib: float,
     settle: float,
     seed: int,
     out: Path,
     log_file: Path | None,
 ) -> None:
-    """Serving under load: tokens/s, time to first token, memory; then checks that nothing leaked.
+    """Serving under load: tokens/s, time to first token, memory; every request accounted for.
 
-    Phase 1: --streams long gRPC streams with --short-requests short HTTP requests at the same time
-    (tokens/s, time to first token, time per output token, durations). Phase 2: --mixed-requests
-    requests, some cancelled mid-stream, some disconnected, some bad. The server's memory (RSS of
-    tritonserver and its stubs, their /dev/shm) and metrics are read before and after each phase.
-    Writes serve_load.json, serve_load.md and requests.csv to --out; exits 1 with one line when a check
-    fails (a request not accounted for or pending, memory grown past the tolerance). A running server
-    (--grpc-url, --http-url, --metrics-url) must have no other traffic during the run.
+    --streams long gRPC streams with --short-requests short HTTP requests at the same time (tokens/s,
+    time to first token, time per output token, durations). The server's memory (RSS of tritonserver
+    and its stubs, their /dev/shm) and metrics are read before and after. Writes serve_load.json,
+    serve_load.md and requests.csv to --out; exits 1 with one line when a check fails (a request cut
+    short, not counted by the server, or left pending). A running server (--grpc-url, --http-url,
+    --metrics-url) must have no other traffic during the run.
     """
     from tokenswift_trt.bench.serve_load import (
         Endpoints,
@@ -133,10 +115,6 @@ def bench_serve(
         short_requests=short_requests,
         short_tokens=short_tokens,
         short_workers=concurrency,
-        mixed_requests=mixed_requests,
-        mixed_tokens=mixed_tokens,
-        mixed_workers=concurrency,
-        memory_tolerance_mib=memory_tolerance_mib,
         settle_s=settle,
         seed=seed,
     )
@@ -159,11 +137,10 @@ def bench_serve(
     except (LoadError, ServerError, OSError) as error:
         raise fail(error) from None
     written = write_report(result, out)
-    for phase in result.phases:
-        click.echo(
-            f"{phase.name}: {len(phase.requests)} requests, {phase.client_tokens} tokens in "
-            f"{phase.wall_s:.1f} s ({phase.client_tokens / phase.wall_s:.1f} tokens/s)"
-        )
+    click.echo(
+        f"{len(result.requests)} requests, {result.client_tokens} tokens in {result.wall_s:.1f} s "
+        f"({result.client_tokens / result.wall_s:.1f} tokens/s)"
+    )
     for snapshot in result.memory:
         click.echo(
             f"memory {snapshot.label}: RSS {snapshot.rss_mib:.1f} MiB, /dev/shm {snapshot.shm_mib:.1f} MiB"

@@ -10,7 +10,7 @@ import click
 
 from tokenswift_trt.bench.metrics import PAPER_ACCEPT_LENGTH
 
-from .common import CliError, fail, int_list, kernel_option, report_out_option
+from .common import CliError, fail, given_command, int_list, kernel_option, report_out_option
 from .tp_launch import tp_options
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def bench_steps(
         compile_steps=compile_steps,
         kernels=kernels,
         out=out,
-        command=_given_command("tokenswift-trt bench-steps"),
+        command=given_command("tokenswift-trt bench-steps"),
         tp_head=tp_head,
     )
     if tp > 1:  # the all-reduces' share of a tensor-parallel step (bench/tp_steps.py)
@@ -153,30 +153,6 @@ def bench_steps(
         for bar in bars:
             bar.close()
     _print_step_report(result, job)
-
-
-def _given_command(name: str) -> str:
-    """The running command with the options given (defaults left out), as a report records it."""
-    from click.core import ParameterSource
-
-    ctx = click.get_current_context()
-    given = [
-        (param.opts[0], ctx.params[param.name])
-        for param in ctx.command.params
-        if param.name in ctx.params  # not in a rank's context (tp_launch invokes the callback)
-        and ctx.get_parameter_source(param.name) != ParameterSource.DEFAULT
-    ]
-    return " ".join(
-        [name]
-        + [
-            " ".join(f"{flag} {key}={item}" for key, item in value.items())
-            if isinstance(value, dict)
-            else flag
-            if value is True
-            else f"{flag} {value}"
-            for flag, value in given
-        ]
-    )
 
 
 def _tp_steps(job: StepBenchJob, size: int, timeout_s: float) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -42,6 +43,27 @@ def report_out_option(default: str):
         show_default=True,
         callback=report_dir,
     )
+
+
+def given_command(name: str) -> str:
+    """The running command with the options given (defaults left out), as a report records it."""
+    ctx = click.get_current_context()
+    words = [name]
+    for param in ctx.command.params:
+        if param.name not in ctx.params:  # not in a rank's context (tp_launch invokes the callback)
+            continue
+        if ctx.get_parameter_source(param.name) == ParameterSource.DEFAULT:
+            continue
+        flag, value = param.opts[0], ctx.params[param.name]
+        if isinstance(value, dict):
+            words += [f"{flag} {key}={item}" for key, item in value.items()]
+        elif value is True:
+            words.append(flag)
+        elif value is False and param.secondary_opts:  # --no-edit
+            words.append(param.secondary_opts[0])
+        else:
+            words.append(f"{flag} {value}")
+    return " ".join(words)
 
 
 def unequal_tokens_note(device: str, dtype: str) -> str:

@@ -13,6 +13,7 @@ from .common import (
     early_defaults,
     fail,
     generation_config,
+    given_command,
     kernel_option,
     load_source,
     read_prompt,
@@ -315,6 +316,12 @@ def generate(
     help="then an editing request (revise a short Python file; greedy, stops at EOS), whose answer copies "
     "much of its input, with AR and TokenSwift taking turns (not with --tp)",
 )
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="also write the printed rows to OUT/run.json, with the machine, date and command",
+)
 @tp_options
 @sampling_options
 def demo(
@@ -328,6 +335,7 @@ def demo(
     users,
     user_tokens,
     edit,
+    out,
     tp,
     tp_timeout,
     **opts,
@@ -335,8 +343,10 @@ def demo(
     """Generate with AR and with TokenSwift on the same engine, taking turns; print speedup, α, β,
     Distinct-n and agreement; then an editing request whose answer copies much of its input, the same
     way; then a few users' requests one at a time and decoded together. With --tp N the first part runs
-    split over N tensor-parallel ranks (and the others are skipped); rank 0 prints."""
+    split over N tensor-parallel ranks (and the others are skipped); rank 0 prints. --out DIR writes
+    the rows to DIR/run.json."""
     from tokenswift_trt.bench.metrics import distinct_n
+    from tokenswift_trt.bench.report import write_run_json
     from tokenswift_trt.bench.run import take_turns
     from tokenswift_trt.decode.autotune import describe_plans
     from tokenswift_trt.decode.config import GenerationError
@@ -430,12 +440,41 @@ def demo(
     click.echo("Distinct-1..4: " + "  ".join(f"{distinct_n(ts_ids, n):.3f}" for n in range(1, 5)))
     if ts.plans:
         click.echo("plans (--tree auto): " + " | ".join(describe_plans(ts.plans)))
+    rows = [
+        {
+            "job": "prose",
+            "prompt_tokens": len(prompt_ids),
+            **_row(ar_ids, ar.elapsed_s, ts_ids, ts.elapsed_s, ts.mean_accept_length),
+            "alpha": round(ts.acceptance_rate, 4),
+            "beta": round(ts.ngram_acceptance_rate, 4),
+            "tokens_per_forward": round(ts.tokens_per_forward, 3),
+            "plans": describe_plans(ts.plans),
+        }
+    ]
     if edit and ranks is None:
-        _editing(loaded, directory, opts)
+        rows.append(_editing(loaded, directory, opts))
     if loaded.engine.device.type == "cpu":
         click.echo(WHY_PROSE)
     if users and ranks is None:
-        _users(loaded.engine, prompt_ids, configs["tokenswift"], users, user_tokens)
+        rows.append(_users(loaded.engine, prompt_ids, configs["tokenswift"], users, user_tokens))
+    if out is not None and (ranks is None or ranks.leader):
+        click.echo(f"wrote {write_run_json(out, given_command('tokenswift-trt demo'), rows)}", err=True)
+
+
+def _row(ar_ids: list[int], ar_s: float, ts_ids: list[int], ts_s: float, accept_length: float) -> dict:
+    """A demo job's figures as run.json records them: each method's tokens, seconds and tokens/s, the
+    speedup, TokenSwift's tokens per iteration and whether its tokens are AR's."""
+    return {
+        "ar_tokens": len(ar_ids),
+        "ar_s": round(ar_s, 3),
+        "ar_tokens_per_s": round(len(ar_ids) / ar_s, 2),
+        "tokenswift_tokens": len(ts_ids),
+        "tokenswift_s": round(ts_s, 3),
+        "tokenswift_tokens_per_s": round(len(ts_ids) / ts_s, 2),
+        "speedup": round(ar_s / ts_s, 3),
+        "tokens_per_iteration": round(accept_length, 3),
+        "same_tokens_as_ar": ar_ids == ts_ids,
+    }
 
 
 # why the prose row gains little on a CPU and what a GPU changes (docs/benchmarks.md: the 2-core CPU
@@ -449,9 +488,10 @@ WHY_PROSE = (
 )
 
 
-def _editing(loaded, directory: Path, opts: dict) -> None:
+def _editing(loaded, directory: Path, opts: dict) -> dict:
     """The editing request (demo_edit.py), greedy without penalty and stopping at EOS, decoded by AR
-    and TokenSwift taking turns; prints its own figures and whether the tokens are the same."""
+    and TokenSwift taking turns; prints its own figures and whether the tokens are the same, and
+    returns its row."""
     from tokenswift_trt.bench.run import take_turns
     from tokenswift_trt.decode.loop import GenerationError, decode_steps
     from tokenswift_trt.serving.openai_api import ApiError, FrontendError
@@ -488,11 +528,14 @@ def _editing(loaded, directory: Path, opts: dict) -> None:
     )
     if ar_ids != ts_ids:
         click.echo(unequal_tokens_note(str(loaded.engine.device), str(loaded.engine.dtype)), err=True)
+    row = _row(ar_ids, ar_s, ts_ids, ts_s, ts.mean_accept_length)
+    return {"job": "editing", "prompt_tokens": len(prompt_ids), "chat_template": chat, **row}
 
 
-def _users(engine, prompt_ids: list[int], config, users: int, tokens: int) -> None:
+def _users(engine, prompt_ids: list[int], config, users: int, tokens: int) -> dict:
     """`users` requests of the prompt (a seed each), one after another and then decoded together;
-    prints each way's aggregate speed and whether every request wrote the same tokens both ways."""
+    prints each way's aggregate speed and whether every request wrote the same tokens both ways, and
+    returns its row."""
     import dataclasses
     import time
 
@@ -514,3 +557,12 @@ def _users(engine, prompt_ids: list[int], config, users: int, tokens: int) -> No
         f"{users} users x {tokens} tokens: one at a time {total / one_at_a_time:.1f} tok/s, batched "
         f"{total / together:.1f} tok/s ({one_at_a_time / together:.2f}x), same tokens: {same}"
     )
+    return {
+        "job": "users",
+        "users": users,
+        "tokens_per_user": tokens,
+        "one_at_a_time_tokens_per_s": round(total / one_at_a_time, 2),
+        "batched_tokens_per_s": round(total / together, 2),
+        "speedup": round(one_at_a_time / together, 3),
+        "same_tokens_as_alone": same,
+    }

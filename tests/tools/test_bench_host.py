@@ -1,4 +1,6 @@
-"""Host-overhead measurement: the timing proxy changes nothing and the split adds up."""
+"""Host time per iteration (bench/host.py, tools/bench_host.py): the timing proxy changes nothing, the
+split adds up, host operations are counted outside model calls, and the device loop reports its own
+host and wait time."""
 
 from __future__ import annotations
 
@@ -7,11 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tokenswift_trt.bench.host import HostOpCounter, TimedModel, measure_host_overhead
+from tokenswift_trt.bench.host import TimedModel, measure_host_overhead
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.model.sampling import SamplingConfig
+from tools.bench_host import HostOpCounter, count_host_ops, device_loop_host_time, main
 
 from conftest import quiet_load
 from helpers import PAPER_TREE
@@ -58,7 +61,8 @@ def test_host_overhead_splits_decode_time(engine):
         (result.decode_s - result.model_s) / result.iterations * 1e3
     )
     assert set(result.phase_s) >= {"draft", "trie", "verify", "accept", "commit"}
-    assert result.host_ops is not None and 10 < result.host_ops_per_iteration < 1000
+    host_ops = count_host_ops(engine, list(range(5, 40)), replace(config, seed=result.seed))
+    assert 10 < host_ops / result.iterations < 1000
 
 
 def test_op_counter_counts_host_operations_only(engine):
@@ -78,15 +82,12 @@ def test_op_counter_counts_host_operations_only(engine):
 def test_bench_host_command(tmp_path):
     from click.testing import CliRunner
 
-    from tokenswift_trt.cli import main
-
     model = write_random_model(tmp_path / "model", seed=2)
     text = tmp_path / "prompt.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     result = CliRunner().invoke(
         main,
         [
-            "bench-host",
             "--model-dir",
             str(model),
             "--prompt-file",
@@ -104,6 +105,24 @@ def test_bench_host_command(tmp_path):
     assert "host ms/iteration:" in result.output and "verify" in result.output
     assert "host tensor ops/iteration:" in result.output
     result = CliRunner().invoke(
-        main, ["bench-host", "--model-dir", str(model), "--prompt-file", str(text), "--max-new-tokens", "1"]
+        main, ["--model-dir", str(model), "--prompt-file", str(text), "--max-new-tokens", "1"]
     )
     assert result.exit_code == 2 and "--max-new-tokens >= 2" in result.output
+
+
+def test_the_device_loop_reports_its_host_time_per_iteration(engine):
+    prompt = list(range(5, 40))
+    config = GenerationConfig(
+        max_new_tokens=40, seed=1, ignore_eos=True, tree="3,3,3", draft_source="verify", device_loop=True
+    )
+    loop = device_loop_host_time(engine, prompt, config)
+    tokens, stats = generate(engine, prompt, config)  # the same request: the same iterations
+    assert loop.tokens == len(tokens) == 40 and loop.iterations == stats.iterations > 0
+    assert (loop.tree, loop.ngram_topk) == ("3,3,3", config.ngram_topk)
+    assert loop.mean_accept_length == pytest.approx(stats.mean_accept_length)
+    assert loop.host_ms_per_iteration > 0 and loop.wait_ms_per_iteration >= 0 and loop.tokens_per_s > 0
+
+
+def test_compiled_steps_are_refused(engine):
+    with pytest.raises(ValueError, match="--compile-steps with --device-loop"):
+        measure_host_overhead(engine, [5, 6, 7], GenerationConfig(max_new_tokens=8, compile_steps=True))
