@@ -121,12 +121,12 @@ def _print(report: dict, sequences: int) -> None:
     if measured is None:
         return
     click.echo(
-        f"generate --tree {measured['tree']} --ngram-topk 0, {len(measured['runs'])} prompts x "
-        f"{measured['new_tokens']} tokens:"
+        f"generate --tree {measured['tree']} --draft-source verify --ngram-topk 0, "
+        f"{len(measured['runs'])} prompts x {measured['new_tokens']} tokens:"
     )
     click.echo(
-        f"  acceptance by depth {rates(measured['acceptance_by_depth'])} (depth 1: the base model's own "
-        f"draft), {measured['tokens_per_iteration']:.2f} tokens per iteration"
+        f"  acceptance by depth {rates(measured['acceptance_by_depth'])}, "
+        f"{measured['tokens_per_iteration']:.2f} tokens per iteration"
     )
     click.echo(
         f"  {measured['seconds_per_iteration'] * 1e3:.1f} ms per iteration, "

@@ -8,13 +8,14 @@ trained on), teacher-forced at every position t:
   coupled verification accepts);
 - per depth d of a chain of the layers, the chance that depths 1..d are all accepted at the same t,
   and so the acceptance of depth d given the depths before it (what `generate --json` reports as
-  `acceptance_by_depth`, whose first entry is the base model's own first draft and the next ones
-  these layers') and the drafts a chain commits per iteration.
+  `acceptance_by_depth` for a chain drafted from the verify pass, as `--tree auto` drafts) and the
+  drafts a chain commits per iteration.
 
-`measure_chain` then runs `generate` on held-out prompts with the layers' chain (`--tree 1,1,1,1`,
-no n-grams) and with AR steps: the acceptance by depth it measured, the tokens per iteration, the
-seconds per iteration and per AR step on this machine. From those step costs and the predicted
-acceptance, `modeled_speedup` is the speed the layers would give; the measured one stands beside it.
+`measure_chain` then runs `generate` on held-out prompts with the layers' chain (`--tree 1,1,1
+--draft-source verify`, no n-grams) and with AR steps: the acceptance by depth it measured, the
+tokens per iteration, the seconds per iteration and per AR step on this machine. From those step
+costs and the predicted acceptance, `modeled_speedup` is the speed the layers would give; the
+measured one stands beside it.
 """
 
 from __future__ import annotations
@@ -126,21 +127,23 @@ def predict_chain(
 def measure_chain(
     model: Any, prompts: Sequence[list[int]], new_tokens: int, depth: int, settings: dict[str, Any]
 ) -> ChainMeasurement:
-    """`generate` every prompt with a chain of `depth` layers after the base's draft (tree
+    """`generate` every prompt with a chain of `depth` layers drafted from the verify pass (tree
     1,1,..., no n-grams) and with AR steps, the same `settings` (sampling, seed); decode time only
     (the prefill excluded)."""
     from tokenswift_trt.api import generate
 
-    tree = ",".join(["1"] * (depth + 1))
-    reached = [0] * (depth + 1)
-    accepted = [0] * (depth + 1)
+    tree = ",".join(["1"] * depth)
+    reached = [0] * depth
+    accepted = [0] * depth
     iterations = tokens = 0
     chain_s = ar_s = 0.0
     ar_steps = 0
     runs = []
     for index, prompt in enumerate(prompts):
         run = {**settings, "ignore_eos": True, "seed": settings.get("seed", 0) + index}
-        chain = generate(model, prompt, new_tokens, tree=tree, ngram_topk=0, **run).stats
+        chain = generate(
+            model, prompt, new_tokens, tree=tree, ngram_topk=0, draft_source="verify", **run
+        ).stats
         ar = generate(model, prompt, new_tokens, method="ar", **run).stats
         assert chain is not None and ar is not None
         for d, (r, a) in enumerate(zip(chain.reached_by_depth, chain.accepted_by_depth)):
@@ -177,11 +180,10 @@ def _run_figures(stats: Any) -> dict[str, Any]:
 
 def modeled_speedup(prediction: ChainPrediction, measured: ChainMeasurement, sampled: bool) -> dict[str, Any]:
     """The chain's speed over AR from the predicted acceptance and the measured step costs: tokens per
-    iteration = 1 + the base's own first draft's acceptance (measured) + the layers' predicted drafts;
-    seconds per iteration over seconds per AR step as measured."""
+    iteration = 1 + the layers' predicted drafts; seconds per iteration over seconds per AR step as
+    measured."""
     drafts = prediction.sampled_drafts_per_iteration if sampled else prediction.greedy_drafts_per_iteration
-    base = measured.acceptance_by_depth[0] if measured.acceptance_by_depth else 0.0
-    tokens = 1 + base + drafts
+    tokens = 1 + drafts
     cost = (
         measured.seconds_per_iteration / measured.seconds_per_ar_step if measured.seconds_per_ar_step else 0.0
     )
@@ -189,8 +191,7 @@ def modeled_speedup(prediction: ChainPrediction, measured: ChainMeasurement, sam
         "tokens_per_iteration": tokens,
         "iteration_cost_in_ar_steps": cost,
         "speedup": tokens / cost if cost else 0.0,
-        "inputs": "tokens per iteration = 1 + measured depth-1 acceptance + predicted layer drafts; "
-        "iteration cost measured",
+        "inputs": "tokens per iteration = 1 + the predicted drafts of the chain; iteration cost measured",
     }
 
 
