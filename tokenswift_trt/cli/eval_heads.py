@@ -66,6 +66,8 @@ def eval_heads(
     """Predict the acceptance of a model's draft layers on held-out text (per layer and per depth of
     their chain, greedy and under the sampling), then measure it with `generate` on held-out prompts
     (the chain and AR steps, decode time on this machine) and give the modeled and the measured speedup."""
+    import torch
+
     from tokenswift_trt.decode.config import GenerationError
     from tokenswift_trt.decode.request import config_from
     from tokenswift_trt.training.data import read_records, record_ids
@@ -88,14 +90,16 @@ def eval_heads(
     ids = record_ids(records, loaded.codec.encode, engine.config.eos_token_ids[:1])
     chosen = evaluation_sequences(ids, seq_len, sequences)
     prediction = predict_chain(engine, engine.draft_layers, chosen, config.sampling)
-    measured = None
+    measured = on_measured_text = None
     if measure_prompts:
         stride = max(1, (ids.numel() - prompt_tokens) // measure_prompts)
         prompts = [ids[i * stride : i * stride + prompt_tokens].tolist() for i in range(measure_prompts)]
         settings = {name: getattr(config.sampling, name) for name in SAMPLING if name != "seed"}
         settings["seed"] = config.seed if config.seed is not None else 0
         measured = measure_chain(loaded, prompts, measure_tokens, len(engine.draft_layers), settings)
-    report = evaluation_report(prediction, measured, config.sampling)
+        texts = [torch.tensor(text) for text in measured.texts]
+        on_measured_text = predict_chain(engine, engine.draft_layers, texts, config.sampling)
+    report = evaluation_report(prediction, measured, config.sampling, on_measured_text)
     if out is not None:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +137,9 @@ def _print(report: dict, sequences: int) -> None:
         f"{measured['seconds_per_ar_step'] * 1e3:.1f} ms per AR step: measured speedup "
         f"{measured['speedup']:.2f}x"
     )
+    same = report["predicted_on_measured_text"]
+    key = "sampled_by_depth" if sampled else "greedy_by_depth"
+    click.echo(f"  predicted on the text these runs wrote: acceptance by depth {rates(same[key])}")
     modeled = report["modeled"]
     click.echo(
         f"  modeled from the prediction: {modeled['tokens_per_iteration']:.2f} tokens per iteration at "

@@ -66,6 +66,7 @@ class ChainMeasurement:
     seconds_per_ar_step: float
     speedup: float  # the chain's decode tokens/s over AR's
     runs: list[dict[str, Any]] = field(default_factory=list)
+    texts: list[list[int]] = field(default_factory=list)  # each run's prompt + output token ids
 
 
 def _by_depth(joint: list[float]) -> list[float]:
@@ -138,13 +139,12 @@ def measure_chain(
     iterations = tokens = 0
     chain_s = ar_s = 0.0
     ar_steps = 0
-    runs = []
+    runs, texts = [], []
     for index, prompt in enumerate(prompts):
         run = {**settings, "ignore_eos": True, "seed": settings.get("seed", 0) + index}
-        chain = generate(
-            model, prompt, new_tokens, tree=tree, ngram_topk=0, draft_source="verify", **run
-        ).stats
-        ar = generate(model, prompt, new_tokens, method="ar", **run).stats
+        result = generate(model, prompt, new_tokens, tree=tree, ngram_topk=0, draft_source="verify", **run)
+        chain, ar = result.stats, generate(model, prompt, new_tokens, method="ar", **run).stats
+        texts.append(list(prompt) + list(result.token_ids))
         assert chain is not None and ar is not None
         for d, (r, a) in enumerate(zip(chain.reached_by_depth, chain.accepted_by_depth)):
             reached[d] += r
@@ -166,6 +166,7 @@ def measure_chain(
         per_step,
         (ar_s / chain_s) if chain_s else 0.0,
         runs,
+        texts,
     )
 
 
@@ -196,11 +197,19 @@ def modeled_speedup(prediction: ChainPrediction, measured: ChainMeasurement, sam
 
 
 def evaluation_report(
-    prediction: ChainPrediction, measured: ChainMeasurement | None, sampling: SamplingConfig
+    prediction: ChainPrediction,
+    measured: ChainMeasurement | None,
+    sampling: SamplingConfig,
+    on_measured_text: ChainPrediction | None = None,
 ) -> dict[str, Any]:
-    """The figures `eval-heads` writes (JSON)."""
+    """The figures `eval-heads` writes (JSON). `on_measured_text`: the prediction on the very text the
+    measured runs wrote, the like-for-like check of the prediction against `generate`."""
     report: dict[str, Any] = {"sampling": asdict(sampling), "predicted": asdict(prediction)}
     if measured is not None:
-        report["measured"] = asdict(measured)
+        figures = asdict(measured)
+        figures.pop("texts")
+        report["measured"] = figures
         report["modeled"] = modeled_speedup(prediction, measured, not sampling.greedy)
+    if on_measured_text is not None:
+        report["predicted_on_measured_text"] = asdict(on_measured_text)
     return report
