@@ -90,7 +90,7 @@ def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_p
     assert meta["tree"] == "auto" and "bench" in meta["command"]
     assert meta["attention"] in ("sdpa", "cpu_tree_attention") and meta["fused_elementwise"] is False
     assert meta["batch_invariant"] is False  # the GPU switch (TOKENSWIFT_BATCH_INVARIANT), off by default
-    assert (out / "speedup.png").stat().st_size > 1000 and (out / "alpha.png").stat().st_size > 1000
+    assert not list(out.glob("*.png"))  # plots are tools.plot_benchmarks --run's
 
 
 @pytest.mark.slow
