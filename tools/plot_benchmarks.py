@@ -2,10 +2,14 @@
 
     .venv/bin/python -m tools.plot_benchmarks [--bench docs/bench] [--out docs/bench/plots]
     .venv/bin/python -m tools.plot_benchmarks --windows runs/a/bench.json [--windows runs/b/bench.json]
+    .venv/bin/python -m tools.plot_benchmarks --run runs/bench [--out DIR]
 
 Writes three PNGs (with --windows, only windows.png: acceptance by draft depth, tokens per iteration and
 tokens/s of TokenSwift and AR against output position, one point per window, from the rows' `windows` of
-each bench JSON, labelled by its folder):
+each bench JSON, labelled by its folder; with --run, the plots of one `tokenswift-trt bench` or
+`bench-steps` run, beside its files unless --out is given: from bench.json, speedup.png and alpha.png
+against generated length, one line per prompt length; from steps.json, steps.png: ms per step by
+context against the bandwidth floor, and the modeled speedup by generated length):
 - speedup.png: measured speedup over AR by generated length (the CPU runs), and the modeled speedup of a
   generation from a 4K prompt by its length on the H200 (`tools/remodel_iterations.py`'s long runs,
   one line per assumed tokens-per-iteration);
@@ -254,10 +258,99 @@ def plot_windows(runs: Sequence[tuple[str, Path] | tuple[str, Path, str]], out: 
     return out
 
 
+def plot_bench_run(path: Path, out: Path) -> list[Path]:
+    """speedup.png and alpha.png from the bench JSON `path`: each against generated length, one line
+    per prompt length; returns the PNGs written under `out`."""
+    bench_rows = json.loads(Path(path).read_text())["rows"]
+    written = []
+    for key, label, name in (
+        ("speedup", "speedup over AR (x)", "speedup.png"),
+        ("alpha", "acceptance rate α", "alpha.png"),
+    ):
+        figure, axis = plt.subplots(figsize=(5, 3.5))
+        for prefix_len in sorted({row["prefix_len"] for row in bench_rows}):
+            points = [row for row in bench_rows if row["prefix_len"] == prefix_len]
+            axis.plot(
+                [row["gen_len"] for row in points],
+                [row[key] for row in points],
+                marker="o",
+                label=f"prefix {prefix_len}",
+            )
+        if key == "speedup":
+            axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        axis.set(xlabel="generated tokens", ylabel=label)
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=120)
+        plt.close(figure)
+        written.append(out / name)
+    return written
+
+
+def plot_step_run(path: Path, out: Path) -> Path:
+    """steps.png from the bench-steps JSON `path`: ms per step by context (dashed: its bandwidth floor)
+    beside the modeled speedup by generated length, with the paper's A100 figures; returns the PNG."""
+    report = json.loads(Path(path).read_text())
+    meta, costs, speedups = report["meta"], report["steps"], report["speedup"]
+    figure, (steps_axis, speedup_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    for index, step in enumerate(dict.fromkeys(cost["step"] for cost in costs)):
+        points = sorted((cost for cost in costs if cost["step"] == step), key=lambda cost: cost["context"])
+        contexts = [cost["context"] for cost in points]
+        color = f"C{index}"
+        steps_axis.plot(contexts, [c["seconds"] * 1e3 for c in points], marker="o", color=color, label=step)
+        steps_axis.plot(contexts, [c["bandwidth_seconds"] * 1e3 for c in points], "--", color=color)
+    steps_axis.set(xlabel="context (cached positions)", ylabel="ms per step (dashed: bandwidth floor)")
+    steps_axis.set_title(
+        f"{meta.get('model', '')} {meta.get('dtype', '')} on {meta.get('device', '')}", fontsize=8
+    )
+    steps_axis.legend(fontsize=7)
+    for mode in dict.fromkeys(row["mode"] for row in speedups):
+        points = [row for row in speedups if row["mode"] == mode]
+        speedup_axis.plot(
+            [row["gen_length"] for row in points],
+            [row["speedup"] for row in points],
+            marker="o",
+            label=f"{mode} drafting, τ {points[0]['accept_length']:g}, T {points[0]['tree_size']}",
+        )
+    paper = report.get("paper_a100_llama3.1_8b", {})
+    speedup_axis.plot(
+        [int(length) for length in paper],
+        list(paper.values()),
+        "kx",
+        linestyle="none",
+        label="paper: LLaMA3.1-8B, A100",
+    )
+    speedup_axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    speedup_axis.set(xlabel="generated tokens", ylabel="modeled speedup over AR (x)")
+    speedup_axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "steps.png", dpi=120)
+    plt.close(figure)
+    return out / "steps.png"
+
+
+def plot_run(run: Path, out: Path) -> list[Path]:
+    """The plots of the run folder `run` (bench.json and/or steps.json in it) under `out`."""
+    written = []
+    if (run / "bench.json").is_file():
+        written += plot_bench_run(run / "bench.json", out)
+    if (run / "steps.json").is_file():
+        written.append(plot_step_run(run / "steps.json", out))
+    if not written:
+        raise ValueError(
+            f"{run} holds neither bench.json nor steps.json: give the --out of a bench or bench-steps run"
+        )
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, default=Path("docs/bench"))
-    parser.add_argument("--out", type=Path, default=Path("docs/bench/plots"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder of the PNGs [default: docs/bench/plots; with --run, the run's folder]",
+    )
     parser.add_argument(
         "--windows",
         type=Path,
@@ -265,7 +358,22 @@ def main() -> None:
         metavar="BENCH_JSON",
         help="draw only windows.png (figures by output position) from these bench JSONs",
     )
+    parser.add_argument(
+        "--run",
+        type=Path,
+        metavar="DIR",
+        help="draw the plots of one bench or bench-steps run from the bench.json / steps.json in DIR",
+    )
     args = parser.parse_args()
+    if args.run:
+        out = args.out or args.run
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            plot_run(args.run, out)
+        except ValueError as error:
+            parser.error(str(error))
+        return
+    args.out = args.out or Path("docs/bench/plots")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.windows:
         try:

@@ -20,9 +20,10 @@ from tokenswift_trt.bench.run import (
 )
 from tokenswift_trt.builder.random_model import write_random_model
 from tokenswift_trt.cli import main
-from tokenswift_trt.decode.autotune import AR_PLAN, Plan
+from tokenswift_trt.decode.autotune import Plan
 from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.stats import Stats
+from tokenswift_trt.decode.tree import TreeSpec
 from tokenswift_trt.model.sampling import SamplingConfig
 
 from conftest import quiet_load
@@ -90,7 +91,7 @@ def test_bench_writes_rows_per_length_with_auto_tree_comparison(model_dir, tmp_p
     assert meta["tree"] == "auto" and "bench" in meta["command"]
     assert meta["attention"] in ("sdpa", "cpu_tree_attention") and meta["fused_elementwise"] is False
     assert meta["batch_invariant"] is False  # the GPU switch (TOKENSWIFT_BATCH_INVARIANT), off by default
-    assert (out / "speedup.png").stat().st_size > 1000 and (out / "alpha.png").stat().st_size > 1000
+    assert not list(out.glob("*.png"))  # plots are tools.plot_benchmarks --run's
 
 
 @pytest.mark.slow
@@ -223,7 +224,8 @@ def test_prompt_windows_and_bad_lengths(model_dir, tmp_path):
 
 
 def test_a_rows_auto_plans_are_those_started_before_its_length():
-    plans = [Plan("1,3,3,3", 20, 1, probe=True), Plan(AR_PLAN, 0, 30), Plan("1,3,3,3", 20, 4168, probe=True)]
+    probe = TreeSpec.parse("1,3,3,3")
+    plans = [Plan(probe, 20, 1, probe=True), Plan(None, 0, 30), Plan(probe, 20, 4168, probe=True)]
     assert str(plans[0]) == "probe 1,3,3,3 k=20 from token 1" and str(plans[1]) == "ar k=0 from token 30"
     assert plans_before(plans, 2048) == plans[:2]
     assert plans_before(plans, 30) == plans[:1] and plans_before(plans, 8192) == plans

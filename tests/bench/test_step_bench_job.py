@@ -53,7 +53,7 @@ def test_the_report_holds_a_row_per_context_and_step_and_a_speedup_per_length_an
     assert result.host_overhead_ms == 0.5 and not notes  # given, so not measured (nothing to say)
     assert result.extrapolated == (128, 576)  # 64 + 512 tokens modeled from contexts up to 128
 
-    assert [p.name for p in result.written] == ["steps.csv", "speedup.csv", "steps.json", "steps.png"]
+    assert [p.name for p in result.written] == ["steps.csv", "speedup.csv", "steps.json"]
     rows = list(csv.DictReader(open(job.out / "steps.csv")))
     assert [(int(r["context"]), r["step"]) for r in rows] == pairs
     meta = json.loads((job.out / "steps.json").read_text())["meta"]

@@ -238,7 +238,7 @@ def test_cli_writes_the_step_report(model_dir, tmp_path):
     assert meta["host_overhead_measured"] and meta["host_overhead_ms"] > 0  # measured by a short generation
     assert len(report["steps"]) == 10 and len(report["speedup"]) == 4
     assert report["paper_a100_llama3.1_8b"] == {str(k): v for k, v in PAPER_A100_LLAMA31_8B.items()}
-    assert (out / "steps.png").stat().st_size > 1000
+    assert not list(out.glob("*.png"))  # plots are tools.plot_benchmarks --run's
     assert "verify_T4 ms (floor)" in result.stdout and "speedup partial" in result.stdout
 
 

@@ -60,18 +60,4 @@ def test_bench_random_weights_under_tp_is_refused_in_one_line():
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "drop --tp 2 (bench-steps --tp 2 times a split step)" in lines[0]
-
-
-def test_bench_steps_times_the_lm_head_replicated_or_split_over_the_vocabulary(tmp_path):
-    for head in ("replicated", "vocab"):
-        out = tmp_path / head
-        args = ["bench-steps", "--model", "swift-tiny", "--contexts", "64", "--tree-sizes", "1,4"]
-        result = _ranks(*args, "--step-repeats", "1", "--tp-head", head, "--out", str(out))
-        assert result.returncode == 0, result.stderr
-        report = json.loads((out / "tp_steps.json").read_text())
-        assert report["meta"]["tp_head"] == head and f"--tp-head {head}" in report["meta"]["command"]
-        assert report["meta"]["screened_head"] is False or head == "replicated"  # never a split one
-        assert [row["tokens"] for row in report["rows"]] == [1, 4]
-        assert all(row["head_ms"] > 0 for row in report["rows"])
-        assert f"LM head ({head})" in result.stdout
+    assert len(lines) == 1 and "drop --tp 2 (the repository's `python -m tools.tp_steps --tp 2`" in lines[0]

@@ -153,19 +153,6 @@ def test_smollm2_on_three_ranks_emits_the_single_process_tokens():
 
 
 @pytest.mark.slow
-def test_bench_steps_reports_the_all_reduce_cost_of_a_tp_step(tmp_path):
-    args = ["bench-steps", "--model", "swift-tiny", "--tp", "2", "--contexts", "64", "--tree-sizes", "1,4"]
-    result = _cli(*args, "--step-repeats", "3", "--out", str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "tp_steps.json").read_text())
-    assert report["meta"]["tp"] == 2 and report["meta"]["backend"] == "gloo"
-    assert [(row["context"], row["tokens"]) for row in report["rows"]] == [(64, 1), (64, 4)]
-    for row in report["rows"]:
-        assert row["all_reduces"] == 12 and 0 < row["all_reduce_ms"] and 0 < row["step_ms"]
-    assert len(result.stdout.strip().splitlines()) == 2  # rank 0's rows only
-
-
-@pytest.mark.slow
 def test_an_engine_directory_runs_on_two_ranks_with_the_single_process_tokens(tmp_path):
     engine = tmp_path / "engine"
     built = CliRunner().invoke(

@@ -10,15 +10,18 @@ import torch
 from tokenswift_trt.decode.autotune import probe_plan
 from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.loop import generate
-from tokenswift_trt.decode.tree import build_static_tree, build_trie, parse_tree
+from tokenswift_trt.decode.tree import TreeSpec, build_static_tree, build_trie
 from tokenswift_trt.decode.tuner_costs import (
-    AR_PLAN,
     CANDIDATE_TREES,
     ProbeRecorder,
     choose_plan,
     interpolate,
 )
 from tokenswift_trt.model.sampling import SamplingConfig
+
+
+def _tree(text: str) -> TreeSpec:
+    return TreeSpec.parse(text)
 
 
 def _probe_trie():
@@ -36,7 +39,7 @@ def _path(trie, tokens):
     return nodes
 
 
-def _drive(engine, seconds_per_token: Callable[[str, int], float], tokens: int):
+def _drive(engine, seconds_per_token: Callable[[TreeSpec | None, int], float], tokens: int):
     """A tuner drafting from the verify pass, driven for `tokens` new tokens (the cost model stubbed
     by the caller); AR steps take 1 s a token, a drafting plan `seconds_per_token(tree, new
     tokens so far)` (2 tokens an iteration). Returns the tuner."""
@@ -51,7 +54,7 @@ def _drive(engine, seconds_per_token: Callable[[str, int], float], tokens: int):
     state = new_decode_state(engine, [5, 6, 7], GenerationConfig(max_new_tokens=9000), PositionKeyedRandom(0))
     tuner = Tuner(engine, state, True, 64, lambda: len(state.tokens) - 3)
     while len(state.tokens) - 3 < tokens:
-        if tuner.plan.tree == AR_PLAN:
+        if tuner.plan.tree is None:
             state.append([len(state.tokens) % 50])
             tuner.observe(None, [], None, hidden, False, 1.0, 1)
         else:
@@ -79,16 +82,16 @@ def test_candidate_acceptance_follows_from_the_probe_path():
     trie = _probe_trie()
     recorder = ProbeRecorder(max_depth=4)
     recorder.record(trie, _path(trie, [10, 21, 30, 41]))  # ranks 0,1,0,1 in the static tree
-    assert recorder.accepted[("1,1,1,1", 0)] == 1  # rank 1 at depth 2 is missing
-    assert recorder.accepted[("1,2,1,1", 0)] == 3  # rank 1 at depth 4 is missing
-    assert recorder.accepted[("1,2,2,2", 0)] == 4
-    assert recorder.accepted[("1", 0)] == 1
+    assert recorder.accepted[(_tree("1,1,1,1"), 0)] == 1  # rank 1 at depth 2 is missing
+    assert recorder.accepted[(_tree("1,2,1,1"), 0)] == 3  # rank 1 at depth 4 is missing
+    assert recorder.accepted[(_tree("1,2,2,2"), 0)] == 4
+    assert recorder.accepted[(_tree("1"), 0)] == 1
 
     second = ProbeRecorder(max_depth=4)
     second.record(trie, _path(trie, [10, 20, 60, 61]))  # along n-gram rank 1 after the tree's 10 -> 20
-    assert second.accepted[("1,1,1,1", 0)] == 2
-    assert second.accepted[("1,1,1,1", 1)] == 2  # k=1 has only the rank-0 gram
-    assert second.accepted[("1,1,1,1", 2)] == 4
+    assert second.accepted[(_tree("1,1,1,1"), 0)] == 2
+    assert second.accepted[(_tree("1,1,1,1"), 1)] == 2  # k=1 has only the rank-0 gram
+    assert second.accepted[(_tree("1,1,1,1"), 2)] == 4
 
 
 def test_a_running_plans_iterations_inform_only_the_candidates_inside_it():
@@ -99,14 +102,21 @@ def test_a_running_plans_iterations_inform_only_the_candidates_inside_it():
         5, build_static_tree("1,2,1,1"), [[10], [20, 21], [30], [40]]
     )  # the plan 1,2,1,1 k=0 running
     for _ in range(3):
-        recorder.record(small, _path(small, [10, 21, 30, 40]), (parse_tree("1,2,1,1"), 0))
+        recorder.record(small, _path(small, [10, 21, 30, 40]), ((1, 2, 1, 1), 0))
     assert recorder.iterations == 1  # probe iterations only
-    assert recorder.counts[("1,2,1,1", 0)] == 4 and recorder.mean_accepted(("1,2,1,1", 0)) == (3 + 3 * 4) / 4
     assert (
-        recorder.counts[("1,1", 0)] == 4 and recorder.mean_accepted(("1,1", 0)) == 1.0
+        recorder.counts[(_tree("1,2,1,1"), 0)] == 4
+        and recorder.mean_accepted((_tree("1,2,1,1"), 0)) == (3 + 3 * 4) / 4
+    )
+    assert (
+        recorder.counts[(_tree("1,1"), 0)] == 4 and recorder.mean_accepted((_tree("1,1"), 0)) == 1.0
     )  # rank 1 at depth 2: no
-    assert recorder.mean_nodes()[("1,2,1,1", 0)] == 1 + 1 + 2 + 2 + 2
-    for outside in (("1,3,3,3", 0), ("1,2,1,1", 1), ("1,2,2,1", 0)):  # a wider tree, n-grams
+    assert recorder.mean_nodes()[(_tree("1,2,1,1"), 0)] == 1 + 1 + 2 + 2 + 2
+    for outside in (
+        (_tree("1,3,3,3"), 0),
+        (_tree("1,2,1,1"), 1),
+        (_tree("1,2,2,1"), 0),
+    ):  # a wider tree, n-grams
         assert recorder.counts[outside] == 1  # the probe's iteration alone
 
 
@@ -115,12 +125,12 @@ def test_candidate_trie_sizes_count_only_available_nodes():
     recorder = ProbeRecorder(max_depth=4)
     recorder.record(trie, [])
     sizes = recorder.mean_nodes()
-    assert sizes[("1,3,3,3", 0)] == 1 + 40
-    assert sizes[("1,1,1,1", 0)] == 1 + 4
+    assert sizes[(_tree("1,3,3,3"), 0)] == 1 + 40
+    assert sizes[(_tree("1,1,1,1"), 0)] == 1 + 4
     # gram 0 adds 50,51,52 below 10; gram 1 adds 60,61 below 10 -> 20 (20 is shared)
-    assert sizes[("1,1,1,1", 1)] == 1 + 4 + 3
-    assert sizes[("1,1,1,1", 2)] == 1 + 4 + 3 + 2
-    assert sizes[("1,3,3,3", 20)] == len(trie)
+    assert sizes[(_tree("1,1,1,1"), 1)] == 1 + 4 + 3
+    assert sizes[(_tree("1,1,1,1"), 2)] == 1 + 4 + 3 + 2
+    assert sizes[(_tree("1,3,3,3"), 20)] == len(trie)
 
 
 def test_a_long_matchs_branch_counts_for_every_plan_with_ngrams():
@@ -130,23 +140,28 @@ def test_a_long_matchs_branch_counts_for_every_plan_with_ngrams():
     trie.add_path([10, 20, 30, 40, 70, 71, 72, 73], from_tree=False, ngram_rank=0)  # along the tree, then on
     recorder = ProbeRecorder(max_depth=4)
     recorder.record(trie, _path(trie, [10, 20, 30, 40, 70, 71]))
-    assert recorder.accepted[("1,1,1,1", 0)] == 4  # the tree's own path
-    assert recorder.accepted[("1,1,1,1", 1)] == 6 and recorder.accepted[("1", 1)] == 6
+    assert recorder.accepted[(_tree("1,1,1,1"), 0)] == 4  # the tree's own path
+    assert recorder.accepted[(_tree("1,1,1,1"), 1)] == 6 and recorder.accepted[(_tree("1"), 1)] == 6
     sizes = recorder.mean_nodes()
-    assert sizes[("1", 1)] == 1 + 1 + 3 + 3 + 4  # root, the tree's 10, gram 0's 50-52, 20-30-40, 70-73
-    assert sizes[("1", 0)] == 1 + 1
+    assert sizes[(_tree("1"), 1)] == 1 + 1 + 3 + 3 + 4  # root, the tree's 10, gram 0's 50-52, 20-30-40, 70-73
+    assert sizes[(_tree("1"), 0)] == 1 + 1
 
 
 def test_candidates_fit_inside_the_probe_tree():
-    paper = ProbeRecorder(max_depth=4, probe_tree="1,3,3,3")
+    paper = ProbeRecorder(max_depth=4, probe_tree=_tree("1,3,3,3"))
     trees = {tree for tree, _, _ in paper.candidates}
-    assert "1,3,3,3" in trees and "1,1" in trees and "3" not in trees and "2,1" not in trees
-    verify = ProbeRecorder(max_depth=3, probe_tree="3,3,3")
+    assert (
+        _tree("1,3,3,3") in trees
+        and _tree("1,1") in trees
+        and _tree("3") not in trees
+        and _tree("2,1") not in trees
+    )
+    verify = ProbeRecorder(max_depth=3, probe_tree=_tree("3,3,3"))
     trees = {tree for tree, _, _ in verify.candidates}
     assert (
-        {"1", "2", "3", "3,1", "3,2,1", "1,1,1"} <= trees
-        and "1,1,1,1" not in trees
-        and "1,3,3,3" not in trees
+        {_tree("1"), _tree("2"), _tree("3"), _tree("3,1"), _tree("3,2,1"), _tree("1,1,1")} <= trees
+        and _tree("1,1,1,1") not in trees
+        and _tree("1,3,3,3") not in trees
     )
 
 
@@ -155,11 +170,11 @@ def test_first_level_alternatives_are_scored_from_a_verify_probe():
     not."""
     tree = build_static_tree("3,3,3")
     trie = build_trie(5, tree, [[20, 21, 22], [30, 31, 32], [40, 41, 42]], [], True)
-    recorder = ProbeRecorder(max_depth=3, probe_tree="3,3,3")
+    recorder = ProbeRecorder(max_depth=3, probe_tree=_tree("3,3,3"))
     recorder.record(trie, _path(trie, [22, 30]))
-    assert recorder.accepted[("1", 0)] == recorder.accepted[("2", 0)] == 0
-    assert recorder.accepted[("3", 0)] == 1 and recorder.accepted[("3,1", 0)] == 2
-    assert recorder.mean_nodes()[("3", 0)] == 1 + 3
+    assert recorder.accepted[(_tree("1"), 0)] == recorder.accepted[(_tree("2"), 0)] == 0
+    assert recorder.accepted[(_tree("3"), 0)] == 1 and recorder.accepted[(_tree("3,1"), 0)] == 2
+    assert recorder.mean_nodes()[(_tree("3"), 0)] == 1 + 3
 
 
 def test_verify_timing_interleaves_sizes_and_takes_medians():
@@ -181,13 +196,13 @@ def test_interpolation_and_plan_choice():
     for _ in range(4):
         recorder.record(trie, _path(trie, [10, 20, 30, 40]))  # all rank 0: 1,1,1,1 accepts 4
     best, plans = choose_plan(recorder, costs, draft_s=1.0, overhead_s=0.0)
-    assert best.tree == "1,1,1,1" and best.ngram_topk == 0  # 5 tokens for 1 + 1 s
+    assert best.tree == _tree("1,1,1,1") and best.ngram_topk == 0  # 5 tokens for 1 + 1 s
     assert best.tokens_per_s == pytest.approx(2.5)
-    assert {p.tree for p in plans} >= set(CANDIDATE_TREES) | {AR_PLAN}
+    assert {p.tree for p in plans} >= set(CANDIDATE_TREES) | {None}
     slow_verify = {1: 1.0, 2: 100.0}
     best, _ = choose_plan(recorder, slow_verify, draft_s=1.0, overhead_s=0.0)
-    assert best.tree == AR_PLAN  # drafting cannot pay off: plain AR steps
-    assert all(len(parse_tree(p.tree)) <= 4 for p in plans if p.tree != AR_PLAN)
+    assert best.tree is None  # drafting cannot pay off: plain AR steps
+    assert all(len(p.tree.branching) <= 4 for p in plans if p.tree is not None)
 
 
 def test_measured_sampling_costs_enter_every_plan():
@@ -201,16 +216,17 @@ def test_measured_sampling_costs_enter_every_plan():
         recorder, flat, draft_s=0.0, overhead_s=0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0}
     )
     by_plan = {(p.tree, p.ngram_topk): p for p in plans}
-    assert by_plan[(AR_PLAN, 0)].seconds_per_iteration == pytest.approx(1.5)
-    assert by_plan[("1,1,1,1", 0)].seconds_per_iteration == pytest.approx(2.0) and best.tree == "1,1,1,1"
+    assert by_plan[(None, 0)].seconds_per_iteration == pytest.approx(1.5)
+    assert by_plan[(_tree("1,1,1,1"), 0)].seconds_per_iteration == pytest.approx(2.0)
+    assert best.tree == _tree("1,1,1,1")
     # above BATCHED_NODES_MAX nodes on a CPU a trie samples one node per committed token: 1,3,3,3 (41 nodes)
     # pays 5 x 0.5 s
     _, plans = choose_plan(
         recorder, flat, 0.0, 0.0, sampling_costs={1: 0.5, 2: 1.0, 16: 1.0}, device=torch.device("cpu")
     )
-    assert {(p.tree, p.ngram_topk): p for p in plans}[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(
-        1.0 + 2.5
-    )
+    assert {(p.tree, p.ngram_topk): p for p in plans}[
+        (_tree("1,3,3,3"), 0)
+    ].seconds_per_iteration == pytest.approx(1.0 + 2.5)
     # ... or one per 4 committed tokens where a visit samples 4 nodes down its path (greedy, keyed noise)
     _, plans = choose_plan(
         recorder,
@@ -221,9 +237,9 @@ def test_measured_sampling_costs_enter_every_plan():
         device=torch.device("cpu"),
         chain_rows=4,
     )
-    assert {(p.tree, p.ngram_topk): p for p in plans}[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(
-        1.0 + 2 * 0.5
-    )
+    assert {(p.tree, p.ngram_topk): p for p in plans}[
+        (_tree("1,3,3,3"), 0)
+    ].seconds_per_iteration == pytest.approx(1.0 + 2 * 0.5)
     # drafting from the verify pass: batched tries draft from their own head pass (ranking only)
     _, plans = choose_plan(
         recorder,
@@ -235,22 +251,22 @@ def test_measured_sampling_costs_enter_every_plan():
         batched_draft_s=0.25,
     )
     by_plan = {(p.tree, p.ngram_topk): p for p in plans}
-    assert by_plan[("1,1,1,1", 0)].seconds_per_iteration == pytest.approx(0.25 + 1.0 + 1.0)
-    assert by_plan[("1,3,3,3", 0)].seconds_per_iteration == pytest.approx(
+    assert by_plan[(_tree("1,1,1,1"), 0)].seconds_per_iteration == pytest.approx(0.25 + 1.0 + 1.0)
+    assert by_plan[(_tree("1,3,3,3"), 0)].seconds_per_iteration == pytest.approx(
         3.0 + 1.0 + 2.5
     )  # lazy: the full draft
     # sampling a batch so dear that drafting cannot pay: plain AR steps
     best, _ = choose_plan(recorder, flat, 0.0, 0.0, sampling_costs={1: 0.5, 2: 20.0, 16: 30.0})
-    assert best.tree == AR_PLAN
+    assert best.tree is None
     # drafting along tree paths costs one pass per level: by depth, replacing both draft costs
     by_depth = {1: 0.25, 2: 2.0, 3: 4.0, 4: 6.0}
     _, plans = choose_plan(
         recorder, flat, 3.0, 0.0, device=torch.device("cpu"), batched_draft_s=0.5, draft_s_by_depth=by_depth
     )
     by_plan = {(p.tree, p.ngram_topk): p for p in plans}
-    assert by_plan[("1", 0)].seconds_per_iteration == pytest.approx(0.25 + 1.0)
-    assert by_plan[("1,1,1,1", 0)].seconds_per_iteration == pytest.approx(6.0 + 1.0)
-    assert by_plan[("1,1,1", 0)].seconds_per_iteration == pytest.approx(4.0 + 1.0)
+    assert by_plan[(_tree("1"), 0)].seconds_per_iteration == pytest.approx(0.25 + 1.0)
+    assert by_plan[(_tree("1,1,1,1"), 0)].seconds_per_iteration == pytest.approx(6.0 + 1.0)
+    assert by_plan[(_tree("1,1,1"), 0)].seconds_per_iteration == pytest.approx(4.0 + 1.0)
 
 
 def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):
@@ -266,7 +282,7 @@ def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):
     assert auto == ar
     assert stats.plans[0].probe and len(stats.plans) >= 2
     # drafting from the verify pass, the probe runs AR steps and scores the probe trie's drafts
-    assert (stats.plans[0].tree, str(stats.plans[0])) == (AR_PLAN, "probe on ar steps from token 1")
+    assert (stats.plans[0].tree, str(stats.plans[0])) == (None, "probe on ar steps from token 1")
     paper, paper_stats = generate(
         llama_engine64, prompt, GenerationConfig(**base, tree="auto", draft_source="partial")
     )
@@ -274,22 +290,31 @@ def test_auto_tree_generation_is_lossless_and_reports_its_plans(llama_engine64):
     probe = paper_stats.plans[0]  # a separate draft pass: the probe tree runs for real
     assert probe.probe and (probe.tree, probe.ngram_topk) == probe_plan("partial", torch.device("cpu"))
     chosen = stats.plans[1].tree
-    assert chosen == AR_PLAN or parse_tree(chosen)
+    assert chosen is None or chosen.branching
 
 
 def test_candidates_need_no_more_ngrams_than_the_probe_had():
-    recorder = ProbeRecorder(max_depth=3, probe_tree="3,2,1", probe_topk=4)
+    recorder = ProbeRecorder(max_depth=3, probe_tree=_tree("3,2,1"), probe_topk=4)
     assert {k for _, _, k in recorder.candidates} == {0, 1, 2, 4}
-    assert {tree for tree, _, _ in recorder.candidates} >= {"1", "2", "3", "2,1", "3,2", "3,2,1"}
-    assert "3,3" not in {tree for tree, _, _ in recorder.candidates}
+    assert {tree for tree, _, _ in recorder.candidates} >= {
+        _tree("1"),
+        _tree("2"),
+        _tree("3"),
+        _tree("2,1"),
+        _tree("3,2"),
+        _tree("3,2,1"),
+    }
+    assert _tree("3,3") not in {tree for tree, _, _ in recorder.candidates}
 
 
 def test_a_cpu_probes_a_smaller_trie_than_a_gpu():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     for source in ("partial", "verify"):
         (cpu_tree, cpu_k), (gpu_tree, gpu_k) = probe_plan(source, cpu), probe_plan(source, gpu)
-        assert build_static_tree(cpu_tree).num_nodes < build_static_tree(gpu_tree).num_nodes and cpu_k < gpu_k
-    assert probe_plan("partial", gpu) == ("1,3,3,3", 20)  # the paper's tree and k where a verify is cheap
+        cpu_nodes, gpu_nodes = (build_static_tree(tree.branching).num_nodes for tree in (cpu_tree, gpu_tree))
+        assert cpu_nodes < gpu_nodes and cpu_k < gpu_k
+    # the paper's tree and k where a verify is cheap
+    assert probe_plan("partial", gpu) == (_tree("1,3,3,3"), 20)
 
 
 def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_engine64, monkeypatch):
@@ -299,7 +324,9 @@ def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_
     from tokenswift_trt.decode.tuner_costs import Estimate, IterationCosts
     from tokenswift_trt.model.sampling import PositionKeyedRandom
 
-    monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
+    monkeypatch.setattr(
+        autotune, "choose_plan", lambda *args, **kwargs: (Estimate(_tree("1,1"), 0, 2.0, 1.0), [])
+    )
     _stub_costs(monkeypatch)  # the cost model decides here
     engine = llama_engine64
     hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
@@ -316,32 +343,30 @@ def test_a_drafting_plan_is_kept_only_if_it_measures_faster_than_ar_steps(llama_
             state.append([len(state.tokens) % 50])
             tuner.observe(None, [], None, hidden, False, 1.0, 1)
         assert tuner.recorder.iterations == autotune.SHADOW_PROBE_STEPS
-        assert (tuner.plan.tree, tuner.plan.trial) == ("1,1", True)  # the model's pick, on trial
-        turns, runs = [], {"1,1": 0, AR_PLAN: 0}
+        assert (tuner.plan.tree, tuner.plan.trial) == (_tree("1,1"), True)  # the model's pick, on trial
+        turns, runs = [], {_tree("1,1"): 0, None: 0}
         while tuner.plan.trial:  # the pick (2 tokens an iteration) and AR steps (1 s a token) take turns
             tree = tuner.plan.tree
             if not turns or turns[-1][0] != tree:
                 turns.append([tree, 0])
             turns[-1][1] += 1
             runs[tree] += 1
-            if tree == AR_PLAN:
+            if tree is None:
                 tuner.observe(None, [], None, hidden, False, 1.0, 1)
             else:
                 tuner.observe(small, [], costs, hidden, False, 2 * drafting_seconds_per_token, 2)
         pairs = 1 if drafting_seconds_per_token >= autotune.TRIAL_GIVE_UP else autotune.TURNS
-        assert [tree for tree, _ in turns] == ["1,1", AR_PLAN] * pairs
+        assert [tree for tree, _ in turns] == [_tree("1,1"), None] * pairs
         assert runs == {
-            "1,1": autotune.TRIAL_ITERATIONS * pairs // autotune.TURNS,
-            AR_PLAN: autotune.AR_TRIAL_STEPS * pairs // autotune.TURNS,
+            _tree("1,1"): autotune.TRIAL_ITERATIONS * pairs // autotune.TURNS,
+            None: autotune.AR_TRIAL_STEPS * pairs // autotune.TURNS,
         }
-        assert {count for tree, count in turns if tree == AR_PLAN} == {
-            autotune.AR_TRIAL_STEPS // autotune.TURNS
-        }
+        assert {count for tree, count in turns if tree is None} == {autotune.AR_TRIAL_STEPS // autotune.TURNS}
         return tuner.plan
 
-    assert settle(0.5).tree == "1,1"
-    assert settle(2.0).tree == AR_PLAN  # given up after its first pair of turns: twice AR's time
-    assert settle(0.99).tree == AR_PLAN  # within the trials' noise: plain AR steps stay
+    assert settle(0.5).tree == _tree("1,1")
+    assert settle(2.0).tree is None  # given up after its first pair of turns: twice AR's time
+    assert settle(0.99).tree is None  # within the trials' noise: plain AR steps stay
 
 
 def test_a_trial_takes_turns_so_that_a_slow_spell_of_the_machine_hits_both_sides(llama_engine64, monkeypatch):
@@ -354,7 +379,9 @@ def test_a_trial_takes_turns_so_that_a_slow_spell_of_the_machine_hits_both_sides
     from tokenswift_trt.decode.tuner_costs import Estimate, IterationCosts
     from tokenswift_trt.model.sampling import PositionKeyedRandom
 
-    monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
+    monkeypatch.setattr(
+        autotune, "choose_plan", lambda *args, **kwargs: (Estimate(_tree("1,1"), 0, 2.0, 1.0), [])
+    )
     _stub_costs(monkeypatch)  # the cost model decides here
     engine = llama_engine64
     hidden = torch.zeros(engine.config.hidden_size, dtype=engine.dtype)
@@ -369,13 +396,13 @@ def test_a_trial_takes_turns_so_that_a_slow_spell_of_the_machine_hits_both_sides
     trial_tokens = 2 * autotune.TRIAL_ITERATIONS + autotune.AR_TRIAL_STEPS
     while tuner.plan.trial:
         slow = 1.5 if len(state.tokens) - start < trial_tokens // 2 else 1.0
-        if tuner.plan.tree == AR_PLAN:
+        if tuner.plan.tree is None:
             state.append([len(state.tokens) % 50])
             tuner.observe(None, [], None, hidden, False, slow * 1.0, 1)
         else:
             state.append([len(state.tokens) % 50] * 2)
             tuner.observe(small, [], costs, hidden, False, slow * 2 * 0.8, 2)
-    assert tuner.plan.tree == "1,1" and not tuner.plan.trial
+    assert tuner.plan.tree == _tree("1,1") and not tuner.plan.trial
     described = describe_plans(tuner.history)
     assert (
         described[1] == f"trial 1,1 k=0 against ar steps, {2 * autotune.TURNS} turns, from token {start - 3}"
@@ -420,7 +447,7 @@ def test_a_probe_that_accepts_almost_nothing_settles_on_ar_steps_without_timing_
     while tuner.plan.probe:
         state.append([10 + len(state.tokens) % 100])  # no draft, and no 4-gram repeats
         tuner.observe(None, [], None, hidden, False, 1.0, 1)
-    assert tuner.plan.tree == AR_PLAN and not tuner.plan.trial
+    assert tuner.plan.tree is None and not tuner.plan.trial
     assert tuner.recorder.iterations == autotune.SHADOW_PROBE_STEPS
 
 
@@ -430,7 +457,9 @@ def test_a_kept_drafting_plan_is_audited_against_ar_steps_and_dropped_when_it_st
     from tokenswift_trt.decode import autotune
     from tokenswift_trt.decode.tuner_costs import Estimate
 
-    monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
+    monkeypatch.setattr(
+        autotune, "choose_plan", lambda *args, **kwargs: (Estimate(_tree("1,1"), 0, 2.0, 1.0), [])
+    )
     _stub_costs(monkeypatch)
 
     def run(drafting_seconds_per_token: Callable[[int], float], tokens: int):
@@ -447,25 +476,25 @@ def test_a_kept_drafting_plan_is_audited_against_ar_steps_and_dropped_when_it_st
     history = run(lambda new: 0.5 if new < 300 else 3.0, 1500)
     audits = [plan for plan in history if plan.audit]
     assert audits and str(audits[0]).startswith("audit ar k=0 from token")  # AR steps first
-    assert {plan.tree for plan in audits} == {AR_PLAN, "1,1"}  # then taking turns with the plan
-    assert history[-1].tree == AR_PLAN and not (history[-1].trial or history[-1].audit)
+    assert {plan.tree for plan in audits} == {None, _tree("1,1")}  # then taking turns with the plan
+    assert history[-1].tree is None and not (history[-1].trial or history[-1].audit)
     settled_ar = next(
-        plan for plan in history if plan.tree == AR_PLAN and not (plan.probe or plan.trial or plan.audit)
+        plan for plan in history if plan.tree is None and not (plan.probe or plan.trial or plan.audit)
     )
     assert settled_ar.from_token < 1000  # dropped at the first audit after the slowdown
     # twice as fast early on, then 10% slower: each audit judges alone, so the plan's past does not
     # carry it (added up with its trial, the first audit would have measured 0.8x and kept it)
     history = run(lambda new: 0.5 if new < 300 else 1.1, 1500)
-    assert history[-1].tree == AR_PLAN and len(audit_starts(history)) == 1
+    assert history[-1].tree is None and len(audit_starts(history)) == 1
     # steadily a little faster (0.9 s a token): kept through audits spaced further and further apart
     history = run(lambda new: 0.9, 3000)
     audits = audit_starts(history)
-    assert len(audits) >= 2 and history[-1].tree == "1,1"
+    assert len(audits) >= 2 and history[-1].tree == _tree("1,1")
     gaps = [b - a for a, b in zip(audits, audits[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]
     # clearly faster (0.5 s a token): after one audit confirms it, no more until the next probe
     history = run(lambda new: 0.5, 2000)  # before the next probe (RETUNE_EVERY)
-    assert len(audit_starts(history)) == 1 and history[-1].tree == "1,1"
+    assert len(audit_starts(history)) == 1 and history[-1].tree == _tree("1,1")
 
 
 def test_the_ar_turns_of_trials_and_audits_score_every_candidate(llama_engine64, monkeypatch):
@@ -475,7 +504,9 @@ def test_the_ar_turns_of_trials_and_audits_score_every_candidate(llama_engine64,
     from tokenswift_trt.decode.tuner_costs import Estimate
 
     _stub_costs(monkeypatch)
-    monkeypatch.setattr(autotune, "choose_plan", lambda *args, **kwargs: (Estimate("1,1", 0, 2.0, 1.0), []))
+    monkeypatch.setattr(
+        autotune, "choose_plan", lambda *args, **kwargs: (Estimate(_tree("1,1"), 0, 2.0, 1.0), [])
+    )
     tuner = _drive(llama_engine64, lambda tree, new: 0.9, 600)  # a trial and one audit, passed
     described = autotune.describe_plans(tuner.history)
     assert [entry.split()[0] for entry in described] == ["probe", "trial", "1,1", "audit", "1,1"], described
@@ -484,8 +515,8 @@ def test_the_ar_turns_of_trials_and_audits_score_every_candidate(llama_engine64,
     # known: up to 3 of a turn's last wait for the next turn's tokens (the probe's: recorded since)
     expected = autotune.SHADOW_PROBE_STEPS + 2 * autotune.AR_TRIAL_STEPS
     assert expected - 3 <= scored <= expected + 3
-    assert tuner.recorder.counts[("3", 0)] == scored  # outside the running 1,1: only these samples
-    assert tuner.recorder.counts[("1,1", 0)] > scored  # inside it: its own iterations too
+    assert tuner.recorder.counts[(_tree("3"), 0)] == scored  # outside the running 1,1: only these samples
+    assert tuner.recorder.counts[(_tree("1,1"), 0)] > scored  # inside it: its own iterations too
 
 
 def test_a_passed_audit_tries_a_plan_the_shared_samples_favour_and_keeps_the_old_one_if_it_loses(
@@ -495,7 +526,10 @@ def test_a_passed_audit_tries_a_plan_the_shared_samples_favour_and_keeps_the_old
     from tokenswift_trt.decode.tuner_costs import Estimate
 
     _stub_costs(monkeypatch)
-    first, second = Estimate("1,1", 0, 2.0, 1.0), Estimate("3", 0, 2.0, 0.9)  # 3: 11% more tokens a second
+    first, second = (
+        Estimate(_tree("1,1"), 0, 2.0, 1.0),
+        Estimate(_tree("3"), 0, 2.0, 0.9),
+    )  # 3: 11% more tokens a second
 
     def choose(recorder, **kwargs):
         if choose.calls == 0:  # the probe's choice
@@ -504,10 +538,12 @@ def test_a_passed_audit_tries_a_plan_the_shared_samples_favour_and_keeps_the_old
         choose.calls += 1
         return second, [second, first]
 
-    for slow_3, expected in ((2.0, "1,1"), (0.4, "3")):
+    for slow_3, expected in ((2.0, _tree("1,1")), (0.4, _tree("3"))):
         choose.calls = 0
         monkeypatch.setattr(autotune, "choose_plan", choose)
-        tuner = _drive(llama_engine64, lambda tree, new, slow=slow_3: slow if tree == "3" else 0.5, 700)
+        tuner = _drive(
+            llama_engine64, lambda tree, new, slow=slow_3: slow if tree == _tree("3") else 0.5, 700
+        )
         described = autotune.describe_plans(tuner.history)
         assert described[1].startswith("trial 1,1") and described[3].startswith("audit 1,1"), described
         assert described[4].startswith("trial 3 k=0 against ar steps"), described  # re-chosen after the audit
@@ -533,7 +569,7 @@ def test_a_probe_beyond_the_exploration_budget_is_abandoned_and_ar_steps_run_to_
     while tuner.plan.probe:
         state.append([len(state.tokens) % 50])
         tuner.observe(None, [], None, hidden, False, 1.0, 1)
-    assert tuner.plan.tree == AR_PLAN and tuner.recorder.iterations <= 1
+    assert tuner.plan.tree is None and tuner.recorder.iterations <= 1
     assert len(state.tokens) - 3 <= 4  # abandoned as soon as its first shadow draft is recorded
     while len(state.tokens) < state.limit:
         steps = tuner.plain_ar_steps()
@@ -543,3 +579,13 @@ def test_a_probe_beyond_the_exploration_budget_is_abandoned_and_ar_steps_run_to_
         assert not tuner.plan.probe  # later probes do not fit either
     assert [plan.probe for plan in tuner.history] == [True, False]
     assert autotune.EXPLORATION_BUDGET * 900 < autotune.CHOOSE_COST_STEPS
+
+
+def test_a_plans_text_is_its_trees_widths_or_ar_and_auto_is_not_a_plan():
+    from tokenswift_trt.decode.autotune import Plan
+
+    assert str(Plan(_tree("1,3,3,3"), 20, 5)) == "1,3,3,3 k=20 from token 5"
+    assert str(Plan(None, 0, 7, audit=True)) == "audit ar k=0 from token 7"
+    assert Plan(None, 0).branching == () and Plan(_tree("3,2,1"), 4).branching == (3, 2, 1)
+    with pytest.raises(ValueError, match="not the tuner's `auto`"):
+        Plan(_tree("auto"), 0)

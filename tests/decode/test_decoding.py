@@ -298,7 +298,7 @@ def test_drafting_from_the_verify_pass_is_lossless(llama_engine64, tree):
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar and stats.partial_selections == 0
     if tree == "auto":  # probed on AR steps; untrained layers on a random model rarely earn a tree
-        assert stats.plans[0].probe and stats.plans[0].tree == "ar"
+        assert stats.plans[0].probe and stats.plans[0].tree is None
     else:
         assert "draft" in stats.phase_s
 
@@ -388,9 +388,11 @@ def test_windows_of_many_paths_penalise_what_each_paths_own_window_does(window, 
 def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monkeypatch, draft_source):
     """AR steps chosen by --tree auto skip the partial cache and n-gram upkeep; the next probe catches up."""
     from tokenswift_trt.decode import autotune
-    from tokenswift_trt.decode.tuner_costs import AR_PLAN, Estimate
+    from tokenswift_trt.decode.tree import TreeSpec
+    from tokenswift_trt.decode.tuner_costs import Estimate
 
-    choices = iter([AR_PLAN, "1,1", AR_PLAN, "1,1", AR_PLAN, "1,1"])
+    pick = TreeSpec.parse("1,1")
+    choices = iter([None, pick, None, pick, None, pick])
     monkeypatch.setattr(autotune, "EXPLORATION_BUDGET", 1e9)  # probes whatever they cost
     monkeypatch.setattr(autotune, "RETUNE_EVERY", 40)
     monkeypatch.setattr(autotune, "RETUNE_AFTER_AR", 20)  # AR steps teach nothing: probe again sooner
@@ -413,15 +415,12 @@ def test_auto_plans_alternating_with_ar_steps_stay_lossless(llama_engine64, monk
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert swift == ar
     plans = stats.plans
-    assert plans[0].probe and plans[1].tree == AR_PLAN and not (plans[1].probe or plans[1].trial)
+    assert plans[0].probe and plans[1].tree is None and not (plans[1].probe or plans[1].trial)
     assert plans[2].probe and plans[2].from_token - plans[1].from_token == 20  # RETUNE_AFTER_AR
     # the model's drafting pick is timed against AR steps before one of them is kept
-    assert (plans[3].tree, plans[3].trial) == ("1,1", True) and (plans[4].tree, plans[4].trial) == (
-        AR_PLAN,
-        True,
-    )
+    assert (plans[3].tree, plans[3].trial) == (pick, True) and (plans[4].tree, plans[4].trial) == (None, True)
     settled = next(plan for plan in plans[3:] if not plan.trial)  # after the turns of the trial
-    assert settled.tree in ("1,1", AR_PLAN) and not settled.probe
+    assert settled.tree in (pick, None) and not settled.probe
     assert stats.phase_s["ar_step"] > 0
     if draft_source == "partial":
         assert stats.partial_selections >= 2  # after prefill, and again when drafting resumed
@@ -599,7 +598,7 @@ def test_auto_settled_on_ar_steps_runs_them_as_the_ar_method_does(llama_engine64
     auto, stats = generate(llama_engine64, prompt, GenerationConfig(**base))
     ar, _ = generate(llama_engine64, prompt, GenerationConfig(**base, method="ar"))
     assert auto == ar
-    assert [plan.probe for plan in stats.plans] == [True, False] and stats.plans[1].tree == autotune.AR_PLAN
+    assert [plan.probe for plan in stats.plans] == [True, False] and stats.plans[1].tree is None
     settled = [plan for plan in calls if not plan.probe]
     assert 1 <= len(settled) <= 3 and stats.iterations == 299  # AR steps, reported in a few runs
     assert set(stats.phase_s) == {"ar_step"}

@@ -11,12 +11,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenswift_trt.decode import loop as loop_module
-from tokenswift_trt.decode.autotune import AR_PLAN, Plan
+from tokenswift_trt.decode.autotune import Plan
 from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.device_loop import DeviceLoop
 from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.stages import DecodeState, accept_slots, accept_trie
-from tokenswift_trt.decode.tree import TrieSlots, build_static_tree, build_trie
+from tokenswift_trt.decode.tree import TreeSpec, TrieSlots, build_static_tree, build_trie
 from tokenswift_trt.model.sampling import SamplingConfig
 
 from conftest import quiet_load
@@ -117,20 +117,20 @@ class ScriptedTuner:
     """The tuner's public face (`plan`, `history`, `plain_ar_steps`, `observe`) with its plans
     scripted: each plan runs for `runs` observed iterations (AR steps: `runs` steps in one run)."""
 
-    script: list[tuple[str, int, int]] = []
+    script: list[tuple[TreeSpec | None, int, int]] = []  # (plan tree, n-gram k, iterations or AR steps)
     made: list[ScriptedTuner] = []
 
     def __init__(self, engine, state, from_verify, spare, clock) -> None:
         self.state, self.clock = state, clock
         self.steps = list(self.script)
         self.history: list[Plan] = []
-        self.observed: list[tuple[str, int]] = []  # (plan tree, tokens) of every observed iteration
+        self.observed: list[tuple[TreeSpec | None, int]] = []  # (plan tree, tokens) per iteration
         self.left = 0
         self._next()
         ScriptedTuner.made.append(self)
 
     def _next(self) -> None:
-        tree, topk, self.left = self.steps.pop(0) if self.steps else (AR_PLAN, 0, 10**6)
+        tree, topk, self.left = self.steps.pop(0) if self.steps else (None, 0, 10**6)
         self.history.append(Plan(tree, topk, self.clock()))
 
     @property
@@ -138,10 +138,10 @@ class ScriptedTuner:
         return self.history[-1]
 
     def plain_ar_steps(self) -> int:
-        return self.left if self.plan.tree == AR_PLAN else 0
+        return self.left if self.plan.tree is None else 0
 
     def observe(self, trie, accepted_nodes, costs, last_hidden, done, seconds=0.0, tokens=1) -> Plan:
-        assert (trie is None) == (self.plan.tree == AR_PLAN) and seconds > 0
+        assert (trie is None) == (self.plan.tree is None) and seconds > 0
         if trie is not None:  # the device trie's features, as the tuner's recorder reads them
             assert trie.tree_paths[0] == () and len(accepted_nodes) == tokens - 1
             for node in accepted_nodes:
@@ -158,7 +158,8 @@ def test_the_device_loop_runs_the_tuners_plans_and_ar_steps_in_turn(llama_engine
     """`--tree auto` on the device loop: AR steps run as `--method ar`'s, each drafting plan on the
     device in its own slot layout; a plan the tuner leaves stops after the iteration in flight, which
     commits but is not reported; the tokens are AR's throughout."""
-    ScriptedTuner.script = [(AR_PLAN, 0, 7), ("3,2,1", 4, 5), ("1", 0, 4), (AR_PLAN, 0, 5), ("2,1", 2, 6)]
+    tree_321, tree_1, tree_21 = (TreeSpec.parse(text) for text in ("3,2,1", "1", "2,1"))
+    ScriptedTuner.script = [(None, 0, 7), (tree_321, 4, 5), (tree_1, 0, 4), (None, 0, 5), (tree_21, 2, 6)]
     ScriptedTuner.made = []
     monkeypatch.setattr(loop_module, "Tuner", ScriptedTuner)
     prompt = _prompt(llama_engine64.config.vocab_size, 7)
@@ -168,11 +169,11 @@ def test_the_device_loop_runs_the_tuners_plans_and_ar_steps_in_turn(llama_engine
     assert auto == ar
     (tuner,) = ScriptedTuner.made
     plans = [plan.tree for plan in tuner.history]
-    assert plans[:6] == [AR_PLAN, "3,2,1", "1", AR_PLAN, "2,1", AR_PLAN]
+    assert plans[:6] == [None, tree_321, tree_1, None, tree_21, None]
     observed = [tree for tree, _ in tuner.observed]
-    assert observed[:1] == [AR_PLAN] and observed.count("3,2,1") == 5 and observed.count("1") == 4
-    ar_steps = sum(tokens for tree, tokens in tuner.observed if tree == AR_PLAN)
-    drafting = len([tree for tree in observed if tree != AR_PLAN])
+    assert observed[:1] == [None] and observed.count(tree_321) == 5 and observed.count(tree_1) == 4
+    ar_steps = sum(tokens for tree, tokens in tuner.observed if tree is None)
+    drafting = len([tree for tree in observed if tree is not None])
     assert (
         stats.iterations - ar_steps - drafting == 3
     )  # each drafting plan's iteration in flight when it ended
@@ -374,7 +375,8 @@ def test_a_default_generate_on_cuda_replays_captured_iterations(llama_dir, monke
     auto, stats = generate(engine, prompt, config)  # the real tuner
     assert auto == ar and ran == [1] and stats.plans[0].probe
     # the tuner's plans scripted, so that drafting plans run on this random model
-    ScriptedTuner.script = [(AR_PLAN, 0, 8), ("3,3,3", 20, 20), ("1,1", 4, 15), ("3,3,3", 20, 15)]
+    wide, small = TreeSpec.parse("3,3,3"), TreeSpec.parse("1,1")
+    ScriptedTuner.script = [(None, 0, 8), (wide, 20, 20), (small, 4, 15), (wide, 20, 15)]
     ScriptedTuner.made = []
     monkeypatch.setattr(loop_module, "Tuner", ScriptedTuner)
     launches: list[int] = []

@@ -94,3 +94,41 @@ def test_windows_runs_add_the_adapted_layers_beside_the_static_ones(tmp_path):
         ("compared", compared, "windows"),
         ("compared, adapted", compared, "adapted_windows"),
     ]
+
+
+def test_run_plots_are_drawn_from_the_files_bench_and_bench_steps_write(tmp_path):
+    """`--run DIR`: speedup.png and alpha.png from bench's bench.json, steps.png from bench-steps'
+    steps.json (the package writes only CSV and JSON); a folder with neither is a one-line error."""
+    from tokenswift_trt.bench.run import write_results
+    from tokenswift_trt.bench.steps import ModeledSpeedup, StepCost, write_step_report
+
+    run = tmp_path / "run"
+    rows = [
+        {"prefix_len": prefix_len, "gen_len": gen_len, "speedup": 1.1, "alpha": 0.5}
+        for prefix_len in (32, 64)
+        for gen_len in (64, 128)
+    ]
+    write_results(rows, run, {"command": "test"})
+    costs = [
+        StepCost(context, step, tokens, seconds=1e-3 * tokens, bytes_read=1000, bandwidth_seconds=5e-4)
+        for context in (64, 128)
+        for step, tokens in (("ar", 1), ("verify_T4", 4))
+    ]
+    speedups = [ModeledSpeedup(256, mode, 2.0, 4, 1.0, 0.8) for mode in ("partial", "verify")]
+    write_step_report(costs, speedups, run, {"command": "test", "model": "tiny"})
+    assert not list(run.glob("*.png"))
+
+    result = _run_script("--run", str(run))
+    assert result.returncode == 0, result.stderr
+    for name in ("speedup.png", "alpha.png", "steps.png"):
+        assert (run / name).read_bytes()[:8] == PNG, name
+
+    out = tmp_path / "plots"
+    assert _run_script("--run", str(run), "--out", str(out)).returncode == 0
+    assert sorted(path.name for path in out.iterdir()) == ["alpha.png", "speedup.png", "steps.png"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = _run_script("--run", str(empty))
+    assert refused.returncode == 2
+    assert "holds neither bench.json nor steps.json" in refused.stderr.strip().splitlines()[-1]

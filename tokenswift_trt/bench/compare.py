@@ -1,5 +1,5 @@
 """`bench` as library calls: AR against TokenSwift in whole generations on one engine, the rows of
-figures, and the report (bench.csv, bench.json, bench_windows.csv, the plots). With random weights
+figures, and the report (bench.csv, bench.json, bench_windows.csv). With random weights
 (`random_weights_engine`), a model shape timed with no checkpoint or text: the measured times per AR
 token and per iteration, and the speedup they give at an assumed tokens-per-iteration.
 

@@ -433,9 +433,9 @@ WINDOW_COLUMNS = (
 
 
 def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
-    """bench.csv, bench.json, bench_windows.csv (figures per window of output positions; `python -m
-    tools.plot_benchmarks --windows bench.json` draws them) and PNG plots of speedup and α against
-    generation length."""
+    """bench.csv, bench.json and bench_windows.csv (figures per window of output positions). `python -m
+    tools.plot_benchmarks --run DIR` draws speedup and α against generation length from them, `--windows
+    DIR/bench.json` the figures by position."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "bench.csv", out_dir / "bench.json"]
     write_csv(written[0], [{key: value for key, value in row.items() if key != "windows"} for row in rows])
@@ -444,32 +444,4 @@ def write_results(rows: list[dict], out_dir: Path, meta: dict) -> list[Path]:
     flat = flat_window_rows(rows)
     if flat:
         written.append(write_csv(out_dir / "bench_windows.csv", flat))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for key, label, name in (
-        ("speedup", "speedup over AR (x)", "speedup.png"),
-        ("alpha", "acceptance rate α", "alpha.png"),
-    ):
-        figure, axis = plt.subplots(figsize=(5, 3.5))
-        for prefix_len in sorted({r["prefix_len"] for r in rows}):
-            points = [r for r in rows if r["prefix_len"] == prefix_len]
-            axis.plot(
-                [r["gen_len"] for r in points],
-                [r[key] for r in points],
-                marker="o",
-                label=f"prefix {prefix_len}",
-            )
-        if key == "speedup":
-            axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-        axis.set_xlabel("generated tokens")
-        axis.set_ylabel(label)
-        axis.legend()
-        figure.tight_layout()
-        figure.savefig(out_dir / name, dpi=120)
-        plt.close(figure)
-        written.append(out_dir / name)
     return written

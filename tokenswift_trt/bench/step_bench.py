@@ -1,6 +1,5 @@
 """`bench-steps` as library calls: a model shape with random weights, its measured step costs, the
-speedup they imply and the report (steps.csv, speedup.csv, steps.json, steps.png); with tensor
-parallelism, one rank's step cost and its all-reduces' share (tp_steps.csv, tp_steps.json).
+speedup they imply and the report (steps.csv, speedup.csv, steps.json).
 
     job = StepBenchJob(model="llama3.1-8b", contexts=(4096, 32768), tree_sizes=(1, 41), device="cuda")
     result = run_step_bench(job)            # measured, modeled, written under job.out
@@ -11,8 +10,6 @@ The CLI's `bench-steps` is these calls plus printing. Every failure is a `StepBe
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,15 +18,12 @@ from typing import Any
 
 import torch
 
-from tokenswift_trt.builder.build import BuildRequest, resolve
 from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.kernels.config import KernelConfig
-from tokenswift_trt.model.config import ModelConfig, config_from_dict, load_config
 from tokenswift_trt.model.engine import KernelFallbackWarning
 
 from .host import reference_host_ms
 from .metrics import PAPER_ACCEPT_LENGTH
-from .report import machine_meta
 from .steps import (
     DEFAULT_GEN_LENGTHS,
     DEFAULT_PROMPT_LENGTH,
@@ -46,7 +40,6 @@ from .steps import (
     random_engine,
     write_step_report,
 )
-from .tp_steps import TpStepCost, measure_tp_steps, random_rank_model, write_tp_report
 
 
 @dataclass(frozen=True)
@@ -71,8 +64,6 @@ class StepBenchJob:
     kernels: dict[str, Any] = field(default_factory=dict)  # KernelConfig fields over the defaults
     out: Path = Path("runs/steps")
     command: str = "tokenswift-trt bench-steps"  # recorded in the report
-    # --tp: the LM head replicated or split over the vocabulary (HEAD_MODES; None: the backend's default)
-    tp_head: str | None = None
 
 
 @dataclass
@@ -218,73 +209,3 @@ def run_step_bench(
         tree_size,
         host_overhead_ms,
     )
-
-
-# ---------------------------------------------------------------- tensor parallel
-
-
-def model_config(model: str) -> ModelConfig:
-    """The config of a preset or a model directory (what `--tp` ranks split), no weights read."""
-    preset, directory = resolve(BuildRequest(model=model, out=Path("."), random_weights=True))
-    return config_from_dict(preset.config) if preset is not None else load_config(directory)
-
-
-class TpRankError(RuntimeError):
-    """A tensor-parallel rank stopped or timed out while the steps were measured."""
-
-
-@dataclass
-class TpStepBenchResult:
-    costs: list[TpStepCost]
-    written: list[Path]  # empty on ranks other than 0 (rank 0 writes the report)
-    head: str = "replicated"  # how the LM head was split (tensor_parallel.HEAD_MODES)
-
-
-def tp_dtype(job: StepBenchJob) -> str:
-    """The element type `--tp` ranks time in (float32 unless given)."""
-    return job.dtype or "float32"
-
-
-def tp_rank_settings(job: StepBenchJob) -> dict[str, Any]:
-    """What every `--tp` rank must agree on before timing (compared across ranks as they start)."""
-    return {
-        "--model": job.model,
-        "--dtype": tp_dtype(job),
-        "--kernel": sorted(job.kernels.items()),
-        "--tp-head": job.tp_head,
-    }
-
-
-def run_tp_step_bench(
-    job: StepBenchJob, config: ModelConfig, tp: Any, device: str, leader: bool, size: int
-) -> TpStepBenchResult:
-    """`bench-steps --tp N` on this rank of the started group `tp` (model.tensor_parallel.TensorParallel)
-    of `size` ranks: every rank times its slice of `config`'s shape (random weights); rank 0 (`leader`)
-    writes tp_steps.csv and tp_steps.json under `job.out`. A rank that stops or times out while the
-    steps are measured is a `TpRankError`."""
-    dtype = tp_dtype(job)
-    device_now = torch.device(device)
-    settings = KernelConfig().updated(job.kernels)
-    tp = dataclasses.replace(tp, head=job.tp_head or tp.head)
-    rank_model = random_rank_model(config, tp, getattr(torch, dtype), device_now, settings)
-    try:
-        costs = measure_tp_steps(rank_model, tp, job.contexts, job.tree_sizes, job.step_repeats)
-    except RuntimeError as error:
-        raise TpRankError(str(error) or type(error).__name__) from None
-    if not leader:
-        return TpStepBenchResult(list(costs), [], tp.head)
-    meta = {
-        "command": f"tokenswift-trt bench-steps --model {job.model} --tp {size} --tp-head {tp.head} "
-        f"(contexts {job.contexts}, tree sizes {job.tree_sizes}, {job.step_repeats} repeats)",
-        "model": job.model,
-        "tp": size,
-        "tp_head": tp.head,
-        "screened_head": rank_model.screened_head is not None,
-        "random_weights": True,
-        "dtype": dtype,
-        "device": device_description(device_now),
-        "backend": "nccl" if device_now.type == "cuda" else "gloo",
-        "load_average": round(os.getloadavg()[0], 2),
-        **machine_meta(),
-    }
-    return TpStepBenchResult(list(costs), write_tp_report(costs, job.out, meta), tp.head)

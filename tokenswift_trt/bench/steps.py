@@ -558,11 +558,10 @@ def modeled_speedup(
 def write_step_report(
     costs: Sequence[StepCost], speedups: Sequence[ModeledSpeedup], out_dir: Path, meta: dict
 ) -> list[Path]:
-    """steps.csv, speedup.csv, steps.json and steps.png (step ms vs context | modeled speedup vs length)."""
+    """steps.csv, speedup.csv and steps.json (`python -m tools.plot_benchmarks --run DIR` draws
+    steps.png from them: step ms by context, modeled speedup by generated length)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    steps_csv, speedup_csv, json_path, png_path = (
-        out_dir / n for n in ("steps.csv", "speedup.csv", "steps.json", "steps.png")
-    )
+    steps_csv, speedup_csv, json_path = (out_dir / n for n in ("steps.csv", "speedup.csv", "steps.json"))
     step_rows = [
         {
             "context": c.context,
@@ -598,48 +597,4 @@ def write_step_report(
         "paper_a100_llama3.1_8b": PAPER_A100_LLAMA31_8B,
     }
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    _plot(costs, speedups, png_path, meta)
-    return [steps_csv, speedup_csv, json_path, png_path]
-
-
-def _plot(costs: Sequence[StepCost], speedups: Sequence[ModeledSpeedup], path: Path, meta: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (steps_axis, speedup_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    for index, step in enumerate(dict.fromkeys(c.step for c in costs)):
-        points = sorted((c for c in costs if c.step == step), key=lambda c: c.context)
-        color = f"C{index}"
-        contexts = [c.context for c in points]
-        steps_axis.plot(contexts, [c.seconds * 1e3 for c in points], marker="o", color=color, label=step)
-        steps_axis.plot(contexts, [c.bandwidth_seconds * 1e3 for c in points], linestyle="--", color=color)
-    steps_axis.set_xlabel("context (cached positions)")
-    steps_axis.set_ylabel("ms per step (dashed: bandwidth floor)")
-    steps_axis.set_title(
-        f"{meta.get('model', '')} {meta.get('dtype', '')} on {meta.get('device', '')}", fontsize=8
-    )
-    steps_axis.legend(fontsize=7)
-    for mode in DRAFT_MODES:
-        rows = [s for s in speedups if s.mode == mode]
-        speedup_axis.plot(
-            [s.gen_length for s in rows],
-            [s.speedup for s in rows],
-            marker="o",
-            label=f"{mode} drafting, τ {rows[0].accept_length:g}, T {rows[0].tree_size}",
-        )
-    speedup_axis.plot(
-        list(PAPER_A100_LLAMA31_8B),
-        list(PAPER_A100_LLAMA31_8B.values()),
-        "kx",
-        linestyle="none",
-        label="paper: LLaMA3.1-8B, A100",
-    )
-    speedup_axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    speedup_axis.set_xlabel("generated tokens")
-    speedup_axis.set_ylabel("modeled speedup over AR (x)")
-    speedup_axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    return [steps_csv, speedup_csv, json_path]

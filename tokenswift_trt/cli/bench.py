@@ -98,7 +98,7 @@ def bench(
     tp_timeout,
     **opts,
 ) -> None:
-    """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + PNG. With
+    """AR vs TokenSwift: tokens/s, speedup, α, β and Distinct-n per generation length; CSV + JSON. With
     --tp N every run is split over N tensor-parallel ranks; rank 0 writes the report."""
     from tokenswift_trt.bench.compare import (
         BenchJob,
@@ -121,7 +121,8 @@ def bench(
         opts["seed"] = 0
     if random_weights and tp > 1:
         raise CliError(
-            f"--random-weights times one process: drop --tp {tp} (bench-steps --tp {tp} times a split step)"
+            f"--random-weights times one process: drop --tp {tp} (the repository's `python -m "
+            f"tools.tp_steps --tp {tp}` times a split step)"
         )
     ranks = None
     if random_weights:

@@ -1,5 +1,5 @@
 """`bench-steps`: the cost of one AR, draft and verify step of a model shape with random weights, and
-the speedup those costs imply; with --tp N, a tensor-parallel step's cost and its all-reduces'."""
+the speedup those costs imply."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import click
 
 from tokenswift_trt.bench.metrics import PAPER_ACCEPT_LENGTH
 
-from .common import CliError, fail, given_command, int_list, kernel_option, report_out_option
-from .tp_launch import tp_options
+from .common import fail, given_command, int_list, kernel_option, report_out_option
 
 if TYPE_CHECKING:
     from tokenswift_trt.bench.step_bench import StepBenchJob, StepBenchResult
@@ -68,15 +67,7 @@ if TYPE_CHECKING:
     "--compile-steps", is_flag=True, help="fixed-shape steps through torch.compile (as generate's flag)"
 )
 @report_out_option("runs/steps")
-@click.option(
-    "--tp-head",
-    type=click.Choice(["replicated", "vocab"]),
-    default=None,
-    help="with --tp: the LM head replicated on every rank, or split over the vocabulary with an "
-    "all-gather of the logits [vocab on GPUs, replicated on a CPU]",
-)
 @kernel_option
-@tp_options
 def bench_steps(
     model,
     contexts,
@@ -95,13 +86,9 @@ def bench_steps(
     compile_steps,
     out,
     kernels,
-    tp_head,
-    tp,
-    tp_timeout,
 ) -> None:
     """The cost of one AR, draft and verify step per context against the memory-bandwidth floor, and
-    the speedup those costs imply (docs/gpu.md). With --tp N: a tensor-parallel step's cost and its
-    all-reduces' on N ranks (tp_steps.csv, tp_steps.json; docs/deploy.md)."""
+    the speedup those costs imply (docs/gpu.md)."""
     from tokenswift_trt.bench.step_bench import StepBenchJob, check_cuda, run_step_bench
     from tokenswift_trt.bench.steps import DEFAULT_GEN_LENGTHS, DEFAULT_PROMPT_LENGTH
 
@@ -131,11 +118,7 @@ def bench_steps(
         kernels=kernels,
         out=out,
         command=given_command("tokenswift-trt bench-steps"),
-        tp_head=tp_head,
     )
-    if tp > 1:  # the all-reduces' share of a tensor-parallel step (bench/tp_steps.py)
-        _tp_steps(job, tp, tp_timeout)
-        return
     bars = []  # opened at the first measured step, after the engine is built and the host timed
 
     def on_step(cost: StepCost) -> None:
@@ -153,35 +136,6 @@ def bench_steps(
         for bar in bars:
             bar.close()
     _print_step_report(result, job)
-
-
-def _tp_steps(job: StepBenchJob, size: int, timeout_s: float) -> None:
-    """`bench-steps --tp N`: start the ranks (every one runs this command), time each rank's slice;
-    rank 0 writes the report and prints the rows."""
-    from tokenswift_trt.bench.step_bench import TpRankError, model_config, run_tp_step_bench, tp_rank_settings
-
-    from .tp_launch import start_ranks
-
-    try:
-        config = model_config(job.model)
-        ranks = start_ranks(size, timeout_s, config, tp_rank_settings(job), job.device)
-    except (ValueError, RuntimeError) as error:
-        raise fail(error) from None
-    click.get_current_context().call_on_close(ranks.close)
-    try:
-        result = run_tp_step_bench(job, config, ranks.tp, ranks.device, ranks.leader, size)
-    except TpRankError as error:
-        raise CliError(f"a tensor-parallel rank stopped or timed out: {fail(error).message}") from None
-    if not ranks.leader:
-        return
-    for path in result.written:
-        click.echo(f"wrote {path}", err=True)
-    for cost in result.costs:
-        click.echo(
-            f"L={cost.context} T={cost.tokens}: step {cost.step_ms:.3f} ms, its {cost.all_reduces} "
-            f"all-reduces {cost.all_reduce_ms:.3f} ms ({cost.all_reduce_share:.0%}); LM head "
-            f"({result.head}) {cost.head_ms:.3f} ms"
-        )
 
 
 def _print_step_report(result: StepBenchResult, job: StepBenchJob) -> None:

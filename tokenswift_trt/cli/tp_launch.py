@@ -244,7 +244,11 @@ def start_ranks(size: int, timeout_s: float, config: Any, asked: dict[str, Any],
     if assignment is None:  # no launcher: this process is rank 0 and starts the others
         assignment = Assignment(0, size, 0, LOCALHOST, _free_port())
         context = click.get_current_context()
-        command = (context.command.callback.__module__, context.command.callback.__name__)
+        module = context.command.callback.__module__
+        main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+        if module == "__main__" and main_spec is not None:  # run as `python -m NAME`: ranks import NAME
+            module = main_spec.name
+        command = (module, context.command.callback.__name__)
         for rank in range(1, size):
             place = dataclasses.replace(assignment, rank=rank, local_rank=rank)
             process = subprocess.Popen(

@@ -61,7 +61,6 @@ model, and hands each iteration to the policy once (`observe`).
 from __future__ import annotations
 
 import enum
-import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -70,9 +69,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenswift_trt.decode.stages import DecodeState, candidates_from_hidden, chain_rows, retrieve_ngrams
-from tokenswift_trt.decode.tree import StaticTree, Trie, build_static_tree, build_trie, parse_tree
+from tokenswift_trt.decode.tree import StaticTree, TreeSpec, Trie, build_static_tree, build_trie
 from tokenswift_trt.decode.tuner_costs import (
-    AR_PLAN,
     IterationCosts,
     ProbeRecorder,
     accepted_path,
@@ -81,6 +79,7 @@ from tokenswift_trt.decode.tuner_costs import (
     measure_ranking,
     measure_sampling,
     measure_verify,
+    tree_text,
 )
 from tokenswift_trt.model.decoder import drafts_along_paths, reads_root
 from tokenswift_trt.model.engine import Engine
@@ -89,11 +88,11 @@ from tokenswift_trt.model.engine import Engine
 # on the partial cache, whose first level is the base model's one draft; "verify": depth d uses draft
 # layer d). On a GPU a verify of ~120 nodes costs about one step, so the largest tree and k are probed;
 # on a CPU a verify costs about its node count and the plans that win are small (2, 3, 2,1, ...).
-PROBES: dict[tuple[str, str], tuple[str, int]] = {
-    ("cuda", "partial"): ("1,3,3,3", 20),
-    ("cuda", "verify"): ("3,3,3", 20),
-    ("cpu", "partial"): ("1,3,2,1", 4),
-    ("cpu", "verify"): ("3,2,1", 4),
+PROBES: dict[tuple[str, str], tuple[TreeSpec, int]] = {
+    ("cuda", "partial"): (TreeSpec.parse("1,3,3,3"), 20),
+    ("cuda", "verify"): (TreeSpec.parse("3,3,3"), 20),
+    ("cpu", "partial"): (TreeSpec.parse("1,3,2,1"), 4),
+    ("cpu", "verify"): (TreeSpec.parse("3,2,1"), 4),
 }
 # probe iterations with the probe tree: acceptance counts add up over probes and over the iterations of
 # the plans that run; a probe is the tuner's overhead, and the trial catches a plan chosen on too few
@@ -124,35 +123,39 @@ EXPLORATION_BUDGET = 0.01
 CHOOSE_COST_STEPS = 30  # the first choice's timing passes, in AR steps, until one is measured (~16-40)
 
 
-def probe_plan(draft_source: str, device: torch.device) -> tuple[str, int]:
+def probe_plan(draft_source: str, device: torch.device) -> tuple[TreeSpec, int]:
     """(tree, n-gram k) the tuner probes with for this drafting source ("partial" / "verify") here."""
     return PROBES["cuda" if device.type == "cuda" else "cpu", draft_source]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What the decode loop runs: a static tree and n-gram k, or plain AR steps (tree AR_PLAN)."""
+    """What the decode loop runs: a static tree and n-gram k, or plain AR steps (tree None)."""
 
-    tree: str  # a tree string ("1,3,3,3"), or AR_PLAN
+    tree: TreeSpec | None  # a static tree (1,3,3,3), or None: plain AR steps
     ngram_topk: int
     from_token: int = 0  # new-token count when the plan started (Stats.plans)
     probe: bool = False  # the tuner's probe, run to measure acceptance
     trial: bool = False  # a turn of a trial: the model's pick or AR steps, timed against each other
     audit: bool = False  # a turn of an audit: AR steps or the kept drafting plan
 
-    @functools.cached_property
+    def __post_init__(self) -> None:
+        if self.tree is not None and self.tree.auto:
+            raise ValueError("a plan runs a static tree or AR steps, not the tuner's `auto`")
+
+    @property
     def branching(self) -> tuple[int, ...]:
-        """Candidates per depth (parsed once: the tuner reads it every iteration of a drafting plan)."""
-        return () if self.tree == AR_PLAN else parse_tree(self.tree)
+        """Candidates per depth; () for AR steps."""
+        return () if self.tree is None else self.tree.branching
 
     def static_tree(self) -> StaticTree | None:
-        return None if self.tree == AR_PLAN else build_static_tree(self.branching)
+        return None if self.tree is None else build_static_tree(self.tree.branching)
 
     def __str__(self) -> str:
-        if self.probe and self.tree == AR_PLAN:
+        if self.probe and self.tree is None:
             return f"probe on ar steps from token {self.from_token}"
         kind = "probe " if self.probe else "trial " if self.trial else "audit " if self.audit else ""
-        return f"{kind}{self.tree} k={self.ngram_topk} from token {self.from_token}"
+        return f"{kind}{tree_text(self.tree)} k={self.ngram_topk} from token {self.from_token}"
 
 
 def describe_plans(plans: Sequence[Plan]) -> list[str]:
@@ -169,11 +172,11 @@ def describe_plans(plans: Sequence[Plan]) -> list[str]:
             continue
         while end < len(plans) and (plans[end].trial, plans[end].audit) == (plan.trial, plan.audit):
             end += 1
-        drafting = next((turn for turn in plans[start:end] if turn.tree != AR_PLAN), plan)
+        drafting = next((turn for turn in plans[start:end] if turn.tree is not None), plan)
         kind = "trial" if plan.trial else "audit"
         described.append(
-            f"{kind} {drafting.tree} k={drafting.ngram_topk} against ar steps, {end - start} turns, "
-            f"from token {plan.from_token}"
+            f"{kind} {tree_text(drafting.tree)} k={drafting.ngram_topk} against ar steps, "
+            f"{end - start} turns, from token {plan.from_token}"
         )
         start = end
     return described
@@ -313,7 +316,7 @@ class Policy:
 
     @property
     def probes_on_ar_steps(self) -> bool:
-        return self.probe.tree == AR_PLAN
+        return self.probe.tree is None
 
     def plain_ar_steps(self, position: int) -> int:
         """AR steps the loop may run as `--method ar` does and report as one run: those to the next
@@ -323,7 +326,7 @@ class Policy:
     def shadow_wanted(self, left: int) -> bool:
         """Whether the tuner drafts the probe trie after this AR step: on a probe's steps, and on the
         AR turns of trials and audits while the budget allows (samples that score every candidate)."""
-        if not self.probes_on_ar_steps or self.plan.tree != AR_PLAN:
+        if not self.probes_on_ar_steps or self.plan.tree is not None:
             return False
         if self.phase is Phase.PROBE:
             return True
@@ -353,7 +356,7 @@ class Policy:
 
     def _enter_ar(self, position: int) -> None:
         self._ar_streak += 1
-        self._enter(Phase.AR, Plan(AR_PLAN, 0, position))
+        self._enter(Phase.AR, Plan(None, 0, position))
         self._schedule_probe(position)
 
     def _enter_draft(self, plan: Plan, position: int, audits: int = 0, schedule: bool = True) -> None:
@@ -375,7 +378,7 @@ class Policy:
         turns, audit = self._turns, self.phase is Phase.AUDIT
         assert turns is not None
         turns.in_turn = 0
-        tree, topk = (AR_PLAN, 0) if ar else (turns.plan.tree, turns.plan.ngram_topk)
+        tree, topk = (None, 0) if ar else (turns.plan.tree, turns.plan.ngram_topk)
         self.history.append(Plan(tree, topk, position, trial=not audit, audit=audit))
 
     def _schedule_probe(self, position: int) -> None:
@@ -399,10 +402,10 @@ class Policy:
         started = time.perf_counter()
         pick = self.choose()
         budget.choose_s = time.perf_counter() - started
-        if pick.tree == AR_PLAN:
+        if pick.tree is None:
             self._enter_ar(report.position)
         else:
-            self._enter_turns(_Turns(pick, Plan(AR_PLAN, 0)), audit=False, position=report.position)
+            self._enter_turns(_Turns(pick, Plan(None, 0)), audit=False, position=report.position)
 
     def _turn(self, report: Report) -> None:
         """An iteration of a trial or audit, timed to its side; the sides take turns of 1/TURNS of
@@ -433,7 +436,7 @@ class Policy:
         re-choice tried to replace."""
         if turns.ratio < TRIAL_MARGIN:
             self._enter_draft(turns.plan, position)
-        elif turns.fallback.tree == AR_PLAN:
+        elif turns.fallback.tree is None:
             self._enter_ar(position)
         else:
             self._enter_draft(turns.fallback, position)
@@ -461,7 +464,7 @@ class Policy:
             else:
                 self._schedule_probe(report.position)
         elif self.phase is Phase.DRAFT and report.position >= self._next_audit:
-            self._enter_turns(_Turns(self.plan, Plan(AR_PLAN, 0)), audit=True, position=report.position)
+            self._enter_turns(_Turns(self.plan, Plan(None, 0)), audit=True, position=report.position)
 
 
 # ---------------------------------------------------------------- the tuner
@@ -479,7 +482,7 @@ class Tuner:
         self.engine, self.state, self.from_verify, self.max_trie = engine, state, from_verify, max_trie
         self.clock = clock  # new tokens so far (plans are logged by it)
         self.probe_tree, self.probe_topk = probe_plan("verify" if from_verify else "partial", engine.device)
-        self._probe_static = build_static_tree(self.probe_tree)
+        self._probe_static = build_static_tree(self.probe_tree.branching)
         # probe tries drafted on AR steps, waiting for their tokens: (trie, root index, depth, costs or
         # None for a shadow drafted outside a probe)
         self._shadows: deque[tuple[Trie, int, int, IterationCosts | None]] = deque()
@@ -495,7 +498,7 @@ class Tuner:
         self._probe_costs = IterationCosts(0.0, 0.0, 0.0, 0)
         self._probe_iterations = 0
         self._last_hidden: torch.Tensor | None = None
-        probe = Plan(AR_PLAN, 0) if from_verify else Plan(self.probe_tree, self.probe_topk)
+        probe = Plan(None, 0) if from_verify else Plan(self.probe_tree, self.probe_topk)
         length = SHADOW_PROBE_STEPS if from_verify else PROBE_ITERATIONS
         self.policy = Policy(probe, length, self._choose, self._rechoose, clock())
         self.history = self.policy.history
@@ -526,7 +529,7 @@ class Tuner:
         plan, left = self.plan, self.state.limit - len(self.state.tokens)
         if self.policy.shadow_wanted(left):
             self._shadow_draft(last_hidden, probe=plan.probe)
-        if plan.probe and plan.tree != AR_PLAN:  # a probe tree runs every iteration
+        if plan.probe and plan.tree is not None:  # a probe tree runs every iteration
             assert trie is not None and costs is not None
             self._record_probe(trie, accepted_nodes, costs)
         elif not plan.probe:
@@ -589,7 +592,7 @@ class Tuner:
         assert hidden is not None
         recorder = self.recorder
         if max(1 + recorder.mean_accepted(key) for key in recorder.accepted) < MIN_TOKENS_PER_ITERATION:
-            return Plan(AR_PLAN, 0)
+            return Plan(None, 0)
         totals = self._probe_costs
         self._costs = dict(
             verify_costs=measure_verify(engine, state, self.max_trie),
@@ -630,7 +633,7 @@ class Tuner:
             (p for p in plans if (p.tree, p.ngram_topk) == (running.tree, running.ngram_topk)), None
         )
         if (
-            best.tree == AR_PLAN
+            best.tree is None
             or current is None
             or (best.tree, best.ngram_topk) == (current.tree, current.ngram_topk)
         ):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tokenswift_trt.decode.autotune import AR_PLAN, IterationCosts, Plan, Tuner, probe_plan
+from tokenswift_trt.decode.autotune import IterationCosts, Plan, Tuner, probe_plan
 from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.device_loop import DeviceLoop, run_device_loop
 from tokenswift_trt.decode.stages import (
@@ -40,7 +40,7 @@ from tokenswift_trt.decode.state import new_adapter, new_decode_state, refresh_d
 from tokenswift_trt.decode.stats import WINDOW_TOKENS, Stats, count_drafts
 from tokenswift_trt.decode.suffix import LOOKUP_EVERY, MatchGate
 from tokenswift_trt.decode.threads import ThreadGovernor
-from tokenswift_trt.decode.tree import Trie, build_trie, parse_tree
+from tokenswift_trt.decode.tree import Trie, build_trie
 from tokenswift_trt.model.decoder import ForwardOutput
 from tokenswift_trt.model.draft_adaptation import DraftAdapter
 from tokenswift_trt.model.engine import Engine
@@ -294,7 +294,7 @@ def _tokenswift_loop(
         if config.tree.auto
         else None
     )
-    plan = tuner.plan if tuner is not None else Plan(str(config.tree), config.ngram_topk)
+    plan = tuner.plan if tuner is not None else Plan(config.tree, config.ngram_topk)
     if tuner is not None:
         stats.plans = tuner.history
     tree = plan.static_tree()
@@ -443,10 +443,10 @@ def _device_loop(
     new_tokens = lambda: len(state.tokens) - state.prompt_length  # noqa: E731
     auto = config.tree.auto
     tuner = Tuner(engine, state, True, state.full.capacity - state.limit, new_tokens) if auto else None
-    plan = tuner.plan if tuner is not None else Plan(str(config.tree), config.ngram_topk)
+    plan = tuner.plan if tuner is not None else Plan(config.tree, config.ngram_topk)
     if auto:
         probe_tree, topk = probe_plan("verify", engine.device)
-        largest = parse_tree(probe_tree)
+        largest = probe_tree.branching
     else:
         largest, topk = config.tree.branching, config.ngram_topk
     try:
@@ -458,7 +458,7 @@ def _device_loop(
         stats.plans = tuner.history
     done = False
     while not done:
-        if plan.tree == AR_PLAN:  # the tuner's AR steps
+        if plan.tree is None:  # the tuner's AR steps
             assert tuner is not None
             steps = max(1, tuner.plain_ar_steps())
             run = yield from _ar_steps(engine, state, stats, started, on_tokens, steps, "ar_step")

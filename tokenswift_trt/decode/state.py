@@ -86,7 +86,7 @@ def new_decode_state(
     from_verify = config.resolved_draft_source == "verify"
     auto = config.tree.auto
     probe_tree, probe_topk = probe_plan(config.resolved_draft_source, engine.device)
-    tree = build_static_tree(probe_tree if auto else config.tree.branching)
+    tree = build_static_tree((probe_tree if auto else config.tree).branching)
     max_depth = len(engine.draft_layers) + (0 if from_verify else 1)
     if drafting and tree.depth > max_depth:
         raise GenerationError(

@@ -29,34 +29,37 @@ from tokenswift_trt.decode.stages import (
     sampled_in_one_batch,
     top_candidates,
 )
-from tokenswift_trt.decode.tree import StaticTree, Trie, build_static_tree, build_trie, parse_tree
+from tokenswift_trt.decode.tree import StaticTree, TreeSpec, Trie, build_static_tree, build_trie
 from tokenswift_trt.model.engine import Engine
 
-AR_PLAN = "ar"  # tree value of the plan that drafts nothing
+AR_TEXT = "ar"  # how output shows the tree of a plan that drafts nothing (tree None)
 # Candidate trees; a probe considers those that fit inside its own tree (the paper's drafting probes
 # 1,3,3,3, whose first level is the base model's one draft; drafting from the verify pass probes
 # 3,3,3, whose first level is draft layer 1's, where a few first-level candidates can pay).
-CANDIDATE_TREES = (
-    "1",
-    "1,1",
-    "1,1,1",
-    "1,1,1,1",
-    "1,2,1,1",
-    "1,2,2,1",
-    "1,2,2,2",
-    "1,3,2,2",
-    "1,3,3,2",
-    "1,3,3,3",
-    "2",
-    "3",
-    "2,1",
-    "3,1",
-    "2,2",
-    "3,2",
-    "3,3",
-    "2,1,1",
-    "3,1,1",
-    "3,2,1",
+CANDIDATE_TREES: tuple[TreeSpec, ...] = tuple(
+    TreeSpec.parse(tree)
+    for tree in (
+        "1",
+        "1,1",
+        "1,1,1",
+        "1,1,1,1",
+        "1,2,1,1",
+        "1,2,2,1",
+        "1,2,2,2",
+        "1,3,2,2",
+        "1,3,3,2",
+        "1,3,3,3",
+        "2",
+        "3",
+        "2,1",
+        "3,1",
+        "2,2",
+        "3,2",
+        "3,3",
+        "2,1,1",
+        "3,1,1",
+        "3,2,1",
+    )
 )
 CANDIDATE_TOPK = (0, 1, 2, 4, 8, 20)
 
@@ -69,7 +72,7 @@ CPU_TIMED_NODES = 16
 class Estimate:
     """A candidate plan's expected tokens and seconds per iteration (`choose_plan`)."""
 
-    tree: str  # a tree string, or AR_PLAN
+    tree: TreeSpec | None  # a static tree, or None: plain AR steps
     ngram_topk: int
     tokens_per_iteration: float
     seconds_per_iteration: float
@@ -77,6 +80,11 @@ class Estimate:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_iteration / self.seconds_per_iteration if self.seconds_per_iteration else 0.0
+
+
+def tree_text(tree: TreeSpec | None) -> str:
+    """A plan's tree as output shows it: its widths ("1,3,3,3"), or "ar" for plain AR steps (None)."""
+    return AR_TEXT if tree is None else str(tree)
 
 
 def _available(
@@ -93,10 +101,12 @@ def _available(
 class ProbeRecorder:
     """Accumulates, per candidate plan, accepted length and trie size over probe iterations."""
 
-    def __init__(self, max_depth: int, probe_tree: str | None = None, probe_topk: int | None = None) -> None:
+    def __init__(
+        self, max_depth: int, probe_tree: TreeSpec | None = None, probe_topk: int | None = None
+    ) -> None:
         """Candidates: CANDIDATE_TREES at most `max_depth` deep and, given the probe's tree and k,
         inside it (a candidate's nodes must all be in the probe's trie to be scored from it)."""
-        probe = parse_tree(probe_tree) if probe_tree is not None else None
+        probe = probe_tree.branching if probe_tree is not None else None
 
         def fits(branching: tuple[int, ...]) -> bool:
             if len(branching) > max_depth:
@@ -106,9 +116,9 @@ class ProbeRecorder:
             )
 
         self.candidates = [
-            (tree, parse_tree(tree), k)
+            (tree, tree.branching, k)
             for tree in CANDIDATE_TREES
-            if fits(parse_tree(tree))
+            if fits(tree.branching)
             for k in CANDIDATE_TOPK
             if probe_topk is None or k <= probe_topk
         ]
@@ -116,7 +126,7 @@ class ProbeRecorder:
         self.nodes = {(tree, k): 0 for tree, _, k in self.candidates}
         self.counts = {(tree, k): 0 for tree, _, k in self.candidates}  # iterations recorded per candidate
         self.iterations = 0  # probe iterations
-        self._inside: dict[tuple[tuple[int, ...], int], list[tuple[str, tuple[int, ...], int]]] = {}
+        self._inside: dict[tuple[tuple[int, ...], int], list[tuple[TreeSpec, tuple[int, ...], int]]] = {}
 
     def record(
         self, trie: Trie, accepted_nodes: Sequence[int], plan: tuple[tuple[int, ...], int] | None = None
@@ -142,7 +152,7 @@ class ProbeRecorder:
 
     def _candidates_inside(
         self, branching: tuple[int, ...], k: int
-    ) -> list[tuple[str, tuple[int, ...], int]]:
+    ) -> list[tuple[TreeSpec, tuple[int, ...], int]]:
         key = (branching, k)
         if key not in self._inside:
             self._inside[key] = [
@@ -152,10 +162,10 @@ class ProbeRecorder:
             ]
         return self._inside[key]
 
-    def mean_nodes(self) -> dict[tuple[str, int], float]:
+    def mean_nodes(self) -> dict[tuple[TreeSpec, int], float]:
         return {key: value / max(1, self.counts[key]) for key, value in self.nodes.items()}
 
-    def mean_accepted(self, key: tuple[str, int]) -> float:
+    def mean_accepted(self, key: tuple[TreeSpec, int]) -> float:
         return self.accepted[key] / max(1, self.counts[key])
 
 
@@ -227,13 +237,13 @@ def choose_plan(
         return interpolate(sampling_costs, nodes)
 
     ar_overhead = sampling(1, 1) if sampling_costs is not None else overhead_s / 2
-    plans = [Estimate(AR_PLAN, 0, 1.0, interpolate(verify_costs, 1) + ar_overhead)]
+    plans = [Estimate(None, 0, 1.0, interpolate(verify_costs, 1) + ar_overhead)]
     for (tree, k), nodes in recorder.mean_nodes().items():
         tokens = 1 + recorder.mean_accepted((tree, k))
         batched = sampled_in_one_batch(nodes, device)
         draft = batched_draft_s if batched_draft_s is not None and batched else draft_s
         if draft_s_by_depth:
-            draft = draft_s_by_depth[min(len(parse_tree(tree)), max(draft_s_by_depth))]
+            draft = draft_s_by_depth[min(len(tree.branching), max(draft_s_by_depth))]
         seconds = (
             draft
             + overhead_s

@@ -1,4 +1,7 @@
-"""`bench-steps --tp N`: what the all-reduces cost in one step of a tensor-parallel model.
+"""What the all-reduces cost in one step of a tensor-parallel model (docs/deploy.md, "Tensor parallelism").
+
+    .venv/bin/python -m tools.tp_steps --model swift-tiny --tp 2 --contexts 1024 --tree-sizes 1,16 \
+        --out runs/tp-steps
 
 Every rank builds its slice of a model's shape with random weights (model/tensor_parallel.py: the
 per-rank shape, row-parallel o_proj and down_proj) and times, per context L and new tokens T:
@@ -6,25 +9,36 @@ per-rank shape, row-parallel o_proj and down_proj) and times, per context L and 
 - the step's collectives alone: 2 x layers all-reduces of [T, hidden] in the model's dtype,
 - the LM head on the step's T rows as decoding applies it to sample (`LlamaModel.target_logits`,
   greedy): replicated, every rank's whole head (on a CPU the float16-screened one where it applies);
-  split over the vocabulary (`head="vocab"`), the rank's rows and the all-gather of [T, V] logits,
-each the median of `repeats` runs, every rank timing the same runs in step (a barrier before each).
+  split over the vocabulary (`--tp-head vocab`), the rank's rows and the all-gather of [T, V] logits,
+each the median of `--step-repeats` runs, every rank timing the same runs in step (a barrier before
+each). Without torchrun the command starts ranks 1..N-1 itself (`cli/tp_launch.py`); rank 0 writes
+tp_steps.csv and tp_steps.json under --out and prints a line per (L, T).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import click
 import torch
 import torch.distributed as dist
 
+from tokenswift_trt.bench.report import machine_meta, write_csv
+from tokenswift_trt.bench.step_bench import check_cuda
+from tokenswift_trt.bench.steps import device_description, fill_random
+from tokenswift_trt.builder.build import BuildRequest, resolve
+from tokenswift_trt.cli.common import CliError, fail, int_list, kernel_option, report_out_option
+from tokenswift_trt.cli.tp_launch import start_ranks, tp_options
 from tokenswift_trt.kernels.config import KernelConfig
-from tokenswift_trt.model.config import ModelConfig
+from tokenswift_trt.model.config import ModelConfig, config_from_dict, load_config
 from tokenswift_trt.model.decoder import LlamaModel
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig
@@ -34,9 +48,6 @@ from tokenswift_trt.model.tensor_parallel import (
     make_vocab_parallel_head,
     shard_config,
 )
-
-from .report import write_csv
-from .steps import fill_random
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,12 @@ class TpStepCost:
     @property
     def all_reduce_share(self) -> float:
         return self.all_reduce_ms / self.step_ms if self.step_ms else 0.0
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of a preset or a model directory (what the ranks split), no weights read."""
+    preset, directory = resolve(BuildRequest(model=model, out=Path("."), random_weights=True))
+    return config_from_dict(preset.config) if preset is not None else load_config(directory)
 
 
 def random_rank_model(
@@ -77,7 +94,7 @@ def random_rank_model(
     return model.eval()
 
 
-def _median_ms(run, repeats: int, group) -> float:
+def _median_ms(run: Callable[[], object], repeats: int, group: object) -> float:
     """Median wall time of `run()` over `repeats` runs, the ranks starting each together."""
     times = []
     for _ in range(repeats + 1):  # the first run warms up
@@ -143,3 +160,74 @@ def write_tp_report(costs: Sequence[TpStepCost], out_dir: Path, meta: dict) -> l
     csv_path, json_path = write_csv(out_dir / "tp_steps.csv", rows), out_dir / "tp_steps.json"
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return [csv_path, json_path]
+
+
+@click.command("tp_steps")
+@click.option(
+    "--model", required=True, help="preset name or model directory whose shape is timed (random weights)"
+)
+@click.option("--contexts", default="1024", show_default=True, help="cached positions L")
+@click.option("--tree-sizes", default="1,16", show_default=True, help="new tokens T per step")
+@click.option("--step-repeats", type=int, default=20, show_default=True, help="timed runs per step (median)")
+@click.option(
+    "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True
+)
+@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--tp-head",
+    type=click.Choice(["replicated", "vocab"]),
+    default=None,
+    help="the LM head replicated on every rank, or split over the vocabulary with an all-gather of the "
+    "logits [vocab on GPUs, replicated on a CPU]",
+)
+@report_out_option("runs/tp-steps")
+@kernel_option
+@tp_options
+def main(model, contexts, tree_sizes, step_repeats, dtype, device, tp_head, out, kernels, tp, tp_timeout):
+    """Time one rank's slice of a tensor-parallel step, its all-reduces and its LM head on --tp ranks."""
+    try:
+        check_cuda(device)
+        context_list, sizes = int_list(contexts, "--contexts"), int_list(tree_sizes, "--tree-sizes")
+        config = model_config(model)
+        asked = {"--model": model, "--dtype": dtype, "--kernel": sorted(kernels.items())}
+        asked["--tp-head"] = tp_head  # what every rank must agree on before timing
+        ranks = start_ranks(tp, tp_timeout, config, asked, device)
+    except (ValueError, RuntimeError) as error:
+        raise fail(error) from None
+    click.get_current_context().call_on_close(ranks.close)
+    group = dataclasses.replace(ranks.tp, head=tp_head or ranks.tp.head)
+    place = torch.device(ranks.device)
+    settings = KernelConfig().updated(kernels)
+    rank_model = random_rank_model(config, group, getattr(torch, dtype), place, settings)
+    try:
+        costs = measure_tp_steps(rank_model, group, context_list, sizes, step_repeats)
+    except RuntimeError as error:
+        raise CliError(f"a tensor-parallel rank stopped or timed out: {fail(error).message}") from None
+    if not ranks.leader:
+        return
+    meta = {
+        "command": f"python -m tools.tp_steps --model {model} --tp {tp} --tp-head {group.head} "
+        f"(contexts {context_list}, tree sizes {sizes}, {step_repeats} repeats)",
+        "model": model,
+        "tp": tp,
+        "tp_head": group.head,
+        "screened_head": rank_model.screened_head is not None,
+        "random_weights": True,
+        "dtype": dtype,
+        "device": device_description(place),
+        "backend": "nccl" if place.type == "cuda" else "gloo",
+        "load_average": round(os.getloadavg()[0], 2),
+        **machine_meta(),
+    }
+    for path in write_tp_report(costs, out, meta):
+        click.echo(f"wrote {path}", err=True)
+    for cost in costs:
+        click.echo(
+            f"L={cost.context} T={cost.tokens}: step {cost.step_ms:.3f} ms, its {cost.all_reduces} "
+            f"all-reduces {cost.all_reduce_ms:.3f} ms ({cost.all_reduce_share:.0%}); LM head "
+            f"({group.head}) {cost.head_ms:.3f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
