@@ -27,9 +27,9 @@ BOOKS=(data/corpus/moby_dick.txt.gz data/corpus/war_and_peace.txt.gz data/corpus
 HELD_OUT_BOOK=data/corpus/pride_and_prejudice.txt.gz
 
 if [[ $QUICK == 1 ]]; then
-  SEQUENCES=32; NEW_TOKENS=256; HELD_OUT=4
-  TRAIN=(--steps 240 --seq-len 256 --batch 4 --grad-accum 1 --state-cache 96 --lr 5e-3 --warmup-steps 20
-         --eval-every 60 --checkpoint-every 60)
+  SEQUENCES=32; NEW_TOKENS=256; HELD_OUT=12
+  TRAIN=(--steps 360 --seq-len 256 --batch 4 --grad-accum 1 --state-cache 96 --lr 5e-3 --warmup-steps 20
+         --eval-every 90 --checkpoint-every 90)
   EVAL=(--sequences 8 --seq-len 256 --measure-prompts 4 --measure-tokens 256)
 else
   SEQUENCES=2048; NEW_TOKENS=1024; HELD_OUT=16

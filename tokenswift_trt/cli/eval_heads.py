@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .common import CliError, fail, load_source, source_options
+from .common import CliError, fail, given_command, load_source, source_options
 
 SAMPLING = ("temperature", "min_p", "penalty", "penalty_window", "seed")
 
@@ -99,7 +99,10 @@ def eval_heads(
         measured = measure_chain(loaded, prompts, measure_tokens, len(engine.draft_layers), settings)
         texts = [torch.tensor(text) for text in measured.texts]
         on_measured_text = predict_chain(engine, engine.draft_layers, texts, config.sampling)
-    report = evaluation_report(prediction, measured, config.sampling, on_measured_text)
+    from tokenswift_trt.bench.report import machine_meta
+
+    meta = {**machine_meta(), "command": given_command("tokenswift-trt eval-heads")}
+    report = evaluation_report(prediction, measured, config.sampling, on_measured_text, meta)
     if out is not None:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .common import DTYPES, CliError, fail, resolve_source
+from .common import DTYPES, CliError, fail, given_command, resolve_source
 
 
 @click.command("train-heads")
@@ -215,6 +215,7 @@ def train_heads(
         device=device,
         field=field,
         threads=_rank_threads(),
+        command=given_command("tokenswift-trt train-heads"),
     )
     ranks = join_ranks(device)
     quiet = not ranks.main  # progress and messages from rank 0 only

@@ -201,10 +201,15 @@ def evaluation_report(
     measured: ChainMeasurement | None,
     sampling: SamplingConfig,
     on_measured_text: ChainPrediction | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The figures `eval-heads` writes (JSON). `on_measured_text`: the prediction on the very text the
     measured runs wrote, the like-for-like check of the prediction against `generate`."""
-    report: dict[str, Any] = {"sampling": asdict(sampling), "predicted": asdict(prediction)}
+    report: dict[str, Any] = {
+        "meta": meta or {},
+        "sampling": asdict(sampling),
+        "predicted": asdict(prediction),
+    }
     if measured is not None:
         figures = asdict(measured)
         figures.pop("texts")

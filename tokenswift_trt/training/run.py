@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tokenswift_trt.api import ApiError, load
+from tokenswift_trt.bench.report import machine_meta
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.training.data import read_records, token_splits
 from tokenswift_trt.training.errors import TrainingError
@@ -61,6 +62,7 @@ class TrainHeadsJob:
     device: str = "cpu"
     field: str = "text"  # the text's column in .jsonl/.parquet/.csv data
     threads: int | None = None  # CPU threads of the base model's kernels (None: the default)
+    command: str = ""  # the command line, as the report records it
 
 
 @dataclass
@@ -133,6 +135,7 @@ class Training:
         trainer.draft_layers.eval()
         accuracy = self.evaluate(config.eval_sequences)
         report = {
+            "meta": {**machine_meta(), "command": job.command},
             "steps": trainer.step,
             "final_loss": trainer.last_loss,
             **accuracy_figures(accuracy),
