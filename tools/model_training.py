@@ -94,7 +94,8 @@ def markdown(document: dict) -> str:
             f"| eval-heads | | {hours['eval_hours']:.2f} |",
             f"| total | | {hours['total_hours']:.2f} |",
             "",
-            f"Recipe: {json.dumps(document['recipe'])}. Command: `{document['command']}`; {document['date']}.",
+            f"Recipe: {json.dumps(document['recipe'])}.",
+            f"Command: `{document['command']}`; {document['date']}.",
             "",
         ]
     )

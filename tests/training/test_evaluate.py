@@ -72,8 +72,8 @@ def test_eval_heads_writes_predicted_measured_and_modeled_figures(tiny, tmp_path
     assert report["predicted"]["positions"] == 3 * (100 - 1 - 3)
     assert report["measured"]["new_tokens"] == 40 and len(report["measured"]["runs"]) == 1
     assert report["modeled"]["speedup"] > 0 and "measured speedup" in result.output
-    # the prediction on the text the measured run wrote: its prompt and 40 tokens
-    assert report["predicted_on_measured_text"]["positions"] == 8 + 40 - 1 - 3
+    # the prediction on the tokens the measured run wrote (40 after an 8-token prompt)
+    assert report["predicted_on_measured_text"]["positions"] == 8 + 40 - 1 - 3 - (8 - 1)
 
     args = ["eval-heads", "--model-dir", str(MODEL), "--data", str(tmp_path / "x")]
     missing = CliRunner().invoke(main, args)

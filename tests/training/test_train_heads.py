@@ -344,7 +344,11 @@ def test_cli_trains_resumes_and_refuses_bad_input(model_dir, tmp_path):
     cached = CliRunner().invoke(main, [*args[:6], str(cached_out), *args[7:], "--state-cache", "2"])
     assert cached.exit_code == 0, cached.output
     assert "base states" in cached.stderr and (cached_out / HEADS_FILE).is_file()
-    assert json.loads((cached_out / "train_heads.json").read_text())["config"]["state_cache"] == 2
+    written = json.loads((cached_out / "train_heads.json").read_text())
+    assert written["config"]["state_cache"] == 2
+    command = written["meta"]["command"]  # the command as given: a repeatable option once per value
+    assert command.startswith("tokenswift-trt train-heads --model-dir ") and "--state-cache 2" in command
+    assert f"--data {args[4]}" in command and "PosixPath" not in command and written["meta"]["date"]
     negative = CliRunner().invoke(main, [*args[:6], str(tmp_path / "y"), *args[7:], "--state-cache", "-1"])
     assert negative.exit_code == 2 and "state cache" in negative.stderr
 

@@ -61,6 +61,8 @@ def given_command(name: str) -> str:
             words.append(flag)
         elif value is False and param.secondary_opts:  # --no-edit
             words.append(param.secondary_opts[0])
+        elif isinstance(value, (tuple, list)):  # a repeatable option: the flag once per value
+            words += [f"{flag} {item}" for item in value]
         else:
             words.append(f"{flag} {value}")
     return " ".join(words)

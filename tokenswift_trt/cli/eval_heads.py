@@ -98,7 +98,8 @@ def eval_heads(
         settings["seed"] = config.seed if config.seed is not None else 0
         measured = measure_chain(loaded, prompts, measure_tokens, len(engine.draft_layers), settings)
         texts = [torch.tensor(text) for text in measured.texts]
-        on_measured_text = predict_chain(engine, engine.draft_layers, texts, config.sampling)
+        starts = [len(prompt) for prompt in prompts]  # the generated tokens only: what the runs drafted
+        on_measured_text = predict_chain(engine, engine.draft_layers, texts, config.sampling, starts)
     from tokenswift_trt.bench.report import machine_meta
 
     meta = {**machine_meta(), "command": given_command("tokenswift-trt eval-heads")}

@@ -77,17 +77,23 @@ def _by_depth(joint: list[float]) -> list[float]:
 
 @torch.no_grad()
 def predict_chain(
-    engine: Engine, draft_layers: DraftLayers, sequences: Sequence[torch.Tensor], sampling: SamplingConfig
+    engine: Engine,
+    draft_layers: DraftLayers,
+    sequences: Sequence[torch.Tensor],
+    sampling: SamplingConfig,
+    starts: Sequence[int] | None = None,
 ) -> ChainPrediction:
-    """Score the layers on `sequences` (each ids [T], T > layers + 2) under `sampling`."""
+    """Score the layers on `sequences` (each ids [T], T > layers + 2) under `sampling`; with `starts`,
+    sequence i from its position starts[i] on (the tokens before are context only: a prompt)."""
     layers = len(draft_layers)
     weight = head_weight(engine)
     sampled = not sampling.greedy
     greedy_rows: list[torch.Tensor] = []  # per sequence [layers, R] bool
     sampled_rows: list[torch.Tensor] = []  # per sequence [layers, R] float
-    for ids in sequences:
+    for index, ids in enumerate(sequences):
         rows = ids.numel() - 1 - layers  # positions t where every layer's target exists
-        if rows <= 0:
+        first = 0 if starts is None else max(0, starts[index] - 1)  # row t drafts from x[t]'s state
+        if rows - first <= 0:
             continue
         hidden = base_hidden(engine, ids)
         base = base_logits(engine, weight, hidden)  # [T, V]: row t is the base's x[t + 1]
@@ -100,9 +106,9 @@ def predict_chain(
             greedy.append(top == base_top[i : i + rows])
             if drawn is not None:
                 chance.append(coupled_acceptance(draft_layers.vocab, drawn, logits, i, sampling)[:rows])
-        greedy_rows.append(torch.stack(greedy))
+        greedy_rows.append(torch.stack(greedy)[:, first:])
         if chance:
-            sampled_rows.append(torch.stack(chance).float())
+            sampled_rows.append(torch.stack(chance).float()[:, first:])
     if not greedy_rows:
         raise ValueError(f"held-out sequences must be longer than {layers + 1} tokens")
     hits = torch.cat(greedy_rows, dim=1).float()  # [layers, positions]
