@@ -291,13 +291,30 @@ def test_the_planner_keeps_the_faster_way_and_tries_again_for_another_batch_size
             rate = ar_rate if planner.hold else own_rate
             planner.observe(4, True, 0.1, int(rate * 0.1))
 
-    steps(8, own_rate=50, ar_rate=100)  # two windows of two steps each way: AR steps are faster
+    steps(8, own_rate=90, ar_rate=100)  # two windows of two steps each way: AR steps are faster
     assert planner.phase == KEEP and planner.hold and planner.choices == [(4, True)]
-    steps(4, own_rate=50, ar_rate=100)  # kept for keep_steps, then tried again
+    steps(4, own_rate=90, ar_rate=100)  # kept for keep_steps, then tried again
     assert planner.phase == TRIAL and not planner.hold
-    steps(8, own_rate=200, ar_rate=100)  # now the plans win by more than the margin
+    steps(8, own_rate=110, ar_rate=100)  # now the plans win by more than the margin
     assert planner.phase == KEEP and not planner.hold and planner.choices[-1] == (4, False)
     planner.observe(2, True, 0.1, 10)  # a request left: a trial for the new size
     assert planner.phase == TRIAL and planner.batch == 2
+    planner.observe(4, True, 0.1, 10)  # back to a size decided before: its decision, kept
+    assert planner.phase == KEEP and not planner.hold and planner.batch == 4
     planner.observe(1, False, 0.1, 10)  # one request alone: its own tuner decides, nothing held
     assert not planner.hold
+
+
+def test_a_clear_difference_ends_the_trial_after_one_turn_each_way():
+    from tokenswift_trt.decode.scheduler import KEEP, BatchPlanner
+
+    planner = BatchPlanner(window_steps=2, turns=3, keep_steps=4)
+    planner.observe(8, True, 0.1, 4)  # the trial starts
+
+    def steps(count: int, own_rate: float, ar_rate: float) -> None:
+        for _ in range(count):
+            rate = ar_rate if planner.hold else own_rate
+            planner.observe(8, True, 0.1, int(rate * 0.1))
+
+    steps(4, own_rate=60, ar_rate=100)  # one window each way, AR steps 1.67x faster: decided now
+    assert planner.phase == KEEP and planner.hold and planner.choices == [(8, True)]

@@ -94,13 +94,17 @@ class BatchPlanner:
     """Whether a batch's `--tree auto` requests run their own plans (`hold` False) or plain AR steps
     (`hold` True): turns of `window_steps` steps each way, `turns` of each, then the faster kept for
     `keep_steps` steps (doubling while the same way keeps winning, up to `max_keep_steps`); the plans
-    must beat AR steps by `margin` to be kept."""
+    must beat AR steps by `margin` to be kept. A trial whose first turns already differ by `decisive`
+    ends there (the slower way is not run for the rest of it). A batch size decided before starts
+    with that decision kept for `keep_steps` rather than with a trial (requests joining and leaving
+    change the size often)."""
 
     window_steps: int = 8
     turns: int = 3
     keep_steps: int = 128
     max_keep_steps: int = 2048
     margin: float = 1.03
+    decisive: float = 1.25
     hold: bool = False
     phase: str = TRIAL
     batch: int = 0  # the batch size the current trial or choice is for
@@ -110,6 +114,7 @@ class BatchPlanner:
     _windows: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
     _keep_for: int = 0
     _last_choice: bool | None = None
+    _decided: dict[int, bool] = field(default_factory=dict)  # the last decision per batch size
     choices: list[tuple[int, bool]] = field(default_factory=list)  # (batch size, hold) per decision
 
     def observe(self, batch: int, eligible: bool, seconds: float, tokens: int) -> None:
@@ -118,8 +123,11 @@ class BatchPlanner:
         if not eligible:
             self.hold, self.phase, self.batch = False, TRIAL, 0
             return
-        if batch != self.batch:  # another batch size: its own trial
-            self._start_trial(batch)
+        if batch != self.batch:  # another batch size: its decision if it has one, else a trial
+            if batch in self._decided:
+                self._keep(batch, self._decided[batch], self.keep_steps)
+            else:
+                self._start_trial(batch)
             return
         self._steps += 1
         if self.phase == KEEP:
@@ -132,16 +140,23 @@ class BatchPlanner:
             return
         self._windows[self.hold] += 1
         self._steps = 0
-        if min(self._windows.values()) < self.turns:
+        rate = {side: self._tokens[side] / max(self._seconds[side], 1e-9) for side in (False, True)}
+        both = min(self._windows.values()) >= 1 and self._windows[False] == self._windows[True]
+        clear = both and max(rate[False], rate[True]) >= self.decisive * min(rate[False], rate[True])
+        if min(self._windows.values()) < self.turns and not clear:
             self.hold = not self.hold
             return
-        rate = {side: self._tokens[side] / max(self._seconds[side], 1e-9) for side in (False, True)}
         choice = not rate[False] > rate[True] * self.margin
-        self._keep_for = (
+        keep = (
             min(self._keep_for * 2, self.max_keep_steps) if choice == self._last_choice else self.keep_steps
         )
-        self.hold, self.phase, self._last_choice = choice, KEEP, choice
+        self._keep(batch, choice, keep)
         self.choices.append((batch, choice))
+
+    def _keep(self, batch: int, choice: bool, steps: int) -> None:
+        """Run `choice` (hold: AR steps) for `steps` steps of this batch size."""
+        self.batch, self.hold, self.phase, self._steps = batch, choice, KEEP, 0
+        self._keep_for, self._last_choice, self._decided[batch] = steps, choice, choice
 
     def _start_trial(self, batch: int) -> None:
         self.batch, self.phase, self.hold, self._steps = batch, TRIAL, False, 0
