@@ -291,13 +291,101 @@ def test_the_planner_keeps_the_faster_way_and_tries_again_for_another_batch_size
             rate = ar_rate if planner.hold else own_rate
             planner.observe(4, True, 0.1, int(rate * 0.1))
 
-    steps(8, own_rate=50, ar_rate=100)  # two windows of two steps each way: AR steps are faster
+    steps(8, own_rate=90, ar_rate=100)  # two windows of two steps each way: AR steps are faster
     assert planner.phase == KEEP and planner.hold and planner.choices == [(4, True)]
-    steps(4, own_rate=50, ar_rate=100)  # kept for keep_steps, then tried again
+    steps(4, own_rate=90, ar_rate=100)  # kept for keep_steps, then tried again
     assert planner.phase == TRIAL and not planner.hold
-    steps(8, own_rate=200, ar_rate=100)  # now the plans win by more than the margin
+    steps(8, own_rate=110, ar_rate=100)  # now the plans win by more than the margin
     assert planner.phase == KEEP and not planner.hold and planner.choices[-1] == (4, False)
     planner.observe(2, True, 0.1, 10)  # a request left: a trial for the new size
     assert planner.phase == TRIAL and planner.batch == 2
+    planner.observe(4, True, 0.1, 10)  # back to a size decided before: its decision, kept
+    assert planner.phase == KEEP and not planner.hold and planner.batch == 4
     planner.observe(1, False, 0.1, 10)  # one request alone: its own tuner decides, nothing held
     assert not planner.hold
+
+
+def test_a_clear_difference_ends_the_trial_after_one_turn_each_way():
+    from tokenswift_trt.decode.scheduler import KEEP, BatchPlanner
+
+    planner = BatchPlanner(window_steps=2, turns=3, keep_steps=4)
+    planner.observe(8, True, 0.1, 4)  # the trial starts
+
+    def steps(count: int, own_rate: float, ar_rate: float) -> None:
+        for _ in range(count):
+            rate = ar_rate if planner.hold else own_rate
+            planner.observe(8, True, 0.1, int(rate * 0.1))
+
+    steps(4, own_rate=60, ar_rate=100)  # one window each way, AR steps 1.67x faster: decided now
+    assert planner.phase == KEEP and planner.hold and planner.choices == [(8, True)]
+
+
+class _Pair:
+    """An in-process `Lockstep` pair: the leader's job is what the follower's next exchange returns."""
+
+    def __init__(self) -> None:
+        self.jobs: list = []
+
+    def side(self, leader: bool):
+        pair = self
+
+        class Side:
+            def __init__(self) -> None:
+                self.leader = leader
+
+            def exchange(self, job):
+                if leader:
+                    pair.jobs.append(job)
+                    return job
+                return pair.jobs.pop(0)
+
+        return Side()
+
+
+def test_a_follower_in_lockstep_runs_the_leaders_requests_cancels_and_plan_to_the_same_tokens(tiny):
+    from tokenswift_trt.decode.scheduler import BatchPlanner, LockstepError
+
+    engine = tiny.engine
+    pair = _Pair()
+    leader = Scheduler(
+        engine, max_batch=2, planner=BatchPlanner(window_steps=10**9), lockstep=pair.side(True)
+    )
+    follower = Scheduler(engine, max_batch=2, lockstep=pair.side(False))
+    prompts, configs = _prompts(tiny, 3), _configs()
+    chosen = [configs[1], configs[0], configs[5]]
+    led = [leader.submit(prompts[0], chosen[0])]
+
+    def step_both() -> None:
+        leader.step()
+        follower.step()
+
+    for _ in range(3):
+        step_both()
+    led += [leader.submit(p, c) for p, c in zip(prompts[1:], chosen[1:])]  # one queues: batch of 2
+    leader.planner.hold = True  # the leader's plan for the next step is the followers' too
+    step_both()
+    assert follower.planner.hold
+    leader.planner.hold = False
+    step_both()
+    leader.cancel(led[1])
+    while leader.pending:
+        step_both()
+    step_both()  # the follower hears of the last step's tokens (and checks them) at the next exchange
+    followed = {request.id: request for request in [*follower.active, *follower.take_ended()]}
+    for request in led:
+        assert followed[request.id].status == request.status
+        assert followed[request.id].tokens == request.tokens
+    assert led[1].status == CANCELLED and led[0].status == led[2].status == FINISHED
+    assert led[0].tokens == _alone(engine, prompts[0], chosen[0])
+
+    # a follower whose tokens differ from the leader's stops at the next exchange
+    pair = _Pair()
+    leader = Scheduler(engine, max_batch=2, lockstep=pair.side(True))
+    follower = Scheduler(engine, max_batch=2, lockstep=pair.side(False))
+    leader.submit(prompts[0], chosen[1])
+    step_both()
+    step_both()
+    follower._digest ^= 1  # as if it had committed another token
+    leader.step()
+    with pytest.raises(LockstepError, match="different tokens"):
+        follower.step()

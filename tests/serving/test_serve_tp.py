@@ -1,6 +1,7 @@
 """`serve --tp 2` on the CPU (gloo): a real tritonserver whose one model instance spans two ranks answers
-as the single-process server does; a worker rank killed mid-request fails that request only, the
-server stays ready, the next request re-forms the group and the journal resumes token for token."""
+as the single-process server does, concurrent requests batched; a worker rank killed mid-request
+fails the requests in flight only, the server stays ready, the next request re-forms the group and
+the journal resumes token for token."""
 
 from __future__ import annotations
 
@@ -84,6 +85,34 @@ def test_serve_tp_2_answers_http_and_grpc_streaming_as_one_process_does(single, 
     assert streamed.text == expected and streamed.chunks > 2
     assert generate_endpoint(sharded.http_url, _params(7), stream=False).text == expected
     assert grpc_generate(sharded.grpc_url, _params(7, tree="2,1")).text == expected
+
+
+@pytest.mark.slow
+def test_serve_tp_2_batches_concurrent_requests_each_as_one_process_answers_it(single, sharded):
+    """Three streams at once on the two-rank instance: decoded together (every rank's scheduler in
+    lockstep with rank 0's), each the text the single-process server gives it."""
+    import time
+
+    seeds = (3, 4, 5)
+    expected = [grpc_generate(single.grpc_url, _params(seed, max_tokens=60)).text for seed in seeds]
+    texts: dict[int, str] = {}
+    first: dict[int, float] = {}
+    ended: dict[int, float] = {}
+
+    def run(index: int) -> None:
+        params = _params(seeds[index], max_tokens=60, stream=True)
+        on_text = lambda piece: first.setdefault(index, time.perf_counter())  # noqa: E731
+        texts[index] = grpc_generate(sharded.grpc_url, params, on_text=on_text, timeout_s=300).text
+        ended[index] = time.perf_counter()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert [texts.get(index) for index in range(3)] == expected
+    assert max(first.values()) < min(ended.values())  # all three streamed before any finished
+    assert len(_workers(sharded)) == 1
 
 
 @pytest.mark.slow

@@ -22,6 +22,14 @@ whole batch, is kept for a while before the next trial (a change of batch size s
 So a batch runs no slower than batched AR steps, within the trial's cost; the choice is in
 `Scheduler.planner.hold`, and each request counts its held steps (`Stats.held_steps`).
 
+Tensor parallel (`lockstep`): every rank of a tensor-parallel instance runs a scheduler over its
+slices of the model, and their batched forwards must be the same calls in the same order. Rank 0's
+scheduler leads: before each step it sends the workers' schedulers (`Lockstep.exchange`) the
+requests submitted and cancelled since the step before and its planner's choice, with a digest of
+the tokens it committed in that step; a follower applies them, checks the digest against its own
+and steps. Admission, acceptance and commits are functions of those inputs, so the ranks stay in
+step; a rank whose tokens differ stops the group (`LockstepError`).
+
 Still the model's own output: a request's tokens are those of its run alone, whatever else is in
 the batch and whenever it joined. Its rows in a batched forward are the same bits as in its own
 (the CPU products and every per-row step are batch-invariant; attention sees its own cache only),
@@ -35,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -90,17 +99,51 @@ TRIAL, KEEP = "trial", "keep"
 
 
 @dataclass
+class StepJob:
+    """What a leading scheduler did before a step, for its followers to do the same."""
+
+    submitted: list[tuple[int, list[int], GenerationConfig]]  # (id, prompt, config) in order
+    cancelled: list[int]  # ids
+    hold: bool  # the planner's choice for this step
+    digest: int  # of the tokens committed in the step before
+
+
+class Lockstep(Protocol):
+    """How the schedulers of a tensor-parallel instance's ranks stay in step: the leader sends its
+    `StepJob` (and gets it back), a follower sends None and gets the leader's."""
+
+    leader: bool
+
+    def exchange(self, job: StepJob | None) -> StepJob: ...
+
+
+class LockstepError(RuntimeError):
+    """A follower committed other tokens than the leader (their logits differ)."""
+
+
+def token_digest(digest: int, ids: Sequence[int]) -> int:
+    """`digest` extended by `ids` (a running hash of the tokens a step commits, in order)."""
+    for token in ids:
+        digest = (digest * 1_000_003 + token + 1) % (1 << 61)
+    return digest
+
+
+@dataclass
 class BatchPlanner:
     """Whether a batch's `--tree auto` requests run their own plans (`hold` False) or plain AR steps
     (`hold` True): turns of `window_steps` steps each way, `turns` of each, then the faster kept for
     `keep_steps` steps (doubling while the same way keeps winning, up to `max_keep_steps`); the plans
-    must beat AR steps by `margin` to be kept."""
+    must beat AR steps by `margin` to be kept. A trial whose first turns already differ by `decisive`
+    ends there (the slower way is not run for the rest of it). A batch size decided before starts
+    with that decision kept for `keep_steps` rather than with a trial (requests joining and leaving
+    change the size often)."""
 
     window_steps: int = 8
     turns: int = 3
     keep_steps: int = 128
     max_keep_steps: int = 2048
     margin: float = 1.03
+    decisive: float = 1.25
     hold: bool = False
     phase: str = TRIAL
     batch: int = 0  # the batch size the current trial or choice is for
@@ -110,6 +153,7 @@ class BatchPlanner:
     _windows: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
     _keep_for: int = 0
     _last_choice: bool | None = None
+    _decided: dict[int, bool] = field(default_factory=dict)  # the last decision per batch size
     choices: list[tuple[int, bool]] = field(default_factory=list)  # (batch size, hold) per decision
 
     def observe(self, batch: int, eligible: bool, seconds: float, tokens: int) -> None:
@@ -118,8 +162,11 @@ class BatchPlanner:
         if not eligible:
             self.hold, self.phase, self.batch = False, TRIAL, 0
             return
-        if batch != self.batch:  # another batch size: its own trial
-            self._start_trial(batch)
+        if batch != self.batch:  # another batch size: its decision if it has one, else a trial
+            if batch in self._decided:
+                self._keep(batch, self._decided[batch], self.keep_steps)
+            else:
+                self._start_trial(batch)
             return
         self._steps += 1
         if self.phase == KEEP:
@@ -132,16 +179,23 @@ class BatchPlanner:
             return
         self._windows[self.hold] += 1
         self._steps = 0
-        if min(self._windows.values()) < self.turns:
+        rate = {side: self._tokens[side] / max(self._seconds[side], 1e-9) for side in (False, True)}
+        both = min(self._windows.values()) >= 1 and self._windows[False] == self._windows[True]
+        clear = both and max(rate[False], rate[True]) >= self.decisive * min(rate[False], rate[True])
+        if min(self._windows.values()) < self.turns and not clear:
             self.hold = not self.hold
             return
-        rate = {side: self._tokens[side] / max(self._seconds[side], 1e-9) for side in (False, True)}
         choice = not rate[False] > rate[True] * self.margin
-        self._keep_for = (
+        keep = (
             min(self._keep_for * 2, self.max_keep_steps) if choice == self._last_choice else self.keep_steps
         )
-        self.hold, self.phase, self._last_choice = choice, KEEP, choice
+        self._keep(batch, choice, keep)
         self.choices.append((batch, choice))
+
+    def _keep(self, batch: int, choice: bool, steps: int) -> None:
+        """Run `choice` (hold: AR steps) for `steps` steps of this batch size."""
+        self.batch, self.hold, self.phase, self._steps = batch, choice, KEEP, 0
+        self._keep_for, self._last_choice, self._decided[batch] = steps, choice, choice
 
     def _start_trial(self, batch: int) -> None:
         self.batch, self.phase, self.hold, self._steps = batch, TRIAL, False, 0
@@ -162,7 +216,10 @@ class Scheduler:
         max_batch: int = 8,
         memory_budget: int | None = None,
         planner: BatchPlanner | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
+        """`lockstep`: this is one rank's scheduler of a tensor-parallel instance (see the module doc);
+        a follower takes its requests from the leader, not from `submit`."""
         if max_batch < 1:
             raise GenerationError(f"the batch must hold at least 1 request, got --max-batch {max_batch}")
         self.engine = engine
@@ -177,6 +234,10 @@ class Scheduler:
             ThreadGovernor.for_setting(engine.kernels.threads) if engine.device.type == "cpu" else None
         )
         self.planner = planner or BatchPlanner()
+        self.lockstep = lockstep
+        self._unsent: list[tuple[int, list[int], GenerationConfig]] = []  # leader: submitted since a step
+        self._cancelled: list[int] = []  # leader: ids cancelled since a step
+        self._digest = 0  # the tokens committed in the current step
 
     @property
     def reserved_bytes(self) -> int:
@@ -202,6 +263,8 @@ class Scheduler:
         config = replace(config, device_loop=False)
         request = Request(next(self._ids), list(prompt), config, on_tokens, cancelled)
         self.queue.append(request)
+        if self.lockstep is not None:
+            self._unsent.append((request.id, request.prompt, config))
         return request
 
     def cancel(self, request: Request) -> None:
@@ -210,6 +273,8 @@ class Scheduler:
             return
         if request in self.queue:
             self.queue.remove(request)
+        if self.lockstep is not None and self.lockstep.leader:
+            self._cancelled.append(request.id)
         self._end(request, CANCELLED)
 
     def run(self) -> None:
@@ -225,6 +290,8 @@ class Scheduler:
         for request in [*self.queue, *self.active]:
             if request.cancelled is not None and request.cancelled():
                 self.cancel(request)
+        if self.lockstep is not None:
+            self._exchange(self.lockstep)
         self._admit()
         forwarded, before = time.perf_counter(), self.stats.tokens  # the batch's step, without prefills
         waiting = [request for request in self.active if request._call is not None]
@@ -235,10 +302,30 @@ class Scheduler:
                     self._advance(request)
         if self.governor is not None and waiting:  # the thread count follows the batch's own speed
             self.governor.observe(time.perf_counter() - tick, max(1, self.stats.tokens - committed))
-        if waiting:
+        if waiting and not (self.lockstep is not None and not self.lockstep.leader):  # a follower's is sent
             tuned = any(r.config.method == "tokenswift" and r.config.tree.auto for r in waiting)
             seconds, tokens = time.perf_counter() - forwarded, self.stats.tokens - before
             self.planner.observe(len(waiting), len(waiting) >= 2 and tuned, seconds, tokens)
+
+    def _exchange(self, lockstep: Lockstep) -> None:
+        """Send this step's job (leader) or take and apply the leader's (follower)."""
+        if lockstep.leader:
+            job = StepJob(self._unsent, self._cancelled, self.planner.hold, self._digest)
+            self._unsent, self._cancelled = [], []
+            lockstep.exchange(job)
+        else:
+            job = lockstep.exchange(None)
+            if job.digest != self._digest:
+                raise LockstepError("tensor-parallel ranks committed different tokens (their logits differ)")
+            for identifier, prompt, config in job.submitted:
+                request = Request(identifier, list(prompt), config)
+                self.queue.append(request)
+            for identifier in job.cancelled:
+                for request in [*self.queue, *self.active]:
+                    if request.id == identifier:
+                        self.cancel(request)
+            self.planner.hold = job.hold
+        self._digest = 0
 
     def fail_all(self, message: str, failure: BaseException | None = None) -> None:
         """End every queued and active request as failed (the scheduler itself cannot go on), with
@@ -267,6 +354,8 @@ class Scheduler:
             def tokens(new: list[int], request: Request = request) -> None:
                 request.tokens.extend(new)
                 self.stats.tokens += len(new)
+                if self.lockstep is not None:
+                    self._digest = token_digest(token_digest(self._digest, [request.id]), new)
                 if request.on_tokens is not None:
                     request.on_tokens(new)
 
@@ -340,6 +429,8 @@ class Scheduler:
             with torch.inference_mode():
                 outputs = forward_batch(self.engine.model, segments)
         except (RuntimeError, ValueError):
+            if self.lockstep is not None:  # the ranks' collectives: retries alone would not be in step
+                raise
             for request in requests:
                 call = request._call
                 assert call is not None

@@ -47,7 +47,7 @@ from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
 from tokenswift_trt.model.engine import Engine, load_engine
 from tokenswift_trt.model.engine_dir import MANIFEST
 from tokenswift_trt.serving.errors import BUSY, HELD, SHUTTING_DOWN, ServerFault, fault_of
-from tokenswift_trt.serving.tp_serve import RankGroup
+from tokenswift_trt.serving.tp_serve import RankGroup, TensorParallelStopped, tp_config
 
 # Triton request inputs that set generation settings: input name -> (setting, type). Unset ones take
 # the engine's defaults (its manifest), then GenerationConfig's; max_tokens is max_new_tokens.
@@ -161,10 +161,11 @@ class Session:
             self.defaults: dict[str, Any] = read_model_defaults(source)
             self.max_length = self.engine.config.max_position_embeddings
         # continuous batching (`start`): requests decoded together, up to `max_batch` at once, their
-        # caches from one budget; 0, or tensor parallel: one request at a time (`run`)
+        # caches from one budget (under tensor parallelism every rank's scheduler in lockstep); 0: one
+        # request at a time (`run`)
         self.batch = (
-            BatchRunner(self.engine, max_batch, memory_budget, max_queue)
-            if max_batch >= 1 and self.ranks is None
+            BatchRunner(self.engine, max_batch, memory_budget, max_queue, self.ranks)
+            if max_batch >= 1
             else None
         )
 
@@ -301,7 +302,7 @@ class Session:
         at once; `on_text` / `on_ids` are called from the scheduler's thread as tokens commit, and
         `on_done(text, stats, failure)` once the request has ended (failure: None, `Cancelled()`,
         `RequestError` for a request that cannot run as given, or what generation failed with)."""
-        assert self.batch is not None, "start() needs a session with batching (max_batch >= 1, no --tp)"
+        assert self.batch is not None, "start() needs a session with batching (max_batch >= 1)"
         generated: list[int] = []
 
         def collect(ids: list[int]) -> None:
@@ -448,12 +449,22 @@ class Session:
 class BatchRunner:
     """A `Scheduler` stepped by a thread of its own while it holds requests: `submit` queues a request
     (it joins at the next step), and each request's `on_end` is called from that thread once it ends.
-    Submissions wait for the step in progress, so requests join between iterations."""
+    Submissions wait for the step in progress, so requests join between iterations. With `ranks`
+    (tensor parallel) the scheduler leads the workers' schedulers in lockstep (serving/tp_serve.py);
+    a step that fails leaves the group to be formed again before the next one."""
 
     def __init__(
-        self, engine: Engine, max_batch: int, memory_budget: int | None, max_queue: int = DEFAULT_MAX_QUEUE
+        self,
+        engine: Engine,
+        max_batch: int,
+        memory_budget: int | None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        ranks: RankGroup | None = None,
     ) -> None:
+        self.ranks = ranks
         self.scheduler = Scheduler(engine, max_batch, memory_budget)
+        if ranks is not None:
+            self.scheduler.lockstep = ranks.start_batching(max_batch, self.scheduler.memory_budget)
         self.max_queue = max_queue
         self.on_step: Callable[[Scheduler], None] | None = None  # sees the scheduler after each step
         self.ends: dict[int, Callable[[ScheduledRequest], None]] = {}
@@ -482,6 +493,8 @@ class BatchRunner:
                     f"{running} requests are generating and {waiting} wait, the most this "
                     "instance queues (--max-queue): retry after a while",
                 )
+            if self.ranks is not None:
+                config = tp_config(config, self.ranks.device)
             request = self.scheduler.submit(prompt, config, on_tokens, cancelled)
             self.ends[request.id] = on_end
             self.condition.notify()
@@ -506,8 +519,17 @@ class BatchRunner:
                 if self.closed:
                     return
                 try:
+                    if self.ranks is not None and self.ranks.broken:  # a step failed: new workers
+                        self.scheduler.lockstep = self.ranks.start_batching(
+                            self.scheduler.max_batch, self.scheduler.memory_budget
+                        )
                     self.scheduler.step()
                 except Exception as error:  # noqa: BLE001 (report it to every request; keep serving)
+                    if self.ranks is not None:  # the workers may be gone or out of step
+                        self.ranks.broken = True
+                        text = str(error).strip()
+                        line = text.splitlines()[0] if text else type(error).__name__
+                        error = TensorParallelStopped(f"a tensor-parallel rank stopped or timed out: {line}")
                     fault = fault_of(error)
                     self.scheduler.fail_all(str(fault), fault)
                 if self.on_step is not None:

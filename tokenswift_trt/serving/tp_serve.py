@@ -9,6 +9,12 @@ requests as long as the server is idle); the model's collectives keep `--tp-time
 that dies or hangs mid-request fails that request within it. A failed request leaves the group
 broken: the next request stops the workers, forms a new group and starts them again.
 
+With batching (`serve --tp N`, the default `--max-batch`), rank 0 sends the workers one job, "batch",
+and from then on every rank runs a `Scheduler` in lockstep (decode/scheduler.py): before each step
+rank 0's scheduler broadcasts the requests that joined and left since the last one and its planner's
+choice over the job group (`JobLockstep`), and every rank runs the same batched forward. A failed
+step fails the requests in flight and leaves the group broken, formed again before the next step.
+
 On the CPU the model's group is gloo; with `--device cuda` it is NCCL, rank r on `cuda:r` (the node
 needs N GPUs, checked by `serve` before anything loads). NCCL's watchdog is told to abort a failed
 or timed-out collective's communicator without ending the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=2,
@@ -144,8 +150,44 @@ def _worker_main() -> None:
     engine = load_model(place.source, device, place.kernels, tp)
     check = _step_check(tp, device)
     while (job := _broadcast(None, jobs)) is not None:
+        if job[0] == BATCH:  # from now on: a scheduler in lockstep with rank 0's
+            from tokenswift_trt.decode.scheduler import Scheduler
+
+            _, max_batch, memory_budget = job
+            scheduler = Scheduler(engine, max_batch, memory_budget, lockstep=JobLockstep(jobs, leader=False))
+            while True:
+                scheduler.step()
         prompt_ids, config = job
         generate(engine, prompt_ids, config, on_tokens=check)
+
+
+BATCH = "batch"  # the job that turns a worker into a lockstep scheduler
+
+
+class JobLockstep:
+    """`decode.scheduler.Lockstep` over the job group: rank 0 broadcasts each step's job."""
+
+    def __init__(self, jobs: Any, leader: bool) -> None:
+        self.jobs, self.leader = jobs, leader
+
+    def exchange(self, job: Any) -> Any:
+        return _broadcast(job, self.jobs)
+
+
+def tp_config(config: Any, device: str) -> Any:
+    """A request's config as every rank runs it: its seed fixed, and `--tree auto` held at the tuner's
+    probe plan (a tuner decides from its own rank's timings)."""
+    from tokenswift_trt.decode.autotune import probe_plan
+    from tokenswift_trt.decode.request import with_fixed_seed
+
+    config = with_fixed_seed(config)
+    if config.tree.auto:
+        import torch
+
+        source = config.resolved_draft_source
+        tree, topk = probe_plan(source, torch.device(device))
+        config = dataclasses.replace(config, tree=tree, ngram_topk=topk, draft_source=source)
+    return config
 
 
 class RankGroup:
@@ -200,19 +242,10 @@ class RankGroup:
     ):
         """`generate(engine, prompt_ids, config, on_tokens=...)` on every rank in step; any failure
         leaves the group to be formed again before the next request."""
-        from tokenswift_trt.decode.autotune import probe_plan
-        from tokenswift_trt.decode.request import with_fixed_seed
-
         if self.broken:
             self.stop()
             self.start()  # the engine's collectives use the default group: the new one
-        config = with_fixed_seed(config)
-        if config.tree.auto:  # the tuner decides from each rank's own timings: hold its probe plan
-            import torch
-
-            source = config.resolved_draft_source
-            tree, topk = probe_plan(source, torch.device(self.device))
-            config = dataclasses.replace(config, tree=tree, ngram_topk=topk, draft_source=source)
+        config = tp_config(config, self.device)
         check = _step_check(self.tp, self.device)
 
         def each(ids: list[int]) -> None:
@@ -228,6 +261,15 @@ class RankGroup:
             raise TensorParallelStopped(f"a tensor-parallel rank stopped or timed out: {line}") from None
         self.broken = False
         return result
+
+    def start_batching(self, max_batch: int, memory_budget: int) -> JobLockstep:
+        """Turn the workers into lockstep schedulers (forming the group again first where a failure
+        broke it); rank 0's scheduler leads with the returned lockstep."""
+        if self.broken:
+            self.stop()
+            self.start()
+        _broadcast((BATCH, max_batch, memory_budget), self.jobs)
+        return JobLockstep(self.jobs, leader=True)
 
 
 class TensorParallelStopped(RuntimeError):
