@@ -75,3 +75,28 @@ def test_a_schedule_is_drafted_by_substituted_matches_and_keeps_ars_tokens(monke
     whole = [b for at, b in offered if len(b) >= 8 and text[at : at + len(b)] == b]
     assert len(whole) >= 3, offered  # a line's worth at a time, several times
     assert stats.iterations < len(ours) / 4
+
+
+@pytest.mark.slow
+def test_drafting_on_the_partial_cache_conditions_the_layers_on_the_sample_they_follow():
+    """The committed layers read the root token: drafting on the partial cache (the paper's trees)
+    they follow the base row's first draft as ranked with the target's noise, its own sample, and
+    accept about what they do drafting from the verify pass; their tokens stay AR's."""
+    directory, heads = _prepared()
+    engine = load_engine(directory, heads_file=heads)
+    codec = TextCodec.from_dir(directory)
+    prompt = codec.encode("It was the best of times, it was the worst of times, it was the age of wisdom,")
+    sampling = SamplingConfig(temperature=1.0, min_p=0.1, penalty=1.2, penalty_window=256)
+    config = GenerationConfig(
+        max_new_tokens=200, sampling=sampling, seed=0, tree="1,3,3,3", draft_source="partial", ignore_eos=True
+    )
+    ours, stats = generate(engine, prompt, config)
+    ar, _ = generate(
+        engine,
+        prompt,
+        GenerationConfig(max_new_tokens=200, sampling=sampling, seed=0, method="ar", ignore_eos=True),
+    )
+    assert ours == ar
+    # depth 1 is the base row's draft; depth 2 layer 1's: about 0.26 when it followed the base's most
+    # likely token instead of the sample, about 0.45-0.5 now
+    assert stats.acceptance_by_depth[1] > 0.35, stats.acceptance_by_depth

@@ -429,12 +429,28 @@ def propose(engine: Engine, state: DecodeState, tree: StaticTree) -> list[list[i
     root = to_device([state.tokens[-1]], torch.long, device)
     position = to_device([state.root_position], torch.long, device)
     assert state.partial is not None
+    choose_root = None
+    if reads_root(engine.draft_layers):  # the layers follow the base row's first draft, as ranked below
+        choose_root = lambda base: first_draft(base, state)  # noqa: E731
     if state.static_partial is not None:
         hidden = state.static_partial.run(root, position).hidden  # [1, hidden]
-        logits = engine.model.head_logits(hidden, engine.draft_layers)[:, 0]  # [1 + n, V]
+        logits = engine.model.head_logits(hidden, engine.draft_layers, None, choose_root)[:, 0]  # [1 + n, V]
+    elif choose_root is not None and hasattr(engine.model, "decode"):
+        hidden = engine.model.decode(root, position, state.partial).hidden[-1:]
+        logits = engine.model.head_logits(hidden, engine.draft_layers, None, choose_root)[:, 0]
     else:
         logits = engine.model.draft(root, position, state.partial, engine.draft_layers)  # [1 + n, V]
     return top_candidates(logits, state, tree)
+
+
+def first_draft(base: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    """base [1, V]: the base head's logits for the position after the root -> [1] the token
+    `top_candidates` ranks first there (the transforms, then the noise the target will sample that
+    position with): with the noise known in advance, the target's own sample."""
+    noise = None
+    if state.random.noise_known_in_advance:
+        noise = state.noise([state.root_position + 1], base.shape[-1], base.device)
+    return state.sampler.rank(base, state.window(), noise, 1)[:, 0].to(base.device)
 
 
 def top_candidates(logits: torch.Tensor, state: DecodeState, tree: StaticTree) -> list[list[int]]:

@@ -115,7 +115,11 @@ class Decoder(Protocol):
     ) -> torch.Tensor: ...
 
     def head_logits(
-        self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None
+        self,
+        hidden: torch.Tensor,
+        draft_layers: nn.Module,
+        depth: int | None = None,
+        choose_root: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
     def draft_logits(
@@ -438,9 +442,13 @@ class GraphDecoder:
         return self.torch_model.target_logits(hidden, sampling, windows)
 
     def head_logits(
-        self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None
+        self,
+        hidden: torch.Tensor,
+        draft_layers: nn.Module,
+        depth: int | None = None,
+        choose_root: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.torch_model.head_logits(hidden, draft_layers, depth)
+        return self.torch_model.head_logits(hidden, draft_layers, depth, choose_root)
 
     def draft_logits(
         self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int, roots: torch.Tensor | None = None
@@ -898,15 +906,21 @@ class LlamaModel(nn.Module):
         return self.head_logits(hidden[-1:], draft_layers)[:, 0]
 
     def head_logits(
-        self, hidden: torch.Tensor, draft_layers: nn.Module, depth: int | None = None
+        self,
+        hidden: torch.Tensor,
+        draft_layers: nn.Module,
+        depth: int | None = None,
+        choose_root: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden [T, hidden] (pre-norm) -> logits of the base head and each draft layer [1 + n, T, vocab]
         (n = `depth` when given: only the first `depth` draft layers). Root-conditioned layers are
-        conditioned on the base head's most likely token (the token they follow is not known yet)."""
+        conditioned on `choose_root(base logits [T, V])` -> [T] token ids (the draft the base head's row
+        will offer first: with the target's noise known, its sample), else on the most likely token."""
         if reads_root(draft_layers) or vocab_head(draft_layers) is not None:
             base = self.lm_head(self.model.norm(hidden))  # [T, V]
             depth = len(draft_layers) if depth is None else depth
-            drafts = self.draft_logits(hidden, draft_layers, depth, base.argmax(dim=-1))  # [n, T, V]
+            roots = base.argmax(dim=-1) if choose_root is None else choose_root(base)
+            drafts = self.draft_logits(hidden, draft_layers, depth, roots)  # [n, T, V]
             return torch.cat((base[None], drafts))
         states = torch.stack(
             [self.model.norm(hidden)] + list(draft_layers(hidden, depth))
