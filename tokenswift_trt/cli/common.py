@@ -45,6 +45,25 @@ def report_out_option(default: str):
     )
 
 
+def dataset_option(flag: str, what: str, required: bool = True):
+    """A repeatable option naming data read with Hugging Face datasets (training/data.py)."""
+    return click.option(
+        flag,
+        type=click.Path(path_type=Path),
+        multiple=True,
+        required=required,
+        help=f"{what}: .txt, .jsonl, .parquet or .csv files (or compressed: .gz ...) or folders of them, "
+        "read with Hugging Face datasets (repeatable)",
+    )
+
+
+def field_option(function):
+    """`--field`: the text's column in table-like data."""
+    return click.option(
+        "--field", default="text", show_default=True, help="the text's column in .jsonl/.parquet/.csv data"
+    )(function)
+
+
 def given_command(name: str) -> str:
     """The running command with the options given (defaults left out), as a report records it."""
     ctx = click.get_current_context()

@@ -8,23 +8,15 @@ from pathlib import Path
 
 import click
 
-from .common import CliError, fail, given_command, load_source, source_options
+from .common import CliError, dataset_option, fail, field_option, given_command, load_source, source_options
 
 SAMPLING = ("temperature", "min_p", "penalty", "penalty_window", "seed")
 
 
 @click.command("eval-heads")
 @source_options
-@click.option(
-    "--data",
-    "data",
-    type=click.Path(path_type=Path),
-    multiple=True,
-    required=True,
-    help="held-out text: best a `train-data` output from prompts the layers were not trained on (.txt, "
-    ".jsonl, .parquet, .csv; repeatable)",
-)
-@click.option("--field", default="text", show_default=True, help="the text's column in .jsonl/.parquet/.csv")
+@dataset_option("--data", "held-out text (best: a `train-data` output from prompts the layers never saw)")
+@field_option
 @click.option("--sequences", type=click.IntRange(1), default=8, show_default=True, help="held-out sequences")
 @click.option("--seq-len", type=click.IntRange(8), default=512, show_default=True, help="tokens per sequence")
 @click.option(

@@ -7,31 +7,16 @@ from pathlib import Path
 
 import click
 
-from .common import DTYPES, CliError, fail, given_command, resolve_source
+from .common import DTYPES, CliError, dataset_option, fail, field_option, given_command, resolve_source
 
 
 @click.command("train-heads")
 @click.option(
     "--model-dir", type=click.Path(path_type=Path), required=True, help="base Hugging Face model directory"
 )
-@click.option(
-    "--data",
-    "data",
-    type=click.Path(path_type=Path),
-    multiple=True,
-    required=True,
-    help=".txt, .jsonl, .parquet or .csv file (or compressed: .gz ...) or a folder of them, read with "
-    "Hugging Face datasets (repeatable); a `train-data` output trains on the tokens the model wrote",
-)
-@click.option(
-    "--eval-data",
-    type=click.Path(path_type=Path),
-    multiple=True,
-    help="held-out text (default: last 5% of --data)",
-)
-@click.option(
-    "--field", default="text", show_default=True, help="the text's column in .jsonl/.parquet/.csv data"
-)
+@dataset_option("--data", "training text (a `train-data` output trains on the tokens the model wrote)")
+@dataset_option("--eval-data", "held-out text (default: the last 5% of --data)", required=False)
+@field_option
 @click.option(
     "--out",
     type=click.Path(path_type=Path),

@@ -11,7 +11,9 @@ from .batch import decode_requests
 from .common import (
     CliError,
     PositiveGiB,
+    dataset_option,
     fail,
+    field_option,
     kernel_option,
     request_settings,
     resolve_source,
@@ -26,16 +28,8 @@ PAPER_SAMPLING = {"temperature": 1.0, "min_p": 0.1, "penalty": 1.2, "penalty_win
 
 @click.command("train-data")
 @source_options
-@click.option(
-    "--prompts",
-    "prompts",
-    type=click.Path(path_type=Path),
-    multiple=True,
-    required=True,
-    help="text the prompts are cut from: .txt, .jsonl, .parquet or .csv (or compressed) files or folders, "
-    "read with Hugging Face datasets (repeatable)",
-)
-@click.option("--field", default="text", show_default=True, help="the text's column in .jsonl/.parquet/.csv")
+@dataset_option("--prompts", "text the prompts are cut from")
+@field_option
 @click.option(
     "--output",
     type=click.Path(path_type=Path),
