@@ -811,6 +811,101 @@ def tests_summary(check: Check) -> dict[str, Any] | None:
     return {"result": outcome[-1].strip("= ") if outcome else last_line(log)}
 
 
+def training_plan(check: Check) -> Commands:
+    """The draft-layer pipeline on the GPU (docs/training.md), small: SmolLM2 writes 64 continuations
+    (batched), trains root-conditioned layers from zero for 60 bf16 steps, and `eval-heads` predicts and
+    measures their acceptance. A dry run does the same with swift-tiny on the CPU, smaller."""
+    work = check.work / "training"
+    books = ["--prompts", "data/corpus/moby_dick.txt.gz", "--prompts", "data/corpus/iliad.txt.gz"]
+    if check.cuda:
+        model, dtype, count, new, steps, seq = (
+            ["--model", "smollm2-135m"],
+            "bfloat16",
+            "64",
+            "256",
+            "60",
+            "256",
+        )
+    else:
+        model, dtype, count, new, steps, seq = ["--model", "swift-tiny"], "float32", "8", "64", "4", "32"
+    directory = "models/smollm2-135m" if check.cuda else "models/swift-tiny"
+    device = ["--device", check.sizes.device]
+    data, held_out = str(work / "data.jsonl"), str(work / "held-out.jsonl")
+    write = ["--sequences", count, "--new-tokens", new, "--prompt-tokens", "64", "--max-batch", "32", *device]
+    return [
+        check.cli("train-data", *model, *books, *write, "--method", "ar", "--output", data),
+        check.cli(
+            "train-data", *model, *books, *write, "--seed", "1000", "--method", "ar", "--output", held_out
+        ),
+        check.cli(
+            "train-heads",
+            "--model-dir",
+            directory,
+            "--data",
+            data,
+            "--eval-data",
+            held_out,
+            "--out",
+            str(work / "heads"),
+            "--steps",
+            steps,
+            "--seq-len",
+            seq,
+            "--batch",
+            "8",
+            "--grad-accum",
+            "1",
+            "--warmup-steps",
+            "5",
+            "--eval-every",
+            "20",
+            "--checkpoint-every",
+            "20",
+            "--root-width",
+            "512",
+            "--draft-vocab",
+            "8192",
+            "--loss",
+            "sampled",
+            "--dtype",
+            dtype,
+            *device,
+        ),
+        check.cli(
+            "eval-heads",
+            *model,
+            "--heads",
+            str(work / "heads" / "heads.safetensors"),
+            "--data",
+            held_out,
+            "--sequences",
+            "4",
+            "--seq-len",
+            seq,
+            "--measure-prompts",
+            "1",
+            "--measure-tokens",
+            "128",
+            *device,
+            "--out",
+            str(work / "eval.json"),
+        ),
+    ]
+
+
+def training_summary(check: Check) -> dict[str, Any] | None:
+    report = read_json(check.work / "training" / "eval.json")
+    trained = read_json(check.work / "training" / "heads" / "train_heads.json")
+    if report is None or trained is None:
+        return None
+    return {
+        "steps": trained["steps"],
+        "final_loss": trained["final_loss"],
+        "predicted": report["predicted"],
+        "measured": report.get("measured"),
+    }
+
+
 def tp_plan(check: Check) -> Commands | Skip:
     """swift-tiny greedy on one GPU and on two (NCCL), compared (tools/tp_check.py)."""
     if not check.cuda:
@@ -873,6 +968,14 @@ def stages(sizes: Sizes) -> list[Stage]:
         EndToEnd(smollm2, "paper", "float32").stage(150, 50),
         EndToEnd(tiny, "greedy", "bfloat16").stage(90, 30),
         SHAPES[1].stage(150, 60),
+        Stage(
+            "training",
+            "the draft-layer pipeline in bf16: train-data, 60 train-heads steps, eval-heads (SmolLM2)",
+            240,
+            90,
+            plan=training_plan,
+            summarize=training_summary,
+        ),
         Stage(
             "tp",
             "swift-tiny on one GPU and on two tensor-parallel ranks (NCCL), compared",

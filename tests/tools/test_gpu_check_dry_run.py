@@ -195,6 +195,10 @@ def test_the_dry_run_goes_through_every_stage_and_models_at_most_the_trie_cap(tm
     assert adapted["draft_updates"] >= 1  # the adapted run did adapt (a step every 16 positions)
     assert adapted["static_ms_per_iteration"] > 0 and adapted["adapted_ms_per_iteration"] > 0
     assert "--compare-adaptation" in record["results"]["adapt-cost"]["command"]
+    # the draft-layer pipeline: the model's text, 4 training steps, the layers predicted and measured
+    training = record["results"]["training"]
+    assert training["steps"] == 4 and training["predicted"]["positions"] > 0
+    assert training["measured"]["new_tokens"] == 128 and training["measured"]["speedup"] > 0
     # the modeling: every 8B-shape run, τ at the cap and as measured (never above the cap)
     assert set(record["modeled"]) == {"8b-k4", "8b-k20"}
     for modeled in record["modeled"].values():
