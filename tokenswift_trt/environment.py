@@ -19,7 +19,9 @@ Every other module reads the environment through the functions here.
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
+from typing import Any
 
 HOME = "TOKENSWIFT_HOME"
 TRT_PLUGINS = "TOKENSWIFT_TRT_PLUGINS"
@@ -99,3 +101,34 @@ def raise_on_failed_collectives() -> None:
     """Have NCCL abort a failed or timed-out collective's communicator and raise, so that the process
     (a Triton model instance) lives on; a value already given is kept."""
     os.environ.setdefault(NCCL_ERROR_HANDLING, "2")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what `platform` knows elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_meta() -> dict[str, Any]:
+    """The machine, Python and PyTorch a figure was measured with, and the date (a report's meta)."""
+    import datetime
+
+    import torch
+
+    from tokenswift_trt.decode.threads import usable_cpus
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu": cpu_model(),
+        "cpus": usable_cpus(),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+    }

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenswift_trt.bench.report import machine_meta
 from tokenswift_trt.bench.steps import device_description, measure_copy_bandwidth, time_call
+from tokenswift_trt.environment import machine_meta
 from tokenswift_trt.kernels import ops as kernels
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from tokenswift_trt.bench.report import cpu_model
 from tokenswift_trt.decode.threads import usable_cpus
+from tokenswift_trt.environment import cpu_model
 
 BUSY_LOOP = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
 ROOT = Path(__file__).resolve().parent.parent

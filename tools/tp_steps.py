@@ -31,12 +31,13 @@ import click
 import torch
 import torch.distributed as dist
 
-from tokenswift_trt.bench.report import machine_meta, write_csv
+from tokenswift_trt.bench.report import write_csv
 from tokenswift_trt.bench.step_bench import check_cuda
 from tokenswift_trt.bench.steps import device_description, fill_random
 from tokenswift_trt.builder.build import BuildRequest, resolve
 from tokenswift_trt.cli.common import CliError, fail, int_list, kernel_option, report_out_option
 from tokenswift_trt.cli.tp_launch import start_ranks, tp_options
+from tokenswift_trt.environment import machine_meta
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.config import ModelConfig, config_from_dict, load_config
 from tokenswift_trt.model.decoder import LlamaModel

@@ -110,7 +110,7 @@ def run_batching_bench(
     import os
 
     import tokenswift_trt as ts
-    from tokenswift_trt.bench.report import machine_meta
+    from tokenswift_trt.environment import machine_meta
     from tokenswift_trt.serving.server import TritonServer, local_config
 
     most = max(levels)

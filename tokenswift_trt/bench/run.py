@@ -23,10 +23,11 @@ from tokenswift_trt.decode.autotune import Plan, describe_plans
 from tokenswift_trt.decode.config import GenerationConfig, GenerationError
 from tokenswift_trt.decode.loop import DecodeSteps, decode_steps
 from tokenswift_trt.decode.stats import WINDOW_TOKENS, Stats, Window
+from tokenswift_trt.environment import machine_meta
 from tokenswift_trt.model.engine import Engine
 
 from .metrics import acceptance_rate, distinct_n, spread
-from .report import machine_meta, write_csv
+from .report import write_csv
 
 DEFAULT_TREE = "1,3,3,3"
 

@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from tokenswift_trt.environment import machine_meta
 from tokenswift_trt.serving.client import ClientError, Result, generate_endpoint, grpc_generate
 
-from .report import machine_meta, write_csv
+from .report import write_csv
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 MODEL = "tokenswift"

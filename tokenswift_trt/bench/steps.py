@@ -40,6 +40,7 @@ import torch
 from tokenswift_trt.builder.build import BuildRequest, resolve
 from tokenswift_trt.decode.admission import GIB, available_bytes, plan_memory
 from tokenswift_trt.decode.static_step import StaticForward, bucket_for
+from tokenswift_trt.environment import machine_meta
 from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.config import config_from_dict, load_config
 from tokenswift_trt.model.decoder import LlamaModel
@@ -48,7 +49,7 @@ from tokenswift_trt.model.engine import Engine, choose_kernels
 from tokenswift_trt.model.kv_cache import KVCache, PartialKVCache
 from tokenswift_trt.model.linear import pack_linears
 
-from .report import machine_meta, write_csv
+from .report import write_csv
 
 # The paper's speedups for LLaMA3.1-8B on an A100 80G (prefix 4096, α 0.84; Table 1 of arXiv
 # 2502.18890), keyed by generated tokens: "100K" is the research code's --gen_len 102400.

@@ -92,7 +92,7 @@ def eval_heads(
         texts = [torch.tensor(text) for text in measured.texts]
         starts = [len(prompt) for prompt in prompts]  # the generated tokens only: what the runs drafted
         on_measured_text = predict_chain(engine, engine.draft_layers, texts, config.sampling, starts)
-    from tokenswift_trt.bench.report import machine_meta
+    from tokenswift_trt.environment import machine_meta
 
     meta = {**machine_meta(), "command": given_command("tokenswift-trt eval-heads")}
     report = evaluation_report(prediction, measured, config.sampling, on_measured_text, meta)

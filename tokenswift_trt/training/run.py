@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tokenswift_trt.api import ApiError, load
-from tokenswift_trt.bench.report import machine_meta
+from tokenswift_trt.environment import machine_meta
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.training.data import read_records, token_splits
 from tokenswift_trt.training.errors import TrainingError
