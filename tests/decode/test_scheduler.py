@@ -389,3 +389,28 @@ def test_a_follower_in_lockstep_runs_the_leaders_requests_cancels_and_plan_to_th
     leader.step()
     with pytest.raises(LockstepError, match="different tokens"):
         follower.step()
+
+
+def test_a_leader_whose_followers_failed_leads_new_ones_from_a_clean_state(tiny):
+    """After a failed step (a worker died mid-step, its tokens half committed) the leader leads a
+    fresh follower: what the old group was told is forgotten, requests submitted since reach it."""
+    engine = tiny.engine
+    prompts, configs = _prompts(tiny, 2), _configs()
+    old = _Pair()
+    leader = Scheduler(engine, max_batch=2, lockstep=old.side(True))
+    leader.submit(prompts[0], configs[1])
+    leader.step()
+    leader.step()  # tokens committed since the last exchange: the old followers' digest to check
+    leader.fail_all("a tensor-parallel rank stopped")
+    later = leader.submit(prompts[1], configs[0])
+    new = _Pair()
+    leader.lead_new_group(new.side(True))
+    follower = Scheduler(engine, max_batch=2, lockstep=new.side(False))
+    while leader.pending:
+        leader.step()
+        follower.step()
+    leader.step()
+    follower.step()  # the last step's digest, checked
+    (followed,) = [*follower.active, *follower.take_ended()]
+    assert followed.id == later.id and followed.tokens == later.tokens
+    assert later.status == FINISHED and later.tokens == _alone(engine, prompts[1], configs[0])

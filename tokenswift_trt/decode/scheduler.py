@@ -307,6 +307,11 @@ class Scheduler:
             seconds, tokens = time.perf_counter() - forwarded, self.stats.tokens - before
             self.planner.observe(len(waiting), len(waiting) >= 2 and tuned, seconds, tokens)
 
+    def lead_new_group(self, lockstep: Lockstep) -> None:
+        """Lead a new group of followers (the old one failed; they start with nothing): what the old
+        ones were told of is forgotten, what was submitted since is sent at the next step."""
+        self.lockstep, self._digest, self._cancelled = lockstep, 0, []
+
     def _exchange(self, lockstep: Lockstep) -> None:
         """Send this step's job (leader) or take and apply the leader's (follower)."""
         if lockstep.leader:

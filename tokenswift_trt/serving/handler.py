@@ -520,8 +520,8 @@ class BatchRunner:
                     return
                 try:
                     if self.ranks is not None and self.ranks.broken:  # a step failed: new workers
-                        self.scheduler.lockstep = self.ranks.start_batching(
-                            self.scheduler.max_batch, self.scheduler.memory_budget
+                        self.scheduler.lead_new_group(
+                            self.ranks.start_batching(self.scheduler.max_batch, self.scheduler.memory_budget)
                         )
                     self.scheduler.step()
                 except Exception as error:  # noqa: BLE001 (report it to every request; keep serving)
