@@ -109,13 +109,11 @@ def _broadcast(value: Any, group: Any) -> Any:
 def _step_check(tp: Any, device: str) -> Callable[[list[int]], None]:
     """An on_tokens that checks every rank committed the same tokens (once per iteration; the
     collective's tensors on `device`: NCCL reduces GPU tensors only)."""
+    from tokenswift_trt.decode.scheduler import token_digest
     from tokenswift_trt.model.tensor_parallel import TensorParallelError
 
     def check(ids: list[int]) -> None:
-        digest = 0
-        for token in ids:
-            digest = (digest * 1_000_003 + token + 1) % (1 << 61)
-        rows = tp.gather([len(ids), digest], device)
+        rows = tp.gather([len(ids), token_digest(0, ids)], device)
         if any(row != rows[0] for row in rows):
             raise TensorParallelError(
                 "tensor-parallel ranks committed different tokens (their logits differ)"
