@@ -322,34 +322,27 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
     swift = [r.snapshots[gen_len] for r in runs["tokenswift"]]
     speedups = [s.tokens_per_s / a.tokens_per_s for a, s in zip(ar, swift)]
     median, low, high = spread(speedups)
+    figures = _variant_figures("tokenswift", gen_len, runs)
     row = {
         "prefix_len": prefix_len,
         "gen_len": gen_len,
         "runs": len(speedups),
         "ar_tokens_per_s": round(spread([a.tokens_per_s for a in ar])[0], 2),
-        "tokenswift_tokens_per_s": round(spread([s.tokens_per_s for s in swift])[0], 2),
+        "tokenswift_tokens_per_s": figures.pop("tokens_per_s"),
         "speedup": round(median, 3),
         "speedup_min": round(low, 3),
         "speedup_max": round(high, 3),
-        "alpha": round(acceptance_rate(sum(s.accepted for s in swift), sum(s.drafted for s in swift)), 4),
         "beta": round(
             acceptance_rate(sum(s.ngram_accepted for s in swift), sum(s.drafted for s in swift)), 4
-        ),
-        # α at each draft depth (accepted / reached, over the runs), "/"-separated
-        "alpha_by_depth": "/".join(f"{alpha:.3f}" for alpha in alpha_by_depth(swift)),
-        # τ: tokens committed per decode iteration (accepted drafts + 1)
-        "tokens_per_iteration": round(
-            1 + sum(s.accepted for s in swift) / max(1, sum(s.iterations for s in swift)), 3
         ),
         "tokens_per_forward": round(
             sum(s.new_tokens - 1 for s in swift) / max(1, sum(s.forwards for s in swift)), 3
         ),
         # per decode iteration, the prefill left out (at a 100K prompt it is seconds of the total)
         "ar_decode_ms_per_iteration": round(spread([a.decode_ms_per_iteration for a in ar])[0], 3),
-        "tokenswift_decode_ms_per_iteration": round(spread([s.decode_ms_per_iteration for s in swift])[0], 3),
+        "tokenswift_decode_ms_per_iteration": figures.pop("decode_ms_per_iteration"),
         "prefill_s": round(spread([a.prefill_s for a in ar + swift])[0], 3),
-        # the optimiser steps of the TokenSwift runs' adapted layers (--adapt-drafts; 0 without it)
-        "draft_updates": sum(s.draft_updates for s in swift),
+        **figures,
     }
     if "default_tree" in runs:
         default = [r.snapshots[gen_len] for r in runs["default_tree"]]
@@ -365,33 +358,34 @@ def _row(prefix_len: int, gen_len: int, runs: dict[str, list[Run]]) -> dict:
         for n in range(1, 5):
             values = [distinct_n(r.tokens[:gen_len], n) for r in runs[name]]
             row[f"distinct{n}_{key}"] = round(sum(values) / len(values), 4)
-    same = all(a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs["tokenswift"]))
-    row["tokens_equal_ar"] = same
-    row["windows"] = window_rows(swift, ar)  # figures by output position (bench_windows.csv)
-    if "adapted" in runs:
-        row.update(_adapted_figures(gen_len, runs, ar))
+    if "adapted" in runs:  # the adapted layers' run (`BenchSpec.compare_adaptation`) beside the static one
+        adapted = [r.snapshots[gen_len] for r in runs["adapted"]]
+        row["adapted_vs_static"] = round(
+            spread([a.tokens_per_s / s.tokens_per_s for a, s in zip(adapted, swift)])[0], 3
+        )
+        figures = _variant_figures("adapted", gen_len, runs)
+        row.update({f"adapted_{key}": value for key, value in figures.items()})
     return row
 
 
-def _adapted_figures(gen_len: int, runs: dict[str, list[Run]], ar: list[Snapshot]) -> dict:
-    """The adapted layers' run (`BenchSpec.compare_adaptation`): its figures beside the static ones."""
-    adapted = [r.snapshots[gen_len] for r in runs["adapted"]]
-    swift = [r.snapshots[gen_len] for r in runs["tokenswift"]]
-    accepted, drafted = sum(s.accepted for s in adapted), sum(s.drafted for s in adapted)
+def _variant_figures(name: str, gen_len: int, runs: dict[str, list[Run]]) -> dict:
+    """A TokenSwift variant's figures at `gen_len` over its runs (`runs[name]`), beside AR's."""
+    own = [r.snapshots[gen_len] for r in runs[name]]
+    ar = [r.snapshots[gen_len] for r in runs["ar"]]
+    accepted, drafted = sum(s.accepted for s in own), sum(s.drafted for s in own)
+    same = all(a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs[name]))
     return {
-        "adapted_tokens_per_s": round(spread([s.tokens_per_s for s in adapted])[0], 2),
-        "adapted_vs_static": round(
-            spread([a.tokens_per_s / s.tokens_per_s for a, s in zip(adapted, swift)])[0], 3
-        ),
-        "adapted_alpha": round(acceptance_rate(accepted, drafted), 4),
-        "adapted_alpha_by_depth": "/".join(f"{alpha:.3f}" for alpha in alpha_by_depth(adapted)),
-        "adapted_tokens_per_iteration": round(1 + accepted / max(1, sum(s.iterations for s in adapted)), 3),
-        "adapted_decode_ms_per_iteration": round(spread([s.decode_ms_per_iteration for s in adapted])[0], 3),
-        "adapted_draft_updates": sum(s.draft_updates for s in adapted),
-        "adapted_tokens_equal_ar": all(
-            a.tokens[:gen_len] == s.tokens[:gen_len] for a, s in zip(runs["ar"], runs["adapted"])
-        ),
-        "adapted_windows": window_rows(adapted, ar),
+        "tokens_per_s": round(spread([s.tokens_per_s for s in own])[0], 2),
+        "decode_ms_per_iteration": round(spread([s.decode_ms_per_iteration for s in own])[0], 3),
+        "alpha": round(acceptance_rate(accepted, drafted), 4),
+        # α at each draft depth (accepted / reached, over the runs), "/"-separated
+        "alpha_by_depth": "/".join(f"{alpha:.3f}" for alpha in alpha_by_depth(own)),
+        # τ: tokens committed per decode iteration (accepted drafts + 1)
+        "tokens_per_iteration": round(1 + accepted / max(1, sum(s.iterations for s in own)), 3),
+        # the optimiser steps of the adapted layers (--adapt-drafts; 0 without it)
+        "draft_updates": sum(s.draft_updates for s in own),
+        "tokens_equal_ar": same,
+        "windows": window_rows(own, ar),  # figures by output position (bench_windows.csv)
     }
 
 

@@ -44,6 +44,13 @@ PROMPT = "It is a truth universally acknowledged, that a single man in possessio
 MODEL = "tokenswift"
 OUTCOMES = ("ok", "error", "cancelled")
 PENDING = "nv_inference_pending_request_count"
+COUNTERS = {  # figure: the server's counter (summed over the model's samples)
+    "generation_tokens": "tokenswift:generation_tokens_total",
+    "prompt_tokens": "tokenswift:prompt_tokens_total",
+    "triton_success": "nv_inference_request_success",
+    "triton_failure": "nv_inference_request_failure",
+    "pending": PENDING,
+}
 
 
 class LoadError(RuntimeError):
@@ -182,11 +189,8 @@ def scrape(metrics_url: str) -> dict[str, float]:
         )
         for outcome in OUTCOMES
     }
-    figures["generation_tokens"] = metric_total(samples, "tokenswift:generation_tokens_total", model=MODEL)
-    figures["prompt_tokens"] = metric_total(samples, "tokenswift:prompt_tokens_total", model=MODEL)
-    figures["triton_success"] = metric_total(samples, "nv_inference_request_success", model=MODEL)
-    figures["triton_failure"] = metric_total(samples, "nv_inference_request_failure", model=MODEL)
-    figures["pending"] = metric_total(samples, PENDING, model=MODEL)
+    for key, name in COUNTERS.items():
+        figures[key] = metric_total(samples, name, model=MODEL)
     figures["has_pending"] = float(any(name == PENDING for name, _, _ in samples))
     return figures
 
@@ -308,7 +312,6 @@ def _wait_idle(endpoints: Endpoints, outcomes_wanted: float, timeout_s: float) -
 
 def run_requests(config: LoadConfig, endpoints: Endpoints) -> tuple[list[RequestRecord], float]:
     """The long streams and the short requests at once; (records, wall seconds)."""
-    records: list[RequestRecord] = []
     timeout = config.request_timeout_s
 
     def stream(index: int) -> RequestRecord:
@@ -316,35 +319,16 @@ def run_requests(config: LoadConfig, endpoints: Endpoints) -> tuple[list[Request
         record = RequestRecord("stream", "grpc")
         return _timed(record, lambda on: grpc_generate(endpoints.grpc_url, params, on, timeout))
 
-    shorts: queue.Queue[int] = queue.Queue()
-    for index in range(config.short_requests):
-        shorts.put(index)
+    def short(index: int) -> RequestRecord:
+        params = _params(config, config.seed + 1000 + index, config.short_tokens)
+        record = RequestRecord("short", "http")
+        return _timed(record, lambda on: generate_endpoint(endpoints.http_url, params, True, on, timeout))
 
-    def short_client() -> list[RequestRecord]:
-        done = []
-        while True:
-            try:
-                index = shorts.get_nowait()
-            except queue.Empty:
-                return done
-            params = _params(config, config.seed + 1000 + index, config.short_tokens)
-            record = RequestRecord("short", "http")
-            done.append(
-                _timed(
-                    record,
-                    lambda on, params=params: generate_endpoint(
-                        endpoints.http_url, params, True, on, timeout
-                    ),
-                )
-            )
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(config.streams + config.short_workers) as pool:
-        streams = [pool.submit(stream, index) for index in range(config.streams)]
-        clients = [pool.submit(short_client) for _ in range(min(config.short_workers, config.short_requests))]
-        records += [future.result() for future in streams]
-        for future in clients:
-            records += future.result()
+    start = time.perf_counter()  # `short_workers` clients send the short requests, one after another each
+    with ThreadPoolExecutor(config.streams) as streams, ThreadPoolExecutor(config.short_workers) as shorts:
+        futures = [streams.submit(stream, index) for index in range(config.streams)]
+        futures += [shorts.submit(short, index) for index in range(config.short_requests)]
+        records = [future.result() for future in futures]
     return records, time.perf_counter() - start
 
 
@@ -406,19 +390,12 @@ def checks(result: LoadResult, final: dict[str, float]) -> list[Check]:
     """The accounting checks of a finished run (`final`: the last scrape)."""
     records = result.requests
     wrong = [r for r in records if not _expected(r, result.config)]
-    found = [
-        Check(
-            "answers",
-            "fail" if wrong else "pass",
-            f"{len(records) - len(wrong)}/{len(records)} requests got every token they asked for"
-            + (
-                f"; first unexpected: {wrong[0].kind} over {wrong[0].transport} -> {wrong[0].outcome} "
-                f"{wrong[0].tokens} tokens {wrong[0].detail}"
-                if wrong
-                else ""
-            ),
-        )
-    ]
+    detail = f"{len(records) - len(wrong)}/{len(records)} requests got every token they asked for"
+    if wrong:
+        first = wrong[0]
+        detail += f"; first unexpected: {first.kind} over {first.transport} -> {first.outcome} "
+        detail += f"{first.tokens} tokens {first.detail}"
+    found = [Check("answers", "fail" if wrong else "pass", detail)]
     counted = _outcomes(result.metrics)
     found.append(
         Check(
