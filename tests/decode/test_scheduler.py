@@ -13,8 +13,9 @@ import tokenswift_trt as ts
 from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.loop import generate
 from tokenswift_trt.decode.scheduler import CANCELLED, FAILED, FINISHED, QUEUED, Scheduler
+from tokenswift_trt.kernels.config import KernelConfig
 from tokenswift_trt.model.cpu_decoder import CpuDecoder
-from tokenswift_trt.model.decoder import Segment, forward_batch
+from tokenswift_trt.model.decoder import Attention, LlamaModel, Segment, forward_batch
 from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig
 
@@ -187,6 +188,91 @@ def test_forward_batch_rows_are_the_bits_of_each_forward_alone(llama_dir):
         assert torch.equal(one.hidden, both.hidden)
         assert all(torch.equal(a, b) for a, b in zip(one.queries, both.queries, strict=True))
     assert caches[0].pending == 4 and caches[1].pending == 1
+
+
+def test_batched_forward_runs_the_products_once_for_all_segments(llama_dir):
+    """The layers' pass over several segments (`batched_forward`, the CUDA default): each layer's
+    products run once over every row, attention per segment on its own cache, and each segment gets its
+    own forward's outputs (float64: equal to rounding) and K/V."""
+    engine = quiet_load(llama_dir[0], dtype=torch.float64, kernels=KernelConfig(batched_forward="on"))
+    model, config = engine.model, engine.config
+    assert model.batched_forward
+    generator = torch.Generator().manual_seed(1)
+    prefixes = {n: torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (9, 23, 40)}
+
+    def cache_with(length: int) -> KVCache:
+        cache = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 128, torch.float64, "cpu")
+        model(prefixes[length], torch.arange(length), cache)
+        cache.commit()
+        return cache
+
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    steps = [  # a tree verify, an AR step, a causal chunk
+        (torch.tensor([5, 9, 11]), torch.tensor([9, 10, 10]), tree, 9),
+        (torch.tensor([7]), torch.tensor([23]), None, 23),
+        (torch.tensor([3, 1, 4, 1]), torch.arange(40, 44), None, 40),
+    ]
+    alone, caches = [], []
+    for tokens, positions, mask, length in steps:
+        cache = cache_with(length)
+        alone.append((model(tokens, positions, cache, tree_mask=mask, keep_queries=True), cache))
+        caches.append(cache_with(length))
+    passes = []
+    original = Attention.forward_segments
+
+    def counted(self, *args, **kwargs):
+        passes.append(len(args[3]))  # the segments' row counts
+        return original(self, *args, **kwargs)
+
+    Attention.forward_segments = counted
+    try:
+        together = forward_batch(
+            model, [Segment(t, p, cache, m) for (t, p, m, _), cache in zip(steps, caches, strict=True)]
+        )
+    finally:
+        Attention.forward_segments = original
+    assert passes == [3] * config.num_layers  # one pass per layer over the three segments
+    for (one, own_cache), both, cache in zip(alone, together, caches, strict=True):
+        torch.testing.assert_close(both.hidden, one.hidden, rtol=0, atol=1e-12)
+        for a, b in zip(one.queries, both.queries, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+        assert cache.pending == own_cache.pending
+        end = cache.length + cache.pending
+        torch.testing.assert_close(cache.keys[:, :, :end], own_cache.keys[:, :, :end], rtol=0, atol=1e-12)
+        torch.testing.assert_close(cache.values[:, :, :end], own_cache.values[:, :, :end], rtol=0, atol=1e-12)
+
+
+def test_batched_forward_requests_commit_their_own_runs_tokens(llama_dir):
+    """Requests on an engine whose batch runs as one pass of the layers (no compiled decoder: float64)
+    commit the tokens of their runs alone, greedy and seeded, trees and AR steps mixed."""
+    engine = quiet_load(llama_dir[0], dtype=torch.float64, kernels=KernelConfig(batched_forward="on"))
+    generator = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(0, engine.config.vocab_size, (n,), generator=generator).tolist() for n in (7, 12, 5)
+    ]
+    configs = [
+        GenerationConfig(max_new_tokens=30, sampling=GREEDY, ignore_eos=True, method="ar"),
+        GenerationConfig(max_new_tokens=36, sampling=PAPER, seed=3, ignore_eos=True, tree="2,2"),
+        GenerationConfig(max_new_tokens=24, sampling=GREEDY, ignore_eos=True, tree="1,3"),
+    ]
+    scheduler = Scheduler(engine, max_batch=3)
+    requests = [scheduler.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
+    passes = []
+    original = LlamaModel._batched_decode
+
+    def counted(self, segments):
+        passes.append(len(segments))
+        return original(self, segments)
+
+    LlamaModel._batched_decode = counted
+    try:
+        scheduler.run()
+    finally:
+        LlamaModel._batched_decode = original
+    assert max(passes) == 3
+    for request, prompt, config in zip(requests, prompts, configs, strict=True):
+        assert request.status == FINISHED, request.error
+        assert request.tokens == _alone(engine, prompt, config)
 
 
 def test_submit_refuses_what_cannot_run(tiny):

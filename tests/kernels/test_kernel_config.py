@@ -51,6 +51,7 @@ def test_defaults_and_which_settings_decide_the_tokens():
         "huge_pages": True,
         "fused_elementwise": True,
         "batch_invariant": "off",
+        "batched_forward": "auto",
         "cuda_attention": "auto",
         "cascade_min_work": CASCADE_MIN_WORK,
         "cascade_tail": "kernel",

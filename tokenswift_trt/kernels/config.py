@@ -64,6 +64,15 @@ class KernelConfig:
         True,
         ("off", "on", "products"),
     )
+    batched_forward: str = _setting(
+        "auto",
+        "how a batch of requests runs where the compiled CPU decoder does not take it: one pass with every "
+        "product over all requests' rows (`on`; `auto` on CUDA, where in bf16 a row can differ in its "
+        "last bits from the request's own run unless batch_invariant is on or products) or one forward "
+        "per request (`off`; `auto` elsewhere)",
+        True,
+        ("auto", "on", "off"),
+    )
     cuda_attention: str = _setting(
         "auto",
         "how verifies attend on CUDA: `auto` the FlashAttention cascade where tree tokens x keys >= "

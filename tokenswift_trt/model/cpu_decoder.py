@@ -96,13 +96,16 @@ class CpuDecoder:
 
     def usable(self, count: int, cache: object) -> bool:
         """Whether `count` new tokens on `cache` take this path now."""
-        return (
-            count <= TILED_MAX_ROWS
-            and type(cache) is KVCache
-            and torch.is_inference_mode_enabled()
-            and not torch.compiler.is_compiling()
-            and self._unchanged()
-        )
+        return self.fits(count, cache) and self.ready()
+
+    @staticmethod
+    def fits(count: int, cache: object) -> bool:
+        """Whether `count` new tokens on `cache` are a call of this decoder (`ready` aside)."""
+        return count <= TILED_MAX_ROWS and type(cache) is KVCache
+
+    def ready(self) -> bool:
+        """Whether this decoder runs now: in inference mode, not compiling, its weights unchanged."""
+        return torch.is_inference_mode_enabled() and not torch.compiler.is_compiling() and self._unchanged()
 
     def _unchanged(self) -> bool:
         """Every parameter is the one packed, at the same version and dtype."""

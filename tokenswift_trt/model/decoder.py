@@ -267,13 +267,55 @@ class Attention(nn.Module):
         cache: AttentionCache,
         layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        count = x.shape[0]
+        """-> (attention output after o_proj [T, hidden], rotated queries [T, heads, head_dim])."""
+        q, k, v = self.project(x)
+        out, q = self.attend(q, k, v, cos, sin, mask, cache, layer)
+        return self.o_proj(out), q
+
+    def forward_segments(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the segments' rows one after another
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,
+        counts: Sequence[int],  # each segment's rows
+        masks: Sequence[AttentionMask],  # one per segment
+        caches: Sequence[AttentionCache],
+        layer: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` for several requests' segments: the products over all rows at once, attention per
+        segment on its own cache. -> (output [T, hidden], per segment its rotated queries)."""
+        parts = zip(
+            *(t.split(list(counts)) for t in (*self.project(x), cos, sin)), masks, caches, strict=True
+        )
+        outs, queries = [], []
+        for q, k, v, c, s, mask, cache in parts:
+            out, q = self.attend(q, k, v, c, s, mask, cache, layer)
+            outs.append(out)
+            queries.append(q)
+        return self.o_proj(torch.cat(outs)), queries
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, heads * D], k and v [T, kv_heads * D]."""
         if self.fused is not None and self.fused.usable(x):
-            q, k, v = self.fused(x)
-        elif self.qkv is not None:
-            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.fused(x)
+        if self.qkv is not None:
+            return self.qkv(x).split(self.qkv.sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, heads * D]
+        k: torch.Tensor,  # [T, kv_heads * D]
+        v: torch.Tensor,
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        cache: AttentionCache,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary, the cache's write-then-read and attention by `mask.kernel`: -> (output before o_proj
+        [T, heads * D], rotated queries [T, heads, D])."""
+        count = q.shape[0]
         q = q.view(count, self.num_heads, self.head_dim).transpose(0, 1)  # [heads, T, head_dim]
         k = k.view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v = v.view(count, self.num_kv_heads, self.head_dim).transpose(0, 1)
@@ -321,8 +363,7 @@ class Attention(nn.Module):
         else:
             assert mask.bias is not None
             out = grouped_sdpa(q, keys, values, mask.bias)
-        out = self.o_proj(out.transpose(0, 1).reshape(count, self.num_heads * self.head_dim))
-        return out, q.transpose(0, 1)
+        return out.transpose(0, 1).reshape(count, self.num_heads * self.head_dim), q.transpose(0, 1)
 
 
 def folds_groups(heads: int, kv_heads: int, count: int) -> bool:
@@ -478,6 +519,8 @@ class LlamaModel(nn.Module):
         self.screened_head: ScreenedHead | None = None  # the LM head for CPU sampling (`pack`)
         self.fused_elementwise = False  # fewer, fused ops per layer (`use_fused_elementwise`)
         self.batch_invariant = False  # CUDA products and norms row by row (`use_batch_invariant`)
+        # a batch's forwards as one pass of the layers (`_batched_decode`; kernel setting batched_forward)
+        self.batched_forward = False
         self.aligned_attention = False  # steps of <= 64 levels through `triton_aligned` (the same)
         # the FlashAttention cascade for T query rows over `capacity` keys only where T * capacity >=
         # this (`use_flash_cascade`); below it `cascade_fallback` runs (0: always the cascade)
@@ -609,27 +652,59 @@ class LlamaModel(nn.Module):
         """Several requests' forwards (`Segment`), queries kept. On a float32 CPU engine the segments
         that the compiled decoder takes run as one call of it: every product over all their rows at
         once, attention per segment; a row's bits are those of the segment's own forward (the products
-        and every per-row step are batch-invariant, attention sees the segment alone). Other segments,
-        and every segment on other engines, run one forward each."""
+        and every per-row step are batch-invariant, attention sees the segment alone). The other
+        segments run as one pass of the layers with `batched_forward` (`_batched_decode`), else one
+        forward each."""
         outputs: list[ForwardOutput | None] = [None] * len(segments)
         joint: list[tuple[int, tuple[torch.Tensor, int]]] = []  # (segment, its attention input and mode)
+        rest: list[int] = []
+        compiled = self.cpu_decoder is not None and self.cpu_decoder.ready()
         for index, segment in enumerate(segments):
             count = segment.tokens.shape[0]
-            takes = self.cpu_decoder is not None and self.cpu_decoder.usable(count, segment.cache)
+            takes = compiled and CpuDecoder.fits(count, segment.cache)
             attention = self._compiled_mask(count, segment) if takes else None
             if attention is not None:
                 joint.append((index, attention))
             else:
-                outputs[index] = self.decode(
-                    segment.tokens, segment.positions, segment.cache, segment.tree_mask, keep_queries=True
-                )
+                rest.append(index)
         if joint:
             chosen = [segments[index] for index, _ in joint]
             for (index, _), output in zip(
                 joint, self._compiled_batch(chosen, [a for _, a in joint]), strict=True
             ):
                 outputs[index] = output
+        if self.batched_forward and len(rest) > 1:
+            for index, output in zip(rest, self._batched_decode([segments[i] for i in rest]), strict=True):
+                outputs[index] = output
+        else:
+            for index in rest:
+                s = segments[index]
+                outputs[index] = self.decode(s.tokens, s.positions, s.cache, s.tree_mask, keep_queries=True)
         return outputs  # type: ignore[return-value]
+
+    def _batched_decode(self, segments: Sequence[Segment]) -> list[ForwardOutput]:
+        """The segments through one pass of the layers: every product and norm over all their rows at
+        once, attention per segment on its own cache with the kernel its own forward takes. A row's bits
+        are its own forward's where the products are batch-invariant (`use_batch_invariant`; the CPU
+        tiled products); elsewhere (cuBLAS, oneDNN) a product can sum a row in another order for
+        another number of rows, so in bf16 a near tie can go the other way."""
+        counts = [s.tokens.shape[0] for s in segments]
+        x = self.model.embed_tokens(torch.cat([s.tokens for s in segments]))  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(torch.cat([s.positions for s in segments]), x.dtype)
+        masks = [self._decode_mask(n, s.cache, s.tree_mask, None, x) for n, s in zip(counts, segments)]
+        caches = [s.cache for s in segments]
+        queries: list[list[torch.Tensor]] = []  # per layer, per segment [T_s, heads, head_dim]
+
+        def attend(attention: Attention, h: torch.Tensor, layer: int) -> torch.Tensor:
+            attended, q = attention.forward_segments(h, cos, sin, counts, masks, caches, layer)
+            queries.append(q)
+            return attended
+
+        hidden = self._layers(x, attend).split(counts)
+        return [
+            ForwardOutput(hidden=h, queries=[per_layer[index] for per_layer in queries])
+            for index, h in enumerate(hidden)
+        ]
 
     def _compiled_mask(self, count: int, segment: Segment) -> tuple[torch.Tensor, int] | None:
         """(attention input, mode) of the compiled decoder for a segment, as `decode` passes them; None
@@ -686,50 +761,44 @@ class LlamaModel(nn.Module):
         """
         x = self.model.embed_tokens(tokens)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        mask = self._attention_mask(tokens.shape[0], cache, tree_mask, static, x.device)
-        if mask.kernel == "sdpa":
-            mask.bias = sdpa_bias(mask.mask, self.config.num_heads, self.config.num_kv_heads, x.dtype)
+        mask = self._decode_mask(tokens.shape[0], cache, tree_mask, static, x)
         compiled = self.cpu_decoder is not None and mask.kernel in ("sdpa", "cpu_tree_attention")
         if compiled and static is None and self.cpu_decoder.usable(tokens.shape[0], cache):
             return self._compiled_decode(x, cos, sin, mask, cache, keep_queries)
-        queries: list[torch.Tensor] | None = [] if keep_queries else None
-        if self.fused_elementwise:
-            hidden = self._fused_norm_layers(x, cos, sin, mask, cache, queries)
-            return ForwardOutput(hidden=hidden, queries=queries)
-        for index, layer in enumerate(self.model.layers):
-            attended, q = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, cache, index)
-            x = x + attended
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if queries is not None:
-                queries.append(q)
-        return ForwardOutput(hidden=x, queries=queries)
+        queries: list[torch.Tensor] = []
 
-    def _fused_norm_layers(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: AttentionMask,
-        cache: AttentionCache,
-        queries: list[torch.Tensor] | None,
+        def attend(attention: Attention, h: torch.Tensor, layer: int) -> torch.Tensor:
+            attended, q = attention(h, cos, sin, mask, cache, layer)
+            queries.append(q)
+            return attended
+
+        hidden = self._layers(x, attend)
+        return ForwardOutput(hidden=hidden, queries=queries if keep_queries else None)
+
+    def _layers(
+        self, x: torch.Tensor, attend: Callable[[Attention, torch.Tensor, int], torch.Tensor]
     ) -> torch.Tensor:
-        """The layers with each residual add and the RMSNorm after it as one op (`kernels.add_rms_norm`,
-        one kernel on CUDA): the same function as the plain loop, two ops per layer instead of ~18."""
+        """x [T, hidden] through every layer, `attend(layer's attention, normed x, layer index)` giving
+        the attention output; -> hidden [T, hidden] before the final norm. With `fused_elementwise`, each
+        residual add and the RMSNorm after it are one op (`kernels.add_rms_norm`, one kernel on CUDA):
+        the same function, two ops per layer instead of ~18."""
         layers = self.model.layers
+        if not self.fused_elementwise:
+            for index, layer in enumerate(layers):
+                x = x + attend(layer.self_attn, layer.input_layernorm(x), index)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            return x
         first = layers[0].input_layernorm
         _, h = kernels.add_rms_norm(x, None, first.weight, first.eps)
         for index, layer in enumerate(layers):
-            attended, q = layer.self_attn(h, cos, sin, mask, cache, index)
             norm = layer.post_attention_layernorm
-            x, h = kernels.add_rms_norm(x, attended, norm.weight, norm.eps)
+            x, h = kernels.add_rms_norm(x, attend(layer.self_attn, h, index), norm.weight, norm.eps)
             out = layer.mlp(h)
             if index + 1 < len(layers):
                 norm = layers[index + 1].input_layernorm
                 x, h = kernels.add_rms_norm(x, out, norm.weight, norm.eps)
             else:
                 x = x + out  # the final norm is the LM head's and the draft layers' business
-            if queries is not None:
-                queries.append(q)
         return x
 
     def _compiled_decode(
@@ -810,6 +879,20 @@ class LlamaModel(nn.Module):
         tree, prefix = self._device_tree(count, cache, tree_mask, static, device)
         depths, ancestors = tree_depths_and_ancestors(tree, prefix)  # once per forward, every layer reads
         return AttentionMask("aligned", tree, prefix, depths=depths, ancestors=ancestors)
+
+    def _decode_mask(
+        self,
+        count: int,
+        cache: AttentionCache,
+        tree_mask: torch.Tensor | None,
+        static: StaticAttention | None,
+        x: torch.Tensor,  # [T, hidden]: the forward's device and dtype
+    ) -> AttentionMask:
+        """`_attention_mask` with SDPA's additive bias built once for the forward."""
+        mask = self._attention_mask(count, cache, tree_mask, static, x.device)
+        if mask.kernel == "sdpa":
+            mask.bias = sdpa_bias(mask.mask, self.config.num_heads, self.config.num_kv_heads, x.dtype)
+        return mask
 
     def _attention_mask(
         self,

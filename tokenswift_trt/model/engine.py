@@ -302,6 +302,8 @@ def choose_kernels(
     choose_attention_kernel(model, config, dtype, device, settings)
     choose_fused_elementwise(model, dtype, device, settings)
     choose_batch_invariant(model, dtype, device, settings)
+    batched = settings.batched_forward
+    model.batched_forward = batched == "on" or (batched == "auto" and device.type == "cuda")
 
 
 def choose_fused_elementwise(
