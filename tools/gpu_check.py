@@ -906,6 +906,48 @@ def training_summary(check: Check) -> dict[str, Any] | None:
     }
 
 
+BATCHING_RUNS = {  # run name: the kernel setting it runs the batch with
+    "one-pass": "batched_forward=on",  # every product over all requests' rows (CUDA's default)
+    "per-request": "batched_forward=off",  # one forward per request
+    "invariant": "batch_invariant=products",  # one pass, products and norms row-wise
+}
+
+
+def batching_plan(check: Check) -> Commands:
+    """A few users at once (`demo --users`): their requests one at a time (the device loop, CUDA's
+    default), then batched, with the batch as one pass of the layers, as one forward per request, and as
+    one pass with row-wise products (whose tokens must be the runs' alone). A dry run does it with
+    swift-tiny in float64 on the CPU (no compiled decoder there: the pass runs)."""
+    model, dtype, users, tokens = (
+        ("smollm2-135m", "bfloat16", "8", "256") if check.cuda else ("swift-tiny", "float64", "3", "16")
+    )
+    demo = [
+        "demo",
+        "--model",
+        model,
+        "--dtype",
+        dtype,
+        "--device",
+        check.sizes.device,
+        "--max-new-tokens",
+        "32",
+    ]
+    demo += ["--no-edit", "--users", users, "--user-tokens", tokens, "--seed", "1"]
+    return [
+        check.cli(*demo, "--kernel", kernel, "--out", str(check.work / "batching" / name))
+        for name, kernel in BATCHING_RUNS.items()
+    ]
+
+
+def batching_summary(check: Check) -> dict[str, Any] | None:
+    found = {}
+    for name in BATCHING_RUNS:
+        report = read_json(check.work / "batching" / name / "run.json")
+        if report is not None:
+            found[name] = next(row for row in report["rows"] if row["job"] == "users")
+    return {"batching": found} if found else None
+
+
 def tp_plan(check: Check) -> Commands | Skip:
     """swift-tiny greedy on one GPU and on two (NCCL), compared (tools/tp_check.py)."""
     if not check.cuda:
@@ -945,6 +987,14 @@ def stages(sizes: Sizes) -> list[Stage]:
             60,
             0,
             inline=model_stage,
+        ),
+        Stage(
+            "batching",
+            "8 users of SmolLM2 one at a time and batched: one pass of the layers, a forward each, row-wise",
+            150,
+            60,
+            plan=batching_plan,
+            summarize=batching_summary,
         ),
         Stage(
             "adapt-cost",
@@ -1082,6 +1132,34 @@ def summary_markdown(record: dict[str, Any]) -> str:
                     ]
                     for name, result in adaptation
                     for row in result["adaptation"]
+                ],
+            )
+        )
+    batching = record["results"].get("batching", {}).get("batching")
+    if batching:
+        parts.append("\n## Users at once: one at a time and batched\n\n")
+        parts.append(
+            table(
+                [
+                    "batch runs",
+                    "users",
+                    "tokens each",
+                    "one at a time tok/s",
+                    "batched tok/s",
+                    "speedup",
+                    "same tokens",
+                ],
+                [
+                    [
+                        f"{name} ({BATCHING_RUNS[name]})",
+                        row["users"],
+                        row["tokens_per_user"],
+                        row["one_at_a_time_tokens_per_s"],
+                        row["batched_tokens_per_s"],
+                        row["speedup"],
+                        row["same_tokens_as_alone"],
+                    ]
+                    for name, row in batching.items()
                 ],
             )
         )

@@ -195,6 +195,10 @@ def test_the_dry_run_goes_through_every_stage_and_models_at_most_the_trie_cap(tm
     assert adapted["draft_updates"] >= 1  # the adapted run did adapt (a step every 16 positions)
     assert adapted["static_ms_per_iteration"] > 0 and adapted["adapted_ms_per_iteration"] > 0
     assert "--compare-adaptation" in record["results"]["adapt-cost"]["command"]
+    # users at once: batched as one pass of the layers, a forward each and row-wise, each the runs alone
+    batching = record["results"]["batching"]["batching"]
+    assert set(batching) == set(gpu_check.BATCHING_RUNS)
+    assert all(row["users"] == 3 and row["same_tokens_as_alone"] for row in batching.values())
     # the draft-layer pipeline: the model's text, 4 training steps, the layers predicted and measured
     training = record["results"]["training"]
     assert training["steps"] == 4 and training["predicted"]["positions"] > 0

@@ -323,6 +323,7 @@ def generate(
     help="also write the printed rows to OUT/run.json, with the machine, date and command",
 )
 @tp_options
+@kernel_option
 @sampling_options
 def demo(
     model,
@@ -338,6 +339,7 @@ def demo(
     out,
     tp,
     tp_timeout,
+    kernels,
     **opts,
 ) -> None:
     """Generate with AR and with TokenSwift on the same engine, taking turns; print speedup, α, β,
@@ -364,6 +366,7 @@ def demo(
         opts["dtype"],
         opts["device"],
         quiet=False,
+        kernels=kernels,
         tp=tp,
         tp_timeout=tp_timeout,
     )
