@@ -51,6 +51,16 @@ def test_predicted_layer_acceptance_is_what_generate_measures(tiny, temperature,
     drafts = predicted.sampled_drafts_per_iteration if temperature else predicted.greedy_drafts_per_iteration
     assert drafts == pytest.approx(joint[0] + joint[0] * joint[1] + joint[0] * joint[1] * joint[2])
 
+    # the tuner's trees: the chain 1,1,1 commits the chain's drafts (sampled: within the Gumbel draws'
+    # error), a wider tree at least as many, and every tree's figure is 1 + drafts at most its depth
+    trees = {figures["tree"]: figures for figures in predicted.trees}
+    key = "sampled_tokens_per_iteration" if temperature else "greedy_tokens_per_iteration"
+    assert trees["1,1,1"][key] == pytest.approx(1 + drafts, abs=0.03 if temperature else 1e-4)
+    assert trees["3,2,1"][key] >= trees["1,1,1"][key] and trees["3,2,1"]["nodes"] == 3 + 6 + 6
+    assert trees["3,3"][key] >= trees["3"][key] > trees["1"][key] > 1
+    assert all(1 <= t[key] <= 1 + len(t["tree"].split(",")) for t in predicted.trees)
+    assert (predicted.trees[0]["sampled_tokens_per_iteration"] is None) == (not temperature)
+
     modeled = modeled_speedup(predicted, measured, sampled=bool(temperature))
     cost = measured.seconds_per_iteration / measured.seconds_per_ar_step
     assert modeled["tokens_per_iteration"] == pytest.approx(1 + drafts)
@@ -72,6 +82,14 @@ def test_eval_heads_writes_predicted_measured_and_modeled_figures(tiny, tmp_path
     assert report["predicted"]["positions"] == 3 * (100 - 1 - 3)
     assert report["measured"]["new_tokens"] == 40 and len(report["measured"]["runs"]) == 1
     assert report["modeled"]["speedup"] > 0 and "measured speedup" in result.output
+    # the tuner's trees, modeled from verify forwards timed here: the chain's own iteration as measured
+    trees = {row["tree"]: row for row in report["modeled"]["trees"]}
+    measured = report["measured"]
+    chain_cost = measured["seconds_per_iteration"] / measured["seconds_per_ar_step"]
+    assert trees["1,1,1"]["iteration_cost_in_ar_steps"] == pytest.approx(chain_cost, abs=1e-4)
+    assert all(row["speedup"] > 0 for row in trees.values()) and "tuner's trees" in result.output
+    speeds = [row["speedup"] for row in report["modeled"]["trees"]]
+    assert speeds == sorted(speeds, reverse=True)
     # the prediction on the tokens the measured run wrote (40 after an 8-token prompt)
     assert report["predicted_on_measured_text"]["positions"] == 8 + 40 - 1 - 3 - (8 - 1)
 

@@ -64,7 +64,12 @@ def eval_heads(
     from tokenswift_trt.decode.request import config_from
     from tokenswift_trt.training.data import read_records, record_ids
     from tokenswift_trt.training.errors import TrainingError
-    from tokenswift_trt.training.evaluate import evaluation_report, measure_chain, predict_chain
+    from tokenswift_trt.training.evaluate import (
+        evaluation_report,
+        measure_chain,
+        measure_verify_costs,
+        predict_chain,
+    )
     from tokenswift_trt.training.train_heads import evaluation_sequences
 
     try:
@@ -82,7 +87,7 @@ def eval_heads(
     ids = record_ids(records, loaded.codec.encode, engine.config.eos_token_ids[:1])
     chosen = evaluation_sequences(ids, seq_len, sequences)
     prediction = predict_chain(engine, engine.draft_layers, chosen, config.sampling)
-    measured = on_measured_text = None
+    measured = on_measured_text = costs = None
     if measure_prompts:
         stride = max(1, (ids.numel() - prompt_tokens) // measure_prompts)
         prompts = [ids[i * stride : i * stride + prompt_tokens].tolist() for i in range(measure_prompts)]
@@ -92,10 +97,14 @@ def eval_heads(
         texts = [torch.tensor(text) for text in measured.texts]
         starts = [len(prompt) for prompt in prompts]  # the generated tokens only: what the runs drafted
         on_measured_text = predict_chain(engine, engine.draft_layers, texts, config.sampling, starts)
+        # verify forwards at each tree's rows, at the context halfway through the first run
+        context = measured.texts[0][: len(prompts[0]) + measure_tokens // 2]
+        rows = {len(measured.tree.split(",")) + 1} | {tree["nodes"] + 1 for tree in prediction.trees}
+        costs = measure_verify_costs(engine, context, sorted(rows))
     from tokenswift_trt.environment import machine_meta
 
     meta = {**machine_meta(), "command": given_command("tokenswift-trt eval-heads")}
-    report = evaluation_report(prediction, measured, config.sampling, on_measured_text, meta)
+    report = evaluation_report(prediction, measured, config.sampling, on_measured_text, meta, costs)
     if out is not None:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,6 +126,12 @@ def _print(report: dict, sequences: int) -> None:
     sampled = bool(predicted["sampled_acceptance"])
     by_depth = predicted["sampled_by_depth"] if sampled else predicted["greedy_by_depth"]
     click.echo(f"  chain acceptance by depth (given the depths before): {rates(by_depth)}")
+    key = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
+    best = sorted(predicted["trees"], key=lambda tree: -tree[key])[:4]
+    click.echo(
+        "  tokens per iteration of the tuner's trees (most first): "
+        + ", ".join(f"{tree['tree']} {tree[key]:.2f}" for tree in best)
+    )
     measured = report.get("measured")
     if measured is None:
         return
@@ -141,3 +156,8 @@ def _print(report: dict, sequences: int) -> None:
         f"  modeled from the prediction: {modeled['tokens_per_iteration']:.2f} tokens per iteration at "
         f"{modeled['iteration_cost_in_ar_steps']:.2f} AR steps each: {modeled['speedup']:.2f}x"
     )
+    if modeled.get("trees"):
+        click.echo(
+            "  modeled for the tuner's trees (fastest first; verify forwards timed here): "
+            + ", ".join(f"{tree['tree']} {tree['speedup']:.2f}x" for tree in modeled["trees"][:4])
+        )

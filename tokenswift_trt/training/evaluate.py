@@ -9,7 +9,12 @@ trained on), teacher-forced at every position t:
 - per depth d of a chain of the layers, the chance that depths 1..d are all accepted at the same t,
   and so the acceptance of depth d given the depths before it (what `generate --json` reports as
   `acceptance_by_depth` for a chain drafted from the verify pass, as `--tree auto` drafts) and the
-  drafts a chain commits per iteration.
+  drafts a chain commits per iteration;
+- per candidate tree of `--tree auto` drafting from the verify pass (depth d: draft layer d's top
+  candidates, ranked as sampling ranks them; no n-grams), the tokens it would commit per iteration:
+  1 + the mean over positions of the depths whose target is among that depth's candidates, all the
+  depths before it too. Greedy from the target's rank in each layer's logits; sampled from `draws`
+  Gumbel draws per position (the target's sample and the draft's ranking under the same noise).
 
 `measure_chain` then runs `generate` on held-out prompts with the layers' chain (`--tree 1,1,1
 --draft-source verify`, no n-grams) and with AR steps: the acceptance by depth it measured, the
@@ -26,14 +31,17 @@ from typing import Any
 
 import torch
 
+from tokenswift_trt.decode.tuner_costs import CANDIDATE_TREES, time_verify, tree_text
 from tokenswift_trt.model.draft_layers import DraftLayers
 from tokenswift_trt.model.engine import Engine
+from tokenswift_trt.model.kv_cache import KVCache
 from tokenswift_trt.model.sampling import SamplingConfig
 from tokenswift_trt.training.train_heads import (
     base_hidden,
     base_logits,
     coupled_acceptance,
     draft_logits,
+    drafted_rows,
     head_weight,
     root_embeddings,
     sampled_teacher,
@@ -52,6 +60,8 @@ class ChainPrediction:
     sampled_by_depth: list[float]
     greedy_drafts_per_iteration: float  # accepted drafts of a chain of all the layers
     sampled_drafts_per_iteration: float
+    # per candidate tree: {"tree", "nodes", "greedy_tokens_per_iteration", "sampled_tokens_per_iteration"}
+    trees: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +77,78 @@ class ChainMeasurement:
     speedup: float  # the chain's decode tokens/s over AR's
     runs: list[dict[str, Any]] = field(default_factory=list)
     texts: list[list[int]] = field(default_factory=list)  # each run's prompt + output token ids
+
+
+MAX_RANK = 4  # ranks are kept up to here: the candidate trees are at most 3 wide
+DRAWS = 8  # Gumbel draws per position for the sampled ranks
+CHUNK = 128  # rows per draw at a time ([CHUNK, vocab] noise)
+
+
+def _greedy_ranks(vocab: torch.Tensor | None, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """logits [R, K] over the draft vocabulary `vocab` (sorted ids; None: the whole vocabulary), target
+    [R] token ids -> [R] the target's rank among the logits (0: the top), MAX_RANK where it is lower or
+    outside the draft vocabulary."""
+    if vocab is None:
+        index, inside = target, torch.ones_like(target, dtype=torch.bool)
+    else:
+        sorted_ids = vocab.to(target.device)
+        index = torch.searchsorted(sorted_ids, target).clamp_max(sorted_ids.numel() - 1)
+        inside = sorted_ids[index] == target
+    score = logits.gather(-1, index[:, None])
+    rank = (logits > score).sum(-1)
+    return torch.where(inside, rank, MAX_RANK).clamp_max(MAX_RANK)
+
+
+def _sampled_ranks(
+    vocab: torch.Tensor | None,
+    drawn: tuple[torch.Tensor, torch.Tensor | None],
+    logits: torch.Tensor,
+    layer: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """-> [DRAWS, T - 1 - layer] per Gumbel draw the rank of the target's sample (argmax of log p + g)
+    in layer `layer`'s ranking under the same noise (log q + g), clamped to MAX_RANK; row t drafts
+    x[t + 1 + layer] (`coupled_acceptance`'s rows)."""
+    log_p = drawn[0][layer:-1].float().log()  # [R, V], -inf where sampling cannot draw
+    log_q = drafted_rows(vocab, drawn, logits, layer, sampling).log_softmax(-1)  # [R, V]
+    ranks = torch.empty(DRAWS, log_p.shape[0], dtype=torch.long, device=log_p.device)
+    for draw in range(DRAWS):
+        for start in range(0, log_p.shape[0], CHUNK):
+            rows = slice(start, start + CHUNK)
+            uniform = torch.rand(log_p[rows].shape, generator=generator, device=log_p.device)
+            noise = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
+            target = (log_p[rows] + noise).argmax(-1, keepdim=True)
+            score = log_q[rows] + noise
+            ranks[draw, rows] = (score > score.gather(-1, target)).sum(-1)
+    return ranks.clamp_max(MAX_RANK)
+
+
+def tree_figures(greedy: torch.Tensor, sampled: torch.Tensor | None) -> list[dict[str, Any]]:
+    """greedy [layers, P] ranks, sampled [draws, layers, P] or None -> per candidate tree of at most
+    `layers` depths its nodes and tokens per iteration (see the module docstring)."""
+    found = []
+    for tree in CANDIDATE_TREES:
+        widths = tree.branching
+        if len(widths) > greedy.shape[0]:
+            continue
+        depth, limit = len(widths), torch.tensor(widths, device=greedy.device)[:, None]
+        nodes, level = 0, 1
+        for width in widths:
+            level *= width
+            nodes += level
+        joint = torch.cumprod((greedy[:depth] < limit).double(), dim=0)  # [depth, P]
+        figures: dict[str, Any] = {
+            "tree": tree_text(tree),
+            "nodes": nodes,
+            "greedy_tokens_per_iteration": round(1 + joint.sum(0).mean().item(), 4),
+            "sampled_tokens_per_iteration": None,
+        }
+        if sampled is not None:
+            joint = torch.cumprod((sampled[:, :depth] < limit).double(), dim=1)  # [draws, depth, P]
+            figures["sampled_tokens_per_iteration"] = round(1 + joint.sum(1).mean().item(), 4)
+        found.append(figures)
+    return found
 
 
 def _by_depth(joint: list[float]) -> list[float]:
@@ -90,6 +172,9 @@ def predict_chain(
     sampled = not sampling.greedy
     greedy_rows: list[torch.Tensor] = []  # per sequence [layers, R] bool
     sampled_rows: list[torch.Tensor] = []  # per sequence [layers, R] float
+    greedy_ranks: list[torch.Tensor] = []  # per sequence [layers, R] long
+    sampled_ranks: list[torch.Tensor] = []  # per sequence [draws, layers, R] long
+    generator: torch.Generator | None = None
     for index, ids in enumerate(sequences):
         rows = ids.numel() - 1 - layers  # positions t where every layer's target exists
         first = 0 if starts is None else max(0, starts[index] - 1)  # row t drafts from x[t]'s state
@@ -100,15 +185,23 @@ def predict_chain(
         base_top = base.argmax(-1)
         drafts = draft_logits(weight, draft_layers, hidden, root_embeddings(engine, draft_layers, ids))
         drawn = sampled_teacher(base, ids, None, sampling) if sampled else None
-        greedy, chance = [], []
+        greedy, chance, ranks, noisy = [], [], [], []
         for i, logits in enumerate(drafts, start=1):  # layer i at t drafts x[t + 1 + i]
             top = vocab_ids(draft_layers, logits[:rows].argmax(-1))
             greedy.append(top == base_top[i : i + rows])
+            ranks.append(_greedy_ranks(draft_layers.vocab, logits[:rows], base_top[i : i + rows]))
             if drawn is not None:
                 chance.append(coupled_acceptance(draft_layers.vocab, drawn, logits, i, sampling)[:rows])
+                if generator is None:
+                    generator = torch.Generator(device=logits.device).manual_seed(0)
+                noisy.append(
+                    _sampled_ranks(draft_layers.vocab, drawn, logits, i, sampling, generator)[:, :rows]
+                )
         greedy_rows.append(torch.stack(greedy)[:, first:])
+        greedy_ranks.append(torch.stack(ranks)[:, first:])
         if chance:
             sampled_rows.append(torch.stack(chance).float()[:, first:])
+            sampled_ranks.append(torch.stack(noisy, dim=1)[:, :, first:])
     if not greedy_rows:
         raise ValueError(f"held-out sequences must be longer than {layers + 1} tokens")
     hits = torch.cat(greedy_rows, dim=1).float()  # [layers, positions]
@@ -128,6 +221,9 @@ def predict_chain(
         _by_depth(sampled_joint),
         sum(greedy_joint),
         sum(sampled_joint),
+        tree_figures(
+            torch.cat(greedy_ranks, dim=1), torch.cat(sampled_ranks, dim=2) if sampled_ranks else None
+        ),
     )
 
 
@@ -202,15 +298,70 @@ def modeled_speedup(prediction: ChainPrediction, measured: ChainMeasurement, sam
     }
 
 
+@torch.inference_mode()
+def measure_verify_costs(engine: Engine, context: Sequence[int], sizes: Sequence[int]) -> dict[int, float]:
+    """Seconds of one forward of `size` new tokens after `context` (prefilled once) for each size, timed
+    in turns (`time_verify`): what a verify of that many rows costs at this context on this machine."""
+    c = engine.config
+    largest = max(sizes)
+    cache = KVCache(
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        len(context) + largest,
+        engine.dtype,
+        engine.device,
+        engine.kernels,
+    )
+    ids = torch.tensor(list(context), dtype=torch.long, device=engine.device)
+    engine.model(ids, torch.arange(len(context), device=engine.device), cache)
+    cache.commit()
+
+    def forward(size: int) -> None:
+        tokens = ids[-1:].expand(size).contiguous()
+        positions = torch.arange(len(context), len(context) + size, device=engine.device)
+        engine.model(tokens, positions, cache)
+        cache.pending = 0  # timing only: nothing written is kept
+
+    return time_verify(forward, sorted(set(sizes)), repeats=3)
+
+
+def modeled_trees(
+    prediction: ChainPrediction, measured: ChainMeasurement, costs: dict[int, float], sampled: bool
+) -> list[dict[str, Any]]:
+    """Each candidate tree's speed over AR steps, modeled: its predicted tokens per iteration over its
+    iteration's cost, which is the measured chain's iteration with the chain's verify forward
+    (`costs`, by rows: the tree's nodes + the root) swapped for the tree's; fastest first."""
+    chain_rows = len(measured.tree.split(",")) + 1
+    key = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
+    found = []
+    for figures in prediction.trees:
+        seconds = measured.seconds_per_iteration + costs[figures["nodes"] + 1] - costs[chain_rows]
+        cost = seconds / measured.seconds_per_ar_step if measured.seconds_per_ar_step else 0.0
+        tokens = figures[key]
+        speedup = tokens / cost if cost > 0 else 0.0
+        found.append(
+            {
+                "tree": figures["tree"],
+                "tokens_per_iteration": tokens,
+                "iteration_cost_in_ar_steps": round(cost, 4),
+                "speedup": round(speedup, 4),
+            }
+        )
+    return sorted(found, key=lambda row: -row["speedup"])
+
+
 def evaluation_report(
     prediction: ChainPrediction,
     measured: ChainMeasurement | None,
     sampling: SamplingConfig,
     on_measured_text: ChainPrediction | None = None,
     meta: dict[str, Any] | None = None,
+    verify_costs: dict[int, float] | None = None,
 ) -> dict[str, Any]:
     """The figures `eval-heads` writes (JSON). `on_measured_text`: the prediction on the very text the
-    measured runs wrote, the like-for-like check of the prediction against `generate`."""
+    measured runs wrote, the like-for-like check of the prediction against `generate`. `verify_costs`:
+    `measure_verify_costs` at every tree's size, for the trees' modeled speed (`modeled_trees`)."""
     report: dict[str, Any] = {
         "meta": meta or {},
         "sampling": asdict(sampling),
@@ -221,6 +372,11 @@ def evaluation_report(
         figures.pop("texts")
         report["measured"] = figures
         report["modeled"] = modeled_speedup(prediction, measured, not sampling.greedy)
+        if verify_costs is not None:
+            report["modeled"]["trees"] = modeled_trees(
+                prediction, measured, verify_costs, not sampling.greedy
+            )
+            report["modeled"]["verify_seconds_by_rows"] = verify_costs
     if on_measured_text is not None:
         report["predicted_on_measured_text"] = asdict(on_measured_text)
     return report

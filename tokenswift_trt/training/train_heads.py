@@ -432,14 +432,27 @@ def coupled_acceptance(
     -> [T - 1 - layer] per position the chance that the draft's first candidate is the target's
     sample: both sides penalised over the sampled token's window, min-p cut, ranked with the same
     noise (`coupled_hit`)."""
+    teacher, _ = targets  # [T, V]
+    return coupled_hit(teacher[layer:-1], drafted_rows(vocab, targets, draft, layer, sampling))
+
+
+def drafted_rows(
+    vocab: torch.Tensor | None,
+    targets: tuple[torch.Tensor, torch.Tensor | None],
+    draft: torch.Tensor,
+    layer: int,
+    sampling: SamplingConfig,
+) -> torch.Tensor:
+    """`coupled_acceptance`'s arguments -> [T - 1 - layer, V] the draft's logits as sampling ranks them:
+    over the whole vocabulary (-inf outside the draft vocabulary), penalised over the window of the
+    position it drafts, min-p cut; row t drafts x[t + 1 + layer]."""
     teacher, windows = targets  # [T, V], [T, V] or None
     full = draft
     if vocab is not None:  # tokens outside the draft vocabulary are never drafted
         full = draft.new_full((draft.shape[0], teacher.shape[1]), float("-inf"))
         full[:, vocab.to(draft.device)] = draft
     rows = windows[layer:-1] if windows is not None else None  # row t drafts x[t + 1 + layer]
-    drafted = min_p_filter(penalise(full[: -(layer + 1)].float(), rows, sampling.penalty), sampling.min_p)
-    return coupled_hit(teacher[layer:-1], drafted)
+    return min_p_filter(penalise(full[: -(layer + 1)].float(), rows, sampling.penalty), sampling.min_p)
 
 
 def frequent_tokens(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
