@@ -6,6 +6,9 @@ from pathlib import Path
 
 import torch
 
+from tokenswift_trt.kernels.tree_mask import pack_tree_mask
+from tokenswift_trt.model.paged_cache import PagedSequence, PagePool
+
 TINY = dict(
     vocab_size=96,
     hidden_size=64,
@@ -74,3 +77,34 @@ def huge_page_kib(address: int) -> int:
         elif inside and fields and fields[0] == "AnonHugePages:":
             return int(fields[1])
     return 0
+
+
+PAGED_KV_HEADS, PAGED_HEAD_DIM, PAGED_PAGE = 2, 8, 4  # the paged-attention tests' shapes
+
+
+def paged_batch(generator: torch.Generator, heads: int = 4):
+    """Three requests in one pool: a tree after 13 committed positions, an AR step after 30, a causal
+    chunk of 3 on an empty request. -> (query, pages, tables, prefixes, counts, masks, requests)."""
+    pool = PagePool(1, PAGED_KV_HEADS, PAGED_HEAD_DIM, 64, PAGED_PAGE, torch.float32)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    shapes = [(13, tree), (30, torch.ones(1, 1, dtype=torch.bool)), (0, torch.ones(3, 3).tril().bool())]
+    requests = []
+    for prefix, mask in shapes:
+        sequence = PagedSequence(pool)
+        for count in (prefix, mask.shape[0]):
+            if count:
+                sequence.reserve(count)
+                keys = torch.randn(PAGED_KV_HEADS, count, PAGED_HEAD_DIM, generator=generator)
+                sequence.write(
+                    0, keys, torch.randn(PAGED_KV_HEADS, count, PAGED_HEAD_DIM, generator=generator)
+                )
+                if count == prefix:
+                    sequence.commit()
+        requests.append((sequence, mask))
+    width = max(len(s.pages) for s, _ in requests)
+    tables = torch.stack([s.table(width) for s, _ in requests])
+    prefixes = torch.tensor([s.length for s, _ in requests], dtype=torch.int32)
+    counts = torch.tensor([m.shape[0] for _, m in requests], dtype=torch.int32)
+    words = torch.cat([pack_tree_mask(m) for _, m in requests])
+    query = torch.randn(int(counts.sum()), heads, PAGED_HEAD_DIM, generator=generator)
+    return query, pool, tables, prefixes, counts, words, requests

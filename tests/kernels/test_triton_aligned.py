@@ -157,6 +157,7 @@ def test_aligned_attention_on_cuda_in_bf16_matches_fp64_and_every_node_equals_it
         assert torch.equal(step[:, 0], verify[:, node]), f"node {node} at depth {depths[node]}"
 
 
+@pytest.mark.slow  # whole decodes through the interpreter: ~45 s each on 2 cores
 @interpreter
 @pytest.mark.parametrize("static_steps", [False, True])
 def test_a_model_attending_position_aligned_takes_the_kernel_and_keeps_ar_tokens(
@@ -214,6 +215,7 @@ def test_a_model_attending_position_aligned_takes_the_kernel_and_keeps_ar_tokens
     model.aligned_attention = False
 
 
+@pytest.mark.slow  # whole decodes through the interpreter
 @interpreter
 def test_steps_with_nodes_64_levels_deep_or_more_keep_their_kernel(llama_dir, monkeypatch):
     """Position-aligned attention covers depths 0..63: a causal chain of 70 tokens (a tuner's timing

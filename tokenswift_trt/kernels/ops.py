@@ -78,6 +78,47 @@ def tree_attention_reference(
     return torch.einsum("htl,hld->htd", weights, v).to(query.dtype)
 
 
+def paged_tree_attention_reference(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    tables: torch.Tensor,
+    prefix_lengths: torch.Tensor,
+    counts: torch.Tensor,
+    tree_masks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`triton_paged.paged_tree_attention` in PyTorch, request by request, float32 softmax: query
+    [T, heads, D] (the requests' new rows in turn), pages [pages, kv_heads, page_size, D], tables
+    [B, max_pages], prefix_lengths and counts [B], tree_masks [T, words] packed -> [T, heads, D]."""
+    out = torch.empty_like(query)
+    _, kv_heads, page_size, head_dim = key_pages.shape
+    group = query.shape[1] // kv_heads
+    first = 0
+    for request in range(counts.numel()):
+        count = int(counts[request])
+        prefix = int(prefix_lengths[request])
+        total = prefix + count
+        pages = tables[request, : (total + page_size - 1) // page_size].long()
+        keys = key_pages[pages].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :total].float()
+        values = value_pages[pages].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :total].float()
+        visible = torch.cat(
+            (
+                torch.ones(count, prefix, dtype=torch.bool, device=query.device),
+                unpack_tree_mask(tree_masks[first : first + count], count),
+            ),
+            dim=1,
+        )  # [count, total]
+        q = query[first : first + count].float().transpose(0, 1)  # [heads, count, D]
+        k = keys.repeat_interleave(group, dim=0)
+        v = values.repeat_interleave(group, dim=0)
+        scores = torch.einsum("htd,hld->htl", q, k) * scale
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        out[first : first + count] = torch.einsum("htl,hld->thd", weights, v).to(query.dtype)
+        first += count
+    return out
+
+
 def kv_importance_select_reference(
     keys: torch.Tensor, query: torch.Tensor, keep: int, sinks: int
 ) -> torch.Tensor:
