@@ -29,6 +29,13 @@ SAMPLING = ("temperature", "min_p", "penalty", "penalty_window", "seed")
 @click.option(
     "--measure-tokens", type=click.IntRange(2), default=256, show_default=True, help="tokens per run"
 )
+@click.option(
+    "--measure-tree",
+    multiple=True,
+    help="a tree `generate` measures (candidates per depth, at most 4 wide and as deep as the layers; "
+    "drafted from the verify pass), repeatable: two or more make the trees' modeled costs follow their "
+    "node counts [the layers' chain, 1,1,...]",
+)
 @click.option("--prompt-tokens", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--temperature", type=float, default=None, help="0 = greedy [the model's, else 1.0]")
 @click.option("--min-p", type=float, default=None, help="[the model's]")
@@ -49,6 +56,7 @@ def eval_heads(
     seq_len,
     measure_prompts,
     measure_tokens,
+    measure_tree,
     prompt_tokens,
     dtype,
     device,
@@ -62,6 +70,7 @@ def eval_heads(
 
     from tokenswift_trt.decode.config import GenerationError
     from tokenswift_trt.decode.request import config_from
+    from tokenswift_trt.decode.tuner_costs import tree_text
     from tokenswift_trt.training.data import read_records, record_ids
     from tokenswift_trt.training.errors import TrainingError
     from tokenswift_trt.training.evaluate import (
@@ -84,23 +93,30 @@ def eval_heads(
     except (GenerationError, ValueError) as error:
         raise fail(error) from None
     engine = loaded.engine
+    layers = len(engine.draft_layers)
+    trees = [_measured_tree(text, layers) for text in measure_tree or [",".join(["1"] * layers)]]
     ids = record_ids(records, loaded.codec.encode, engine.config.eos_token_ids[:1])
     chosen = evaluation_sequences(ids, seq_len, sequences)
-    prediction = predict_chain(engine, engine.draft_layers, chosen, config.sampling)
-    measured = on_measured_text = costs = None
+    prediction = predict_chain(engine, engine.draft_layers, chosen, config.sampling, trees=trees)
+    measured, on_measured_text, costs = [], [], None
     if measure_prompts:
         stride = max(1, (ids.numel() - prompt_tokens) // measure_prompts)
         prompts = [ids[i * stride : i * stride + prompt_tokens].tolist() for i in range(measure_prompts)]
         settings = {name: getattr(config.sampling, name) for name in SAMPLING if name != "seed"}
         settings["seed"] = config.seed if config.seed is not None else 0
-        measured = measure_chain(loaded, prompts, measure_tokens, len(engine.draft_layers), settings)
-        texts = [torch.tensor(text) for text in measured.texts]
         starts = [len(prompt) for prompt in prompts]  # the generated tokens only: what the runs drafted
-        on_measured_text = predict_chain(engine, engine.draft_layers, texts, config.sampling, starts)
+        for tree in trees:
+            run = measure_chain(loaded, prompts, measure_tokens, layers, settings, tree_text(tree))
+            texts = [torch.tensor(text) for text in run.texts]
+            measured.append(run)
+            on_measured_text.append(
+                predict_chain(engine, engine.draft_layers, texts, config.sampling, starts, trees)
+            )
         # verify forwards at each tree's rows, at the context halfway through the first run
-        context = measured.texts[0][: len(prompts[0]) + measure_tokens // 2]
-        rows = {len(measured.tree.split(",")) + 1} | {tree["nodes"] + 1 for tree in prediction.trees}
-        costs = measure_verify_costs(engine, context, sorted(rows))
+        context = measured[0].texts[0][: len(prompts[0]) + measure_tokens // 2]
+        costs = measure_verify_costs(
+            engine, context, sorted({tree["nodes"] + 1 for tree in prediction.trees})
+        )
     from tokenswift_trt.environment import machine_meta
 
     meta = {**machine_meta(), "command": given_command("tokenswift-trt eval-heads")}
@@ -112,6 +128,23 @@ def eval_heads(
         except OSError as error:
             raise CliError(f"cannot write {out} ({error.strerror}): choose another --out") from None
     _print(report, len(chosen))
+
+
+def _measured_tree(text: str, layers: int):
+    """--measure-tree as a TreeSpec, or a one-line error naming the limit it breaks."""
+    from tokenswift_trt.decode.tree import TreeSpec
+    from tokenswift_trt.training.evaluate import MAX_RANK
+
+    try:
+        tree = TreeSpec.parse(text)
+    except ValueError as error:
+        raise CliError(f"--measure-tree {text}: {error}") from None
+    if tree.auto or len(tree.branching) > layers or max(tree.branching) > MAX_RANK:
+        raise CliError(
+            f"--measure-tree {text}: a static tree at most {MAX_RANK} wide and {layers} deep (the draft "
+            "layers), e.g. 3,3"
+        )
+    return tree
 
 
 def _print(report: dict, sequences: int) -> None:
@@ -126,11 +159,11 @@ def _print(report: dict, sequences: int) -> None:
     sampled = bool(predicted["sampled_acceptance"])
     by_depth = predicted["sampled_by_depth"] if sampled else predicted["greedy_by_depth"]
     click.echo(f"  chain acceptance by depth (given the depths before): {rates(by_depth)}")
-    key = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
-    best = sorted(predicted["trees"], key=lambda tree: -tree[key])[:4]
+    per_iteration = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
+    best = sorted(predicted["trees"], key=lambda tree: -tree[per_iteration])[:4]
     click.echo(
         "  tokens per iteration of the tuner's trees (most first): "
-        + ", ".join(f"{tree['tree']} {tree[key]:.2f}" for tree in best)
+        + ", ".join(f"{tree['tree']} {tree[per_iteration]:.2f}" for tree in best)
     )
     measured = report.get("measured")
     if measured is None:
@@ -151,6 +184,12 @@ def _print(report: dict, sequences: int) -> None:
     same = report["predicted_on_measured_text"]
     key = "sampled_by_depth" if sampled else "greedy_by_depth"
     click.echo(f"  predicted on the text these runs wrote: acceptance by depth {rates(same[key])}")
+    for run in report["measured_trees"]:
+        click.echo(
+            f"  tree {run['tree']}: {run['tokens_per_iteration']:.2f} tokens per iteration (predicted on "
+            f"its text {run['predicted_on_its_text']:.2f}), {run['seconds_per_iteration'] * 1e3:.1f} ms "
+            f"each, measured speedup {run['speedup']:.2f}x"
+        )
     modeled = report["modeled"]
     click.echo(
         f"  modeled from the prediction: {modeled['tokens_per_iteration']:.2f} tokens per iteration at "
@@ -158,6 +197,7 @@ def _print(report: dict, sequences: int) -> None:
     )
     if modeled.get("trees"):
         click.echo(
-            "  modeled for the tuner's trees (fastest first; verify forwards timed here): "
+            "  modeled for the tuner's trees (fastest first; verify forwards timed here, the rest of an "
+            "iteration from the measured trees): "
             + ", ".join(f"{tree['tree']} {tree['speedup']:.2f}x" for tree in modeled["trees"][:4])
         )

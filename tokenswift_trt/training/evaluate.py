@@ -25,13 +25,15 @@ measured one stands beside it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from tokenswift_trt.decode.tuner_costs import CANDIDATE_TREES, time_verify, tree_text
+from tokenswift_trt.decode.tree import TreeSpec
+from tokenswift_trt.decode.tuner_costs import CANDIDATE_TREES, interpolate, time_verify, tree_text
 from tokenswift_trt.model.draft_layers import DraftLayers
 from tokenswift_trt.model.engine import Engine
 from tokenswift_trt.model.kv_cache import KVCache
@@ -124,29 +126,33 @@ def _sampled_ranks(
     return ranks.clamp_max(MAX_RANK)
 
 
-def tree_figures(greedy: torch.Tensor, sampled: torch.Tensor | None) -> list[dict[str, Any]]:
-    """greedy [layers, P] ranks, sampled [draws, layers, P] or None -> per candidate tree of at most
-    `layers` depths its nodes and tokens per iteration (see the module docstring)."""
+def tree_nodes(widths: Sequence[int]) -> int:
+    """Draft nodes of a static tree of `widths` candidates per depth (the root not counted)."""
+    return sum(math.prod(widths[: depth + 1]) for depth in range(len(widths)))
+
+
+def tree_figures(
+    greedy: torch.Tensor, sampled: torch.Tensor | None, extra: Sequence[TreeSpec] = ()
+) -> list[dict[str, Any]]:
+    """greedy [layers, P] ranks, sampled [draws, layers, P] or None -> per candidate tree (and each of
+    `extra`) of at most `layers` depths its nodes and tokens per iteration (see the module docstring)."""
     found = []
-    for tree in CANDIDATE_TREES:
+    for tree in dict.fromkeys([*CANDIDATE_TREES, *extra]):
         widths = tree.branching
         if len(widths) > greedy.shape[0]:
             continue
         depth, limit = len(widths), torch.tensor(widths, device=greedy.device)[:, None]
-        nodes, level = 0, 1
-        for width in widths:
-            level *= width
-            nodes += level
+        nodes = tree_nodes(widths)
         joint = torch.cumprod((greedy[:depth] < limit).double(), dim=0)  # [depth, P]
         figures: dict[str, Any] = {
             "tree": tree_text(tree),
             "nodes": nodes,
-            "greedy_tokens_per_iteration": round(1 + joint.sum(0).mean().item(), 4),
+            "greedy_tokens_per_iteration": 1 + joint.sum(0).mean().item(),
             "sampled_tokens_per_iteration": None,
         }
         if sampled is not None:
             joint = torch.cumprod((sampled[:, :depth] < limit).double(), dim=1)  # [draws, depth, P]
-            figures["sampled_tokens_per_iteration"] = round(1 + joint.sum(1).mean().item(), 4)
+            figures["sampled_tokens_per_iteration"] = 1 + joint.sum(1).mean().item()
         found.append(figures)
     return found
 
@@ -164,9 +170,11 @@ def predict_chain(
     sequences: Sequence[torch.Tensor],
     sampling: SamplingConfig,
     starts: Sequence[int] | None = None,
+    trees: Sequence[TreeSpec] = (),
 ) -> ChainPrediction:
     """Score the layers on `sequences` (each ids [T], T > layers + 2) under `sampling`; with `starts`,
-    sequence i from its position starts[i] on (the tokens before are context only: a prompt)."""
+    sequence i from its position starts[i] on (the tokens before are context only: a prompt). `trees`:
+    trees (at most MAX_RANK wide) to score besides the tuner's candidates."""
     layers = len(draft_layers)
     weight = head_weight(engine)
     sampled = not sampling.greedy
@@ -222,20 +230,26 @@ def predict_chain(
         sum(greedy_joint),
         sum(sampled_joint),
         tree_figures(
-            torch.cat(greedy_ranks, dim=1), torch.cat(sampled_ranks, dim=2) if sampled_ranks else None
+            torch.cat(greedy_ranks, dim=1), torch.cat(sampled_ranks, dim=2) if sampled_ranks else None, trees
         ),
     )
 
 
 def measure_chain(
-    model: Any, prompts: Sequence[list[int]], new_tokens: int, depth: int, settings: dict[str, Any]
+    model: Any,
+    prompts: Sequence[list[int]],
+    new_tokens: int,
+    depth: int,
+    settings: dict[str, Any],
+    tree: str | None = None,
 ) -> ChainMeasurement:
     """`generate` every prompt with a chain of `depth` layers drafted from the verify pass (tree
-    1,1,..., no n-grams) and with AR steps, the same `settings` (sampling, seed); decode time only
-    (the prefill excluded)."""
+    1,1,..., or `tree`; no n-grams) and with AR steps, the same `settings` (sampling, seed); decode
+    time only (the prefill excluded)."""
     from tokenswift_trt.api import generate
 
-    tree = ",".join(["1"] * depth)
+    tree = tree or ",".join(["1"] * depth)
+    depth = len(tree.split(","))
     reached = [0] * depth
     accepted = [0] * depth
     iterations = tokens = 0
@@ -282,11 +296,14 @@ def _run_figures(stats: Any) -> dict[str, Any]:
 
 
 def modeled_speedup(prediction: ChainPrediction, measured: ChainMeasurement, sampled: bool) -> dict[str, Any]:
-    """The chain's speed over AR from the predicted acceptance and the measured step costs: tokens per
-    iteration = 1 + the layers' predicted drafts; seconds per iteration over seconds per AR step as
-    measured."""
+    """The measured tree's speed over AR from the predicted acceptance and the measured step costs:
+    tokens per iteration as predicted for that tree (for the chain of every layer, 1 + the layers'
+    predicted drafts); seconds per iteration over seconds per AR step as measured."""
+    key = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
+    scored = {figures["tree"]: figures[key] for figures in prediction.trees}
     drafts = prediction.sampled_drafts_per_iteration if sampled else prediction.greedy_drafts_per_iteration
-    tokens = 1 + drafts
+    chain = ",".join(["1"] * len(prediction.greedy_acceptance))  # the exact coupled figure, not the draws'
+    tokens = 1 + drafts if measured.tree == chain else scored[measured.tree]
     cost = (
         measured.seconds_per_iteration / measured.seconds_per_ar_step if measured.seconds_per_ar_step else 0.0
     )
@@ -294,7 +311,7 @@ def modeled_speedup(prediction: ChainPrediction, measured: ChainMeasurement, sam
         "tokens_per_iteration": tokens,
         "iteration_cost_in_ar_steps": cost,
         "speedup": tokens / cost if cost else 0.0,
-        "inputs": "tokens per iteration = 1 + the predicted drafts of the chain; iteration cost measured",
+        "inputs": f"tokens per iteration as predicted for tree {measured.tree}; iteration cost measured",
     }
 
 
@@ -327,25 +344,33 @@ def measure_verify_costs(engine: Engine, context: Sequence[int], sizes: Sequence
 
 
 def modeled_trees(
-    prediction: ChainPrediction, measured: ChainMeasurement, costs: dict[int, float], sampled: bool
+    prediction: ChainPrediction, measured: Sequence[ChainMeasurement], costs: dict[int, float], sampled: bool
 ) -> list[dict[str, Any]]:
     """Each candidate tree's speed over AR steps, modeled: its predicted tokens per iteration over its
-    iteration's cost, which is the measured chain's iteration with the chain's verify forward
-    (`costs`, by rows: the tree's nodes + the root) swapped for the tree's; fastest first."""
-    chain_rows = len(measured.tree.split(",")) + 1
+    iteration's cost, in AR steps as measured. The cost is the tree's verify forward (`costs`, by rows:
+    the tree's nodes + the root) plus the rest of an iteration (drafting, sampling, acceptance), taken
+    from the measured trees: their iteration less their verify forward, linear in the tree's nodes
+    between and beyond two measured trees, the same for every tree with one (which leaves out what
+    more nodes cost outside the forward: an optimistic cost for trees larger than the measured one).
+    Fastest first."""
+    ar_step = sum(m.seconds_per_ar_step for m in measured) / len(measured)
+    rest = {}  # nodes -> seconds of an iteration outside its verify forward
+    for m in measured:
+        nodes = tree_nodes(TreeSpec.parse(m.tree).branching)
+        rest[nodes] = m.seconds_per_iteration - costs[nodes + 1]
     key = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
     found = []
     for figures in prediction.trees:
-        seconds = measured.seconds_per_iteration + costs[figures["nodes"] + 1] - costs[chain_rows]
-        cost = seconds / measured.seconds_per_ar_step if measured.seconds_per_ar_step else 0.0
+        nodes = figures["nodes"]
+        outside = interpolate(rest, nodes) if len(rest) > 1 else next(iter(rest.values()))
+        cost = (outside + costs[nodes + 1]) / ar_step if ar_step else 0.0
         tokens = figures[key]
-        speedup = tokens / cost if cost > 0 else 0.0
         found.append(
             {
                 "tree": figures["tree"],
                 "tokens_per_iteration": tokens,
                 "iteration_cost_in_ar_steps": round(cost, 4),
-                "speedup": round(speedup, 4),
+                "speedup": round(tokens / cost, 4) if cost > 0 else 0.0,
             }
         )
     return sorted(found, key=lambda row: -row["speedup"])
@@ -353,30 +378,43 @@ def modeled_trees(
 
 def evaluation_report(
     prediction: ChainPrediction,
-    measured: ChainMeasurement | None,
+    measured: Sequence[ChainMeasurement],
     sampling: SamplingConfig,
-    on_measured_text: ChainPrediction | None = None,
+    on_measured_text: Sequence[ChainPrediction] = (),
     meta: dict[str, Any] | None = None,
     verify_costs: dict[int, float] | None = None,
 ) -> dict[str, Any]:
-    """The figures `eval-heads` writes (JSON). `on_measured_text`: the prediction on the very text the
-    measured runs wrote, the like-for-like check of the prediction against `generate`. `verify_costs`:
+    """The figures `eval-heads` writes (JSON): `measured` the trees `generate` ran (the first as
+    "measured", all under "measured_trees"); `on_measured_text` the prediction on the very text each
+    measured run wrote, the like-for-like check of the prediction against `generate`; `verify_costs`
     `measure_verify_costs` at every tree's size, for the trees' modeled speed (`modeled_trees`)."""
     report: dict[str, Any] = {
         "meta": meta or {},
         "sampling": asdict(sampling),
         "predicted": asdict(prediction),
     }
-    if measured is not None:
-        figures = asdict(measured)
+    key = "greedy_tokens_per_iteration" if sampling.greedy else "sampled_tokens_per_iteration"
+    if measured:
+        figures = asdict(measured[0])
         figures.pop("texts")
         report["measured"] = figures
-        report["modeled"] = modeled_speedup(prediction, measured, not sampling.greedy)
+        report["measured_trees"] = [
+            {
+                "tree": m.tree,
+                "tokens_per_iteration": m.tokens_per_iteration,
+                "predicted_on_its_text": next(t[key] for t in same.trees if t["tree"] == m.tree),
+                "seconds_per_iteration": m.seconds_per_iteration,
+                "seconds_per_ar_step": m.seconds_per_ar_step,
+                "speedup": m.speedup,
+            }
+            for m, same in zip(measured, on_measured_text, strict=True)
+        ]
+        report["modeled"] = modeled_speedup(prediction, measured[0], not sampling.greedy)
         if verify_costs is not None:
             report["modeled"]["trees"] = modeled_trees(
                 prediction, measured, verify_costs, not sampling.greedy
             )
             report["modeled"]["verify_seconds_by_rows"] = verify_costs
-    if on_measured_text is not None:
-        report["predicted_on_measured_text"] = asdict(on_measured_text)
+    if on_measured_text:
+        report["predicted_on_measured_text"] = asdict(on_measured_text[0])
     return report
