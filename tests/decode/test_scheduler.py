@@ -88,6 +88,32 @@ def test_batched_requests_commit_their_own_runs_tokens(tiny):
     assert scheduler.reserved_bytes == 0 and not scheduler.active
 
 
+def test_a_long_prompt_joins_chunk_by_chunk_while_the_others_go_on(tiny):
+    """A request whose prompt takes several prefill chunks joins mid-generation: each step runs one of
+    its chunks beside the others' iterations (they keep committing), and its tokens are its run's alone."""
+    engine = tiny.engine
+    prompts, configs = _prompts(tiny, 2), _configs()
+    long_prompt = (sum(_prompts(tiny, 6), []) * 4)[:150]  # 5 chunks of 32
+    assert len(long_prompt) == 150
+    joining = replace(configs[1], prefill_chunk=32, max_new_tokens=20)
+    scheduler = Scheduler(engine, max_batch=4)
+    running = [scheduler.submit(prompts[i], configs[i]) for i in range(2)]
+    for _ in range(3):
+        scheduler.step()
+    late = scheduler.submit(long_prompt, joining)
+    before = [len(r.tokens) for r in running]
+    steps = 0
+    while not late.tokens:
+        scheduler.step()
+        steps += 1
+    assert steps == 5  # one chunk a step, the first token after the last
+    assert all(len(r.tokens) >= b + 4 for r, b in zip(running, before))  # they went on meanwhile
+    scheduler.run()
+    assert late.status == FINISHED and late.tokens == _alone(engine, long_prompt, joining)
+    for request, prompt, config in zip(running, prompts, configs):
+        assert request.tokens == _alone(engine, prompt, config)
+
+
 def test_cancelled_and_failing_requests_leave_the_others_tokens_unchanged(tiny):
     engine = tiny.engine
     prompts, configs = _prompts(tiny, 4), _configs()

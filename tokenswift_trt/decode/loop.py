@@ -148,7 +148,7 @@ def request_steps(
         engine = replace(engine, draft_layers=adapter.layers)
     started = time.perf_counter()
     try:
-        hidden = prefill(engine, state, prompt, config.prefill_chunk)
+        hidden = yield from prefill(engine, state, prompt, config.prefill_chunk)
         first = sample_next(engine, state, hidden)
         state.append([first])
         if adapter is not None:  # drafted from now on, as the prompt's tokens are

@@ -5,8 +5,10 @@ steps (`loop.request_steps`: the same loop code a request runs alone) until each
 forward (`stages.ForwardCall`), runs all those forwards as one batched pass
 (`decoder.forward_batch`: every product over all requests' rows at once, attention per request on
 its own cache and tree mask), and hands each request its rows. Acceptance and commit stay per
-request. Requests join between steps (their prefill runs then, alone) and leave when they finish,
-are cancelled or fail; none waits for another to finish.
+request. Requests join between steps and leave when they finish, are cancelled or fail; none waits
+for another to finish. A joining request's prompt runs in the steps too, one prefill chunk
+(`prefill_chunk` tokens) a step beside the others' iterations, so that a long prompt does not stop
+the requests generating meanwhile.
 
 Memory: the requests' caches come out of one budget (`memory_budget` bytes, default the memory free
 when the scheduler starts). A request is admitted when its caches fit what the active ones leave; one

@@ -345,8 +345,12 @@ class ForwardCall:
     # scheduler may compute for several requests in one LM-head pass; None: the step computes them
     wants_logits: bool = False
     logits: torch.Tensor | None = None
+    plain: bool = False  # a prompt chunk's: the model's own forward, never the fixed-shape step
 
     def run_alone(self, engine: Engine) -> None:
+        if self.plain:
+            self.out = engine.model(self.tokens, self.positions, self.state.full, keep_queries=True)
+            return
         self.out = forward_full(engine, self.state, self.tokens, self.positions, self.tree_mask)
 
 
@@ -380,15 +384,21 @@ def forward_full(
     return engine.model(tokens, positions, state.full, tree_mask=mask, keep_queries=True)
 
 
-def prefill(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: int) -> torch.Tensor:
-    """Run the prompt through the full cache; returns the last position's hidden [hidden]."""
+def prefill(
+    engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: int
+) -> Generator[ForwardCall, None, torch.Tensor]:
+    """Run the prompt through the full cache, `chunk` tokens per forward; returns the last position's
+    hidden [hidden]. Each chunk is a `ForwardCall` (`yield from` it): a scheduler runs a joining
+    request's chunks in the batch's steps, one a step, so the requests generating meanwhile go on."""
     device = engine.device
     chunk = min(chunk, engine.model.max_tokens or chunk)  # exported plans bound T
     out: ForwardOutput | None = None
     for start in range(0, len(prompt), chunk):
         ids = torch.tensor(prompt[start : start + chunk], dtype=torch.long, device=device)
         positions = torch.arange(start, start + ids.numel(), device=device)
-        out = engine.model(ids, positions, state.full, keep_queries=True)
+        call = ForwardCall(state, ids, positions, plain=True)
+        yield call
+        out = call.out
         state.full.commit()
     assert out is not None and out.queries is not None
     state.queries = [q[-1] for q in out.queries]
