@@ -424,7 +424,7 @@ def demo(
     click.echo(f"AR          {ar.new_tokens:6d} tokens  {ar.elapsed_s:7.2f}s  {ar.tokens_per_s:8.1f} tok/s")
     click.echo(f"TokenSwift  {ts.new_tokens:6d} tokens  {ts.elapsed_s:7.2f}s  {ts.tokens_per_s:8.1f} tok/s")
     click.echo(
-        f"speedup {ar.elapsed_s / ts.elapsed_s:.2f}x   α {ts.acceptance_rate:.3f}   β "
+        f"speedup {round(ar.elapsed_s / ts.elapsed_s, 3):.2f}x   α {ts.acceptance_rate:.3f}   β "
         f"{ts.ngram_acceptance_rate:.3f}   "
         f"tokens/iteration {ts.mean_accept_length:.2f}   tokens/forward {ts.tokens_per_forward:.2f}   "
         f"same tokens as AR: {ar_ids == ts_ids}"
@@ -526,7 +526,7 @@ def _editing(loaded, directory: Path, opts: dict) -> dict:
     click.echo(f"AR          {ar.new_tokens:6d} tokens  {ar_s:7.2f}s  {ar.new_tokens / ar_s:8.1f} tok/s")
     click.echo(f"TokenSwift  {ts.new_tokens:6d} tokens  {ts_s:7.2f}s  {ts.new_tokens / ts_s:8.1f} tok/s")
     click.echo(
-        f"editing: speedup {ar_s / ts_s:.2f}x   tokens/iteration {ts.mean_accept_length:.2f}   "
+        f"editing: speedup {round(ar_s / ts_s, 3):.2f}x   tokens/iteration {ts.mean_accept_length:.2f}   "
         f"same tokens as AR: {ar_ids == ts_ids}"
     )
     if ar_ids != ts_ids:
