@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from tokenswift_trt.bench.steps import StepBenchError, random_engine
 from tokenswift_trt.decode.config import GenerationConfig
 from tokenswift_trt.decode.device_loop import DeviceLoop
-from tokenswift_trt.decode.stages import prefill, sample_next
+from tokenswift_trt.decode.stages import prefill_alone, sample_next
 from tokenswift_trt.decode.state import new_decode_state
 from tokenswift_trt.decode.tree import build_static_tree
 from tokenswift_trt.kernels.config import KernelConfig, parse_kernel_settings
@@ -99,7 +99,7 @@ def measure(engine, context: int, args: argparse.Namespace) -> dict[str, object]
     )
     state = new_decode_state(engine, prompt, config, PositionKeyedRandom(1))
     started = time.perf_counter()
-    hidden = prefill(engine, state, prompt, config.prefill_chunk)
+    hidden = prefill_alone(engine, state, prompt, config.prefill_chunk)
     state.append([sample_next(engine, state, hidden)])
     synchronize(device)
     prefill_s = time.perf_counter() - started

@@ -74,8 +74,11 @@ def _rank_1(parent: psutil.Process) -> psutil.Process:
     """The rank the command started."""
     for _ in range(600):
         for child in parent.children():
-            if "tp_launch" in " ".join(child.cmdline()):
-                return child
+            try:
+                if "tp_launch" in " ".join(child.cmdline()):
+                    return child
+            except psutil.NoSuchProcess:  # a short-lived helper process ended in between
+                continue
         time.sleep(0.1)
     raise AssertionError("rank 1 never started")
 

@@ -405,6 +405,18 @@ def prefill(
     return out.hidden[-1]
 
 
+def prefill_alone(engine: Engine, state: DecodeState, prompt: Sequence[int], chunk: int) -> torch.Tensor:
+    """`prefill` with each chunk's forward run at once (a request alone, no scheduler)."""
+    steps = prefill(engine, state, prompt, chunk)
+    try:
+        call = next(steps)
+        while True:
+            call.run_alone(engine)
+            call = steps.send(None)
+    except StopIteration as done:
+        return done.value
+
+
 def sample_next(
     engine: Engine, state: DecodeState, hidden: torch.Tensor, logits: torch.Tensor | None = None
 ) -> int:
