@@ -148,6 +148,8 @@ def _measured_tree(text: str, layers: int):
 
 
 def _print(report: dict, sequences: int) -> None:
+    from tokenswift_trt.training.evaluate import tokens_key
+
     predicted = report["predicted"]
 
     def rates(values: list[float]) -> str:
@@ -159,7 +161,7 @@ def _print(report: dict, sequences: int) -> None:
     sampled = bool(predicted["sampled_acceptance"])
     by_depth = predicted["sampled_by_depth"] if sampled else predicted["greedy_by_depth"]
     click.echo(f"  chain acceptance by depth (given the depths before): {rates(by_depth)}")
-    per_iteration = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
+    per_iteration = tokens_key(sampled)
     best = sorted(predicted["trees"], key=lambda tree: -tree[per_iteration])[:4]
     click.echo(
         "  tokens per iteration of the tuner's trees (most first): "

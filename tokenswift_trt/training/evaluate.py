@@ -25,14 +25,13 @@ measured one stands beside it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from tokenswift_trt.decode.tree import TreeSpec
+from tokenswift_trt.decode.tree import TreeSpec, build_static_tree
 from tokenswift_trt.decode.tuner_costs import CANDIDATE_TREES, interpolate, time_verify, tree_text
 from tokenswift_trt.model.draft_layers import DraftLayers
 from tokenswift_trt.model.engine import Engine
@@ -126,9 +125,9 @@ def _sampled_ranks(
     return ranks.clamp_max(MAX_RANK)
 
 
-def tree_nodes(widths: Sequence[int]) -> int:
-    """Draft nodes of a static tree of `widths` candidates per depth (the root not counted)."""
-    return sum(math.prod(widths[: depth + 1]) for depth in range(len(widths)))
+def tokens_key(sampled: bool) -> str:
+    """The key of a tree's tokens per iteration (`ChainPrediction.trees`) under that sampling."""
+    return "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
 
 
 def tree_figures(
@@ -142,7 +141,7 @@ def tree_figures(
         if len(widths) > greedy.shape[0]:
             continue
         depth, limit = len(widths), torch.tensor(widths, device=greedy.device)[:, None]
-        nodes = tree_nodes(widths)
+        nodes = build_static_tree(widths).num_nodes - 1  # the root not counted
         joint = torch.cumprod((greedy[:depth] < limit).double(), dim=0)  # [depth, P]
         figures: dict[str, Any] = {
             "tree": tree_text(tree),
@@ -299,7 +298,7 @@ def modeled_speedup(prediction: ChainPrediction, measured: ChainMeasurement, sam
     """The measured tree's speed over AR from the predicted acceptance and the measured step costs:
     tokens per iteration as predicted for that tree (for the chain of every layer, 1 + the layers'
     predicted drafts); seconds per iteration over seconds per AR step as measured."""
-    key = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
+    key = tokens_key(sampled)
     scored = {figures["tree"]: figures[key] for figures in prediction.trees}
     drafts = prediction.sampled_drafts_per_iteration if sampled else prediction.greedy_drafts_per_iteration
     chain = ",".join(["1"] * len(prediction.greedy_acceptance))  # the exact coupled figure, not the draws'
@@ -356,9 +355,9 @@ def modeled_trees(
     ar_step = sum(m.seconds_per_ar_step for m in measured) / len(measured)
     rest = {}  # nodes -> seconds of an iteration outside its verify forward
     for m in measured:
-        nodes = tree_nodes(TreeSpec.parse(m.tree).branching)
+        nodes = build_static_tree(m.tree).num_nodes - 1
         rest[nodes] = m.seconds_per_iteration - costs[nodes + 1]
-    key = "sampled_tokens_per_iteration" if sampled else "greedy_tokens_per_iteration"
+    key = tokens_key(sampled)
     found = []
     for figures in prediction.trees:
         nodes = figures["nodes"]
@@ -393,7 +392,7 @@ def evaluation_report(
         "sampling": asdict(sampling),
         "predicted": asdict(prediction),
     }
-    key = "greedy_tokens_per_iteration" if sampling.greedy else "sampled_tokens_per_iteration"
+    key = tokens_key(not sampling.greedy)
     if measured:
         figures = asdict(measured[0])
         figures.pop("texts")
