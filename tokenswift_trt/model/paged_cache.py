@@ -77,9 +77,9 @@ class PagedSequence:
 
     def __init__(self, pool: PagePool) -> None:
         self.pool = pool
-        self.pages: list[
-            int
-        ] = []  # the block table: page i holds positions [i * page_size, (i + 1) * page_size)
+        # the block table: page i holds positions [i * page_size, (i + 1) * page_size); on the device too
+        self.pages: list[int] = []
+        self._table = torch.empty(0, dtype=torch.long, device=pool.keys.device)
         self.length = 0  # committed positions
         self.pending = 0  # positions written by the last forward after `length`
 
@@ -94,14 +94,14 @@ class PagedSequence:
         needed = (self.length + count + size - 1) // size - len(self.pages)
         if needed > 0:
             self.pages += self.pool.take(needed)
+            self._table = torch.tensor(self.pages, dtype=torch.long, device=self.pool.keys.device)
         self.pending = count
         return self.length
 
     def _slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] -> (pages [N], slots [N]) on the pool's device."""
-        table = torch.tensor(self.pages, dtype=torch.long, device=self.pool.keys.device)
         positions = positions.to(self.pool.keys.device)
-        return table[positions // self.pool.page_size], positions % self.pool.page_size
+        return self._table[positions // self.pool.page_size], positions % self.pool.page_size
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New K/V [kv_heads, T, head_dim] into this layer's pending positions (`reserve` first)."""
@@ -143,6 +143,7 @@ class PagedSequence:
         """Give every page back to the pool (the request ended, however it ended)."""
         self.pool.give_back(self.pages)
         self.pages, self.length, self.pending = [], 0, 0
+        self._table = self._table[:0]
 
     def table(self, width: int) -> torch.Tensor:
         """The block table padded to `width` pages [width] int32 (a batch's table row)."""
