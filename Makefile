@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 CLI := $(VENV)/bin/tokenswift-trt
 STAMP := $(VENV)/.installed
 RANDOM_MODEL := demo/random-tiny
+# test processes (pytest-xdist; each file stays on one, so a module's server starts once); 0 = one process
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 # presets carry the paper's sampling settings (min-p 0.1, θ 1.2) with W scaled to the model; the
 # tree is the default (--tree auto, tuned to this machine); the prompt is held out of training
 DEMO_ARGS := --prompt-file models/swift-tiny/prompt.txt --ignore-eos --seed 1
@@ -25,11 +28,11 @@ install: $(STAMP)
 # the fast tier (what CI always runs): every correctness property, a few minutes on 2 cores
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # long end-to-end variants: 512-token comparisons, bench CLI runs, the serving fault matrix
 test-slow: install
-	$(PY) -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 test-all: test test-slow
 

@@ -203,7 +203,7 @@ def test_a_model_attending_position_aligned_takes_the_kernel_and_keeps_ar_tokens
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
     assert calls == [5, 5]  # the verify, both layers; the long prefill chunk stayed on SDPA
     config = GenerationConfig(
-        max_new_tokens=16, tree="1,3,3", seed=5, ignore_eos=True, static_steps=static_steps
+        max_new_tokens=8, tree="1,3,3", seed=5, ignore_eos=True, static_steps=static_steps
     )
     paper = SamplingConfig(min_p=0.1, penalty=1.2, penalty_window=16)
     for sampling in (SamplingConfig(temperature=0), paper):

@@ -19,25 +19,27 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_the_lm_head_is_timed_replicated_or_split_over_the_vocabulary(tmp_path):
-    for head in ("replicated", "vocab"):
-        out = tmp_path / head
-        result = _tool(*ARGS, "--step-repeats", "1", "--tp-head", head, "--out", str(out))
-        assert result.returncode == 0, result.stderr
-        report = json.loads((out / "tp_steps.json").read_text())
-        meta = report["meta"]
-        assert meta["tp"] == 2 and meta["backend"] == "gloo" and meta["tp_head"] == head
-        command = f"python -m tools.tp_steps --model swift-tiny --tp 2 --tp-head {head}"
-        assert meta["command"].startswith(command)
-        assert meta["screened_head"] is False or head == "replicated"  # never a split one
-        assert [(row["context"], row["tokens"]) for row in report["rows"]] == [(64, 1), (64, 4)]
-        for row in report["rows"]:
-            assert row["all_reduces"] == 12  # 2 per layer of swift-tiny's 6
-            assert row["step_ms"] > 0 and row["all_reduce_ms"] > 0 and row["head_ms"] > 0
-        rows = list(csv.DictReader(open(out / "tp_steps.csv")))
-        assert [int(row["tokens"]) for row in rows] == [1, 4]
-        lines = result.stdout.strip().splitlines()
-        assert len(lines) == 2 and all(f"LM head ({head})" in line for line in lines)  # rank 0's rows only
+def test_the_lm_head_split_over_the_vocabulary_is_timed_on_rank_0(tmp_path):
+    # the replicated head is the same tool path with the other --tp-head (tests/model/test_tensor_parallel.py
+    # decodes with both)
+    head = "vocab"
+    out = tmp_path / head
+    result = _tool(*ARGS, "--step-repeats", "1", "--tp-head", head, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "tp_steps.json").read_text())
+    meta = report["meta"]
+    assert meta["tp"] == 2 and meta["backend"] == "gloo" and meta["tp_head"] == head
+    command = f"python -m tools.tp_steps --model swift-tiny --tp 2 --tp-head {head}"
+    assert meta["command"].startswith(command)
+    assert meta["screened_head"] is False  # never a split one
+    assert [(row["context"], row["tokens"]) for row in report["rows"]] == [(64, 1), (64, 4)]
+    for row in report["rows"]:
+        assert row["all_reduces"] == 12  # 2 per layer of swift-tiny's 6
+        assert row["step_ms"] > 0 and row["all_reduce_ms"] > 0 and row["head_ms"] > 0
+    rows = list(csv.DictReader(open(out / "tp_steps.csv")))
+    assert [int(row["tokens"]) for row in rows] == [1, 4]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(f"LM head ({head})" in line for line in lines)  # rank 0's rows only
 
 
 def test_a_size_the_model_does_not_split_into_is_refused_before_any_rank_starts(tmp_path):
