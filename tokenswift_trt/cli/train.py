@@ -113,6 +113,12 @@ from .common import DTYPES, CliError, dataset_option, fail, field_option, given_
     help="compute the base model's states of this many training sequences once (float16, in memory: "
     "N x seq-len x hidden x 2 bytes) and draw every batch from them; 0: a base forward per sequence",
 )
+@click.option(
+    "--split-base",
+    is_flag=True,
+    help="under torchrun: split the frozen base over the ranks (tensor parallel, each rank a slice of "
+    "every layer) for a model one device cannot hold; the draft layers still train data-parallel",
+)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 @click.option("--force", is_flag=True, help="start over even if OUT holds a checkpoint")
 @click.option(
@@ -149,6 +155,7 @@ def train_heads(
     path_only,
     draft_vocab,
     state_cache,
+    split_base,
     resume,
     force,
     combined,
@@ -158,7 +165,8 @@ def train_heads(
     """Train the 3 chained draft layers of a model with its base frozen. Under torchrun
     (`torchrun --nproc-per-node N -m tokenswift_trt train-heads ...`: gloo on CPUs, one GPU per rank
     with --device cuda) the ranks train data-parallel on the same global batch (--batch x --grad-accum
-    sequences per step) and rank 0 writes the files."""
+    sequences per step) and rank 0 writes the files; with --split-base they also hold the base
+    between them."""
     from tokenswift_trt.training.ranks import join_ranks, leave_ranks
     from tokenswift_trt.training.run import TrainHeadsJob, start_training
     from tokenswift_trt.training.train_heads import TrainHeadsConfig, TrainingError
@@ -196,6 +204,7 @@ def train_heads(
         resume=resume,
         force=force,
         combined=combined,
+        split_base=split_base,
         dtype=dtype,
         device=device,
         field=field,
@@ -210,6 +219,7 @@ def train_heads(
             for message in training.fallbacks:  # running without the CUDA kernel is always said
                 click.echo(f"warning: {message}", err=True)
             over = f" over {ranks.size} ranks" if ranks.size > 1 else ""
+            over += " (the base split between them)" if split_base and ranks.size > 1 else ""
             click.echo(
                 f"training {training.draft_layer_count} draft layers on {training.train_ids.numel():,} "
                 f"tokens{over}, from step {training.trainer.step}",

@@ -23,7 +23,14 @@ import torch
 
 from tokenswift_trt.api import ApiError, load
 from tokenswift_trt.environment import machine_meta
+from tokenswift_trt.model.config import ConfigError, load_config
 from tokenswift_trt.model.engine import Engine
+from tokenswift_trt.model.tensor_parallel import (
+    TensorParallel,
+    TensorParallelError,
+    check_size,
+    parameter_bytes,
+)
 from tokenswift_trt.training.data import read_records, token_splits
 from tokenswift_trt.training.errors import TrainingError
 from tokenswift_trt.training.ranks import Ranks
@@ -58,6 +65,9 @@ class TrainHeadsJob:
     resume: bool = False  # continue from OUT/checkpoint.pt
     force: bool = False  # start over although OUT holds a checkpoint
     combined: Path | None = None  # also write base + heads in the released TokenSwift format here
+    # the frozen base split over the torchrun ranks (tensor parallel: each holds a slice of every
+    # layer, for a model one device cannot hold); the draft layers still train data-parallel
+    split_base: bool = False
     dtype: str = "float32"
     device: str = "cpu"
     field: str = "text"  # the text's column in .jsonl/.parquet/.csv data
@@ -115,7 +125,10 @@ class Training:
     ) -> None:
         """Train to `config.steps`, checkpointing on the way; `on_step(step, loss)` per optimiser step,
         `on_evaluation(figures)` per held-out evaluation (`eval_every`, rank 0)."""
-        self.trainer.run(on_step, self.evaluate if self.ranks.main else None, on_evaluation)
+        # a split base's forwards take every rank: they all evaluate, rank 0 reports
+        scores = self.ranks.main or self.job.split_base
+        main = self.ranks.main
+        self.trainer.run(on_step, self.evaluate if scores else None, on_evaluation if main else None)
 
     def evaluate(self, sequences: int | None = None) -> DraftAccuracy:
         """The layers scored on the first `sequences` held-out sequences (`progress_sequences`)."""
@@ -128,12 +141,15 @@ class Training:
         """Write the heads file, score the layers on the held-out text, write the report, its plot (and
         the combined checkpoint where asked). Rank 0 only: the others return None."""
         job, config, trainer = self.job, self.job.config, self.trainer
+        trainer.draft_layers.eval()
+        if job.split_base:  # every rank takes part in the split base's forwards
+            accuracy = self.evaluate(config.eval_sequences)
         if not self.ranks.main:
             return None
         heads_path = job.out / HEADS_FILE
         save_heads(trainer.draft_layers, heads_path)
-        trainer.draft_layers.eval()
-        accuracy = self.evaluate(config.eval_sequences)
+        if not job.split_base:
+            accuracy = self.evaluate(config.eval_sequences)
         report = {
             "meta": {**machine_meta(), "command": job.command},
             "steps": trainer.step,
@@ -145,6 +161,8 @@ class Training:
             "train_tokens": self.train_ids.numel(),
             "eval_tokens": self.eval_ids.numel(),
             "ranks": self.ranks.size,
+            "split_base": job.split_base,
+            "base_bytes_per_rank": parameter_bytes(self.engine.model),  # rank 0's share with a split base
             "global_batch": config.batch * config.grad_accum,  # sequences per optimiser step
             "config": dict(vars(config)),
             "history": trainer.history,
@@ -172,9 +190,22 @@ def start_training(job: TrainHeadsJob, ranks: Ranks = Ranks()) -> Training:
             f"{job.out} holds a checkpoint: pass --resume to continue it or --force to start over"
         )
     kernels = None if job.threads is None else {"threads": str(job.threads)}
+    tp = None
+    if job.split_base:
+        if ranks.size == 1:
+            raise TrainingError(
+                "--split-base splits the base over torchrun's ranks: launch with "
+                "`torchrun --nproc-per-node N -m tokenswift_trt train-heads ... --split-base`"
+            )
+        # every rank keeps the whole LM head: the layers' loss reads all of its rows
+        tp = TensorParallel(ranks.rank, ranks.size, head="replicated")
+        try:
+            check_size(load_config(job.model_dir), ranks.size)
+        except (ConfigError, TensorParallelError) as error:
+            raise TrainingError(str(error).splitlines()[0]) from None
     try:
         model = load(
-            model_dir=job.model_dir, dtype=job.dtype, device=ranks.device(job.device), kernels=kernels
+            model_dir=job.model_dir, dtype=job.dtype, device=ranks.device(job.device), kernels=kernels, tp=tp
         )
     except ApiError as error:
         raise TrainingError(str(error)) from None
@@ -183,7 +214,7 @@ def start_training(job: TrainHeadsJob, ranks: Ranks = Ranks()) -> Training:
     train_ids, eval_ids = token_splits(records, eval_records, model.codec.encode, eos)
     if ranks.main:
         job.out.mkdir(parents=True, exist_ok=True)
-    trainer = HeadsTrainer(engine, train_ids, job.config, job.out, job.init_heads, ranks)
+    trainer = HeadsTrainer(engine, train_ids, job.config, job.out, job.init_heads, ranks, job.split_base)
     if job.resume:
         trainer.load_checkpoint()
     return Training(job, engine, trainer, train_ids, eval_ids, model.fallbacks, ranks)

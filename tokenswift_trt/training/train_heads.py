@@ -569,10 +569,12 @@ class CachedStates:
         config: TrainHeadsConfig,
         on_sequence: Callable[[int], None] | None = None,
         ranks: Ranks = Ranks(),
+        split_base: bool = False,
     ) -> CachedStates:
         """`config.state_cache` sequences at random starts (their own generator, seeded from
         `config.seed`: a resumed run rebuilds the same cache). Over several ranks each computes every
-        size-th sequence's states and sends them to the others."""
+        size-th sequence's states and sends them to the others; with the base split over the ranks
+        they compute every sequence together (each ends with the whole states)."""
         order = torch.Generator().manual_seed(config.seed + 1)
         high = train_ids.numel() - config.seq_len
         starts = torch.randint(0, high, (config.state_cache,), generator=order).tolist()
@@ -584,12 +586,13 @@ class CachedStates:
         )
         with torch.no_grad():
             for i, sequence in enumerate(ids):
-                if i % ranks.size == ranks.rank:
+                if split_base or i % ranks.size == ranks.rank:
                     states[i] = base_hidden(engine, sequence).to(torch.float16)
                 if on_sequence:
                     on_sequence(i + 1)
-        for i in range(len(starts)):
-            ranks.broadcast(states[i], i % ranks.size)
+        if not split_base:
+            for i in range(len(starts)):
+                ranks.broadcast(states[i], i % ranks.size)
         return cls(ids, states)
 
 
@@ -604,7 +607,10 @@ class HeadsTrainer:
         out_dir: Path,
         init_heads: Path | None = None,
         ranks: Ranks = Ranks(),
+        split_base: bool = False,
     ) -> None:
+        """`split_base`: `engine` is this rank's slice of a base split over `ranks` (tensor
+        parallel), so every base forward is made by all ranks together, on the same sequence."""
         config.validate()
         if train_ids.numel() <= config.seq_len:
             raise TrainingError(
@@ -612,7 +618,7 @@ class HeadsTrainer:
                 "or lower --seq-len"
             )
         self.engine, self.train_ids, self.config, self.out_dir = engine, train_ids, config, out_dir
-        self.ranks = ranks
+        self.ranks, self.split_base = ranks, split_base
         engine.model.requires_grad_(False)
         self.head_weight = head_weight(engine)
         torch.manual_seed(config.seed)
@@ -659,7 +665,7 @@ class HeadsTrainer:
         """Build the base-state cache (`state_cache` > 0) now rather than at the first step."""
         if self.config.state_cache and self.cached is None:
             self.cached = CachedStates.build(
-                self.engine, self.train_ids, self.config, on_sequence, self.ranks
+                self.engine, self.train_ids, self.config, on_sequence, self.ranks, self.split_base
             )
 
     def _step_sequences(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -676,7 +682,13 @@ class HeadsTrainer:
                 continue
             high = self.train_ids.numel() - self.config.seq_len
             starts = torch.randint(0, high, (self.config.batch,), generator=self.data_order)
-            sequences.extend((self.train_ids[s : s + self.config.seq_len], None) for s in starts.tolist())
+            for start in starts.tolist():
+                ids = self.train_ids[start : start + self.config.seq_len]
+                if self.split_base:  # all ranks make every sequence's base forward together
+                    with torch.no_grad():
+                        sequences.append((ids, base_hidden(self.engine, ids)))
+                else:  # this rank's share computes its own, in the loss
+                    sequences.append((ids, None))
         return sequences
 
     def _loss(self, ids: torch.Tensor, states: torch.Tensor | None) -> torch.Tensor:
