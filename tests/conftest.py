@@ -11,6 +11,25 @@ from tokenswift_trt.model.engine import UntrainedDraftLayersWarning, load_engine
 
 from helpers import llama_config, qwen2_config, save_hf_model
 
+# The longest files run first: the tiers run on two processes (make test), and a long file collected
+# last would run alone at the end while the other process idles.
+LONGEST_FIRST = (
+    "tests/tools/test_gpu_check_dry_run.py",
+    "tests/cli/test_tp_generate.py",
+    "tests/bench/test_batching_bench.py",
+    "tests/kernels/test_triton_aligned.py",
+    "tests/serving/test_supervision.py",
+    "tests/serving/test_admission.py",
+    "tests/bench/test_steps.py",
+    "tests/plugins_cuda/test_plugin_build.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Put the `LONGEST_FIRST` files' tests first, the others after them in their order."""
+    first = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
+
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):

@@ -28,9 +28,11 @@ from tokenswift_trt.serving.client import grpc_generate  # noqa: E402
 CLI = [sys.executable, "-m", "tokenswift_trt.cli"]
 
 
-def _leftovers() -> set[str]:
-    staging = {str(p) for p in Path(tempfile.gettempdir()).glob("tokenswift-serve-*")}
-    regions = {str(p) for p in SHARED_MEMORY.glob("tokenswift_*")}
+def _leftovers(pid: int) -> set[str]:
+    """The staging folder and shared-memory regions of the serve process `pid` still on disk (named
+    by its pid: other servers, such as another test process's, are not its leftovers)."""
+    staging = {str(p) for p in Path(tempfile.gettempdir()).glob(f"tokenswift-serve-{pid}-*")}
+    regions = {str(p) for p in SHARED_MEMORY.glob(f"tokenswift_{pid}_*")}
     return staging | regions
 
 
@@ -98,7 +100,6 @@ def _wait_for_tokens(journal: Path, count: int) -> None:
 def test_sigterm_with_a_stream_in_flight_stops_quickly_and_leaves_nothing(tmp_path):
     from tokenswift_trt.decode.journal import read_journal
 
-    before = _leftovers()
     serve, grpc, journals = _start_serve(tmp_path)
     processes = [psutil.Process(serve.pid), *psutil.Process(serve.pid).children(recursive=True)]
     try:
@@ -115,7 +116,7 @@ def test_sigterm_with_a_stream_in_flight_stops_quickly_and_leaves_nothing(tmp_pa
     assert not alive, f"left running: {[p.pid for p in alive]}"
     state = read_journal(journals / "long-1.journal")  # intact and resumable
     assert len(state.tokens) >= 32 and not state.finished
-    assert _leftovers() <= before
+    assert not _leftovers(serve.pid)
 
 
 @pytest.mark.slow
@@ -171,7 +172,6 @@ def test_sigterm_cuts_an_openai_stream_with_finish_reason_abort_and_a_shutdown_e
 
 @pytest.mark.slow
 def test_a_crashed_tritonserver_is_reported_and_cleaned_up(tmp_path):
-    before = _leftovers()
     serve, grpc, journals = _start_serve(tmp_path)
     try:
         tritonserver = next(
@@ -190,7 +190,7 @@ def test_a_crashed_tritonserver_is_reported_and_cleaned_up(tmp_path):
     assert code == 2 and "tritonserver exited unexpectedly" in stderr and "Traceback" not in stderr
     _, alive = psutil.wait_procs(group, timeout=5)
     assert not alive, f"the stub outlived its server: {[p.pid for p in alive]}"
-    assert _leftovers() <= before
+    assert not _leftovers(serve.pid)
 
 
 @pytest.mark.slow
