@@ -362,6 +362,8 @@ def modeled_trees(
     for figures in prediction.trees:
         nodes = figures["nodes"]
         outside = interpolate(rest, nodes) if len(rest) > 1 else next(iter(rest.values()))
+        # never below zero: under load a run's iteration can time shorter than its verify timed apart
+        outside = max(0.0, outside)
         cost = (outside + costs[nodes + 1]) / ar_step if ar_step else 0.0
         tokens = figures[key]
         found.append(
