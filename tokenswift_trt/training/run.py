@@ -139,17 +139,16 @@ class Training:
 
     def finish(self) -> TrainHeadsOutcome | None:
         """Write the heads file, score the layers on the held-out text, write the report, its plot (and
-        the combined checkpoint where asked). Rank 0 only: the others return None."""
+        the combined checkpoint where asked). Rank 0 only (with a split base every rank evaluates, its
+        forwards take them all): the others return None."""
         job, config, trainer = self.job, self.job.config, self.trainer
         trainer.draft_layers.eval()
-        if job.split_base:  # every rank takes part in the split base's forwards
+        if self.ranks.main or job.split_base:
             accuracy = self.evaluate(config.eval_sequences)
         if not self.ranks.main:
             return None
         heads_path = job.out / HEADS_FILE
         save_heads(trainer.draft_layers, heads_path)
-        if not job.split_base:
-            accuracy = self.evaluate(config.eval_sequences)
         report = {
             "meta": {**machine_meta(), "command": job.command},
             "steps": trainer.step,
